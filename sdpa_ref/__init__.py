@@ -1,0 +1,83 @@
+r"""sdpa_ref: a pure-NumPy reference for softmax and scaled dot-product attention.
+
+Every backward is derived by hand (see each docstring's Notes) and proven
+against finite differences. What is computed is specified in SEMANTICS.md
+and summarised in the README.
+
+Shape legend, used in every docstring
+-------------------------------------
+``...``
+    Leading batch dims; they broadcast as in ``np.matmul``.
+``Hq``, ``Hkv``
+    Query heads and key/value heads (``Hq == Hkv`` unless grouped-query
+    attention is enabled, then ``Hq % Hkv == 0``).
+``L``
+    Query positions (target length).
+``S``
+    Key/value positions (source length).
+``E``
+    Width of queries and keys.
+``Ev``
+    Width of values (and of the output); may differ from ``E``.
+
+So ``query`` is ``(..., Hq, L, E)``, ``key`` is ``(..., Hkv, S, E)``,
+``value`` is ``(..., Hkv, S, Ev)`` and the output is ``(..., Hq, L, Ev)``.
+"""
+
+from .attention import (
+    FULLY_MASKED_POLICIES,
+    AttentionGrads,
+    AttentionResiduals,
+    scaled_dot_product_attention,
+    sdpa_backward,
+    sdpa_forward,
+)
+from .gradcheck import (
+    GradcheckReport,
+    assert_jvp,
+    assert_vjp,
+    check_jvp,
+    check_vjp,
+    numerical_jacobian,
+)
+from .masks import causal_mask, window_mask
+from .softmax import (
+    log_softmax,
+    log_softmax_vjp,
+    logsumexp,
+    softmax,
+    softmax_jacobian,
+    softmax_jvp,
+    softmax_vjp,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    # softmax family
+    "softmax",
+    "log_softmax",
+    "logsumexp",
+    "softmax_vjp",
+    "log_softmax_vjp",
+    "softmax_jvp",
+    "softmax_jacobian",
+    # attention
+    "scaled_dot_product_attention",
+    "sdpa_forward",
+    "sdpa_backward",
+    "AttentionGrads",
+    "AttentionResiduals",
+    "FULLY_MASKED_POLICIES",
+    # masks
+    "causal_mask",
+    "window_mask",
+    # gradient checking
+    "check_vjp",
+    "assert_vjp",
+    "check_jvp",
+    "assert_jvp",
+    "numerical_jacobian",
+    "GradcheckReport",
+]

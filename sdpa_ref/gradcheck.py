@@ -1,0 +1,500 @@
+r"""Framework-neutral gradient checking by finite differences.
+
+Everything here takes plain callables on NumPy arrays, so it can check
+anyone's gradients, not only this package's:
+
+* ``fun(*args) -> array``
+* ``vjp(g, *args) -> (grad_0, grad_1, ...)``, one gradient per arg
+* ``jvp(tangents, *args) -> output tangent``, ``tangents`` a tuple with one
+  entry per arg
+
+All arithmetic is in float64 on private copies of ``args``: the caller's
+arrays are never perturbed.
+
+Comparison rule
+---------------
+An analytic value ``a`` and a numeric value ``n`` agree when
+
+    |a - n| <= atol    or    |a - n| / max(tiny, |a| + |n|) <= rtol.
+
+The relative error is the *symmetric* one, so it is bounded by 1 and
+treats ``a`` and ``n`` alike; the absolute floor lets exact zeros pass
+against a difference quotient of ``1e-12``. The reported
+``max_rel_error`` is taken over the entries past the floor and over those
+with ``|a| + |n| >= atol / rtol``, where the relative error is meaningful. Two NaNs agree (a documented NaN
+gradient checked against a NaN difference); one NaN does not. Inputs that are
+not finite (a ``-inf`` mask entry, say) cannot be perturbed and are left out
+of the comparison.
+
+Step size
+---------
+Central differences ``(f(x + h) - f(x - h)) / 2h`` have truncation error
+:math:`O(h^2)` and rounding error :math:`O(\epsilon / h)`; the two balance at
+:math:`h \approx \epsilon^{1/3} \approx 6\times10^{-6}`, which is scaled to
+each entry as ``h_i = eps * max(1, |x_i|)``. The realised step
+``(x + h) - (x - h)`` is used as the denominator, so representation error in
+``x + h`` does not bias the quotient. Expect agreement to about ``1e-9``
+relative on well-conditioned functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ._validate import check_choice
+
+__all__ = [
+    "DEFAULT_RTOL",
+    "DEFAULT_ATOL",
+    "GradcheckReport",
+    "WorstEntry",
+    "numerical_jacobian",
+    "check_vjp",
+    "assert_vjp",
+    "check_jvp",
+    "assert_jvp",
+]
+
+#: Default relative tolerance (symmetric relative error).
+DEFAULT_RTOL = 1e-6
+#: Default absolute floor.
+DEFAULT_ATOL = 1e-9
+_MODES = ("full", "projection")
+_TINY = np.finfo(np.float64).tiny
+
+
+@dataclass(frozen=True)
+class WorstEntry:
+    """The entry that disagrees most: which arg, where, and both values."""
+
+    arg: int
+    index: Tuple[int, ...]
+    output_index: Optional[Tuple[int, ...]]
+    analytic: float
+    numeric: float
+    abs_error: float
+    rel_error: float
+
+
+@dataclass
+class GradcheckReport:
+    """The outcome of :func:`check_vjp` or :func:`check_jvp`.
+
+    ``str(report)`` is a readable table.
+    """
+
+    ok: bool
+    kind: str
+    mode: str
+    max_abs_error: float
+    max_rel_error: float
+    rtol: float
+    atol: float
+    worst: Optional[WorstEntry]
+    per_arg: List[dict] = field(default_factory=list)
+    n_evals: int = 0
+    notes: List[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        status = "ok" if self.ok else "FAILED"
+        lines = [
+            f"{self.kind} ({self.mode}): {status}   rtol={self.rtol:.1e} atol={self.atol:.1e}   "
+            f"max_abs={self.max_abs_error:.3e} max_rel={self.max_rel_error:.3e}   evals={self.n_evals}"
+        ]
+        if self.per_arg:
+            lines.append(f"  {'arg':>3}  {'shape':<18} {'max_abs':>10} {'max_rel':>10} {'failed':>12}")
+            for row in self.per_arg:
+                lines.append(
+                    f"  {row['arg']:>3}  {str(row['shape']):<18} {row['max_abs']:>10.3e} "
+                    f"{row['max_rel']:>10.3e} {row['failed']:>5}/{row['total']:<6}"
+                )
+        if self.worst is not None:
+            w = self.worst
+            where = f"arg {w.arg} index {w.index}"
+            if w.output_index is not None:
+                where += f" output {w.output_index}"
+            lines.append(
+                f"  worst: {where}: analytic {w.analytic!r} numeric {w.numeric!r} "
+                f"(abs {w.abs_error:.3e}, rel {w.rel_error:.3e})"
+            )
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def numerical_jacobian(fun: Callable, args: Sequence, eps: Optional[float] = None) -> List[np.ndarray]:
+    r"""Central-difference Jacobians of ``fun`` with respect to each arg.
+
+    Parameters
+    ----------
+    fun : callable
+        ``fun(*args)`` returns one array.
+    args : sequence of array_like
+        Points of evaluation; copied to float64, never modified.
+    eps : float, optional
+        Relative step; ``h_i = eps * max(1, |x_i|)``. Default
+        :math:`\epsilon_{64}^{1/3}`.
+
+    Returns
+    -------
+    list of ndarray
+        ``J[k]`` has shape ``out.shape + args[k].shape`` with
+        ``J[k][o, i] = d out[o] / d args[k][i]``. Columns of non-finite
+        inputs are NaN.
+    """
+    xs = _copy_args(args)
+    out = _call(fun, xs)
+    blocks = _numeric_blocks(fun, xs, out, _default_eps(eps))
+    return [J.reshape(out.shape + x.shape) for J, x in zip(blocks, xs)]
+
+
+def check_vjp(
+    fun: Callable,
+    vjp: Callable,
+    args: Sequence,
+    *,
+    mode: str = "full",
+    eps: Optional[float] = None,
+    rtol: float = DEFAULT_RTOL,
+    atol: float = DEFAULT_ATOL,
+    seed: int = 0,
+    n_projections: int = 3,
+) -> GradcheckReport:
+    r"""Check a vector-Jacobian product against finite differences.
+
+    Parameters
+    ----------
+    fun : callable
+        ``fun(*args) -> array``.
+    vjp : callable
+        ``vjp(g, *args) -> sequence of arrays``, one gradient per arg, each of
+        its arg's shape (a bare array is accepted when there is one arg).
+    args : sequence of array_like
+        Where to check. Copied to float64; never modified.
+    mode : {"full", "projection"}
+        ``"full"`` builds the whole analytic Jacobian (one VJP per output
+        entry, with one-hot cotangents) and the whole numeric one (two
+        evaluations per input entry) and compares them entry by entry.
+        ``"projection"`` compares :math:`\langle J^T g, u\rangle` with
+        :math:`\langle g, J u\rangle` for random ``g`` and ``u``: one VJP and
+        two evaluations per projection. When it fails, the full check is run
+        to say where.
+    eps : float, optional
+        Relative finite-difference step (see the module docstring).
+    rtol, atol : float
+        Tolerances of the comparison rule.
+    seed : int
+        Seed of the random projections.
+    n_projections : int
+        Number of random projections in ``"projection"`` mode.
+
+    Returns
+    -------
+    GradcheckReport
+    """
+    check_choice(mode, "mode", _MODES)
+    xs = _copy_args(args)
+    out = _call(fun, xs)
+    step = _default_eps(eps)
+    if mode == "projection":
+        rep = _vjp_projection(fun, vjp, xs, out, step, rtol, atol, seed, n_projections)
+        if rep.ok:
+            return rep
+        full = _vjp_full(fun, vjp, xs, out, step, rtol, atol)
+        full.mode = "projection, then full"
+        full.notes = rep.notes + [f"projection check failed (max_rel={rep.max_rel_error:.3e}); full check follows"]
+        return full
+    return _vjp_full(fun, vjp, xs, out, step, rtol, atol)
+
+
+def assert_vjp(fun, vjp, args, **kwargs) -> GradcheckReport:
+    """:func:`check_vjp`, raising `AssertionError` with the report's table on failure."""
+    rep = check_vjp(fun, vjp, args, **kwargs)
+    if not rep.ok:
+        raise AssertionError("\n" + str(rep))
+    return rep
+
+
+def check_jvp(
+    fun: Callable,
+    jvp: Callable,
+    args: Sequence,
+    *,
+    mode: str = "full",
+    eps: Optional[float] = None,
+    rtol: float = DEFAULT_RTOL,
+    atol: float = DEFAULT_ATOL,
+    seed: int = 0,
+    n_projections: int = 3,
+) -> GradcheckReport:
+    r"""Check a Jacobian-vector product (forward mode) against finite differences.
+
+    Parameters
+    ----------
+    fun : callable
+        ``fun(*args) -> array``.
+    jvp : callable
+        ``jvp(tangents, *args) -> array`` of the output's shape, where
+        ``tangents`` is a tuple with one array per arg.
+    args, mode, eps, rtol, atol, seed, n_projections
+        As in :func:`check_vjp`. ``"full"`` pushes one one-hot tangent per
+        input entry; ``"projection"`` compares the whole output tangent
+        :math:`J u` for random ``u`` with its central difference, entry by
+        entry.
+
+    Returns
+    -------
+    GradcheckReport
+    """
+    check_choice(mode, "mode", _MODES)
+    xs = _copy_args(args)
+    out = _call(fun, xs)
+    step = _default_eps(eps)
+    if mode == "projection":
+        rep = _jvp_projection(fun, jvp, xs, out, step, rtol, atol, seed, n_projections)
+        if rep.ok:
+            return rep
+        full = _jvp_full(fun, jvp, xs, out, step, rtol, atol)
+        full.mode = "projection, then full"
+        full.notes = rep.notes + [f"projection check failed (max_rel={rep.max_rel_error:.3e}); full check follows"]
+        return full
+    return _jvp_full(fun, jvp, xs, out, step, rtol, atol)
+
+
+def assert_jvp(fun, jvp, args, **kwargs) -> GradcheckReport:
+    """:func:`check_jvp`, raising `AssertionError` with the report's table on failure."""
+    rep = check_jvp(fun, jvp, args, **kwargs)
+    if not rep.ok:
+        raise AssertionError("\n" + str(rep))
+    return rep
+
+
+# ------------------------------------------------------------ internals
+
+
+def _copy_args(args):
+    if isinstance(args, np.ndarray) or not isinstance(args, (list, tuple)):
+        raise TypeError(f"`args` should be a tuple or list of arrays, but got {type(args).__name__}")
+    xs = []
+    for i, a in enumerate(args):
+        arr = np.asarray(a)
+        if arr.dtype.kind not in "fiu":
+            raise TypeError(f"`args[{i}]` should be a real numeric array, but got dtype {arr.dtype}")
+        xs.append(np.array(arr, dtype=np.float64, copy=True))
+    return xs
+
+
+def _call(fun, xs):
+    # Hand the function fresh copies so that even a mutating `fun` cannot
+    # disturb the evaluation points.
+    out = fun(*[x.copy() for x in xs])
+    return np.asarray(out, dtype=np.float64)
+
+
+def _default_eps(eps):
+    if eps is None:
+        return float(np.finfo(np.float64).eps ** (1.0 / 3.0))
+    eps = float(eps)
+    if not np.isfinite(eps) or eps <= 0:
+        raise ValueError(f"`eps` should be a positive finite float, but got {eps!r}")
+    return eps
+
+
+def _partial(fun, xs, a, i, step, out_shape):
+    """Central difference of ``fun`` in entry ``i`` of arg ``a``."""
+    x = xs[a].reshape(-1)
+    x0 = x[i]
+    if not np.isfinite(x0):
+        return np.full(out_shape, np.nan)
+    h = step * max(1.0, abs(x0))
+    xp, xm = x0 + h, x0 - h
+    pert = [y.copy() for y in xs]
+    flat = pert[a].reshape(-1)
+    flat[i] = xp
+    fp = _call(fun, pert)
+    flat[i] = xm
+    fm = _call(fun, pert)
+    return (fp - fm) / (xp - xm)
+
+
+def _as_grads(res, xs, who):
+    if len(xs) == 1 and isinstance(res, np.ndarray):
+        res = (res,)
+    res = list(res)
+    if len(res) != len(xs):
+        raise ValueError(f"`{who}` should return {len(xs)} gradients (one per arg), but got {len(res)}")
+    grads = []
+    for k, (r, x) in enumerate(zip(res, xs)):
+        r = np.asarray(r, dtype=np.float64)
+        if r.shape != x.shape:
+            raise ValueError(f"`{who}` gradient {k} should have shape {x.shape}, but got shape {r.shape}")
+        grads.append(r)
+    return grads
+
+
+def _errors(a, n):
+    """Absolute and symmetric relative errors; NaN pairs agree, one NaN disagrees."""
+    with np.errstate(invalid="ignore"):
+        both_nan = np.isnan(a) & np.isnan(n)
+        abs_err = np.abs(a - n)
+        rel = abs_err / np.maximum(_TINY, np.abs(a) + np.abs(n))
+    one_bad = ~np.isfinite(abs_err) & ~both_nan
+    inf_equal = np.isinf(a) & (a == n)
+    abs_err = np.where(both_nan | inf_equal, 0.0, np.where(one_bad, np.inf, abs_err))
+    rel = np.where(both_nan | inf_equal, 0.0, np.where(one_bad, 1.0, rel))
+    return abs_err, rel
+
+
+def _compare(kind, mode, ana, num, rtol, atol, arg_index_shapes, out_shape, n_evals, notes=None):
+    """Compare lists of (analytic, numeric, valid-mask) blocks and build a report.
+
+    Each block is ``(o, i)`` shaped: o over output entries, i over the arg's
+    entries. ``valid`` excludes columns of non-finite inputs.
+    """
+    per_arg = []
+    max_abs = max_rel = 0.0
+    worst = None
+    worst_key = (-1.0, -1.0)
+    ok = True
+    for k, (a, n, valid) in enumerate(zip(ana, num, arg_index_shapes["valid"])):
+        abs_err, rel = _errors(a, n)
+        abs_err = np.where(valid, abs_err, 0.0)
+        rel = np.where(valid, rel, 0.0)
+        over = abs_err > atol
+        # The relative error is reported where it means something: on entries
+        # past the absolute floor, and on entries large enough (|a|+|n| >=
+        # atol/rtol) that the floor does not decide them.
+        with np.errstate(invalid="ignore"):
+            big = (np.abs(a) + np.abs(n)) >= (atol / rtol if rtol > 0 else np.inf)
+        rel_over = np.where(over | (big & valid), rel, 0.0)
+        failed = over & (rel > rtol)
+        ok &= not failed.any()
+        arg_abs = float(abs_err.max(initial=0.0))
+        arg_rel = float(rel_over.max(initial=0.0))
+        per_arg.append({
+            "arg": k, "shape": arg_index_shapes["shapes"][k], "max_abs": arg_abs, "max_rel": arg_rel,
+            "failed": int(failed.sum()), "total": int(valid.sum() if valid.ndim else a.size),
+        })
+        max_abs, max_rel = max(max_abs, arg_abs), max(max_rel, arg_rel)
+        if a.size:
+            flat = int(np.argmax(rel_over if rel_over.any() else abs_err))
+            key = (float(rel_over.flat[flat]), float(abs_err.flat[flat]))
+            if key > worst_key:
+                worst_key = key
+                o, i = np.unravel_index(flat, a.shape)
+                worst = WorstEntry(
+                    arg=k,
+                    index=tuple(int(t) for t in np.unravel_index(i, arg_index_shapes["shapes"][k])),
+                    output_index=(tuple(int(t) for t in np.unravel_index(o, out_shape)) if out_shape is not None else None),
+                    analytic=float(a.flat[flat]), numeric=float(n.flat[flat]),
+                    abs_error=float(abs_err.flat[flat]), rel_error=float(rel.flat[flat]),
+                )
+    return GradcheckReport(
+        ok=bool(ok), kind=kind, mode=mode, max_abs_error=max_abs, max_rel_error=max_rel,
+        rtol=rtol, atol=atol, worst=worst, per_arg=per_arg, n_evals=n_evals, notes=list(notes or []),
+    )
+
+
+def _valid_columns(xs, m):
+    return [np.broadcast_to(np.isfinite(x).reshape(1, -1), (m, x.size)) for x in xs]
+
+
+def _numeric_blocks(fun, xs, out, step):
+    blocks = []
+    for a, x in enumerate(xs):
+        J = np.empty((out.size, x.size))
+        for i in range(x.size):
+            J[:, i] = _partial(fun, xs, a, i, step, out.shape).ravel()
+        blocks.append(J)
+    return blocks
+
+
+def _vjp_full(fun, vjp, xs, out, step, rtol, atol):
+    m = out.size
+    ana = [np.empty((m, x.size)) for x in xs]
+    for o in range(m):
+        g = np.zeros(out.shape)
+        g.flat[o] = 1.0
+        grads = _as_grads(vjp(g, *[x.copy() for x in xs]), xs, "vjp")
+        for k, gr in enumerate(grads):
+            ana[k][o] = gr.ravel()
+    num = _numeric_blocks(fun, xs, out, step)
+    n_evals = 1 + 2 * sum(x.size for x in xs) + m
+    meta = {"valid": _valid_columns(xs, m), "shapes": [x.shape for x in xs]}
+    return _compare("check_vjp", "full", ana, num, rtol, atol, meta, out.shape, n_evals)
+
+
+def _directions(xs, rng):
+    """Random directions scaled like the steps, zero on non-finite inputs."""
+    us = []
+    for x in xs:
+        u = rng.standard_normal(x.shape)
+        with np.errstate(invalid="ignore"):
+            u = np.where(np.isfinite(x), u * np.maximum(1.0, np.abs(x)), 0.0)
+        us.append(u)
+    return us
+
+
+def _directional(fun, xs, us, step):
+    xp = [np.where(u != 0, x + step * u, x) for x, u in zip(xs, us)]
+    xm = [np.where(u != 0, x - step * u, x) for x, u in zip(xs, us)]
+    return (_call(fun, xp) - _call(fun, xm)) / (2.0 * step)
+
+
+def _vjp_projection(fun, vjp, xs, out, step, rtol, atol, seed, n_projections):
+    rng = np.random.default_rng(seed)
+    ana, num = [], []
+    for _ in range(int(n_projections)):
+        g = rng.standard_normal(out.shape)
+        us = _directions(xs, rng)
+        grads = _as_grads(vjp(g, *[x.copy() for x in xs]), xs, "vjp")
+        ana.append(sum(float(np.sum(gr * u)) for gr, u in zip(grads, us)))
+        num.append(float(np.sum(g * _directional(fun, xs, us, step))))
+    a = np.array(ana).reshape(-1, 1)
+    n = np.array(num).reshape(-1, 1)
+    meta = {"valid": [np.ones_like(a, dtype=bool)], "shapes": [(1,)]}
+    rep = _compare("check_vjp", "projection", [a], [n], rtol, atol, meta, (len(ana),), 1 + 3 * len(ana))
+    rep.per_arg = []
+    rep.notes = [f"<J^T g, u> vs <g, J u> over {len(ana)} random projections (worst 'output' = projection number)"]
+    return rep
+
+
+def _jvp_full(fun, jvp, xs, out, step, rtol, atol):
+    m = out.size
+    ana = []
+    for a, x in enumerate(xs):
+        J = np.empty((m, x.size))
+        for i in range(x.size):
+            ts = [np.zeros(y.shape) for y in xs]
+            ts[a].flat[i] = 1.0
+            J[:, i] = _as_tangent(jvp(tuple(ts), *[y.copy() for y in xs]), out).ravel()
+        ana.append(J)
+    num = _numeric_blocks(fun, xs, out, step)
+    n_evals = 1 + 2 * sum(x.size for x in xs) * 2
+    meta = {"valid": _valid_columns(xs, m), "shapes": [x.shape for x in xs]}
+    return _compare("check_jvp", "full", ana, num, rtol, atol, meta, out.shape, n_evals)
+
+
+def _jvp_projection(fun, jvp, xs, out, step, rtol, atol, seed, n_projections):
+    rng = np.random.default_rng(seed)
+    ana, num = [], []
+    for _ in range(int(n_projections)):
+        us = _directions(xs, rng)
+        ana.append(_as_tangent(jvp(tuple(us), *[x.copy() for x in xs]), out).ravel())
+        num.append(_directional(fun, xs, us, step).ravel())
+    a = np.stack(ana, axis=1) if ana else np.zeros((out.size, 0))
+    n = np.stack(num, axis=1) if num else np.zeros((out.size, 0))
+    meta = {"valid": [np.ones_like(a, dtype=bool)], "shapes": [(a.shape[1],)]}
+    rep = _compare("check_jvp", "projection", [a], [n], rtol, atol, meta, out.shape, 1 + 3 * a.shape[1])
+    rep.per_arg = []
+    rep.notes = [f"J u vs its central difference over {a.shape[1]} random tangents (worst 'index' = tangent number)"]
+    return rep
+
+
+def _as_tangent(t, out):
+    t = np.asarray(t, dtype=np.float64)
+    if t.shape != out.shape:
+        raise ValueError(f"`jvp` should return a tangent of the output's shape {out.shape}, but got shape {t.shape}")
+    return t

@@ -1,0 +1,291 @@
+r"""The softmax family and its derivatives.
+
+Each forward sits next to its VJP and JVP. All functions work along any
+``axis`` of an array of any rank, never mutate their input, and are stable
+for huge logits: the row maximum is subtracted before exponentiating, and
+``log_softmax`` is computed directly as ``x - logsumexp(x)`` rather than as
+``log(softmax(x))``.
+
+Non-finite input follows IEEE arithmetic on purpose:
+
+* ``-inf`` entries get probability exactly 0 (and log-probability ``-inf``);
+* a row that is *all* ``-inf`` has no probability mass to share, so its
+  softmax and log-softmax are NaN and its ``logsumexp`` is ``-inf`` (as in
+  scipy, PyTorch and JAX); attention decides what such a row means through
+  its ``fully_masked`` policy instead;
+* a row holding ``+inf`` or NaN gives NaN.
+
+No floating-point warnings are emitted for these cases.
+
+Complex input is accepted: the max-shift is taken from the real part and
+everything else is analytic, so ``softmax(x + 1j*h*t).imag / h`` is the
+complex-step directional derivative.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._validate import check_axis
+
+__all__ = [
+    "logsumexp",
+    "softmax",
+    "log_softmax",
+    "softmax_vjp",
+    "log_softmax_vjp",
+    "softmax_jvp",
+    "softmax_jacobian",
+]
+
+
+def logsumexp(x, axis=-1, keepdims=False):
+    r"""Log of the sum of exponentials along ``axis``, computed stably.
+
+    Parameters
+    ----------
+    x : array_like, (..., n, ...)
+        Input; integer input is promoted to float64.
+    axis : int, optional
+        Axis to reduce over. Default -1.
+    keepdims : bool, optional
+        Keep the reduced axis with length 1.
+
+    Returns
+    -------
+    ndarray
+        :math:`\log \sum_j e^{x_j}` along ``axis``; ``-inf`` for a row
+        that is all ``-inf`` (or empty).
+
+    Notes
+    -----
+    With :math:`m = \max_j x_j` (the real part's maximum, replaced by 0 when
+    it is not finite),
+
+    .. math:: \operatorname{lse}(x) = m + \log \sum_j e^{x_j - m},
+
+    so that no exponent exceeds 0 and the sum lies in :math:`[1, n]` for any
+    finite row.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> float(logsumexp(np.array([1000., 1000.])))  # naive: inf
+    1000.6931471805599
+    """
+    x, axis = _prepare(x, axis)
+    m = _safe_max(x, axis)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        s = np.sum(np.exp(x - m), axis=axis, keepdims=True)
+        out = np.log(s) + m
+    return out if keepdims else np.squeeze(out, axis=axis)
+
+
+def softmax(x, axis=-1):
+    r"""Softmax along ``axis``: :math:`y_j = e^{x_j} / \sum_k e^{x_k}`.
+
+    Parameters
+    ----------
+    x : array_like, (..., n, ...)
+        Logits; integer input is promoted to float64.
+    axis : int, optional
+        Axis along which the result sums to 1. Default -1.
+
+    Returns
+    -------
+    ndarray, same shape as ``x``
+        Probabilities. ``-inf`` logits give exactly 0; an all ``-inf`` row
+        gives NaN.
+
+    See Also
+    --------
+    log_softmax, softmax_vjp, softmax_jvp, softmax_jacobian
+
+    Notes
+    -----
+    Softmax is invariant under adding a constant to a row, so the row maximum
+    :math:`m` is subtracted first: every exponent is :math:`\le 0`, nothing
+    overflows, and the largest term is exactly 1 so the sum cannot
+    underflow.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> softmax(np.array([1000., 1.])).tolist()  # naive exp overflows to nan
+    [1.0, 0.0]
+    """
+    x, axis = _prepare(x, axis)
+    m = _safe_max(x, axis)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        e = np.exp(x - m)
+        return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def log_softmax(x, axis=-1):
+    r"""Log of the softmax along ``axis``, computed directly.
+
+    Parameters
+    ----------
+    x : array_like, (..., n, ...)
+        Logits.
+    axis : int, optional
+        Default -1.
+
+    Returns
+    -------
+    ndarray, same shape as ``x``
+        :math:`x_j - \operatorname{lse}(x)`. Never ``log(0)`` for a finite
+        logit, however small its probability.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> log_softmax(np.array([1000., 1.])).tolist()  # naive: [0., -inf]
+    [0.0, -999.0]
+    """
+    x, axis = _prepare(x, axis)
+    m = _safe_max(x, axis)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        shifted = x - m
+        return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+
+
+def softmax_vjp(y, g, axis=-1):
+    r"""Vector-Jacobian product of softmax: the gradient with respect to its input.
+
+    Parameters
+    ----------
+    y : array_like, (..., n, ...)
+        The softmax *output*.
+    g : array_like, same shape as ``y``
+        Cotangent (the gradient of the loss with respect to ``y``).
+    axis : int, optional
+        The softmax axis. Default -1.
+
+    Returns
+    -------
+    dx : ndarray, same shape as ``y``
+
+    Notes
+    -----
+    The Jacobian is :math:`J = \operatorname{diag}(y) - y y^T`
+    (:math:`\partial y_i / \partial x_j = y_i(\delta_{ij} - y_j)`). It is
+    symmetric, so
+
+    .. math:: dx = J^T g = y \odot g - y (y^T g) = y \odot (g - \textstyle\sum_k g_k y_k).
+
+    The element-wise ``y * (1 - y)`` is only the diagonal of :math:`J` and is
+    wrong as a VJP.
+    """
+    y, g, axis = _prepare_pair(y, g, axis, "y", "g")
+    return y * (g - np.sum(g * y, axis=axis, keepdims=True))
+
+
+def log_softmax_vjp(y, g, axis=-1):
+    r"""Vector-Jacobian product of log-softmax.
+
+    Parameters
+    ----------
+    y : array_like, (..., n, ...)
+        The log-softmax *output*.
+    g : array_like, same shape as ``y``
+        Cotangent.
+    axis : int, optional
+        Default -1.
+
+    Returns
+    -------
+    dx : ndarray
+
+    Notes
+    -----
+    :math:`\partial y_i / \partial x_j = \delta_{ij} - p_j` with
+    :math:`p = e^{y}`, hence
+
+    .. math:: dx = g - p \textstyle\sum_i g_i.
+    """
+    y, g, axis = _prepare_pair(y, g, axis, "y", "g")
+    return g - np.exp(y) * np.sum(g, axis=axis, keepdims=True)
+
+
+def softmax_jvp(y, dx, axis=-1):
+    r"""Jacobian-vector product of softmax (forward mode).
+
+    Parameters
+    ----------
+    y : array_like, (..., n, ...)
+        The softmax output.
+    dx : array_like, same shape as ``y``
+        Tangent of the input.
+    axis : int, optional
+        Default -1.
+
+    Returns
+    -------
+    dy : ndarray
+
+    Notes
+    -----
+    .. math:: dy = J\,dx = y \odot (dx - \textstyle\sum_k y_k\,dx_k).
+    """
+    y, dx, axis = _prepare_pair(y, dx, axis, "y", "dx")
+    return y * (dx - np.sum(y * dx, axis=axis, keepdims=True))
+
+
+def softmax_jacobian(y, axis=-1):
+    r"""The explicit softmax Jacobian :math:`\operatorname{diag}(y) - y y^T`.
+
+    Meant for teaching and for checking the VJP; it costs :math:`O(n^2)` per
+    row, so prefer :func:`softmax_vjp` in real work.
+
+    Parameters
+    ----------
+    y : array_like, (..., n, ...)
+        The softmax output.
+    axis : int, optional
+        The softmax axis. Default -1. The Jacobian's two axes are appended
+        last.
+
+    Returns
+    -------
+    ndarray, (..., n, n)
+        ``J[..., i, j] = dy_i / dx_j``, where ``...`` are the other axes of
+        ``y`` in order.
+    """
+    y, axis = _prepare(y, axis, name="y")
+    y = np.moveaxis(y, axis, -1)
+    n = y.shape[-1]
+    eye = np.eye(n, dtype=y.real.dtype)
+    return y[..., :, None] * eye - y[..., :, None] * y[..., None, :]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _prepare(x, axis, name="x"):
+    arr = np.asarray(x)
+    if arr.dtype.kind in "iub":
+        arr = arr.astype(np.float64)
+    elif arr.dtype.kind not in "fc":
+        raise TypeError(f"`{name}` should be a numeric array, but got dtype {arr.dtype}")
+    if arr.ndim == 0:
+        raise ValueError(f"`{name}` should have at least 1 dimension, but got a scalar")
+    return arr, check_axis(axis, arr.ndim)
+
+
+def _prepare_pair(y, g, axis, yname, gname):
+    y, axis = _prepare(y, axis, name=yname)
+    g, _ = _prepare(g, axis, name=gname)
+    if g.shape != y.shape:
+        raise ValueError(f"`{gname}` should have the shape of `{yname}` {y.shape}, but got shape {g.shape}")
+    return y, g, axis
+
+
+def _safe_max(x, axis):
+    """Row maximum of the real part, kept as a dim; non-finite maxima become 0.
+
+    An all ``-inf`` row then gives ``exp(-inf - 0) = 0`` (sum 0), and a row
+    with ``+inf`` gives ``inf / inf = nan``, instead of ``-inf - -inf``.
+    """
+    m = np.max(x.real, axis=axis, keepdims=True, initial=-np.inf)
+    return np.where(np.isfinite(m), m, 0.0)
