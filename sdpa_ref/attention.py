@@ -291,8 +291,10 @@ def sdpa_backward(residuals, grad_out):
     ct = r.probs.dtype
     P = r.probs                                   # (..., Hq, L, S)
     full = P.shape
+    Hq, L = full[-3], full[-2]
     Hkv = r.k.shape[-3]
-    grouped = full[:-3] + (Hkv, -1)               # (..., Hkv, G*L, ·)
+    G = Hq // Hkv if Hkv else 1
+    grouped = full[:-3] + (Hkv, G * L)            # (..., Hkv, G*L, ·)
     dO = g.astype(ct, copy=False).reshape(grouped + (g.shape[-1],))
 
     P_drop = _apply_dropout(P, r.keep, r.dropout_p)
@@ -460,8 +462,11 @@ def _forward(prob: _Problem):
         P = np.where(empty, fill, P)
     P = P.astype(ct, copy=False)
     P_drop = _apply_dropout(P, prob.keep, prob.dropout_p)
-    grouped = batch + (Hkv, -1, S)
+    G = Hq // Hkv if Hkv else 1
+    grouped = batch + (Hkv, G * L, S)
     O = (P_drop.reshape(grouped) @ prob.v).reshape(full[:-1] + (prob.v.shape[-1],))
+    if prob.fully_masked == "nan" and S == 0:
+        O = np.full_like(O, np.nan)       # an empty sum would give 0, not the policy's NaN
     out_shape = O.shape[O.ndim - prob.user_ndim:]
     O = O.reshape(out_shape)
     mask_shape = mask_dtype = None

@@ -155,7 +155,7 @@ def run_attention_case(case: AttentionCase, *, rtol=CHECK_RTOL, atol=CHECK_ATOL,
     t0 = time.perf_counter()
     q, k, v, fmask, opts = make_attention_inputs(case, seed)
     if case.fully_masked == "nan":
-        return _nan_policy_check(case, q, k, v, fmask, opts, t0)
+        return _nan_policy_check(case, q, k, v, fmask, opts, t0, rtol, atol)
     args = (q, k, v) if fmask is None else (q, k, v, fmask)
     fun, vjp = attention_fun_and_vjp(opts)
     rep = check_vjp(fun, vjp, args, mode="full", rtol=rtol, atol=atol)
@@ -181,7 +181,7 @@ def _rest(opts):
     return {k: v for k, v in opts.items() if k != "attn_mask"}
 
 
-def _nan_policy_check(case, q, k, v, fmask, opts, t0):
+def _nan_policy_check(case, q, k, v, fmask, opts, t0, rtol, atol):
     """NaN exactly where documented; finite entries equal the checked "zero" policy."""
     mask = opts.get("attn_mask", fmask)
     rest = _rest(opts)
@@ -204,7 +204,8 @@ def _nan_policy_check(case, q, k, v, fmask, opts, t0):
     if gn.attn_mask is not None and not np.isnan(gn.attn_mask).any():
         problems.append("d(attn_mask) should be NaN on the fully masked row")
     zero_check = run_attention_case(
-        AttentionCase(case.shape, case.mask, case.causal, case.gqa, case.dropout, "zero", True)
+        AttentionCase(case.shape, case.mask, case.causal, case.gqa, case.dropout, "zero", True),
+        rtol=rtol, atol=atol,
     )
     ok = not problems and worst == 0.0 and zero_check.ok
     detail = "; ".join(problems) or ("" if ok else f"finite part differs by {worst:.3e} or zero-policy check failed")
