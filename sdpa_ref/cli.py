@@ -45,6 +45,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: 1e-7)")
     p.add_argument("--atol", type=float, default=None, help="absolute floor (default: 1e-9)")
     p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser(
+        "diagnose",
+        help="measure softmax saturation, entropy and gradient norms as d_k grows, per scaling",
+        description=(
+            "Sweep d_k and measure, for each scaling choice (none: 1, sqrt: 1/sqrt(d_k), linear: "
+            "1/d_k), the score std (beside the theory's sqrt(d_k)*scale), the softmax entropy, "
+            "the top weight, the share of saturated rows (top weight > 0.9), and the norms of "
+            "the gradients with respect to the scores, the queries and the keys, all computed "
+            "by the reference's forward and backward on standard normal q, k."
+        ),
+        epilog="Example: sdpa-ref diagnose --d-k 16 64 256 --format json",
+    )
+    p.add_argument("--d-k", type=int, nargs="+", default=None, metavar="D",
+                   help="key widths to sweep (default: 4 8 16 ... 1024)")
+    p.add_argument("--n-keys", type=int, default=50, help="keys per query (default: 50)")
+    p.add_argument("--n-queries", type=int, default=32, help="queries per trial (default: 32)")
+    p.add_argument("--trials", type=int, default=64, help="independent draws per point (default: 64)")
+    p.add_argument("--scales", nargs="+", choices=("none", "sqrt", "linear"), default=["none", "sqrt", "linear"],
+                   help="scaling choices to compare (default: all three)")
+    p.add_argument("--seed", type=int, default=0, help="random seed; the result is deterministic (default: 0)")
+    _add_format(p)
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="also draw normalized entropy, max weight and gradient norm against d_k "
+                        "(needs the 'plot' extra: python -m pip install 'sdpa_ref[plot]')")
+    p.set_defaults(func=_cmd_diagnose)
+
+    p = sub.add_parser(
+        "saturation",
+        help="see it yourself: top-5 softmax weights of one query, raw vs scaled scores",
+        description=(
+            "Draw one standard normal query and N keys of width d_k and print the five largest "
+            "softmax weights of the raw scores q.k and of the scaled scores q.k/sqrt(d_k)."
+        ),
+    )
+    p.add_argument("--d-k", type=int, default=128, help="key width (default: 128)")
+    p.add_argument("--n-keys", type=int, default=50, help="number of keys (default: 50)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    _add_format(p)
+    p.set_defaults(func=_cmd_saturation)
     return parser
 
 
@@ -89,6 +129,130 @@ def _cmd_check(args) -> int:
     else:
         print(_dump(rows, args.format))
     return 1 if n_fail else 0
+
+
+DIAGNOSE_COLUMNS = [
+    "scale", "d_k", "score_std", "predicted_score_std", "entropy", "normalized_entropy",
+    "max_weight_mean", "max_weight_median", "saturated_fraction", "grad_norm_scores",
+    "grad_norm_query", "grad_norm_key", "jacobian_norm",
+]
+
+
+def _cmd_diagnose(args) -> int:
+    from . import diagnostics
+
+    if args.plot is not None:
+        plt = _import_pyplot()
+        if plt is None:
+            print("sdpa-ref: --plot needs matplotlib; install it with: python -m pip install 'sdpa_ref[plot]'",
+                  file=sys.stderr)
+            return 2
+    d_ks = args.d_k if args.d_k else list(diagnostics.DEFAULT_D_KS)
+    progress = _Progress("diagnose")
+    try:
+        rows = diagnostics.sweep(d_ks, n_keys=args.n_keys, n_queries=args.n_queries, trials=args.trials,
+                                 scales=args.scales, seed=args.seed, progress=progress)
+    except ValueError as exc:
+        progress.done()
+        print(f"sdpa-ref: {exc}", file=sys.stderr)
+        return 2
+    progress.done()
+    dicts = [r.as_dict() for r in rows]
+    if args.format == "table":
+        order = {s: i for i, s in enumerate(args.scales)}
+        table = sorted(dicts, key=lambda r: (order[r["scale"]], r["d_k"]))
+        print(format_rows(table, DIAGNOSE_COLUMNS, group_by="scale"))
+        r0 = rows[0]
+        print(f"\n{r0.trials} trials x {r0.n_queries} queries x {r0.n_keys} keys per point, seed {args.seed}. "
+              "Per-row means; predicted_score_std = sqrt(d_k) * scale; saturated = top weight > 0.9; "
+              "grad norms are mean L2 norms of a row of dT (scores), dQ and dK.")
+    else:
+        print(_dump(dicts, args.format))
+    if args.plot is not None:
+        _plot_sweep(plt, rows, args.scales, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _cmd_saturation(args) -> int:
+    import numpy as np
+
+    from .softmax import softmax
+
+    if args.d_k < 1 or args.n_keys < 5:
+        print("sdpa-ref: --d-k should be >= 1 and --n-keys >= 5", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(args.seed)
+    q = rng.standard_normal(args.d_k)
+    k = rng.standard_normal((args.n_keys, args.d_k))
+    raw = k @ q
+    scaled = raw / np.sqrt(args.d_k)
+    p_raw, p_scaled = softmax(raw), softmax(scaled)
+    top_raw = np.argsort(-p_raw)[:5]
+    top_scaled = np.argsort(-p_scaled)[:5]
+    result = {
+        "d_k": args.d_k, "n_keys": args.n_keys, "seed": args.seed,
+        "raw_score_std": float(raw.std()), "scaled_score_std": float(scaled.std()),
+        "raw_top5": [{"key": int(i), "score": float(raw[i]), "weight": float(p_raw[i])} for i in top_raw],
+        "scaled_top5": [{"key": int(i), "score": float(scaled[i]), "weight": float(p_scaled[i])} for i in top_scaled],
+    }
+    if args.format == "json":
+        print(json.dumps(result, indent=2))
+        return 0
+    rows = []
+    for rank in range(5):
+        a, b = result["raw_top5"][rank], result["scaled_top5"][rank]
+        rows.append({"rank": rank + 1, "raw_key": a["key"], "raw_score": a["score"], "raw_weight": a["weight"],
+                     "scaled_key": b["key"], "scaled_score": b["score"], "scaled_weight": b["weight"]})
+    if args.format == "csv":
+        print(_dump(rows, "csv"))
+        return 0
+    print(f"one query against {args.n_keys} keys, d_k = {args.d_k}, seed {args.seed}")
+    print(f"raw scores q.k: std {result['raw_score_std']:.2f} (theory sqrt(d_k) = {np.sqrt(args.d_k):.2f}); "
+          f"scaled q.k/sqrt(d_k): std {result['scaled_score_std']:.2f} (theory 1)\n")
+    print(format_rows(rows, list(rows[0].keys())))
+    print(f"\ntop weight: raw {p_raw.max():.4f}, scaled {p_scaled.max():.4f}; "
+          f"uniform would be {1 / args.n_keys:.4f}")
+    return 0
+
+
+def _import_pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plot_sweep(plt, rows, scales, path):
+    labels = {"none": "no scaling (1)", "sqrt": "1/sqrt(d_k)", "linear": "1/d_k"}
+    panels = [("normalized_entropy", "normalized entropy"), ("max_weight_mean", "mean top weight"),
+              ("grad_norm_scores", "|dL/d scores| per row")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), constrained_layout=True)
+    for ax, (key, title) in zip(axes, panels):
+        for s in scales:
+            pts = sorted((r.d_k, getattr(r, key), getattr(r, key + "_stderr")) for r in rows if r.scale == s)
+            x, y, e = (list(t) for t in zip(*pts))
+            ax.errorbar(x, y, yerr=[2 * v for v in e], marker="o", ms=4, capsize=2, label=labels[s])
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r.d_k for r in rows})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(t) for t in ticks], fontsize=8)
+        ax.minorticks_off()
+        ax.set_xlabel("d_k")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylim(0, 1.05)
+    axes[1].set_ylim(0, 1.05)
+    axes[0].legend(title="scores scaled by")
+    r0 = rows[0]
+    fig.suptitle(f"softmax of q.k over {r0.n_keys} keys, q, k ~ N(0, I): {r0.trials} trials x {r0.n_queries} "
+                 "queries per point (bars: 2 standard errors)", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------- output

@@ -39,3 +39,86 @@ def test_help_and_module_entry_point():
     assert e.value.code == 0
     r = subprocess.run([sys.executable, "-m", "sdpa_ref", "--help"], capture_output=True, text=True, check=True)
     assert "check" in r.stdout
+
+
+# ------------------------------------------------------------------ diagnose
+
+
+def test_diagnose_table_grouped_by_scale(capsys):
+    assert main(["diagnose", "--d-k", "8", "64", "--trials", "8"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["scale", "d_k", "score_std"]
+    body = [ln.split()[0] for ln in lines[2:] if ln.strip() and not ln.startswith("8 trials")]
+    assert body == ["none", "none", "sqrt", "sqrt", "linear", "linear"]
+    assert "" in lines[2:8]    # a blank line between groups
+
+
+def test_diagnose_json_keys(capsys):
+    assert main(["diagnose", "--d-k", "16", "--trials", "4", "--scales", "sqrt", "none", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["scale"] for r in rows] == ["sqrt", "none"]
+    for key in ("d_k", "scale", "score_std", "entropy", "normalized_entropy", "max_weight_mean",
+                "max_weight_median", "saturated_fraction", "grad_norm_scores", "grad_norm_query",
+                "grad_norm_key", "jacobian_norm", "trials"):
+        assert key in rows[0]
+    assert rows[0]["trials"] == 4
+
+
+def test_diagnose_csv(capsys):
+    assert main(["diagnose", "--d-k", "16", "32", "--trials", "4", "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("d_k,scale,")
+    assert len(lines) == 1 + 2 * 3
+
+
+def test_diagnose_bad_argument_is_one_line(capsys):
+    assert main(["diagnose", "--n-keys", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "n_keys" in err[0]
+
+
+def test_diagnose_plot_writes_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "sweep.png"
+    assert main(["diagnose", "--d-k", "4", "16", "64", "--trials", "4", "--plot", str(path)]) == 0
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_diagnose_plot_without_matplotlib_is_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # makes `import matplotlib` fail
+    assert main(["diagnose", "--d-k", "4", "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sdpa_ref[plot]" in err[0]
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_saturation_demo(capsys):
+    assert main(["saturation", "--d-k", "128", "--n-keys", "50", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "raw_weight" in out and "scaled_weight" in out
+    assert main(["saturation", "--format", "json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert len(res["raw_top5"]) == 5 and res["raw_top5"][0]["weight"] >= res["scaled_top5"][0]["weight"]
+
+
+def test_progress_only_on_a_terminal(capsys):
+    import io
+
+    from sdpa_ref.cli import _Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    p = _Progress("diagnose", stream=tty)
+    p(0, 3, "d_k=4")
+    p.done()
+    assert "1/3" in tty.getvalue()
+    quiet = io.StringIO()
+    _Progress("diagnose", stream=quiet)(0, 3, "x")
+    assert quiet.getvalue() == ""
+    assert main(["diagnose", "--d-k", "4", "--trials", "2"]) == 0
+    assert capsys.readouterr().err == ""     # captured stderr is not a terminal
