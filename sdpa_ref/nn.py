@@ -1,0 +1,235 @@
+r"""Small hand-differentiated layers for teaching: enough for a tiny Transformer.
+
+Each layer is a pure function pair in the style of :mod:`sdpa_ref.attention`:
+``y, cache = layer(x, params...)`` and ``grads = layer_backward(cache, g)``.
+No object holds hidden state; the optimizer state is an explicit dict.
+Every backward is checked against finite differences in ``tests/test_nn.py``.
+
+Shapes: ``B`` batch, ``T`` positions, ``D`` model width, ``H`` heads,
+``V`` vocabulary size; ``(..., D)`` means any leading dims.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from .attention import sdpa_backward, sdpa_forward
+from .softmax import log_softmax
+
+__all__ = [
+    "linear", "linear_backward",
+    "relu", "relu_backward",
+    "layer_norm", "layer_norm_backward",
+    "embedding", "embedding_backward",
+    "softmax_cross_entropy", "softmax_cross_entropy_backward",
+    "multi_head_attention", "multi_head_attention_backward",
+    "adam_init", "adam_update",
+]
+
+
+# ------------------------------------------------------------------ linear
+
+
+def linear(x, w, b=None):
+    r"""``y = x W + b``.  x : (..., D_in), w : (D_in, D_out), b : (D_out,)."""
+    y = x @ w
+    if b is not None:
+        y = y + b
+    return y, (x, w, b is not None)
+
+
+def linear_backward(cache, g):
+    r"""``dx = g W^T``, ``dW = x^T g`` (summed over the leading dims), ``db = sum g``.
+
+    Returns ``(dx, dw, db)``; ``db`` is ``None`` without a bias.
+    """
+    x, w, has_b = cache
+    dx = g @ w.T
+    dw = x.reshape(-1, x.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+    db = g.reshape(-1, g.shape[-1]).sum(axis=0) if has_b else None
+    return dx, dw, db
+
+
+# -------------------------------------------------------------------- relu
+
+
+def relu(x):
+    """``max(x, 0)``; the cache is the mask of positive entries."""
+    mask = x > 0
+    return x * mask, mask
+
+
+def relu_backward(mask, g):
+    """``dx = g`` where ``x > 0``, else 0 (the subgradient 0 at 0)."""
+    return g * mask
+
+
+# -------------------------------------------------------------- layer norm
+
+
+def layer_norm(x, gamma, beta, eps=1e-5):
+    r"""Normalise the last axis: ``y = gamma * (x - mu) / sqrt(var + eps) + beta``.
+
+    x : (..., D); gamma, beta : (D,).
+    """
+    mu = x.mean(axis=-1, keepdims=True)
+    xc = x - mu
+    var = np.mean(xc * xc, axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + eps)
+    xhat = xc * rstd
+    return gamma * xhat + beta, (xhat, rstd, gamma)
+
+
+def layer_norm_backward(cache, g):
+    r"""Gradients of :func:`layer_norm`: ``(dx, dgamma, dbeta)``.
+
+    Notes
+    -----
+    With :math:`\hat x = (x - \mu) r`, :math:`r = (\sigma^2 + \epsilon)^{-1/2}`
+    and :math:`d\hat x = g \odot \gamma`, differentiating :math:`\mu` and
+    :math:`\sigma^2` through the mean over the D entries gives
+
+    .. math::
+
+        dx = r \Bigl(d\hat x - \overline{d\hat x} - \hat x\,\overline{d\hat x \odot \hat x}\Bigr),
+
+    where the bar is the mean over the last axis.
+    """
+    xhat, rstd, gamma = cache
+    dxhat = g * gamma
+    dx = rstd * (dxhat - dxhat.mean(-1, keepdims=True) - xhat * np.mean(dxhat * xhat, -1, keepdims=True))
+    lead = tuple(range(g.ndim - 1))
+    return dx, np.sum(g * xhat, axis=lead), np.sum(g, axis=lead)
+
+
+# --------------------------------------------------------------- embedding
+
+
+def embedding(ids, table):
+    """Rows of ``table`` (V, D) picked by integer ``ids`` (...) -> (..., D)."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"`ids` should be an integer array, but got dtype {ids.dtype}")
+    return table[ids], (ids, table.shape)
+
+
+def embedding_backward(cache, g):
+    """Scatter-add ``g`` (..., D) into a zero table: the gradient of :func:`embedding`."""
+    ids, shape = cache
+    dtable = np.zeros(shape, dtype=g.dtype)
+    np.add.at(dtable, ids.reshape(-1), g.reshape(-1, shape[-1]))
+    return dtable
+
+
+# ------------------------------------------------------- softmax cross-entropy
+
+
+def softmax_cross_entropy(logits, targets, weights=None):
+    r"""Mean cross-entropy of ``softmax(logits)`` against integer ``targets``.
+
+    logits : (..., V); targets : (...) ints; weights : (...) or None. The loss
+    is :math:`\sum w_n (-\log p_{n, t_n}) / \sum w_n`.
+    """
+    logp = log_softmax(logits, axis=-1)
+    targets = np.asarray(targets)
+    w = np.ones(targets.shape) if weights is None else np.asarray(weights, dtype=float)
+    nll = -np.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    total = w.sum()
+    return float(np.sum(w * nll) / total), (logp, targets, w, total)
+
+
+def softmax_cross_entropy_backward(cache, g=1.0):
+    r"""``dlogits = g * w * (softmax(logits) - onehot(t)) / sum(w)``."""
+    logp, targets, w, total = cache
+    d = np.exp(logp)
+    np.put_along_axis(d, targets[..., None], np.take_along_axis(d, targets[..., None], -1) - 1.0, axis=-1)
+    return d * (g * w / total)[..., None]
+
+
+# ------------------------------------------------------ multi-head attention
+
+
+class _MHACache(NamedTuple):
+    x: np.ndarray
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray
+    merged: np.ndarray
+    residuals: object
+    n_heads: int
+
+
+def multi_head_attention(x, wq, wk, wv, wo, n_heads, *, is_causal=True, scale=None):
+    r"""Self-attention with ``n_heads`` heads through :func:`sdpa_ref.sdpa_forward`.
+
+    x : (B, T, D); wq, wk, wv, wo : (D, D). Head ``h`` uses columns
+    ``h*D/H : (h+1)*D/H`` of the projections, so ``d_k = D / H``. ``scale``
+    is passed to attention (``None``: ``1/sqrt(d_k)``).
+    """
+    B, T, D = x.shape
+    if D % n_heads:
+        raise ValueError(f"`n_heads` should divide the width D={D}, but got {n_heads}")
+    dh = D // n_heads
+
+    def heads(y):       # (B, T, D) -> (B, H, T, dh)
+        return y.reshape(B, T, n_heads, dh).transpose(0, 2, 1, 3)
+
+    q, k, v = heads(x @ wq), heads(x @ wk), heads(x @ wv)
+    o, res = sdpa_forward(q, k, v, is_causal=is_causal, scale=scale)
+    merged = o.transpose(0, 2, 1, 3).reshape(B, T, D)
+    return merged @ wo, _MHACache(x, wq, wk, wv, wo, merged, res, n_heads)
+
+
+def multi_head_attention_backward(cache, g):
+    """Gradients ``(dx, dwq, dwk, dwv, dwo)``; the attention core uses :func:`sdpa_backward`."""
+    x, wq, wk, wv, wo, merged, res, H = cache
+    B, T, D = x.shape
+    dh = D // H
+    dwo = merged.reshape(-1, D).T @ g.reshape(-1, D)
+    dmerged = g @ wo.T
+    do = dmerged.reshape(B, T, H, dh).transpose(0, 2, 1, 3)
+    grads = sdpa_backward(res, do)
+
+    def unheads(y):     # (B, H, T, dh) -> (B, T, D)
+        return y.transpose(0, 2, 1, 3).reshape(B, T, D)
+
+    dq, dk, dv = unheads(grads.query), unheads(grads.key), unheads(grads.value)
+    x2 = x.reshape(-1, D)
+    dx = dq @ wq.T + dk @ wk.T + dv @ wv.T
+    return (dx, x2.T @ dq.reshape(-1, D), x2.T @ dk.reshape(-1, D), x2.T @ dv.reshape(-1, D), dwo)
+
+
+# ------------------------------------------------------------------- adam
+
+
+def adam_init(params: Dict[str, np.ndarray]) -> dict:
+    """Zeroed first and second moments for each parameter, and the step count."""
+    return {"t": 0, "m": {k: np.zeros_like(v) for k, v in params.items()},
+            "v": {k: np.zeros_like(v) for k, v in params.items()}}
+
+
+def adam_update(params, grads, state, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                max_grad_norm: Optional[float] = None) -> Tuple[dict, dict]:
+    r"""One Adam step; returns new ``(params, state)`` and leaves the inputs untouched.
+
+    ``max_grad_norm`` clips the global gradient norm first, when given.
+    """
+    b1, b2 = betas
+    if max_grad_norm is not None:
+        norm = np.sqrt(sum(float(np.sum(g * g)) for g in grads.values()))
+        if norm > max_grad_norm:
+            grads = {k: g * (max_grad_norm / norm) for k, g in grads.items()}
+    t = state["t"] + 1
+    new_p, new_m, new_v = {}, {}, {}
+    for k, p in params.items():
+        g = grads[k]
+        m = b1 * state["m"][k] + (1 - b1) * g
+        v = b2 * state["v"][k] + (1 - b2) * g * g
+        mhat = m / (1 - b1**t)
+        vhat = v / (1 - b2**t)
+        new_p[k] = p - lr * mhat / (np.sqrt(vhat) + eps)
+        new_m[k], new_v[k] = m, v
+    return new_p, {"t": t, "m": new_m, "v": new_v}
