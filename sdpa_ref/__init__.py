@@ -25,12 +25,15 @@ So ``query`` is ``(..., Hq, L, E)``, ``key`` is ``(..., Hkv, S, E)``,
 """
 
 from .attention import (
+    BACKWARD_METHODS,
     FULLY_MASKED_POLICIES,
     AttentionGrads,
     AttentionResiduals,
     scaled_dot_product_attention,
     sdpa_backward,
     sdpa_forward,
+    sdpa_forward_complex,
+    sdpa_jvp,
 )
 from .gradcheck import (
     GradcheckReport,
@@ -40,7 +43,7 @@ from .gradcheck import (
     check_vjp,
     numerical_jacobian,
 )
-from .masks import causal_mask, window_mask
+from .masks import alibi_bias, alibi_slopes, causal_mask, padding_mask, window_mask
 from .softmax import (
     log_softmax,
     log_softmax_vjp,
@@ -67,12 +70,18 @@ __all__ = [
     "scaled_dot_product_attention",
     "sdpa_forward",
     "sdpa_backward",
+    "sdpa_jvp",
+    "sdpa_forward_complex",
     "AttentionGrads",
     "AttentionResiduals",
     "FULLY_MASKED_POLICIES",
+    "BACKWARD_METHODS",
     # masks
     "causal_mask",
     "window_mask",
+    "padding_mask",
+    "alibi_bias",
+    "alibi_slopes",
     # gradient checking
     "check_vjp",
     "assert_vjp",

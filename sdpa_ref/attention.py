@@ -1,4 +1,4 @@
-r"""Scaled dot-product attention: forward and hand-derived backward.
+r"""Scaled dot-product attention: forward, two hand-derived backwards, and the JVP.
 
 Shapes (the legend of the package docstring)::
 
@@ -6,25 +6,30 @@ Shapes (the legend of the package docstring)::
     key       (..., Hkv, S, E)
     value     (..., Hkv, S, Ev)
     out       (..., Hq, L, Ev)
-    attn_mask broadcastable to (..., Hq, L, S)
+    attn_mask, bias, dropout_mask   broadcastable to (..., Hq, L, S)
+    alibi_slopes (Hq,) or (..., Hq);  q_lengths, kv_lengths (...)
 
 The symbols follow ``SEMANTICS.md``::
 
-    T      = scale * Q K^T  (+ B for a float mask)     raw scores
-    A      = allowed set: bool mask AND causal
+    Traw   = scale * Q K^T                          raw scores
+    T      = cap * tanh(Traw / cap)                 only with softcap
+    T      = T + B                                  float mask, bias, ALiBi
+    A      = bool mask AND causal AND window AND lengths
     P      = softmax of T over the allowed j of each row, 0 outside A
     P_drop = P * Z / (1 - p)
     O      = P_drop V
+    LSE    = log sum_{j in A} exp(T_ij)
 
 and the backward::
 
-    dV = P_drop^T dO
-    dP = (dO V^T) * Z / (1 - p)
-    D  = rowsum(P * dP)            (== rowsum(dO * O))
-    dT = P * (dP - D)
-    dB = dT summed to the mask's shape
-    dQ = scale * dT K
-    dK = scale * dT^T Q
+    dV     = P_drop^T dO
+    dP     = (dO V^T) * Z / (1 - p)
+    D      = rowsum(P * dP)       (== rowsum(dO * O))
+    dT     = P * (dP - D)
+    dB     = dT summed to the mask's / bias's shape
+    dTraw  = dT * (1 - tanh^2(Traw / cap))          only with softcap
+    dQ     = scale * dTraw K
+    dK     = scale * dTraw^T Q
 
 Grouped-query attention is computed without copying K and V: query head
 ``h = kv * G + g`` reads kv head ``kv``, so the ``G`` query heads of a group
@@ -46,96 +51,80 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _validate as V
-from .masks import causal_mask
+from ._problem import FULLY_MASKED_POLICIES, Problem, Scores
 
 __all__ = [
     "FULLY_MASKED_POLICIES",
+    "BACKWARD_METHODS",
     "AttentionGrads",
     "AttentionResiduals",
     "scaled_dot_product_attention",
     "sdpa_forward",
     "sdpa_backward",
+    "sdpa_jvp",
+    "sdpa_forward_complex",
 ]
 
-#: Accepted values of ``fully_masked``; see ``SEMANTICS.md``.
-FULLY_MASKED_POLICIES = ("zero", "nan", "uniform")
+#: Accepted values of ``sdpa_backward(..., method=)``.
+BACKWARD_METHODS = ("probs", "lse")
 
 
 class AttentionGrads(NamedTuple):
     """Gradients of a loss with respect to the inputs of attention.
 
     Each has its input's own shape and dtype. ``attn_mask`` is the gradient
-    with respect to a float mask (summed to the mask's shape); it is ``None``
-    for a bool mask or no mask.
+    with respect to a float mask, ``bias`` with respect to ``bias`` (each
+    summed to its own shape); ``None`` where there is no such float input.
     """
 
     query: np.ndarray
     key: np.ndarray
     value: np.ndarray
     attn_mask: Optional[np.ndarray]
+    bias: Optional[np.ndarray] = None
 
 
 @dataclass(frozen=True)
 class AttentionResiduals:
     """What :func:`sdpa_backward` needs, saved by :func:`sdpa_forward`.
 
-    All arrays are in the compute dtype (float64 when ``upcast``). ``q`` is
-    in the grouped layout ``(..., Hkv, G*L, E)``; ``probs`` is ``P`` with
-    shape ``(..., Hq, L, S)``; ``keep`` is the dropout keep mask ``Z`` that
-    was used (``None`` without dropout); ``empty`` marks the rows with no
-    allowed key, ``(..., Hq, L, 1)``.
+    ``problem`` holds the validated inputs and options; ``probs`` is ``P``
+    ``(..., Hq, L, S)`` (``None`` with ``save_probs=False``, when only the
+    ``"lse"`` backward is possible); ``out`` is the output and ``lse`` the
+    log-sum-exp ``(..., Hq, L)``, both in the compute dtype.
     """
 
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    probs: np.ndarray
+    problem: Problem
+    probs: Optional[np.ndarray]
     out: np.ndarray
     lse: np.ndarray
-    keep: Optional[np.ndarray]
+    tanh: Optional[np.ndarray]
     empty: np.ndarray
-    scale: float
-    dropout_p: float
-    fully_masked: str
-    mask_shape: Optional[tuple]
-    mask_dtype: Optional[np.dtype]
-    query_shape: tuple
-    key_shape: tuple
-    value_shape: tuple
-    query_dtype: np.dtype
-    key_dtype: np.dtype
-    value_dtype: np.dtype
-    out_shape: tuple
-    out_dtype: np.dtype
+    padded: Optional[np.ndarray]
 
     @property
     def dropout_mask(self):
-        """The bool keep mask used by the forward, or ``None``."""
-        return self.keep
+        """The bool keep mask ``Z`` used by the forward, or ``None``."""
+        return self.problem.keep
+
+    @property
+    def keep(self):
+        return self.problem.keep
+
+    @property
+    def scale(self):
+        return self.problem.scale
+
+    @property
+    def dropout_p(self):
+        return self.problem.dropout_p
+
+    @property
+    def v(self):
+        return self.problem.v
 
 
-def scaled_dot_product_attention(
-    query,
-    key,
-    value,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    *,
-    dropout_mask=None,
-    rng=None,
-    fully_masked="zero",
-    upcast=True,
-):
-    r"""Scaled dot-product attention, a drop-in for PyTorch's functional op.
-
-    ``softmax(Q K^T * scale + mask) V`` with exact masking: masked entries
-    get probability exactly 0, never a ``-1e9`` approximation.
-
-    Parameters
-    ----------
+_DOC_OPTIONS = r"""
     query : array_like, (..., Hq, L, E)
     key : array_like, (..., Hkv, S, E)
     value : array_like, (..., Hkv, S, Ev)
@@ -148,8 +137,8 @@ def scaled_dot_product_attention(
         Dropout probability in ``[0, 1)``, applied to ``P`` after the softmax
         with the scale ``1 / (1 - p)``.
     is_causal : bool, optional
-        Keep ``j <= i`` (top-left alignment, as PyTorch). Combined with
-        ``attn_mask`` by intersection (PyTorch refuses the combination).
+        Keep ``j <= i + off`` (see ``causal_alignment``). Combined with the
+        other masks by intersection (PyTorch refuses mask + causal).
     scale : float, optional
         Score scale; ``1 / sqrt(E)`` by default (1 when ``E == 0``). Must be
         finite and non-zero.
@@ -165,77 +154,142 @@ def scaled_dot_product_attention(
     fully_masked : {"zero", "nan", "uniform"}, optional
         What a row with no allowed key gets: zeros (PyTorch >= 2.5,
         FlashAttention), NaN (textbook, xformers) or the mean of ``V`` over
-        all ``S`` keys (JAX). See ``SEMANTICS.md``.
+        all ``S`` keys (JAX). Query rows past ``q_lengths`` are zeros under
+        every policy.
     upcast : bool, optional
         Compute in float64 and return the inputs' dtype (default), or compute
         in the inputs' own dtype to stand in for a low-precision kernel.
+    bias : array_like, optional, broadcastable to (..., Hq, L, S)
+        Float additive bias, separate from ``attn_mask`` (so a bool mask and
+        a bias can be given together); has its own gradient.
+    causal_alignment : {"top_left", "bottom_right"}, optional
+        Offset of the diagonal for ``is_causal``, ``window`` and ALiBi:
+        ``off = 0`` (PyTorch, JAX) or ``off = S - L`` (FlashAttention,
+        xformers); with per-batch lengths ``kv_len - q_len``.
+    window : (int or None, int or None), optional
+        Sliding window ``(left, right)``, inclusive: keeps
+        ``i + off - left <= j <= i + off + right``; ``None`` or ``-1`` is
+        unbounded on that side. ``(None, 0)`` is causal.
+    softcap : float > 0, optional
+        Scores become ``cap * tanh(scores / cap)`` after scaling, before the
+        mask, bias and ALiBi.
+    alibi_slopes : array_like, (Hq,) or (..., Hq), optional
+        Adds ``-slope * |i + off - j|`` to the scores, as FlashAttention.
+    q_lengths, kv_lengths : array_like of int, (...), optional
+        Per-batch valid lengths. Keys ``j >= kv_len`` are excluded; query
+        rows ``i >= q_len`` are zeroed in the output and every gradient."""
+
+
+def scaled_dot_product_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+    dropout_mask=None, rng=None, fully_masked="zero", upcast=True, bias=None, causal_alignment="top_left",
+    window=None, softcap=None, alibi_slopes=None, q_lengths=None, kv_lengths=None, return_lse=False,
+):
+    r"""Scaled dot-product attention, a drop-in for PyTorch's functional op.
+
+    ``softmax(Q K^T * scale + mask) V`` with exact masking: masked entries
+    get probability exactly 0, never a ``-1e9`` approximation. The
+    positional arguments are PyTorch's; the keyword-only ones reproduce
+    FlashAttention, JAX and xformers (see the README's table).
+
+    Parameters
+    ----------%s
+    return_lse : bool, optional
+        Also return the per-row log-sum-exp of the allowed scores.
 
     Returns
     -------
     out : ndarray, (..., Hq, L, Ev)
+    lse : ndarray, (..., Hq, L)
+        Only with ``return_lse=True``; ``-inf`` on rows with no allowed key.
 
     See Also
     --------
-    sdpa_forward, sdpa_backward
+    sdpa_forward, sdpa_backward, sdpa_jvp
     """
-    out, _ = sdpa_forward(
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"`return_lse` should be a bool, but got {V.describe(return_lse)}")
+    out, res = sdpa_forward(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        dropout_mask=dropout_mask, rng=rng, fully_masked=fully_masked, upcast=upcast,
+        dropout_mask=dropout_mask, rng=rng, fully_masked=fully_masked, upcast=upcast, bias=bias,
+        causal_alignment=causal_alignment, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, save_probs=False,
     )
+    if return_lse:
+        return out, res.lse.astype(res.problem.out_dtype, copy=False)
     return out
 
 
 def sdpa_forward(
-    query,
-    key,
-    value,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    *,
-    dropout_mask=None,
-    rng=None,
-    fully_masked="zero",
-    upcast=True,
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+    dropout_mask=None, rng=None, fully_masked="zero", upcast=True, bias=None, causal_alignment="top_left",
+    window=None, softcap=None, alibi_slopes=None, q_lengths=None, kv_lengths=None, save_probs=True,
 ):
     r"""Attention forward that also returns what the backward needs.
 
-    Takes the arguments of :func:`scaled_dot_product_attention`.
+    Parameters
+    ----------%s
+    save_probs : bool, optional
+        Keep ``P`` in the residuals (default) for the teaching backward; with
+        False only ``(out, lse)`` are kept and ``sdpa_backward`` must use
+        ``method="lse"``.
 
     Returns
     -------
     out : ndarray, (..., Hq, L, Ev)
         In the inputs' floating dtype.
     residuals : AttentionResiduals
-        Includes ``P``, the dropout keep mask that was used and the
-        per-row log-sum-exp ``lse`` ``(..., Hq, L)`` of the allowed scores.
+        Includes ``P``, the dropout keep mask that was used and the per-row
+        log-sum-exp ``lse`` ``(..., Hq, L)`` of the allowed scores.
 
     Notes
     -----
-    With :math:`A` the allowed set (bool mask, causal, and float-mask
-    entries that are not ``-inf``),
+    With :math:`A_i` the allowed keys of row :math:`i` (the structural masks,
+    and float entries that are not ``-inf``),
 
     .. math::
 
-        T &= s\,Q K^T + B, \qquad
-        m_i = \max_{j \in A_i} T_{ij}, \\
-        P_{ij} &= \frac{[j \in A_i]\, e^{T_{ij} - m_i}}{\sum_{k \in A_i} e^{T_{ik} - m_i}},
+        m_i = \max_{j \in A_i} T_{ij}, \qquad
+        P_{ij} = \frac{[j \in A_i]\, e^{T_{ij} - m_i}}{\sum_{k \in A_i} e^{T_{ik} - m_i}},
         \qquad O = \frac{P \odot Z}{1 - p} V.
 
     Excluded entries are set to :math:`-\infty` before the shift, so their
     exponential is exactly 0. A row with :math:`A_i = \emptyset` follows the
     ``fully_masked`` policy, and its :math:`\mathrm{lse}_i = -\infty`.
     """
-    prob = _Problem.build(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        dropout_mask, rng, fully_masked, upcast,
+    prob = Problem.build(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_mask=dropout_mask,
+        rng=rng, fully_masked=fully_masked, upcast=upcast, bias=bias, causal_alignment=causal_alignment,
+        window=window, softcap=softcap, alibi_slopes=alibi_slopes, q_lengths=q_lengths, kv_lengths=kv_lengths,
     )
-    return _forward(prob)
+    if not isinstance(save_probs, (bool, np.bool_)):
+        raise TypeError(f"`save_probs` should be a bool, but got {V.describe(save_probs)}")
+    out, res = _forward(prob, save_probs=bool(save_probs))
+    return out.astype(prob.out_dtype, copy=False), res
 
 
-def sdpa_backward(residuals, grad_out):
+def sdpa_forward_complex(query, key, value, **options):
+    r"""The forward on complex input, for complex-step differentiation only.
+
+    Takes the arguments of :func:`sdpa_forward` but accepts complex
+    ``query``, ``key``, ``value``, float ``attn_mask`` and ``bias``, and
+    returns the complex output without casting. Every operation on the path
+    is analytic -- the max-shift is taken from the real part (softmax is
+    invariant to any real shift), masks, ALiBi, lengths and dropout are fixed
+    patterns, and softcap's ``tanh`` is analytic -- so
+
+    .. math:: f'(x)\,t = \operatorname{Im} f(x + i h t) / h + O(h^2)
+
+    with :math:`h = 10^{-30}` has no subtractive cancellation and is exact to
+    rounding. :func:`sdpa_ref.check_vjp` with ``method="complex"`` uses it.
+    """
+    options.pop("upcast", None)
+    prob = Problem.build(query, key, value, complex_ok=True, **options)
+    out, _ = _forward(prob, save_probs=False)
+    return out
+
+
+def sdpa_backward(residuals, grad_out, method="probs"):
     r"""Gradients of attention by the hand-derived backward.
 
     Parameters
@@ -244,19 +298,24 @@ def sdpa_backward(residuals, grad_out):
         From :func:`sdpa_forward`.
     grad_out : array_like, (..., Hq, L, Ev)
         Cotangent ``dO`` of the output.
+    method : {"probs", "lse"}, optional
+        ``"probs"`` (default, the teaching form) uses the saved ``P``.
+        ``"lse"`` is FlashAttention's: it keeps only ``(O, lse)``,
+        recomputes :math:`P = e^{T - \mathrm{lse}}` from the scores and uses
+        :math:`D = \mathrm{rowsum}(dO \odot O)`. They agree to rounding.
 
     Returns
     -------
     AttentionGrads
-        ``(query, key, value, attn_mask)``; each summed back to its input's
-        shape (broadcast batch dims, a broadcast mask, and the GQA group)
+        ``(query, key, value, attn_mask, bias)``; each summed back to its
+        input's shape (broadcast batch dims, a broadcast mask, the GQA group)
         and cast to its input's dtype.
 
     Notes
     -----
-    Reverse through :math:`O = P_{drop} V`:
-    :math:`dV = P_{drop}^T dO` and :math:`dP_{drop} = dO\,V^T`. Dropout is
-    element-wise, :math:`dP = dP_{drop} \odot Z / (1 - p)`.
+    Reverse through :math:`O = P_{drop} V`: :math:`dV = P_{drop}^T dO` and
+    :math:`dP_{drop} = dO\,V^T`. Dropout is element-wise,
+    :math:`dP = dP_{drop} \odot Z / (1 - p)`.
 
     Each row of :math:`P` is a softmax of :math:`T_i`, whose Jacobian is
     :math:`\operatorname{diag}(P_i) - P_i P_i^T`, so
@@ -265,10 +324,17 @@ def sdpa_backward(residuals, grad_out):
 
         dT_i = P_i \odot (dP_i - D_i), \qquad D_i = \sum_j P_{ij}\, dP_{ij}.
 
+    **The lse method.** :math:`P_{ij} = e^{T_{ij} - \mathrm{lse}_i}` exactly
+    (that is what the log-sum-exp normalises), and
+    :math:`D_i = \sum_j P_{ij} dP_{ij} = \sum_j P_{drop,ij} (dO_i \cdot v_j)
+    = dO_i \cdot O_i`, so ``D`` needs no ``L x S`` product.
+
     Masked entries have :math:`P_{ij} = 0` and so :math:`dT_{ij} = 0`. The
-    float mask is added to :math:`T`, so :math:`dB = dT`. Finally
-    :math:`T = s\,Q K^T` gives :math:`dQ = s\, dT\, K` and
-    :math:`dK = s\, dT^T Q`.
+    float mask, the bias and ALiBi are added to :math:`T`, so
+    :math:`dB = dT`. Softcap :math:`T = c \tanh(T_{raw}/c)` gives
+    :math:`dT_{raw} = dT \odot (1 - \tanh^2(T_{raw}/c))`. Finally
+    :math:`T_{raw} = s\,Q K^T` gives :math:`dQ = s\, dT_{raw} K` and
+    :math:`dK = s\, dT_{raw}^T Q`.
 
     Fully masked rows: under ``"zero"`` :math:`P_i = 0`, so every
     contribution of the row is 0. Under ``"uniform"`` the row's
@@ -277,211 +343,201 @@ def sdpa_backward(residuals, grad_out):
     formulas are evaluated as written in IEEE arithmetic: :math:`dQ_i` and
     :math:`dB_i` are NaN, and since :math:`P_{drop}^T dO` and
     :math:`dT^T Q` contract over the row, so are :math:`dK` and :math:`dV`
-    of the kv head it reads (the textbook / xformers behaviour).
+    of the kv head it reads (the textbook / xformers behaviour). Padded query
+    rows (``i >= q_len``) have :math:`P_i = 0` under every policy.
     """
     if not isinstance(residuals, AttentionResiduals):
-        raise TypeError(
-            f"`residuals` should be the AttentionResiduals returned by sdpa_forward, "
-            f"but got {V.describe(residuals)}"
-        )
-    r = residuals
+        raise TypeError("`residuals` should be the AttentionResiduals returned by sdpa_forward, "
+                        f"but got {V.describe(residuals)}")
+    V.check_choice(method, "method", BACKWARD_METHODS)
+    r, prob = residuals, residuals.problem
     g = V.as_float_array(grad_out, "grad_out")
-    if g.shape != r.out_shape:
-        raise ValueError(f"`grad_out` should have the output's shape {r.out_shape}, but got shape {g.shape}")
-    ct = r.probs.dtype
-    P = r.probs                                   # (..., Hq, L, S)
-    full = P.shape
-    Hq, L = full[-3], full[-2]
-    Hkv = r.k.shape[-3]
-    G = Hq // Hkv if Hkv else 1
-    grouped = full[:-3] + (Hkv, G * L)            # (..., Hkv, G*L, ·)
+    if g.shape != prob.out_shape:
+        raise ValueError(f"`grad_out` should have the output's shape {prob.out_shape}, but got shape {g.shape}")
+    if method == "probs" and r.probs is None:
+        raise ValueError("`method` should be 'lse' for residuals saved with save_probs=False, but got 'probs'")
+    ct = prob.dtype
+    full, grouped = prob.full_scores, prob.grouped
     dO = g.astype(ct, copy=False).reshape(grouped + (g.shape[-1],))
+    S = full[-1]
 
-    P_drop = _apply_dropout(P, r.keep, r.dropout_p)
-    # dV = P_drop^T dO, summed over the group by the folded row axis
-    dv = _swap(P_drop.reshape(grouped + (full[-1],))) @ dO
-    # dP = (dO V^T) * Z / (1 - p)
-    dP = (dO @ _swap(r.v)).reshape(full)
-    dP = _apply_dropout(dP, r.keep, r.dropout_p)
-    # dT = P * (dP - D), D = rowsum(P * dP)
-    D = np.sum(P * dP, axis=-1, keepdims=True)
+    if method == "probs":
+        P = r.probs
+    else:
+        P = _probs_from_lse(prob, r)
+    P_drop = _apply_dropout(P, prob.keep, prob.dropout_p)
+    dv = _swap(P_drop.reshape(grouped + (S,))) @ dO                      # dV = P_drop^T dO
+    dP = _apply_dropout((dO @ _swap(prob.v)).reshape(full), prob.keep, prob.dropout_p)
+    if method == "probs":
+        D = np.sum(P * dP, axis=-1, keepdims=True)                       # D = rowsum(P * dP)
+    else:
+        D = np.sum(dO * r.out.reshape(dO.shape), axis=-1).reshape(full[:-1] + (1,))   # rowsum(dO * O)
     dT = P * (dP - D)
-    if r.fully_masked == "uniform":
+    if prob.fully_masked == "uniform":
         dT = np.where(r.empty, 0.0, dT)
-    dmask = None
-    if r.mask_shape is not None:
-        dmask = _unbroadcast(dT, r.mask_shape).astype(r.mask_dtype, copy=False)
-    dTg = dT.reshape(grouped + (full[-1],))
-    dq = r.scale * (dTg @ r.k)                    # (..., Hkv, G*L, E)
-    dk = r.scale * (_swap(dTg) @ r.q)             # (..., Hkv, S, E)
-    dq = dq.reshape(full[:-1] + (dq.shape[-1],))
-    return AttentionGrads(
-        query=_unbroadcast(dq, r.query_shape).astype(r.query_dtype, copy=False),
-        key=_unbroadcast(dk, r.key_shape).astype(r.key_dtype, copy=False),
-        value=_unbroadcast(dv, r.value_shape).astype(r.value_dtype, copy=False),
-        attn_mask=dmask,
-    )
+    return _grads_from_dT(prob, dT, r.tanh, dv)
+
+
+def sdpa_jvp(primals, tangents, **options):
+    r"""Forward-mode derivative of attention: ``(out, out_tangent)``.
+
+    Parameters
+    ----------
+    primals : tuple
+        ``(query, key, value)``; every other input and option is a keyword,
+        as in :func:`sdpa_forward` (``bias=`` included).
+    tangents : tuple
+        ``(dquery, dkey, dvalue)`` or ``(dquery, dkey, dvalue, dbias)``, each
+        of its primal's shape, any of them ``None`` for zero.
+    **options
+        The keyword arguments of :func:`sdpa_forward`.
+
+    Returns
+    -------
+    out, out_tangent : ndarray, (..., Hq, L, Ev)
+
+    Notes
+    -----
+    Differentiating the forward in the direction of the tangents,
+
+    .. math::
+
+        dT &= s\,(dQ\,K^T + Q\,dK^T) \odot (1 - \tanh^2(T_{raw}/c)) + dB, \\
+        dP &= P \odot (dT - \mathrm{rowsum}(P \odot dT)), \\
+        dO &= \frac{dP \odot Z}{1-p} V + P_{drop}\, dV,
+
+    the softcap factor only with softcap. Masked entries have :math:`P = 0`,
+    so their :math:`dP` is 0; under ``"uniform"`` a fully masked row's
+    :math:`P` is constant and its :math:`dP` is 0.
+    """
+    if not isinstance(primals, (tuple, list)) or len(primals) != 3:
+        raise TypeError(f"`primals` should be a tuple (query, key, value), but got {V.describe(primals)}")
+    if not isinstance(tangents, (tuple, list)) or len(tangents) not in (3, 4):
+        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias]), "
+                        f"but got {V.describe(tangents)}")
+    out, res = sdpa_forward(*primals, **dict(options, save_probs=True))
+    prob = res.problem
+    names = ("query", "key", "value", "bias")
+    ts = list(tangents) + [None] * (4 - len(tangents))
+    if ts[3] is not None and prob.bias is None:
+        raise ValueError("`tangents` should have no bias tangent when no `bias` is given, but got one")
+    ct = prob.dtype
+    conv = []
+    for name, t in zip(names, ts):
+        if t is None:
+            conv.append(None)
+            continue
+        t = V.as_float_array(t, f"tangents[{names.index(name)}]")
+        if t.shape != prob.shapes[name]:
+            raise ValueError(f"`tangents[{names.index(name)}]` should have the shape of `{name}` "
+                             f"{prob.shapes[name]}, but got shape {t.shape}")
+        conv.append(t.astype(ct, copy=False))
+    dq, dk, dv, db = conv
+    full, grouped = prob.full_scores, prob.grouped
+    P = res.probs
+    dT = np.zeros(full, dtype=ct)
+    if dq is not None:
+        dqg = _to_grouped(dq, prob)
+        dT = dT + ((prob.scale * dqg) @ _swap(prob.k)).reshape(full)
+    if dk is not None:
+        dkh = dk if dk.ndim > 2 else dk[None]
+        dT = dT + ((prob.scale * prob.q) @ _swap(dkh)).reshape(full)
+    if res.tanh is not None:
+        dT = dT * (1.0 - res.tanh * res.tanh)
+    if db is not None:
+        dT = dT + db
+    dP = P * (dT - np.sum(P * dT, axis=-1, keepdims=True))
+    if prob.fully_masked == "uniform":
+        dP = np.where(res.empty, 0.0, dP)
+    dP_drop = _apply_dropout(dP, prob.keep, prob.dropout_p)
+    dO = dP_drop.reshape(grouped + (full[-1],)) @ prob.v
+    if dv is not None:
+        dvh = dv if dv.ndim > 2 else dv[None]
+        P_drop = _apply_dropout(P, prob.keep, prob.dropout_p)
+        dO = dO + P_drop.reshape(grouped + (full[-1],)) @ dvh
+    dO = dO.reshape(prob.out_shape)
+    return out, dO.astype(prob.out_dtype, copy=False)
 
 
 # ------------------------------------------------------------ internals
 
 
-@dataclass
-class _Problem:
-    """Validated inputs, as arrays in the compute dtype, plus shapes."""
-
-    q: np.ndarray          # (..., Hkv, G*L, E), compute dtype
-    k: np.ndarray          # (..., Hkv, S, E)
-    v: np.ndarray          # (..., Hkv, S, Ev)
-    mask: Optional[np.ndarray]
-    is_causal: bool
-    scale: float
-    dropout_p: float
-    keep: Optional[np.ndarray]
-    fully_masked: str
-    full_scores: tuple     # (*batch, Hq, L, S)
-    user_ndim: int
-    shapes: dict
-    dtypes: dict
-    out_dtype: np.dtype
-
-    @classmethod
-    def build(cls, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-              dropout_mask, rng, fully_masked, upcast, *, allow_complex=False):
-        q = V.as_float_array(query, "query", min_ndim=2, allow_complex=allow_complex)
-        k = V.as_float_array(key, "key", min_ndim=2, allow_complex=allow_complex)
-        v = V.as_float_array(value, "value", min_ndim=2, allow_complex=allow_complex)
-        is_causal = _check_bool(is_causal, "is_causal")
-        enable_gqa = _check_bool(enable_gqa, "enable_gqa")
-        upcast = _check_bool(upcast, "upcast")
-        V.check_choice(fully_masked, "fully_masked", FULLY_MASKED_POLICIES)
-
-        if q.shape[-1] != k.shape[-1]:
-            raise ValueError(
-                f"`key` should have the last dim E={q.shape[-1]} of `query` {q.shape}, but got shape {k.shape}"
-            )
-        if k.shape[-2] != v.shape[-2]:
-            raise ValueError(
-                f"`value` should have the S={k.shape[-2]} rows of `key` {k.shape}, but got shape {v.shape}"
-            )
-        qh = q if q.ndim > 2 else q[None]
-        kh = k if k.ndim > 2 else k[None]
-        vh = v if v.ndim > 2 else v[None]
-        Hq, L, E = qh.shape[-3:]
-        Hkv, S, Ev = kh.shape[-3], kh.shape[-2], vh.shape[-1]
-        if vh.shape[-3] != Hkv:
-            raise ValueError(
-                f"`value` should have the Hkv={Hkv} heads of `key` {k.shape}, but got shape {v.shape}"
-            )
-        if enable_gqa:
-            if Hkv == 0 or Hq % Hkv != 0:
-                raise ValueError(
-                    f"`key` should have a head count Hkv that divides Hq={Hq} of `query` "
-                    f"(enable_gqa=True), but got Hkv={Hkv}"
-                )
-        elif Hq != Hkv:
-            raise ValueError(
-                f"`key` should have the Hq={Hq} heads of `query` when enable_gqa=False, "
-                f"but got Hkv={Hkv}; pass enable_gqa=True for grouped-query attention"
-            )
-        batch = V.broadcast_batch({"query": qh.shape[:-3], "key": kh.shape[:-3], "value": vh.shape[:-3]})
-        full_scores = batch + (Hq, L, S)
-        user_ndim = max(q.ndim, k.ndim, v.ndim)
-        user_scores = full_scores[len(full_scores) - user_ndim:]
-
-        if scale is None:
-            scale = 1.0 / np.sqrt(E) if E > 0 else 1.0
-        else:
-            scale = V.as_real_scalar(scale, "scale")
-            if not np.isfinite(scale) or scale == 0.0:
-                raise ValueError(f"`scale` should be finite and non-zero, but got {scale!r}")
-
-        mask = None
-        if attn_mask is not None:
-            mask = V.as_mask(attn_mask, "attn_mask", user_scores)
-
-        dropout_p = V.as_real_scalar(dropout_p, "dropout_p")
-        if not 0.0 <= dropout_p < 1.0:
-            raise ValueError(f"`dropout_p` should be in [0, 1), but got {dropout_p!r}")
-        keep = None
-        if dropout_mask is not None:
-            keep = V.as_mask(dropout_mask, "dropout_mask", user_scores, allow_float=False)
-        elif dropout_p > 0.0:
-            gen = _as_generator(rng)
-            keep = gen.random(user_scores) >= dropout_p
-
-        if fully_masked == "uniform" and S == 0:
-            raise ValueError(
-                "`fully_masked` should not be 'uniform' when S == 0 (the mean of zero values "
-                "is undefined), but got S=0"
-            )
-
-        out_dtype = np.result_type(q.dtype, k.dtype, v.dtype)
-        ct = np.result_type(out_dtype, np.float64) if upcast else out_dtype
-        G = Hq // Hkv if Hkv else 1
-        qg = qh.astype(ct, copy=False).reshape(qh.shape[:-3] + (Hkv, G * L, E))
-        shapes = {"query": q.shape, "key": k.shape, "value": v.shape}
-        dtypes = {"query": q.dtype, "key": k.dtype, "value": v.dtype}
-        return cls(
-            q=qg, k=kh.astype(ct, copy=False), v=vh.astype(ct, copy=False),
-            mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p, keep=keep,
-            fully_masked=fully_masked, full_scores=full_scores, user_ndim=user_ndim,
-            shapes=shapes, dtypes=dtypes, out_dtype=out_dtype,
-        )
-
-
-def _forward(prob: _Problem):
+def _forward(prob: Problem, *, save_probs: bool):
     full = prob.full_scores
-    batch, (Hq, L, S) = full[:-3], full[-3:]
-    Hkv = prob.k.shape[-3]
-    ct = prob.q.dtype
-    # T = scale * Q K^T, all heads of a group at once
-    T = ((prob.scale * prob.q) @ _swap(prob.k)).reshape(full)
-    allowed = None
-    if prob.mask is not None:
-        if prob.mask.dtype == bool:
-            allowed = prob.mask
-        else:
-            T = T + prob.mask.astype(ct, copy=False)
-    if prob.is_causal:
-        cm = causal_mask(L, S)
-        allowed = cm if allowed is None else (allowed & cm)
-    if allowed is not None:
-        T = np.where(allowed, T, -np.inf)
-    # Stable softmax over the allowed entries; -inf entries give exactly 0.
-    m = np.max(T.real, axis=-1, keepdims=True, initial=-np.inf)
-    empty = m == -np.inf                              # rows with no allowed key
-    m = np.where(empty, 0.0, m)
+    S = full[-1]
+    sc = prob.scores()
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        e = np.exp(T - m)
+        m = np.where(sc.empty, 0.0, np.max(sc.T.real, axis=-1, keepdims=True, initial=-np.inf))
+        e = np.exp(sc.T - m)
         s = np.sum(e, axis=-1, keepdims=True)
         P = e / s
         lse = np.log(s) + m
-    if np.any(empty):
-        fill = {"zero": 0.0, "nan": np.nan, "uniform": 1.0 / S if S else np.nan}[prob.fully_masked]
-        P = np.where(empty, fill, P)
-    P = P.astype(ct, copy=False)
+    P = _fill_empty_rows(P, prob, sc)
     P_drop = _apply_dropout(P, prob.keep, prob.dropout_p)
-    G = Hq // Hkv if Hkv else 1
-    grouped = batch + (Hkv, G * L, S)
-    O = (P_drop.reshape(grouped) @ prob.v).reshape(full[:-1] + (prob.v.shape[-1],))
+    O = (P_drop.reshape(prob.grouped + (S,)) @ prob.v).reshape(full[:-1] + (prob.v.shape[-1],))
     if prob.fully_masked == "nan" and S == 0:
         O = np.full_like(O, np.nan)       # an empty sum would give 0, not the policy's NaN
-    out_shape = O.shape[O.ndim - prob.user_ndim:]
-    O = O.reshape(out_shape)
-    mask_shape = mask_dtype = None
-    if prob.mask is not None and prob.mask.dtype != bool:
-        mask_shape, mask_dtype = prob.mask.shape, prob.mask.dtype
+        if sc.padded is not None:
+            O = np.where(sc.padded, 0.0, O)
+    O = O.reshape(prob.out_shape)
     res = AttentionResiduals(
-        q=prob.q, k=prob.k, v=prob.v, probs=P, out=O,
-        lse=lse[..., 0].reshape(out_shape[:-1]),
-        keep=prob.keep, empty=empty, scale=prob.scale, dropout_p=prob.dropout_p,
-        fully_masked=prob.fully_masked, mask_shape=mask_shape, mask_dtype=mask_dtype,
-        query_shape=prob.shapes["query"], key_shape=prob.shapes["key"], value_shape=prob.shapes["value"],
-        query_dtype=prob.dtypes["query"], key_dtype=prob.dtypes["key"], value_dtype=prob.dtypes["value"],
-        out_shape=out_shape, out_dtype=prob.out_dtype,
+        problem=prob, probs=P if save_probs else None, out=O, lse=lse[..., 0].reshape(prob.out_shape[:-1]),
+        tanh=sc.tanh, empty=sc.empty, padded=sc.padded,
     )
-    return O.astype(prob.out_dtype, copy=False), res
+    return O, res
+
+
+def _fill_empty_rows(P, prob: Problem, sc: Scores):
+    """Apply the ``fully_masked`` policy; padded query rows are 0 under every policy."""
+    if not np.any(sc.empty):
+        return P
+    S = prob.full_scores[-1]
+    fill = {"zero": 0.0, "nan": np.nan, "uniform": 1.0 / S if S else np.nan}[prob.fully_masked]
+    P = np.where(sc.empty, fill, P)
+    if sc.padded is not None and prob.fully_masked != "zero":
+        P = np.where(sc.padded, 0.0, P)
+    return P.astype(prob.dtype, copy=False)
+
+
+def _probs_from_lse(prob: Problem, r: AttentionResiduals):
+    """FlashAttention's recomputation: ``P = exp(T - lse)`` on allowed entries."""
+    sc = prob.scores()
+    lse = r.lse.reshape(prob.full_scores[:-1] + (1,))
+    with np.errstate(invalid="ignore", over="ignore"):
+        P = np.exp(sc.T - np.where(sc.empty, 0.0, lse))   # exp(-inf) = 0 outside the allowed set
+    return _fill_empty_rows(P, prob, sc)
+
+
+def _grads_from_dT(prob: Problem, dT, tanh, dv):
+    """dB, dTraw, dQ, dK from the score gradient, all summed back to their inputs."""
+    full, grouped = prob.full_scores, prob.grouped
+    shapes, dtypes = prob.shapes, prob.dtypes
+    dmask = dbias = None
+    if prob.mask_float is not None:
+        dmask = _unbroadcast(dT, shapes["attn_mask"]).astype(dtypes["attn_mask"], copy=False)
+    if prob.bias is not None:
+        dbias = _unbroadcast(dT, shapes["bias"]).astype(dtypes["bias"], copy=False)
+    if tanh is not None:
+        dT = dT * (1.0 - tanh * tanh)                      # dTraw
+    dTg = dT.reshape(grouped + (full[-1],))
+    dq = (prob.scale * (dTg @ prob.k)).reshape(full[:-1] + (prob.q.shape[-1],))
+    dk = prob.scale * (_swap(dTg) @ prob.q)
+    return AttentionGrads(
+        query=_unbroadcast(dq, shapes["query"]).astype(dtypes["query"], copy=False),
+        key=_unbroadcast(dk, shapes["key"]).astype(dtypes["key"], copy=False),
+        value=_unbroadcast(dv, shapes["value"]).astype(dtypes["value"], copy=False),
+        attn_mask=dmask,
+        bias=dbias,
+    )
+
+
+def _to_grouped(x, prob: Problem):
+    """A query-shaped array in the grouped layout ``(..., Hkv, G*L, E)``."""
+    xh = x if x.ndim > 2 else x[None]
+    Hkv = prob.k.shape[-3]
+    Hq, L = xh.shape[-3], xh.shape[-2]
+    G = Hq // Hkv if Hkv else 1
+    return xh.reshape(xh.shape[:-3] + (Hkv, G * L, xh.shape[-1]))
 
 
 def _apply_dropout(x, keep, p):
@@ -508,17 +564,5 @@ def _unbroadcast(g, shape):
     return g.reshape(shape)
 
 
-def _check_bool(x, name):
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"`{name}` should be a bool, but got {V.describe(x)}")
-    return bool(x)
-
-
-def _as_generator(rng):
-    if rng is None:
-        return np.random.default_rng()
-    if isinstance(rng, np.random.Generator):
-        return rng
-    if isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
-        return np.random.default_rng(int(rng))
-    raise TypeError(f"`rng` should be a numpy.random.Generator, an int seed or None, but got {V.describe(rng)}")
+scaled_dot_product_attention.__doc__ = scaled_dot_product_attention.__doc__ % _DOC_OPTIONS
+sdpa_forward.__doc__ = sdpa_forward.__doc__ % _DOC_OPTIONS

@@ -17,7 +17,15 @@ import numbers
 
 import numpy as np
 
-__all__ = ["ALIGNMENTS", "causal_mask", "window_mask", "alignment_offset"]
+__all__ = [
+    "ALIGNMENTS",
+    "causal_mask",
+    "window_mask",
+    "padding_mask",
+    "alibi_bias",
+    "alibi_slopes",
+    "alignment_offset",
+]
 
 #: The accepted values of ``alignment`` / ``causal_alignment``.
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -83,6 +91,93 @@ def window_mask(L, S, left, right, alignment="top_left"):
     if right is not None:
         keep &= j <= i + off + right
     return keep
+
+
+def padding_mask(q_lengths, kv_lengths, L, S):
+    """Bool ``(..., 1, L, S)`` mask of the valid (query, key) pairs per batch.
+
+    Keeps ``i < q_len`` and ``j < kv_len``. The head axis of length 1 lets it
+    broadcast against ``(..., Hq, L, S)``. Note that passing this as
+    ``attn_mask`` makes padded query rows *fully masked* (they follow
+    ``fully_masked``), whereas ``q_lengths=`` zeroes them under every policy;
+    the two agree under the default ``"zero"``.
+
+    Parameters
+    ----------
+    q_lengths, kv_lengths : array_like of int, (...)
+        Per-batch lengths; ``None`` means ``L`` (resp. ``S``) everywhere.
+    L, S : int
+
+    Examples
+    --------
+    >>> padding_mask([1, 2], [2, 3], 2, 3)[1, 0].astype(int).tolist()
+    [[1, 1, 1], [1, 1, 1]]
+    >>> padding_mask([1, 2], [2, 3], 2, 3)[0, 0].astype(int).tolist()
+    [[1, 1, 0], [0, 0, 0]]
+    """
+    L = _check_size(L, "L")
+    S = _check_size(S, "S")
+    ql = np.asarray(L if q_lengths is None else q_lengths)
+    kl = np.asarray(S if kv_lengths is None else kv_lengths)
+    for arr, name, lim in ((ql, "q_lengths", L), (kl, "kv_lengths", S)):
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"`{name}` should be an integer array, but got dtype {arr.dtype}")
+        if arr.size and (arr.min() < 0 or arr.max() > lim):
+            raise ValueError(f"`{name}` should hold lengths in [0, {lim}], but got {arr.min()}..{arr.max()}")
+    batch = np.broadcast_shapes(ql.shape, kl.shape)
+    ql = np.broadcast_to(ql, batch)[..., None, None, None]
+    kl = np.broadcast_to(kl, batch)[..., None, None, None]
+    i = np.arange(L)[:, None]
+    j = np.arange(S)[None, :]
+    return (i < ql) & (j < kl)
+
+
+def alibi_bias(slopes, L, S, alignment="top_left"):
+    """Float ALiBi bias ``-slope * |i + off - j|`` of shape ``(..., Hq, L, S)``.
+
+    ``slopes`` is ``(Hq,)`` or ``(..., Hq)``. This is what ``alibi_slopes=``
+    adds to the scores; passing it as ``bias=`` gives the same attention.
+
+    Examples
+    --------
+    >>> alibi_bias([0.5], 2, 3)[0].tolist()
+    [[-0.0, -0.5, -1.0], [-0.5, -0.0, -0.5]]
+    """
+    L = _check_size(L, "L")
+    S = _check_size(S, "S")
+    s = np.asarray(slopes, dtype=np.float64)
+    if s.ndim < 1:
+        raise ValueError(f"`slopes` should have shape (Hq,) or (..., Hq), but got shape {s.shape}")
+    off = int(alignment_offset(L, S, alignment))
+    dist = np.abs(np.arange(L)[:, None] + off - np.arange(S)[None, :])
+    return -s[..., None, None] * dist
+
+
+def alibi_slopes(n_heads):
+    """The standard ALiBi slopes of Press et al. (2022) for ``n_heads`` heads.
+
+    For a power of two ``n``, the geometric sequence ``2^(-8/n * (h + 1))``,
+    ``h = 0 .. n-1``. Otherwise the slopes of the largest power of two
+    ``m < n``, followed by every other slope of ``2m`` heads, as in the
+    paper's reference code.
+
+    Examples
+    --------
+    >>> alibi_slopes(4).tolist()
+    [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    n = _check_size(n_heads, "n_heads")
+    if n == 0:
+        return np.zeros(0)
+
+    def pow2(m):
+        start = 2.0 ** (-8.0 / m)
+        return [start ** (h + 1) for h in range(m)]
+
+    m = 1 << (n.bit_length() - 1)
+    if m == n:
+        return np.array(pow2(n))
+    return np.array(pow2(m) + pow2(2 * m)[0::2][: n - m])
 
 
 def _check_size(n, name):
