@@ -33,17 +33,23 @@ def build_parser() -> argparse.ArgumentParser:
         "check",
         help="verify this installation: gradient checks of every backward over a grid of options",
         description=(
-            "Run finite-difference gradient checks of every backward in the package (softmax, "
-            "log-softmax, attention) over a grid of options: no/bool/float masks, causal, GQA, "
-            "dropout with an explicit keep mask, L<S, L>S, Ev!=E, broadcast batch, and each "
-            "fully_masked policy. Prints one line per case with its worst symmetric relative "
-            "error and exits 1 if any case fails."
+            "Prove every backward in the package (softmax, log-softmax, attention) over a grid "
+            "of options: no/bool/float masks, bias, causal in both alignments, windows, softcap, "
+            "ALiBi, per-batch lengths, GQA, dropout with an explicit keep mask, L<S, L>S, Ev!=E, "
+            "broadcast batch, and each fully_masked policy. Each attention case checks the VJP "
+            "against central differences (fd), the VJP and JVP against the complex step (cs), "
+            "FlashAttention's lse backward against the default (lse) and <g,Jt> = <J^T g,t> (ip). "
+            "Prints one line per case and exits 1 if any case fails."
         ),
     )
-    p.add_argument("--quick", action="store_true", help="run a covering subset of the grid (about a third)")
+    p.add_argument("--quick", action="store_true", help="run a covering subset of the grid (about 45%%)")
+    p.add_argument("--filter", metavar="TEXT", default=None,
+                   help="run only the cases whose name contains TEXT (e.g. 'softcap' or 'mask=bool')")
     _add_format(p)
     p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: 1e-7)")
     p.add_argument("--atol", type=float, default=None, help="absolute floor (default: 1e-9)")
+    p.add_argument("--complex-rtol", type=float, default=None,
+                   help="relative tolerance of the complex-step checks (default: 1e-12)")
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser(
@@ -103,26 +109,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _cmd_check(args) -> int:
     from . import selfcheck
 
-    rtol = selfcheck.CHECK_RTOL if args.rtol is None else args.rtol
-    atol = selfcheck.CHECK_ATOL if args.atol is None else args.atol
+    tols = {"rtol": selfcheck.CHECK_RTOL if args.rtol is None else args.rtol,
+            "atol": selfcheck.CHECK_ATOL if args.atol is None else args.atol}
+    if args.complex_rtol is not None:
+        tols["complex_rtol"] = args.complex_rtol
     progress = _Progress("check")
-    results = selfcheck.softmax_checks(rtol=rtol, atol=atol)
-    cases = selfcheck.attention_cases(args.quick)
-    for i, case in enumerate(cases):
-        progress(i, len(cases), case.name)
-        results.append(selfcheck.run_attention_case(case, rtol=rtol, atol=atol))
+    results = selfcheck.run_checks(args.quick, progress=progress, name_filter=args.filter, **tols)
+    if not results:
+        print(f"sdpa-ref: no case matches --filter {args.filter!r}", file=sys.stderr)
+        return 2
     progress.done()
     rows = [
-        {"case": r.name, "status": "ok" if r.ok else "FAIL", "max_rel_error": r.max_rel_error,
-         "max_abs_error": r.max_abs_error, "seconds": round(r.seconds, 4)}
+        {"case": r.name, "status": "ok" if r.ok else "FAIL", "fd_rel_error": r.max_rel_error,
+         "cs_rel_error": r.cs_rel_error, "lse_rel_error": r.lse_rel_error, "ip_rel_error": r.ip_rel_error,
+         "seconds": round(r.seconds, 4)}
         for r in results
     ]
     n_fail = sum(not r.ok for r in results)
     if args.format == "table":
-        print(format_rows(rows, ["case", "status", "max_rel_error", "max_abs_error", "seconds"]))
-        worst = max(r.max_rel_error for r in results)
-        print(f"\n{len(results) - n_fail} passed, {n_fail} failed; worst relative error {worst:.2e} "
-              f"(rtol {rtol:.0e}, atol {atol:.0e}; symmetric relative error, float64 central differences)")
+        table = [{k: ("-" if v is None else v) for k, v in row.items()} for row in rows]
+        print(format_rows(table, list(rows[0].keys())))
+        worst = lambda key: max((row[key] for row in rows if row[key] is not None), default=0.0)  # noqa: E731
+        print(f"\n{len(results) - n_fail} passed, {n_fail} failed")
+        print(f"worst relative errors: central differences {worst('fd_rel_error'):.2e} (tolerance "
+              f"{tols['rtol']:.0e}); complex step {worst('cs_rel_error'):.2e} "
+              f"({tols.get('complex_rtol', selfcheck.COMPLEX_RTOL):.0e}); lse vs probs backward "
+              f"{worst('lse_rel_error'):.2e} ({selfcheck.LSE_RTOL:.0e}); <g,Jt> vs <J^T g,t> "
+              f"{worst('ip_rel_error'):.2e}")
+        print("symmetric relative error |a-n|/(|a|+|n|), float64; fd: sdpa_backward vs central differences; "
+              "cs: sdpa_backward and sdpa_jvp vs the complex step")
         for r in results:
             if not r.ok:
                 print(f"\nFAILED: {r.name}\n{r.detail}")

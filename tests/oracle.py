@@ -1,12 +1,15 @@
-"""An independent, deliberately plain attention: Python loops and math.exp.
+"""An independent, deliberately plain attention: Python loops and math functions.
 
-It shares no code with sdpa_ref. It follows SEMANTICS.md literally: the
-allowed set is built entry by entry, the softmax is taken over the allowed
-entries only, and the backward goes through the explicit softmax Jacobian
-diag(P) - P P^T of each row instead of the package's closed form.
+It shares no code with sdpa_ref. It follows SEMANTICS.md literally, entry by
+entry: the raw score, softcap, the additive terms (float mask, bias, ALiBi),
+the allowed set (bool mask, causal, window, lengths, -inf entries), the
+softmax over the allowed entries only, the fully-masked policy, query
+padding and dropout. The backward goes through the explicit softmax
+Jacobian diag(P) - P P^T of each row instead of the package's closed form.
 
 Inputs must already have equal batch dims: q (B, Hq, L, E), k (B, Hkv, S, E),
-v (B, Hkv, S, Ev); `mask` and `keep` are full (B, Hq, L, S) arrays or None.
+v (B, Hkv, S, Ev); `mask`, `bias` and `keep` are full (B, Hq, L, S) arrays or
+None; `slopes` is (B, Hq) or None; `q_lengths`, `kv_lengths` are (B,) or None.
 """
 
 import math
@@ -14,49 +17,73 @@ import math
 import numpy as np
 
 
-def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None, p=0.0,
-                     policy="zero", grad_out=None):
+def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None, p=0.0, policy="zero",
+                     grad_out=None, bias=None, alignment="top_left", window=None, softcap=None, slopes=None,
+                     q_lengths=None, kv_lengths=None):
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     G = Hq // Hkv
     if scale is None:
-        scale = 1.0 / math.sqrt(E)
+        scale = 1.0 / math.sqrt(E) if E else 1.0
+    left, right = (None, None) if window is None else window
+    left = None if left == -1 else left
+    right = None if right == -1 else right
     out = np.zeros((B, Hq, L, Ev))
     lse = np.zeros((B, Hq, L))
-    grads = None
-    if grad_out is not None:
+    want_grads = grad_out is not None
+    if want_grads:
         dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
-        dmask = np.zeros((B, Hq, L, S))
+        dT_all = np.zeros((B, Hq, L, S))
     for b in range(B):
+        ql = L if q_lengths is None else int(q_lengths[b])
+        kl = S if kv_lengths is None else int(kv_lengths[b])
+        off = 0 if alignment == "top_left" else kl - ql
         for h in range(Hq):
             kh = h // G
             for i in range(L):
                 t = [0.0] * S
+                th = [0.0] * S
                 allowed = [True] * S
                 for j in range(S):
                     dot = 0.0
                     for e in range(E):
                         dot += q[b, h, i, e] * k[b, kh, j, e]
-                    t[j] = scale * dot
+                    raw = scale * dot
+                    if softcap is not None:
+                        th[j] = math.tanh(raw / softcap)
+                        t[j] = softcap * th[j]
+                    else:
+                        t[j] = raw
                     if mask is not None:
                         mval = mask[b, h, i, j]
                         if isinstance(mval, (bool, np.bool_)):
-                            allowed[j] = bool(mval)
+                            allowed[j] = allowed[j] and bool(mval)
                         else:
                             t[j] += float(mval)
-                            if t[j] == -math.inf:
-                                allowed[j] = False
-                    if is_causal and j > i:
+                    if bias is not None:
+                        t[j] += float(bias[b, h, i, j])
+                    if slopes is not None:
+                        t[j] += -float(slopes[b, h]) * abs(i + off - j)
+                    if t[j] == -math.inf:
                         allowed[j] = False
-                js = [j for j in range(S) if allowed[j]]
+                    if is_causal and j > i + off:
+                        allowed[j] = False
+                    if left is not None and j < i + off - left:
+                        allowed[j] = False
+                    if right is not None and j > i + off + right:
+                        allowed[j] = False
+                    if j >= kl:
+                        allowed[j] = False
+                padded = i >= ql
+                js = [j for j in range(S) if allowed[j]] if not padded else []
                 P = [0.0] * S
                 score_dependent = True
                 if not js:
                     lse[b, h, i] = -math.inf
-                    if policy == "nan":
+                    if not padded and policy == "nan":
                         P = [math.nan] * S
-                    elif policy == "uniform":
+                    elif not padded and policy == "uniform":
                         P = [1.0 / S] * S
                         score_dependent = False
                 else:
@@ -70,7 +97,7 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
                     drop = [(1.0 if keep[b, h, i, j] else 0.0) / (1.0 - p) for j in range(S)]
                 for e in range(Ev):
                     out[b, h, i, e] = sum(P[j] * drop[j] * v[b, kh, j, e] for j in range(S))
-                if grad_out is None:
+                if not want_grads:
                     continue
                 g = grad_out[b, h, i]
                 dP = [drop[j] * sum(g[e] * v[b, kh, j, e] for e in range(Ev)) for j in range(S)]
@@ -87,10 +114,10 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
                             acc += J_lj * dP[l]
                         dT[j] = acc
                 for j in range(S):
-                    dmask[b, h, i, j] = dT[j]
+                    dT_all[b, h, i, j] = dT[j]
+                    d_raw = dT[j] * (1.0 - th[j] ** 2) if softcap is not None else dT[j]
                     for e in range(E):
-                        dq[b, h, i, e] += scale * dT[j] * k[b, kh, j, e]
-                        dk[b, kh, j, e] += scale * dT[j] * q[b, h, i, e]
-    if grad_out is not None:
-        grads = (dq, dk, dv, dmask)
+                        dq[b, h, i, e] += scale * d_raw * k[b, kh, j, e]
+                        dk[b, kh, j, e] += scale * d_raw * q[b, h, i, e]
+    grads = (dq, dk, dv, dT_all) if want_grads else None
     return out, lse, grads

@@ -8,29 +8,32 @@ from sdpa_ref.cli import main
 
 
 def test_check_quick_table(capsys):
-    assert main(["check", "--quick"]) == 0
+    assert main(["check", "--quick", "--filter", "fully_masked=uniform"]) == 0
     out = capsys.readouterr().out
-    assert "0 failed" in out and "softmax_vjp axis=-1" in out and "fully_masked=uniform" in out
+    assert "0 failed" in out and "fully_masked=uniform" in out and "fully_masked=zero" not in out
+    assert "complex step" in out
 
 
 def test_check_json(capsys):
-    assert main(["check", "--quick", "--format", "json"]) == 0
+    assert main(["check", "--quick", "--format", "json", "--filter", "softcap"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows and all(r["status"] == "ok" for r in rows)
-    assert max(r["max_rel_error"] for r in rows) < 1e-7
+    assert rows and all(r["status"] == "ok" and "softcap" in r["case"] for r in rows)
+    assert max(r["fd_rel_error"] for r in rows) < 1e-7
+    assert max(r["cs_rel_error"] for r in rows) < 1e-12
 
 
 def test_check_csv(capsys):
-    assert main(["check", "--quick", "--format", "csv"]) == 0
+    assert main(["check", "--format", "csv", "--filter", "softmax"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "case,status,max_rel_error,max_abs_error,seconds"
-    assert len(lines) > 20
+    assert lines[0] == "case,status,fd_rel_error,cs_rel_error,lse_rel_error,ip_rel_error,seconds"
+    assert len(lines) == 1 + 9
 
 
 def test_check_fails_with_an_impossible_tolerance(capsys):
     # The exit code reflects failures; a tolerance of 1e-30 cannot be met.
-    assert main(["check", "--quick", "--rtol", "1e-30", "--atol", "1e-30"]) == 1
+    assert main(["check", "--filter", "L=S mask=bool causal gqa", "--rtol", "1e-30", "--atol", "1e-30"]) == 1
     assert "FAILED" in capsys.readouterr().out
+    assert main(["check", "--filter", "no such case"]) == 2
 
 
 def test_help_and_module_entry_point():
