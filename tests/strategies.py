@@ -39,3 +39,48 @@ def attention_problem(draw, max_batch=2, max_len=5, max_width=4, gqa=None):
     elif kind == "float":
         opts["attn_mask"] = rng.standard_normal((1, Hkv * G, L, S))
     return q, k, v, opts
+
+
+@st.composite
+def variant_problem(draw, max_len=5):
+    """Inputs plus any combination of the beyond-PyTorch options, with oracle-ready full arrays."""
+    B = draw(st.integers(1, 2))
+    Hkv = draw(st.integers(1, 2))
+    use_gqa = draw(st.booleans())
+    G = draw(st.integers(2, 3)) if use_gqa else 1
+    Hq = Hkv * G
+    L, S = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+    E, Ev = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = rng.standard_normal((B, Hq, L, E)) * 1.5
+    k = rng.standard_normal((B, Hkv, S, E))
+    v = rng.standard_normal((B, Hkv, S, Ev))
+    opts = {"enable_gqa": use_gqa, "is_causal": draw(st.booleans()),
+            "causal_alignment": draw(st.sampled_from(["top_left", "bottom_right"])),
+            "fully_masked": draw(st.sampled_from(["zero", "nan", "uniform"]))}
+    oracle = {"is_causal": opts["is_causal"], "alignment": opts["causal_alignment"], "policy": opts["fully_masked"]}
+    if draw(st.booleans()):
+        m = rng.random((1, Hq, L, S)) < 0.7
+        opts["attn_mask"] = m
+        oracle["mask"] = np.broadcast_to(m, (B, Hq, L, S))
+    if draw(st.booleans()):
+        b = rng.standard_normal((Hq, L, S))
+        opts["bias"] = b
+        oracle["bias"] = np.broadcast_to(b, (B, Hq, L, S))
+    if draw(st.booleans()):
+        side = st.one_of(st.none(), st.just(-1), st.integers(0, 3))
+        opts["window"] = oracle["window"] = (draw(side), draw(side))
+    if draw(st.booleans()):
+        opts["softcap"] = oracle["softcap"] = draw(st.sampled_from([0.5, 1.0, 3.0]))
+    if draw(st.booleans()):
+        s = rng.random((B, Hq))
+        opts["alibi_slopes"] = s
+        oracle["slopes"] = s
+    if draw(st.booleans()):
+        opts["q_lengths"] = oracle["q_lengths"] = rng.integers(0, L + 1, B)
+        opts["kv_lengths"] = oracle["kv_lengths"] = rng.integers(0, S + 1, B)
+    if draw(st.booleans()):
+        keep = rng.random((B, Hq, L, S)) >= 0.3
+        opts["dropout_p"], opts["dropout_mask"] = 0.3, keep
+        oracle["p"], oracle["keep"] = 0.3, keep
+    return q, k, v, opts, oracle

@@ -11,7 +11,7 @@ from sdpa_ref import (
     sdpa_backward,
     sdpa_forward,
 )
-from sdpa_ref.selfcheck import CHECK_RTOL, attention_cases, run_attention_case
+from sdpa_ref.selfcheck import CHECK_RTOL, COMPLEX_RTOL, LSE_RTOL, attention_cases, run_attention_case
 
 from oracle import oracle_attention
 from strategies import attention_problem
@@ -90,10 +90,15 @@ def test_float_neg_inf_row_counts_as_fully_masked():
 
 
 @pytest.mark.parametrize("case", attention_cases(quick=False), ids=lambda c: c.name)
-def test_gradients_by_finite_differences(case):
+def test_gradients_by_finite_differences_and_complex_step(case):
+    """Every backward and JVP over the option grid: central differences to 1e-7,
+    complex step to 1e-12, the lse backward to 1e-13, <g,Jt> = <J^T g,t> to 1e-12."""
     res = run_attention_case(case)
     assert res.ok, res.detail
     assert res.max_rel_error <= CHECK_RTOL
+    assert res.cs_rel_error <= COMPLEX_RTOL
+    assert res.lse_rel_error <= LSE_RTOL
+    assert res.ip_rel_error <= COMPLEX_RTOL
 
 
 # ---------------------------------------------------------------- properties
