@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Prove every backward in the package (softmax, log-softmax, attention) over a grid "
             "of options: no/bool/float masks, bias, causal in both alignments, windows, softcap, "
             "ALiBi, per-batch lengths, GQA, dropout with an explicit keep mask, L<S, L>S, Ev!=E, "
-            "broadcast batch, and each fully_masked policy. Each attention case checks the VJP "
+            "broadcast batch, and each fully_masked policy. Each attention case checks the VJP and JVP "
             "against central differences (fd), the VJP and JVP against the complex step (cs), "
             "FlashAttention's lse backward against the default (lse) and <g,Jt> = <J^T g,t> (ip). "
             "Prints one line per case and exits 1 if any case fails."
@@ -136,7 +136,7 @@ def _cmd_check(args) -> int:
               f"({tols.get('complex_rtol', selfcheck.COMPLEX_RTOL):.0e}); lse vs probs backward "
               f"{worst('lse_rel_error'):.2e} ({selfcheck.LSE_RTOL:.0e}); <g,Jt> vs <J^T g,t> "
               f"{worst('ip_rel_error'):.2e}")
-        print("symmetric relative error |a-n|/(|a|+|n|), float64; fd: sdpa_backward vs central differences; "
+        print("symmetric relative error |a-n|/(|a|+|n|), float64; fd: sdpa_backward and sdpa_jvp vs central differences; "
               "cs: sdpa_backward and sdpa_jvp vs the complex step")
         for r in results:
             if not r.ok:

@@ -6,8 +6,8 @@ the full grid runs in well under a minute.
 
 Each attention case is checked five ways:
 
-* ``fd``: the VJP (``sdpa_backward``) against float64 central differences,
-  whole Jacobian, to ``CHECK_RTOL`` (1e-7);
+* ``fd``: the VJP (``sdpa_backward``) and the JVP (``sdpa_jvp``) against
+  float64 central differences, whole Jacobian, to ``CHECK_RTOL`` (1e-7);
 * ``cs``: the VJP and the JVP (``sdpa_jvp``) against the complex step
   (:func:`sdpa_forward_complex`), whole Jacobian, to ``COMPLEX_RTOL`` (1e-12);
 * ``lse``: FlashAttention's backward (``method="lse"``) against the default
@@ -295,9 +295,18 @@ def run_attention_case(case: AttentionCase, *, rtol=CHECK_RTOL, atol=CHECK_ATOL,
             memo[key] = vjp_raw(g, *a, method=method)
         return memo[key]
 
+    jmemo = {}
+
+    def jvp_m(ts, *a):
+        key = b"".join(t.tobytes() for t in ts)
+        if key not in jmemo:
+            jmemo[key] = jvp(ts, *a)
+        return jmemo[key]
+
     fd = check_vjp(fun, vjp, args, rtol=rtol, atol=atol)
+    fd_j = check_jvp(jfun, jvp_m, jargs, rtol=rtol, atol=atol)
     cs = check_vjp(fun_c, vjp, args, method="complex", rtol=complex_rtol, atol=complex_atol)
-    cs_j = check_jvp(jfun_c, jvp, jargs, method="complex", rtol=complex_rtol, atol=complex_atol)
+    cs_j = check_jvp(jfun_c, jvp_m, jargs, method="complex", rtol=complex_rtol, atol=complex_atol)
     # FlashAttention's backward against the teaching one
     g = np.random.default_rng(seed + 1).standard_normal(fun(*args).shape)
     lse_err = max(_rel_diff(a, b, lse_rtol) for a, b in zip(vjp(g, *args), vjp(g, *args, method="lse")))
@@ -309,16 +318,17 @@ def run_attention_case(case: AttentionCase, *, rtol=CHECK_RTOL, atol=CHECK_ATOL,
     gj = list(grads[:3]) + ([grads[-1]] if bias is not None else [])
     rhs = float(sum(np.sum(a * t) for a, t in zip(gj, ts)))
     ip_err = abs(lhs - rhs) / max(abs(lhs) + abs(rhs), 1e-300)
-    ok = fd.ok and cs.ok and cs_j.ok and lse_err <= lse_rtol and ip_err <= complex_rtol
+    ok = fd.ok and fd_j.ok and cs.ok and cs_j.ok and lse_err <= lse_rtol and ip_err <= complex_rtol
     detail = []
-    for rep in (fd, cs, cs_j):
+    for rep in (fd, fd_j, cs, cs_j):
         if not rep.ok:
             detail.append(str(rep))
     if lse_err > lse_rtol:
         detail.append(f"lse backward differs from the probs backward by {lse_err:.3e} (> {lse_rtol:.0e})")
     if ip_err > complex_rtol:
         detail.append(f"<g, J t> = {lhs!r} but <J^T g, t> = {rhs!r} (rel {ip_err:.3e})")
-    return CheckResult(case.name, ok, fd.max_rel_error, fd.max_abs_error, time.perf_counter() - t0,
+    return CheckResult(case.name, ok, max(fd.max_rel_error, fd_j.max_rel_error),
+                       max(fd.max_abs_error, fd_j.max_abs_error), time.perf_counter() - t0,
                        "\n".join(detail), cs_rel_error=max(cs.max_rel_error, cs_j.max_rel_error),
                        lse_rel_error=lse_err, ip_rel_error=ip_err, report=fd)
 
