@@ -1,0 +1,237 @@
+"""The harness: it fails wrong implementations, passes right ones, and is fast."""
+
+import time
+
+import numpy as np
+import pytest
+
+from sdpa_ref import sdpa_backward, sdpa_forward
+from sdpa_ref.attention import _grads_from_dT, _swap
+from sdpa_ref.cases import OPTION_NAMES, SUITE_VERSION, get_suite
+from sdpa_ref.conformance import FixedRule, RelativeRule, ULPRule, check_implementation
+
+
+def ref_forward(q, k, v, **o):
+    return sdpa_forward(q, k, v, **o)[0]
+
+
+def ref_backward(g, q, k, v, **o):
+    gr = sdpa_backward(sdpa_forward(q, k, v, **o)[1], g)
+    return (gr.query, gr.key, gr.value) + ((gr.bias,) if gr.bias is not None else ())
+
+
+def _failed_cases(rep):
+    return {r.case for r in rep.failures}
+
+
+# ------------------------------------------------------------- suite itself
+
+
+def test_suite_is_named_versioned_deterministic_and_covering():
+    quick, full = get_suite("quick"), get_suite("full")
+    assert SUITE_VERSION == "1"
+    assert {c.name for c in quick} <= {c.name for c in full}
+    assert "gqa-causal-bottom_right-L7-S13" in {c.name for c in quick}
+    a, b = quick[3].make_inputs("float32"), quick[3].make_inputs("float32")
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
+    # dtype-free seed: the float16 inputs are the float64 inputs rounded
+    c64, c16 = quick[0].make_inputs("float64"), quick[0].make_inputs("float16")
+    np.testing.assert_array_equal(c64["query"].astype(np.float16), c16["query"])
+    # coverage of the features the issue lists
+    used = set().union(*(c.option_names for c in full))
+    assert used >= set(OPTION_NAMES) - {"scale"} or "scale" in used
+    shapes = {(c.L == c.S, c.L < c.S, c.L > c.S) for c in quick}
+    assert len(shapes) == 3
+    assert any(c.Ev != c.E for c in quick) and any(c.batch_q != c.batch_kv for c in quick)
+    assert any(c.Hkv == 1 and c.Hq > 1 for c in quick) and any(1 < c.Hkv < c.Hq for c in quick)
+    assert any(c.logit_scale >= 20 for c in quick) and any(c.has_fully_masked_rows for c in quick)
+    assert max(c.L for c in full) == 512 and max(c.S for c in full) == 512
+    with pytest.raises(ValueError, match="`suite`"):
+        get_suite("huge")
+
+
+def test_large_logit_cases_really_have_large_scores():
+    case = next(c for c in get_suite("quick") if c.name == "large-logits-L16-S16")
+    inp = case.make_inputs()
+    s = inp["query"] @ np.swapaxes(inp["key"], -1, -2) / np.sqrt(case.E)
+    assert 30 < np.abs(s).max() < 120
+
+
+def test_quick_suite_is_fast():
+    t0 = time.perf_counter()
+    rep = check_implementation(ref_forward, backward=ref_backward, dtypes=("float32", "float16"))
+    assert rep.ok
+    assert time.perf_counter() - t0 < 10.0
+
+
+# ------------------------------------------------------------ right answers
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_the_reference_passes_at_every_dtype(dtype):
+    rep = check_implementation(ref_forward, backward=ref_backward, dtypes=(dtype,))
+    assert rep.ok, str(rep)
+    assert rep.counts()["skip"] == 0 and rep.counts()["pass"] > 100
+
+
+def test_the_reference_passes_tight_fixed_and_ulp_rules():
+    assert check_implementation(ref_forward, backward=ref_backward, dtypes=("float64",),
+                                rule=FixedRule(rtol=1e-13, atol=1e-13)).ok
+    assert check_implementation(ref_forward, dtypes=("float32",), rule=ULPRule(1)).ok
+
+
+def _float32_other_order(q, k, v, attn_mask=None, is_causal=False, scale=None):
+    """A float32 attention summing in another order: keys in two halves, merged by online softmax."""
+    q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
+    L, S = q.shape[-2], k.shape[-2]
+    s = np.float32(1 / np.sqrt(q.shape[-1]) if scale is None else scale)
+    allowed = np.ones((L, S), bool) if attn_mask is None else np.broadcast_to(attn_mask, q.shape[:-1] + (S,))
+    if is_causal:
+        allowed = allowed & np.tril(np.ones((L, S), bool))
+    half = S // 2 or S
+    m = np.full(q.shape[:-1] + (1,), -np.inf, np.float32)
+    den = np.zeros_like(m)
+    num = np.zeros(q.shape[:-1] + (v.shape[-1],), np.float32)
+    for lo, hi in ((half, S), (0, half)):           # second half first
+        if lo >= hi:
+            continue
+        t = np.einsum("...ie,...je->...ij", q, k[..., lo:hi, :]) * s
+        t = np.where(allowed[..., lo:hi], t, -np.inf)
+        m_new = np.maximum(m, t.max(-1, keepdims=True))
+        shift = np.where(np.isfinite(m_new), m_new, 0).astype(np.float32)
+        with np.errstate(invalid="ignore"):
+            c = np.where(np.isfinite(m), np.exp(m - shift), 0).astype(np.float32)
+            e = np.exp(t - shift).astype(np.float32)
+        den = den * c + e.sum(-1, keepdims=True)
+        num = num * c + e[..., ::-1] @ v[..., lo:hi, :][..., ::-1, :]
+        m = m_new
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, num / den, 0).astype(np.float32)    # rows with no key: zeros
+
+
+_float32_other_order.supports = {"attn_mask", "is_causal", "scale"}
+
+
+def test_a_float32_reimplementation_with_another_summation_order_passes():
+    rep = check_implementation(_float32_other_order, dtypes=("float32",))
+    c = rep.counts()
+    assert rep.ok, str(rep)
+    assert c["pass"] >= 8 and c["skip"] > 0          # unsupported cases are skipped, not failed
+    # and it is not the same arithmetic as the reference: errors are non-zero
+    assert max(r.error for r in rep.rows if r.status == "pass") > 0
+
+
+def test_skipped_options_are_never_passed():
+    seen = set()
+
+    def fwd(q, k, v, **o):
+        seen.update(o)
+        return ref_forward(q, k, v, **o)
+
+    check_implementation(fwd, supports={"is_causal", "causal_alignment"}, dtypes=("float64",),
+                         rule=FixedRule())
+    assert seen <= {"is_causal", "causal_alignment"} and seen
+
+
+def test_not_implemented_is_a_skip_and_a_crash_is_an_error():
+    def fwd(q, k, v, **o):
+        if o.get("is_causal"):
+            raise NotImplementedError("no causal")
+        if "attn_mask" in o:
+            raise RuntimeError("boom")
+        return ref_forward(q, k, v, **o)
+
+    rep = check_implementation(fwd, dtypes=("float32",))
+    st = {r.case: r.status for r in rep.rows}
+    assert st["causal-top_left-L7-S13"] == "skip" and st["mask-L7-S9"] == "error"
+    assert not rep.ok and "boom" in str(rep)
+
+
+def test_unknown_supports_is_a_clear_error():
+    with pytest.raises(ValueError, match="`supports`"):
+        check_implementation(ref_forward, supports={"causal"})
+
+
+# ------------------------------------------------------------- wrong answers
+
+
+def wrong_scale(q, k, v, scale=None, **o):
+    return ref_forward(q, k, v, scale=1.0 / q.shape[-1] if scale is None else scale, **o)
+
+
+def causal_off_by_one(q, k, v, is_causal=False, window=None, **o):
+    if is_causal:
+        left, right = (None, None) if window is None else window
+        right = 1 if right is None else min(right, 0) + 1
+        window = (left, right)
+    return ref_forward(q, k, v, window=window, **o)
+
+
+def top_left_always(q, k, v, causal_alignment="top_left", **o):
+    return ref_forward(q, k, v, **o)
+
+
+def nan_on_fully_masked(q, k, v, fully_masked="zero", **o):
+    return ref_forward(q, k, v, fully_masked="nan", **o)
+
+
+def float16_claiming_float32(q, k, v, **o):
+    lo = {kk: (vv.astype(np.float16) if isinstance(vv, np.ndarray) and vv.dtype == np.float32 else vv)
+          for kk, vv in o.items()}
+    out = sdpa_forward(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), upcast=False, **lo)[0]
+    return out.astype(q.dtype)
+
+
+def backward_without_softcap_derivative(g, q, k, v, **o):
+    out, res = sdpa_forward(q, k, v, **o)
+    prob = res.problem
+    P, full = res.probs, prob.full_scores
+    dO = g.astype(np.float64).reshape(prob.grouped + (g.shape[-1],))
+    dv = _swap(P.reshape(prob.grouped + (full[-1],))) @ dO
+    dP = (dO @ _swap(prob.v)).reshape(full)
+    dT = P * (dP - np.sum(P * dP, -1, keepdims=True))
+    gr = _grads_from_dT(prob, dT, None, dv)            # None: forgets dT * (1 - tanh^2)
+    return (gr.query, gr.key, gr.value) + ((gr.bias,) if gr.bias is not None else ())
+
+
+@pytest.mark.parametrize("impl,exposed_by", [
+    (wrong_scale, "plain-L8-S8"),
+    (causal_off_by_one, "causal-top_left-L7-S13"),
+    (top_left_always, "causal-bottom_right-L7-S13"),
+    (nan_on_fully_masked, "masked-rows-L8-S8"),
+    (float16_claiming_float32, "plain-L8-S8"),
+], ids=["wrong-scale", "causal-off-by-one", "top-left-for-bottom-right", "nan-for-zero", "float16-as-float32"])
+def test_wrong_forwards_fail_on_the_cases_that_expose_them(impl, exposed_by):
+    rep = check_implementation(impl, dtypes=("float32",))
+    assert not rep.ok
+    assert exposed_by in _failed_cases(rep), str(rep)
+    bad = next(r for r in rep.failures if r.case == exposed_by)
+    assert bad.worst_index is not None and bad.impl_value is not None and bad.ref_value is not None
+    assert "DOES NOT CONFORM" in str(rep)
+
+
+def test_top_left_for_bottom_right_passes_where_they_coincide():
+    rep = check_implementation(top_left_always, dtypes=("float32",))
+    st = {(r.case, r.quantity): r.status for r in rep.rows}
+    assert st[("causal-top_left-L7-S13", "out")] == "pass"
+    assert st[("causal-bottom_right-L13-S7", "out")] == "FAIL"
+
+
+def test_a_backward_missing_the_softcap_derivative_fails():
+    rep = check_implementation(ref_forward, backward=backward_without_softcap_derivative, dtypes=("float32",))
+    failed = {(r.case, r.quantity) for r in rep.failures}
+    assert ("softcap5-L10-S10", "dq") in failed and ("softcap5-L10-S10", "dk") in failed
+    assert ("softcap5-L10-S10", "out") not in failed and ("softcap5-L10-S10", "dv") not in failed
+    assert not any(c == "plain-L8-S8" for c, _ in failed)      # without softcap it is right
+
+
+def test_report_json_and_table():
+    import json
+
+    rep = check_implementation(wrong_scale, dtypes=("float32",), cases=get_suite("quick")[:3])
+    d = json.loads(rep.to_json())
+    assert d["ok"] is False and d["suite"] == "custom" and len(d["rows"]) == 3
+    assert {"case", "dtype", "quantity", "error", "allowed", "ratio", "status"} <= set(d["rows"][0])
+    assert "verdict: DOES NOT CONFORM" in str(rep)
+    assert isinstance(RelativeRule().describe(), str)
