@@ -91,6 +91,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     _add_format(p)
     p.set_defaults(func=_cmd_saturation)
+
+    p = sub.add_parser(
+        "vectors",
+        help="write golden test vectors (.npz per case + manifest.json) for implementations outside Python",
+        description=(
+            "Write one .npz per case of the suite (inputs, options as JSON bytes, the reference's output, "
+            "LSE, a seeded grad_out and every gradient, in float64; below float64 also the naive same-dtype "
+            "results for FlashAttention's relative rule) and manifest.json with the suite and package "
+            "versions, each file's sha256 and the tolerance rule. The files are byte-deterministic."
+        ),
+    )
+    p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write into (created if missing)")
+    p.add_argument("--suite", choices=("quick", "full"), default="quick", help="case suite (default: quick)")
+    p.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float64",
+                   help="dtype of the stored inputs (default: float64)")
+    p.set_defaults(func=_cmd_vectors)
+
+    p = sub.add_parser(
+        "verify",
+        help="re-check golden vectors against their manifest (hashes) and a fresh computation",
+        description="Check every file listed in OUT_DIR/manifest.json: its sha256, and its expected arrays "
+                    "against the reference recomputed from the stored inputs (rtol 1e-12). Exit 1 on any mismatch.",
+    )
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    _add_format(p)
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser(
+        "conform",
+        help="judge an importable attention implementation against the reference",
+        description=(
+            "Run MODULE:FUNCTION (called as f(query, key, value, **options) on NumPy arrays) over the case "
+            "suite at each dtype and judge it against the float64 reference. The default rule is "
+            "FlashAttention's: max|impl-ref64| <= 2 (3 for gradients) * max|naive_same_dtype-ref64| + the "
+            "dtype's rounding of the output. Options the function does not list in a `supports` attribute "
+            "are never passed; such cases are skipped. Exit 1 if anything fails."
+        ),
+        epilog="Example: sdpa-ref conform sdpa_ref.adapters.pytorch:forward "
+               "--backward sdpa_ref.adapters.pytorch:backward --dtype float32 float16",
+    )
+    p.add_argument("target", metavar="MODULE:FUNCTION", help="the forward to judge")
+    p.add_argument("--backward", metavar="MODULE:FUNCTION", default=None,
+                   help="f(grad_out, query, key, value, **options) -> (dq, dk, dv[, dbias])")
+    p.add_argument("--suite", choices=("quick", "full"), default="quick")
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=("float16", "float32", "float64"),
+                   help="test dtypes (default: float32)")
+    p.add_argument("--rule", choices=("relative", "fixed", "ulp"), default="relative",
+                   help="relative (default), fixed (--rtol/--atol) or ulp (--max-ulps)")
+    p.add_argument("--rtol", type=float, default=1e-12)
+    p.add_argument("--atol", type=float, default=1e-12)
+    p.add_argument("--max-ulps", type=float, default=4.0)
+    p.add_argument("--supports", nargs="+", default=None, metavar="OPTION",
+                   help="override the options the function understands")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.set_defaults(func=_cmd_conform)
     return parser
 
 
@@ -229,6 +284,70 @@ def _cmd_saturation(args) -> int:
     print(f"\ntop weight: raw {p_raw.max():.4f}, scaled {p_scaled.max():.4f}; "
           f"uniform would be {1 / args.n_keys:.4f}")
     return 0
+
+
+def _cmd_vectors(args) -> int:
+    from . import vectors
+
+    progress = _Progress("vectors")
+    manifest = vectors.write_vectors(args.out_dir, suite=args.suite, dtype=args.dtype, progress=progress)
+    progress.done()
+    print(f"wrote {len(manifest['files'])} cases ({args.suite} suite v{manifest['suite_version']}, "
+          f"{args.dtype}) and manifest.json to {args.out_dir}")
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    from . import vectors
+
+    rep = vectors.verify_vectors(args.out_dir)
+    if args.format == "table":
+        print(rep)
+    else:
+        print(_dump([{k: v for k, v in r.items()} for r in rep.rows], args.format))
+    return 0 if rep.ok else 1
+
+
+def _cmd_conform(args) -> int:
+    from . import conformance
+
+    try:
+        fwd = _load(args.target)
+        bwd = _load(args.backward) if args.backward else None
+    except (ImportError, AttributeError, ValueError) as exc:
+        print(f"sdpa-ref: cannot load the implementation: {exc}", file=sys.stderr)
+        return 2
+    rule = {"relative": conformance.RelativeRule(), "fixed": conformance.FixedRule(args.rtol, args.atol),
+            "ulp": conformance.ULPRule(args.max_ulps)}[args.rule]
+    progress = _Progress("conform")
+    try:
+        rep = conformance.check_implementation(fwd, backward=bwd, supports=args.supports, suite=args.suite,
+                                               dtypes=args.dtype, rule=rule, progress=progress)
+    except ValueError as exc:
+        progress.done()
+        print(f"sdpa-ref: {exc}", file=sys.stderr)
+        return 2
+    progress.done()
+    print(rep if args.format == "table" else rep.to_json(indent=2))
+    return 0 if rep.ok else 1
+
+
+def _load(spec):
+    """``package.module:attr.sub`` -> the object; the current directory is importable."""
+    import importlib
+    import os
+
+    if ":" not in spec:
+        raise ValueError(f"`{spec}` should be MODULE:FUNCTION")
+    mod, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    obj = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"`{spec}` is not callable")
+    return obj
 
 
 def _import_pyplot():

@@ -202,8 +202,11 @@ def check_implementation(
     forward : callable
         ``forward(query, key, value, **case_options) -> out`` on NumPy arrays
         of the test dtype, with the keyword names of :func:`sdpa_forward`
-        (only those the case uses and the implementation supports). Raising
-        ``NotImplementedError`` marks the case as skipped.
+        (only those the case uses and the implementation supports).
+        ``fully_masked`` is passed only on cases where some row has no
+        allowed key, so an implementation with one native policy can refuse
+        the others. Raising ``NotImplementedError`` marks the case as
+        skipped.
     backward : callable, optional
         ``backward(grad_out, query, key, value, **case_options)`` returning
         ``(dq, dk, dv)`` or, for a case with a bias, ``(dq, dk, dv, dbias)``.
@@ -238,7 +241,7 @@ def check_implementation(
             if missing:
                 rows.append(ConformanceRow(case.name, dt, "all", "skip", note=f"needs {', '.join(sorted(missing))}"))
                 continue
-            rows.extend(_judge_case(case, dt, forward, backward, rule))
+            rows.extend(_judge_case(case, dt, forward, backward, rule, sup))
     return ConformanceReport(rows=rows, rule=rule.describe(), suite=suite_name,
                              seconds=time.perf_counter() - t0, meta={"dtypes": list(dtypes)})
 
@@ -262,7 +265,7 @@ def grad_out_for(case: Case, shape, dtype):
     return rng.standard_normal(shape).astype(dtype)
 
 
-def _judge_case(case, dt, forward, backward, rule):
+def _judge_case(case, dt, forward, backward, rule, sup):
     ref64 = _ref_in_float64(case, dt)          # float64 arithmetic on the test-dtype inputs, kept in float64
     naive = None
     if isinstance(rule, RelativeRule):
@@ -270,6 +273,13 @@ def _judge_case(case, dt, forward, backward, rule):
         naive = {k: np.asarray(v, dtype=np.float64) for k, v in naive_q.items()}
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
+    if _has_fully_masked_rows(case, dt):
+        # the policy matters only where a row has no key: say it explicitly there
+        inp["fully_masked"] = case.opts.get("fully_masked", "zero")
+    else:
+        inp.pop("fully_masked", None)
+    if "fully_masked" in inp and "fully_masked" not in sup:
+        inp.pop("fully_masked")
     rows = []
     try:
         out = forward(q.copy(), k.copy(), v.copy(), **_copy_opts(inp))
@@ -296,6 +306,17 @@ def _judge_case(case, dt, forward, backward, rule):
     for qty, val in got.items():
         rows.append(_compare(case.name, dt, qty, val, ref64[qty], None if naive is None else naive[qty], rule))
     return rows
+
+
+def _has_fully_masked_rows(case, dt):
+    """Whether the reference has a row with no allowed key (padded query rows aside)."""
+    inp = case.make_inputs(dt)
+    q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
+    _, res = sdpa_forward(q, k, v, save_probs=False, **inp)
+    empty = res.empty
+    if res.padded is not None:
+        empty = empty & ~res.padded
+    return bool(np.any(empty))
 
 
 def _ref_in_float64(case, dt):

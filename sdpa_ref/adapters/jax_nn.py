@@ -1,0 +1,132 @@
+"""``jax.nn.dot_product_attention`` as an implementation under test.
+
+JAX works in the layout ``(B, T, N, H)``; the adapter moves the head axis,
+folds any leading batch dims into one (after broadcasting), and uses
+``jax.vjp`` for the backward. What JAX expresses, and so ``supports``: a
+bool ``attn_mask`` and a float ``bias`` (together), ``is_causal``
+(top-left), ``scale``, ``enable_gqa`` (implicit in JAX), ``q_lengths`` /
+``kv_lengths`` (its ``query_seq_lengths`` / ``key_value_seq_lengths``),
+``window`` (its ``local_window_size``, top-left), and
+``fully_masked="uniform"`` -- JAX gives a fully masked row the mean of V.
+It has no dropout, softcap or ALiBi, no bottom-right alignment, and needs
+``Ev == E``; such cases raise ``NotImplementedError`` (reported as skipped).
+Float64 runs need ``jax.config.update("jax_enable_x64", True)``, which the
+adapter sets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["jax_dpa", "forward", "backward", "SUPPORTS"]
+
+SUPPORTS = frozenset({"attn_mask", "bias", "is_causal", "scale", "enable_gqa", "q_lengths", "kv_lengths", "window",
+                      "causal_alignment", "fully_masked"})
+
+
+def jax_dpa(implementation=None):
+    """Wrap ``jax.nn.dot_product_attention`` and ``jax.vjp`` into ``(forward, backward, supports)``.
+
+    ``implementation`` is passed through (``None``, ``"xla"`` or ``"cudnn"``).
+    """
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError as exc:  # pragma: no cover - exercised only without jax
+        raise ImportError("the JAX adapter needs JAX: python -m pip install jax") from exc
+    jax.config.update("jax_enable_x64", True)
+
+    def prepare(query, key, value, attn_mask=None, bias=None, is_causal=False, scale=None, enable_gqa=False,
+                q_lengths=None, kv_lengths=None, window=None, causal_alignment="top_left", fully_masked=None):
+        if fully_masked not in (None, "uniform"):
+            raise NotImplementedError(f"JAX gives fully masked rows the mean of V ('uniform'), not {fully_masked!r}")
+        if causal_alignment != "top_left" and (is_causal or window is not None):
+            raise NotImplementedError("JAX aligns causal masks and windows top-left only")
+        if value.shape[-1] != query.shape[-1]:
+            raise NotImplementedError("JAX needs Ev == E")
+        if query.ndim < 3 or key.ndim < 3:
+            raise NotImplementedError("rank-2 inputs")
+        L, S = query.shape[-2], key.shape[-2]
+        batch = np.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+        n = int(np.prod(batch)) if batch else 1
+
+        def to_btnh(x):
+            x = np.broadcast_to(x, batch + x.shape[-3:]).reshape((n,) + x.shape[-3:])
+            return jnp.asarray(np.swapaxes(x, 1, 2))      # (B, H, T, E) -> (B, T, H, E)
+
+        def full(m, dtype=None):
+            m = np.broadcast_to(m, batch + (query.shape[-3], L, S)).reshape((n, query.shape[-3], L, S))
+            return jnp.asarray(m if dtype is None else m.astype(dtype))
+
+        kw = {"is_causal": bool(is_causal), "scale": scale}
+        if attn_mask is not None:
+            kw["mask"] = full(attn_mask)
+        if q_lengths is not None:
+            kw["query_seq_lengths"] = jnp.asarray(np.broadcast_to(q_lengths, batch).reshape(n).astype(np.int32))
+        if kv_lengths is not None:
+            kw["key_value_seq_lengths"] = jnp.asarray(np.broadcast_to(kv_lengths, batch).reshape(n).astype(np.int32))
+        if window is not None:
+            big = L + S
+            kw["local_window_size"] = tuple(big if w is None or w == -1 else int(w) for w in window)
+        if implementation is not None:
+            kw["implementation"] = implementation
+        b = None if bias is None else full(bias, query.dtype)
+        shape_out = batch + (query.shape[-3], L, value.shape[-1])
+        return to_btnh(query), to_btnh(key), to_btnh(value), b, kw, shape_out, batch, n
+
+    def from_btnh(y, shape):
+        return np.swapaxes(np.asarray(y), 1, 2).reshape(shape)
+
+    def forward(query, key, value, **opts):
+        q, k, v, b, kw, shape_out, _, _ = prepare(query, key, value, **opts)
+        out = jax.nn.dot_product_attention(q, k, v, bias=b, **kw)
+        return from_btnh(out, shape_out)
+
+    def backward(grad_out, query, key, value, **opts):
+        q, k, v, b, kw, shape_out, batch, n = prepare(query, key, value, **opts)
+        primals = (q, k, v) if b is None else (q, k, v, b)
+
+        def f(*p):
+            return jax.nn.dot_product_attention(p[0], p[1], p[2], bias=p[3] if len(p) > 3 else None, **kw)
+
+        _, pullback = jax.vjp(f, *primals)
+        g = np.swapaxes(np.asarray(grad_out).reshape((n,) + shape_out[-3:]), 1, 2)
+        grads = pullback(jnp.asarray(g))
+        out = []
+        for arr, like in zip(grads[:3], (query, key, value)):
+            full = from_btnh(arr, batch + like.shape[-3:])
+            out.append(_sum_to(full, like.shape))
+        if b is not None:
+            db = np.asarray(grads[3]).reshape(batch + (query.shape[-3],) + grads[3].shape[-2:])
+            out.append(_sum_to(db, np.shape(opts["bias"])))
+        return tuple(out)
+
+    forward.supports = SUPPORTS
+    backward.supports = SUPPORTS
+    return forward, backward, SUPPORTS
+
+
+def _sum_to(g, shape):
+    g = np.asarray(g)
+    extra = g.ndim - len(shape)
+    if extra > 0:
+        g = g.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, s in enumerate(shape) if s == 1 and g.shape[i] != 1)
+    return (g.sum(axis=axes, keepdims=True) if axes else g).reshape(shape)
+
+
+class _Lazy:
+    def __init__(self, which):
+        self.which = which
+        self.supports = SUPPORTS
+        self._fn = None
+
+    def __call__(self, *args, **kwargs):
+        if self._fn is None:
+            fwd, bwd, _ = jax_dpa()
+            self._fn = fwd if self.which == "forward" else bwd
+        return self._fn(*args, **kwargs)
+
+
+forward = _Lazy("forward")
+backward = _Lazy("backward")

@@ -1,0 +1,124 @@
+"""``torch.nn.functional.scaled_dot_product_attention`` as an implementation under test.
+
+What PyTorch expresses, and so what the adapter declares in ``supports``:
+one ``attn_mask`` (bool or float: a case's ``bias`` is passed as the float
+mask when there is no bool mask), ``is_causal`` (top-left), bottom-right
+causal through ``torch.nn.attention.bias.causal_lower_right``, ``scale``,
+``enable_gqa``, and ``fully_masked="zero"`` (PyTorch >= 2.5). It has no
+softcap, windows, ALiBi, per-batch lengths or explicit dropout mask; a case
+needing a combination PyTorch refuses (a mask together with ``is_causal``)
+raises ``NotImplementedError``, which the harness reports as skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+__all__ = ["torch_sdpa", "forward", "backward", "SUPPORTS"]
+
+SUPPORTS = frozenset({"attn_mask", "is_causal", "scale", "enable_gqa", "bias", "causal_alignment",
+                      "fully_masked"})
+
+
+def torch_sdpa(device="cpu", backend=None):
+    """Wrap PyTorch's SDPA and its autograd into ``(forward, backward, supports)``.
+
+    Parameters
+    ----------
+    device : str
+        A torch device, e.g. ``"cpu"`` or ``"cuda"``.
+    backend : str or torch.nn.attention.SDPBackend, optional
+        ``"math"``, ``"flash"``, ``"efficient"`` or ``"cudnn"``: run under
+        ``torch.nn.attention.sdpa_kernel`` with only that backend enabled.
+    """
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError as exc:  # pragma: no cover - exercised only without torch
+        raise ImportError("the torch adapter needs PyTorch: python -m pip install torch") from exc
+
+    def ctx():
+        if backend is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+        return sdpa_kernel(names[backend] if isinstance(backend, str) else backend)
+
+    def tensor(x, grad=False):
+        t = torch.from_numpy(np.ascontiguousarray(x)).to(device)
+        return t.requires_grad_(True) if grad else t
+
+    def prepare(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, bias=None,
+                causal_alignment="top_left", fully_masked=None, grad=False):
+        if fully_masked not in (None, "zero"):
+            raise NotImplementedError(f"PyTorch >= 2.5 gives zeros on fully masked rows, not {fully_masked!r}")
+        q, k, v = tensor(query, grad), tensor(key, grad), tensor(value, grad)
+        mask, b = None, None
+        if attn_mask is not None and bias is not None:
+            raise NotImplementedError("PyTorch takes one attn_mask: a bool mask and a bias together")
+        if attn_mask is not None:
+            mask = tensor(attn_mask)
+        elif bias is not None:
+            b = tensor(np.asarray(bias, dtype=query.dtype), grad)
+            mask = b
+        causal = bool(is_causal)
+        if causal and causal_alignment == "bottom_right":
+            if mask is not None:
+                raise NotImplementedError("PyTorch's causal_lower_right cannot be combined with another mask")
+            import warnings
+
+            from torch.nn.attention.bias import causal_lower_right
+
+            with warnings.catch_warnings():      # its L > S warning: the harness judges what happens
+                warnings.simplefilter("ignore", UserWarning)
+                mask = causal_lower_right(query.shape[-2], key.shape[-2])
+            causal = False
+        elif causal and mask is not None:
+            raise NotImplementedError("PyTorch refuses attn_mask together with is_causal")
+        elif causal_alignment == "bottom_right" and not causal:
+            pass                                   # alignment matters only with causal
+        kw = {"attn_mask": mask, "is_causal": causal, "scale": scale}
+        if enable_gqa:
+            kw["enable_gqa"] = True
+        return q, k, v, b, kw
+
+    def forward(query, key, value, **opts):
+        q, k, v, _, kw = prepare(query, key, value, **opts)
+        with torch.no_grad(), ctx():
+            out = F.scaled_dot_product_attention(q, k, v, **kw)
+        return out.detach().cpu().numpy()
+
+    def backward(grad_out, query, key, value, **opts):
+        q, k, v, b, kw = prepare(query, key, value, grad=True, **opts)
+        with ctx():
+            out = F.scaled_dot_product_attention(q, k, v, **kw)
+        out.backward(tensor(grad_out))
+        grads = [q.grad, k.grad, v.grad] + ([b.grad] if b is not None else [])
+        return tuple(g.detach().cpu().numpy() for g in grads)
+
+    forward.supports = SUPPORTS
+    backward.supports = SUPPORTS
+    return forward, backward, SUPPORTS
+
+
+class _Lazy:
+    """Module-level ``forward`` / ``backward`` for ``sdpa-ref conform``, built on first call (CPU)."""
+
+    def __init__(self, which):
+        self.which = which
+        self.supports = SUPPORTS
+        self._fn = None
+
+    def __call__(self, *args, **kwargs):
+        if self._fn is None:
+            fwd, bwd, _ = torch_sdpa()
+            self._fn = fwd if self.which == "forward" else bwd
+        return self._fn(*args, **kwargs)
+
+
+forward = _Lazy("forward")
+backward = _Lazy("backward")
