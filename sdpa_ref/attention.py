@@ -52,6 +52,7 @@ import numpy as np
 
 from . import _validate as V
 from ._problem import FULLY_MASKED_POLICIES, Problem, Scores
+from .tiled import check_block_size, tiled_backward, tiled_forward
 
 __all__ = [
     "FULLY_MASKED_POLICIES",
@@ -101,6 +102,7 @@ class AttentionResiduals:
     tanh: Optional[np.ndarray]
     empty: np.ndarray
     padded: Optional[np.ndarray]
+    block_size: Optional[int] = None
 
     @property
     def dropout_mask(self):
@@ -184,6 +186,7 @@ def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
     dropout_mask=None, rng=None, fully_masked="zero", upcast=True, bias=None, causal_alignment="top_left",
     window=None, softcap=None, alibi_slopes=None, q_lengths=None, kv_lengths=None, return_lse=False,
+    block_size=None,
 ):
     r"""Scaled dot-product attention, a drop-in for PyTorch's functional op.
 
@@ -196,6 +199,9 @@ def scaled_dot_product_attention(
     ----------%s
     return_lse : bool, optional
         Also return the per-row log-sum-exp of the allowed scores.
+    block_size : int or "auto", optional
+        Run the tiled (FlashAttention) algorithm in bounded memory; see
+        :func:`sdpa_forward`.
 
     Returns
     -------
@@ -213,7 +219,7 @@ def scaled_dot_product_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         dropout_mask=dropout_mask, rng=rng, fully_masked=fully_masked, upcast=upcast, bias=bias,
         causal_alignment=causal_alignment, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-        q_lengths=q_lengths, kv_lengths=kv_lengths, save_probs=False,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, save_probs=False, block_size=block_size,
     )
     if return_lse:
         return out, res.lse.astype(res.problem.out_dtype, copy=False)
@@ -224,6 +230,7 @@ def sdpa_forward(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
     dropout_mask=None, rng=None, fully_masked="zero", upcast=True, bias=None, causal_alignment="top_left",
     window=None, softcap=None, alibi_slopes=None, q_lengths=None, kv_lengths=None, save_probs=True,
+    block_size=None,
 ):
     r"""Attention forward that also returns what the backward needs.
 
@@ -231,8 +238,16 @@ def sdpa_forward(
     ----------%s
     save_probs : bool, optional
         Keep ``P`` in the residuals (default) for the teaching backward; with
-        False only ``(out, lse)`` are kept and ``sdpa_backward`` must use
+        False only ``(out, lse)`` are kept and ``sdpa_backward`` uses
         ``method="lse"``.
+    block_size : int or "auto", optional
+        Tiled path: FlashAttention's algorithm over blocks of ``block_size``
+        queries by ``block_size`` keys (an online softmax forward, a
+        recomputing backward), so that no ``L x S`` array is ever built; peak
+        memory is ``O((L + S)(E + Ev) + block_size^2)`` per head. ``"auto"``
+        picks a size from L, S and a 64 MiB budget. Every option is
+        supported; the residuals then hold only ``(out, lse)``. Agrees with
+        the dense path to rounding (tested at 1e-12).
 
     Returns
     -------
@@ -264,6 +279,13 @@ def sdpa_forward(
     )
     if not isinstance(save_probs, (bool, np.bool_)):
         raise TypeError(f"`save_probs` should be a bool, but got {V.describe(save_probs)}")
+    block = check_block_size(block_size, prob)
+    if block is not None:
+        O, lse, empty, padded = tiled_forward(prob, block)
+        O = O.reshape(prob.out_shape)
+        res = AttentionResiduals(problem=prob, probs=None, out=O, lse=lse.reshape(prob.out_shape[:-1]),
+                                 tanh=None, empty=empty, padded=padded, block_size=block)
+        return O.astype(prob.out_dtype, copy=False), res
     out, res = _forward(prob, save_probs=bool(save_probs))
     return out.astype(prob.out_dtype, copy=False), res
 
@@ -289,7 +311,7 @@ def sdpa_forward_complex(query, key, value, **options):
     return out
 
 
-def sdpa_backward(residuals, grad_out, method="probs"):
+def sdpa_backward(residuals, grad_out, method=None):
     r"""Gradients of attention by the hand-derived backward.
 
     Parameters
@@ -299,10 +321,13 @@ def sdpa_backward(residuals, grad_out, method="probs"):
     grad_out : array_like, (..., Hq, L, Ev)
         Cotangent ``dO`` of the output.
     method : {"probs", "lse"}, optional
-        ``"probs"`` (default, the teaching form) uses the saved ``P``.
-        ``"lse"`` is FlashAttention's: it keeps only ``(O, lse)``,
-        recomputes :math:`P = e^{T - \mathrm{lse}}` from the scores and uses
+        ``"probs"`` (the teaching form, the default when ``P`` was saved)
+        uses the saved ``P``. ``"lse"`` is FlashAttention's (the default
+        otherwise): it keeps only ``(O, lse)``, recomputes
+        :math:`P = e^{T - \mathrm{lse}}` from the scores and uses
         :math:`D = \mathrm{rowsum}(dO \odot O)`. They agree to rounding.
+        Residuals of the tiled path (``block_size=``) run the same ``"lse"``
+        algorithm block by block.
 
     Returns
     -------
@@ -349,13 +374,18 @@ def sdpa_backward(residuals, grad_out, method="probs"):
     if not isinstance(residuals, AttentionResiduals):
         raise TypeError("`residuals` should be the AttentionResiduals returned by sdpa_forward, "
                         f"but got {V.describe(residuals)}")
-    V.check_choice(method, "method", BACKWARD_METHODS)
     r, prob = residuals, residuals.problem
+    if method is None:
+        method = "probs" if r.probs is not None else "lse"
+    V.check_choice(method, "method", BACKWARD_METHODS)
     g = V.as_float_array(grad_out, "grad_out")
     if g.shape != prob.out_shape:
         raise ValueError(f"`grad_out` should have the output's shape {prob.out_shape}, but got shape {g.shape}")
     if method == "probs" and r.probs is None:
-        raise ValueError("`method` should be 'lse' for residuals saved with save_probs=False, but got 'probs'")
+        raise ValueError("`method` should be 'lse' for residuals saved with save_probs=False or block_size, "
+                         "but got 'probs'")
+    if r.block_size is not None:
+        return tiled_backward(prob, r.out, r.lse, r.empty, g, r.block_size)
     ct = prob.dtype
     full, grouped = prob.full_scores, prob.grouped
     dO = g.astype(ct, copy=False).reshape(grouped + (g.shape[-1],))
@@ -415,6 +445,9 @@ def sdpa_jvp(primals, tangents, **options):
     if not isinstance(tangents, (tuple, list)) or len(tangents) not in (3, 4):
         raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias]), "
                         f"but got {V.describe(tangents)}")
+    if options.get("block_size") is not None:
+        raise ValueError("`block_size` should be None for sdpa_jvp (forward mode has no tiled path), "
+                         f"but got {options['block_size']!r}")
     out, res = sdpa_forward(*primals, **dict(options, save_probs=True))
     prob = res.problem
     names = ("query", "key", "value", "bias")

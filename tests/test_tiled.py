@@ -1,0 +1,101 @@
+"""The tiled path (FlashAttention's algorithm) equals the dense path, in bounded memory."""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sdpa_ref import scaled_dot_product_attention, sdpa_backward, sdpa_forward
+from sdpa_ref.selfcheck import attention_cases, make_attention_inputs
+from sdpa_ref.tiled import auto_block_size
+
+from strategies import variant_problem
+
+TILED_RTOL = 1e-12
+
+
+def _close(x, y):
+    if x is None:
+        assert y is None
+        return
+    np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
+    fin = ~np.isnan(x)
+    scale = max(1.0, float(np.max(np.abs(x[fin]), initial=0.0)))
+    np.testing.assert_allclose(y[fin], x[fin], rtol=TILED_RTOL, atol=TILED_RTOL * scale)
+
+
+def _compare(q, k, v, opts, block):
+    out, res = sdpa_forward(q, k, v, **opts)
+    out_t, res_t = sdpa_forward(q, k, v, block_size=block, **opts)
+    assert res_t.probs is None and res_t.block_size == block
+    _close(out, out_t)
+    np.testing.assert_array_equal(res.lse == -np.inf, res_t.lse == -np.inf)
+    _close(np.where(np.isinf(res.lse), 0, res.lse), np.where(np.isinf(res_t.lse), 0, res_t.lse))
+    g = np.random.default_rng(0).standard_normal(out.shape)
+    for a, b in zip(sdpa_backward(res, g), sdpa_backward(res_t, g)):
+        _close(a, b)
+
+
+@given(variant_problem(max_len=7), st.sampled_from([1, 2, 3, 5, 64]))
+def test_tiled_equals_dense_on_random_option_combinations(problem, block):
+    q, k, v, opts, _ = problem
+    _compare(q, k, v, opts, block)
+
+
+@pytest.mark.parametrize("case", [c for c in attention_cases(quick=True)], ids=lambda c: c.name)
+def test_tiled_equals_dense_over_the_check_grid(case):
+    q, k, v, fmask, bias, opts = make_attention_inputs(case)
+    opts = dict(opts, bias=bias)
+    if fmask is not None:
+        opts["attn_mask"] = fmask
+    for block in (1, 2, 100):          # block size 1, sizes that do not divide L or S, larger than both
+        _compare(q, k, v, opts, block)
+
+
+def test_block_size_auto_and_validation():
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((1, 2, 40, 8)), rng.standard_normal((1, 2, 50, 8)), rng.standard_normal((1, 2, 50, 4))
+    a = scaled_dot_product_attention(q, k, v, is_causal=True)
+    b = scaled_dot_product_attention(q, k, v, is_causal=True, block_size="auto")
+    np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-14)
+    for bad in (0, -3, 2.5, "big", True):
+        with pytest.raises(ValueError, match="`block_size`"):
+            sdpa_forward(q, k, v, block_size=bad)
+    _, res = sdpa_forward(q, k, v, block_size=16)
+    with pytest.raises(ValueError, match="`method`"):
+        sdpa_backward(res, np.ones((1, 2, 40, 4)), method="probs")
+
+
+def test_auto_block_size_follows_the_budget():
+    from sdpa_ref._problem import Problem
+
+    small = Problem.build(np.zeros((1, 1, 64, 8)), np.zeros((1, 1, 64, 8)), np.zeros((1, 1, 64, 8)))
+    big = Problem.build(np.zeros((1, 1, 16384, 64)), np.zeros((1, 1, 16384, 64)), np.zeros((1, 1, 16384, 64)))
+    many = Problem.build(np.zeros((4, 16, 16384, 64)), np.zeros((4, 16, 16384, 64)), np.zeros((4, 16, 16384, 64)))
+    assert auto_block_size(small) == 64                    # capped by the sequence
+    assert 512 <= auto_block_size(big) <= 2048 and auto_block_size(big) % 16 == 0
+    assert auto_block_size(many) < auto_block_size(big)
+
+
+def test_tiled_path_allocates_nothing_of_size_L_times_S():
+    # L = S = 2048, one head: a score matrix would be 32 MiB; the tiled path
+    # must stay far below it (inputs, outputs and grads are 0.5 MiB each).
+    rng = np.random.default_rng(2)
+    L = S = 2048
+    q, k, v = rng.standard_normal((1, L, 32)), rng.standard_normal((1, S, 32)), rng.standard_normal((1, S, 32))
+    g = rng.standard_normal((1, L, 32))
+    dense_bytes = L * S * 8
+    tracemalloc.start()
+    try:
+        out, res = sdpa_forward(q, k, v, is_causal=True, window=(300, None), block_size=128)
+        grads = sdpa_backward(res, g)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < dense_bytes / 4, f"peak {peak / 2**20:.1f} MiB"
+    # and it is right: compare a slice with the dense path on the same rows
+    ref = scaled_dot_product_attention(q[:, :256], k, v, is_causal=True, window=(300, None))
+    np.testing.assert_allclose(out[:, :256], ref, rtol=1e-12, atol=1e-13)
+    assert np.isfinite(grads.key).all()
