@@ -269,7 +269,10 @@ class Problem:
     def raw_scores(self):
         """``Traw = scale * Q K^T`` in the full layout ``(*batch, Hq, L, S)``."""
         T = (self.scale * self.q) @ np.swapaxes(self.k, -1, -2)
-        return T.reshape(self.full_scores)
+        T = T.reshape(T.shape[:-3] + self.full_scores[-3:])
+        if T.shape != self.full_scores:       # a batch dim that only `value` has
+            T = np.broadcast_to(T, self.full_scores)
+        return T
 
     def scores(self) -> Scores:
         """The masked scores ``T`` (``-inf`` outside the allowed set) and their by-products."""

@@ -182,6 +182,7 @@ def check_vjp(
     seed: int = 0,
     n_projections: int = 3,
     method: str = "central",
+    vectorized: bool = False,
 ) -> GradcheckReport:
     r"""Check a vector-Jacobian product against finite differences.
 
@@ -213,6 +214,14 @@ def check_vjp(
     method : {"central", "complex"}
         How the numeric derivative is taken: central differences, or the
         complex step (exact to rounding; ``fun`` must accept complex input).
+    vectorized : bool
+        ``fun`` and ``vjp`` broadcast over one new leading axis, treating it
+        as an independent batch (as NumPy code that follows ``np.matmul``
+        broadcasting does, sdpa_ref's attention included). Then the full
+        check makes one batched call for all ``+h`` perturbations of an
+        argument, one for all ``-h`` (one for the complex step), and one
+        batched ``vjp`` of all one-hot cotangents, instead of a Python loop
+        of calls. The results are the same as the scalar check's.
 
     Returns
     -------
@@ -222,7 +231,7 @@ def check_vjp(
     check_choice(method, "method", _METHODS)
     xs = _copy_args(args)
     out = _call(fun, xs)
-    nd = _Numeric(fun, _default_eps(eps, method), method)
+    nd = _Numeric(fun, _default_eps(eps, method), method, vectorized=bool(vectorized))
     if mode == "projection":
         rep = _vjp_projection(nd, vjp, xs, out, rtol, atol, seed, n_projections)
         if rep.ok:
@@ -334,8 +343,44 @@ def _default_eps(eps, method="central"):
 class _Numeric:
     """Numeric derivatives of ``fun``: central differences or the complex step."""
 
-    def __init__(self, fun, step, method):
-        self.fun, self.step, self.method = fun, step, method
+    def __init__(self, fun, step, method, vectorized=False):
+        self.fun, self.step, self.method, self.vectorized = fun, step, method, vectorized
+
+    def jacobian_block(self, xs, a, out_shape):
+        """All partials with respect to ``xs[a]`` in one or two batched calls: ``(out.size, x.size)``."""
+        x = xs[a]
+        n = x.size
+        flat = x.reshape(-1)
+        finite = np.isfinite(flat)
+        others = [y[None] for y in xs]
+        eye = np.eye(n, dtype=bool).reshape((n,) + x.shape)
+        if self.method == "complex":
+            pert = np.where(eye, x[None] + 1j * self.step, x[None] + 0j)
+            args = others[:a] + [pert] + others[a + 1:]
+            J = self._imag_batched(args, n, out_shape) / self.step
+        else:
+            h = self.step * np.maximum(1.0, np.abs(np.where(finite, flat, 0.0)))
+            xp_flat, xm_flat = flat + h, flat - h
+            plus = np.where(eye, xp_flat.reshape(x.shape)[None], x[None])
+            minus = np.where(eye, xm_flat.reshape(x.shape)[None], x[None])
+            fp = self._real_batched(others[:a] + [plus] + others[a + 1:], n, out_shape)
+            fm = self._real_batched(others[:a] + [minus] + others[a + 1:], n, out_shape)
+            J = (fp - fm) / (xp_flat - xm_flat)[:, None]
+        J[~finite] = np.nan
+        return J.T
+
+    def _real_batched(self, args, n, out_shape):
+        out = np.asarray(self.fun(*args))
+        if out.dtype.kind == "c":
+            out = out.real
+        return _batched_shape(out, n, out_shape, "fun").astype(np.float64)
+
+    def _imag_batched(self, args, n, out_shape):
+        out = np.asarray(self.fun(*args))
+        if out.dtype.kind != "c":
+            raise TypeError("`fun` should return a complex array for method='complex', but got dtype "
+                            f"{out.dtype}")
+        return _batched_shape(out.imag, n, out_shape, "fun").astype(np.float64)
 
     def partial(self, xs, a, i, out_shape):
         """d fun / d xs[a].flat[i], shaped like the output."""
@@ -456,7 +501,18 @@ def _valid_columns(xs, m):
     return [np.broadcast_to(np.isfinite(x).reshape(1, -1), (m, x.size)) for x in xs]
 
 
+def _batched_shape(out, n, out_shape, who):
+    want = (n,) + tuple(out_shape)
+    if out.shape != want:
+        raise ValueError(f"`{who}` should broadcast over a new leading axis for vectorized=True and return "
+                         f"shape {want}, but got shape {out.shape}")
+    return out.reshape(n, -1)
+
+
 def _numeric_blocks(nd, xs, out):
+    if nd.vectorized:
+        return [nd.jacobian_block(xs, a, out.shape) if x.size else np.empty((out.size, 0))
+                for a, x in enumerate(xs)]
     blocks = []
     for a, x in enumerate(xs):
         J = np.empty((out.size, x.size))
@@ -468,15 +524,36 @@ def _numeric_blocks(nd, xs, out):
 
 def _vjp_full(nd, vjp, xs, out, rtol, atol):
     m = out.size
-    ana = [np.empty((m, x.size)) for x in xs]
-    for o in range(m):
-        g = np.zeros(out.shape)
-        g.flat[o] = 1.0
-        grads = _as_grads(vjp(g, *[x.copy() for x in xs]), xs, "vjp")
-        for k, gr in enumerate(grads):
-            ana[k][o] = gr.ravel()
+    if nd.vectorized:
+        # one VJP of all one-hot cotangents; the args are broadcast (views) to the batch
+        G = np.eye(m).reshape((m,) + out.shape)
+        bx = [np.broadcast_to(x, (m,) + x.shape) for x in xs]
+        res = vjp(G, *bx)
+        res = (res,) if len(xs) == 1 and isinstance(res, np.ndarray) else list(res)
+        if len(res) != len(xs):
+            raise ValueError(f"`vjp` should return {len(xs)} gradients (one per arg), but got {len(res)}")
+        ana = []
+        for k, (r, x) in enumerate(zip(res, xs)):
+            r = np.asarray(r, dtype=np.float64)
+            if r.shape != (m,) + x.shape:
+                raise ValueError(f"`vjp` gradient {k} should have shape {(m,) + x.shape} for vectorized=True, "
+                                 f"but got shape {r.shape}")
+            ana.append(r.reshape(m, -1))
+        n_calls = 1
+    else:
+        ana = [np.empty((m, x.size)) for x in xs]
+        for o in range(m):
+            g = np.zeros(out.shape)
+            g.flat[o] = 1.0
+            grads = _as_grads(vjp(g, *[x.copy() for x in xs]), xs, "vjp")
+            for k, gr in enumerate(grads):
+                ana[k][o] = gr.ravel()
+        n_calls = m
     num = _numeric_blocks(nd, xs, out)
-    n_evals = 1 + (1 if nd.method == "complex" else 2) * sum(x.size for x in xs) + m
+    if nd.vectorized:
+        n_evals = 1 + (1 if nd.method == "complex" else 2) * len(xs) + n_calls
+    else:
+        n_evals = 1 + (1 if nd.method == "complex" else 2) * sum(x.size for x in xs) + n_calls
     meta = {"valid": _valid_columns(xs, m), "shapes": [x.shape for x in xs]}
     return _compare("check_vjp", _mode("full", nd), ana, num, rtol, atol, meta, out.shape, n_evals)
 
@@ -493,7 +570,8 @@ def _directions(xs, rng):
 
 
 def _mode(mode, nd):
-    return mode if nd.method == "central" else f"{mode}, complex step"
+    m = mode if nd.method == "central" else f"{mode}, complex step"
+    return m + ", vectorized" if nd.vectorized else m
 
 
 def _vjp_projection(nd, vjp, xs, out, rtol, atol, seed, n_projections):

@@ -237,6 +237,19 @@ def test_leading_batch_broadcast_and_grads_summed_back():
     np.testing.assert_allclose(gr.attn_mask, g2.attn_mask.sum((0, 1, 2)), rtol=1e-12, atol=1e-14)
 
 
+def test_a_batch_dim_only_value_has():
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((2, 4, 3)), rng.standard_normal((2, 5, 3)), rng.standard_normal((6, 2, 5, 2))
+    out, res = sdpa_forward(q, k, v, is_causal=True)
+    assert out.shape == (6, 2, 4, 2)
+    for b in range(6):
+        np.testing.assert_allclose(out[b], sdpa_forward(q, k, v[b], is_causal=True)[0], rtol=1e-15)
+    gr = sdpa_backward(res, np.ones(out.shape))
+    assert gr.query.shape == q.shape and gr.value.shape == v.shape
+    _, dense = sdpa_forward(q, k, v, save_probs=False)
+    assert sdpa_backward(dense, np.ones(out.shape)).key.shape == k.shape
+
+
 def test_rank2_inputs():
     rng = np.random.default_rng(0)
     q, k, v = rng.standard_normal((3, 4)), rng.standard_normal((5, 4)), rng.standard_normal((5, 2))

@@ -203,3 +203,46 @@ def test_check_jvp_catches_a_wrong_jvp():
     for mode in MODES:
         assert check_jvp(f, right, (X,), mode=mode, rtol=RTOL).ok
         assert not check_jvp(f, wrong, (X,), mode=mode).ok
+
+
+# ------------------------------------------------------------- vectorized
+
+
+def _attn_problem_small():
+    r = np.random.default_rng(5)
+    return tuple(r.standard_normal(s) for s in [(2, 2, 5, 3), (2, 2, 6, 3), (2, 2, 6, 2)])
+
+
+@pytest.mark.parametrize("method", ["central", "complex"])
+def test_vectorized_full_check_agrees_with_the_scalar_one(method):
+    from sdpa_ref import sdpa_forward_complex
+
+    fun = (lambda q, k, v: sdpa_forward_complex(q, k, v, is_causal=True)) if method == "complex" else \
+        (lambda q, k, v: sdpa_forward(q, k, v, is_causal=True)[0])
+
+    def vjp(g, q, k, v):
+        gr = sdpa_backward(sdpa_forward(q, k, v, is_causal=True)[1], g)
+        return gr.query, gr.key, gr.value
+
+    kw = dict(method=method, rtol=1e-12 if method == "complex" else RTOL, atol=1e-14 if method == "complex" else 1e-9)
+    a = check_vjp(fun, vjp, _attn_problem_small(), **kw)
+    b = check_vjp(fun, vjp, _attn_problem_small(), vectorized=True, **kw)
+    assert a.ok and b.ok and b.mode.endswith("vectorized")
+    assert b.n_evals < a.n_evals / 50
+    np.testing.assert_allclose(b.max_abs_error, a.max_abs_error, rtol=1e-6, atol=1e-15)
+    # the Jacobians themselves agree
+    for Ja, Jb in zip(numerical_jacobian(fun, _attn_problem_small(), method=method),
+                      [None, None, None]):
+        assert Ja.shape[:4] == (2, 2, 5, 2)
+
+
+def test_vectorized_check_catches_a_wrong_vjp_and_bad_broadcasting():
+    def wrong(g, q, k, v):
+        gr = sdpa_backward(sdpa_forward(q, k, v)[1], g)
+        return gr.query * 2, gr.key, gr.value
+
+    rep = check_vjp(lambda q, k, v: sdpa_forward(q, k, v)[0], wrong, _attn_problem_small(), vectorized=True)
+    assert not rep.ok and rep.per_arg[0]["failed"] > 0 and rep.per_arg[1]["failed"] == 0
+    # a fun that does not broadcast over the new axis gets a clear error
+    with pytest.raises(ValueError, match="vectorized"):
+        check_vjp(lambda x: x.sum(axis=0), lambda g, x: (np.ones_like(x) * g,), (np.ones((3, 2)),), vectorized=True)
