@@ -370,13 +370,13 @@ class _Numeric:
         return J.T
 
     def _real_batched(self, args, n, out_shape):
-        out = np.asarray(self.fun(*args))
+        out = np.asarray(_batched_call(self.fun, "fun", *args))
         if out.dtype.kind == "c":
             out = out.real
         return _batched_shape(out, n, out_shape, "fun").astype(np.float64)
 
     def _imag_batched(self, args, n, out_shape):
-        out = np.asarray(self.fun(*args))
+        out = np.asarray(_batched_call(self.fun, "fun", *args))
         if out.dtype.kind != "c":
             raise TypeError("`fun` should return a complex array for method='complex', but got dtype "
                             f"{out.dtype}")
@@ -501,6 +501,14 @@ def _valid_columns(xs, m):
     return [np.broadcast_to(np.isfinite(x).reshape(1, -1), (m, x.size)) for x in xs]
 
 
+def _batched_call(f, who, *args):
+    try:
+        return f(*args)
+    except Exception as exc:
+        raise ValueError(f"`{who}` failed on batched input with vectorized=True (it should broadcast over a "
+                         f"new leading axis): {type(exc).__name__}: {exc}") from exc
+
+
 def _batched_shape(out, n, out_shape, who):
     want = (n,) + tuple(out_shape)
     if out.shape != want:
@@ -528,7 +536,7 @@ def _vjp_full(nd, vjp, xs, out, rtol, atol):
         # one VJP of all one-hot cotangents; the args are broadcast (views) to the batch
         G = np.eye(m).reshape((m,) + out.shape)
         bx = [np.broadcast_to(x, (m,) + x.shape) for x in xs]
-        res = vjp(G, *bx)
+        res = _batched_call(vjp, "vjp", G, *bx)
         res = (res,) if len(xs) == 1 and isinstance(res, np.ndarray) else list(res)
         if len(res) != len(xs):
             raise ValueError(f"`vjp` should return {len(xs)} gradients (one per arg), but got {len(res)}")

@@ -228,12 +228,10 @@ def test_vectorized_full_check_agrees_with_the_scalar_one(method):
     a = check_vjp(fun, vjp, _attn_problem_small(), **kw)
     b = check_vjp(fun, vjp, _attn_problem_small(), vectorized=True, **kw)
     assert a.ok and b.ok and b.mode.endswith("vectorized")
-    assert b.n_evals < a.n_evals / 50
+    assert b.n_evals < a.n_evals / 20
     np.testing.assert_allclose(b.max_abs_error, a.max_abs_error, rtol=1e-6, atol=1e-15)
-    # the Jacobians themselves agree
-    for Ja, Jb in zip(numerical_jacobian(fun, _attn_problem_small(), method=method),
-                      [None, None, None]):
-        assert Ja.shape[:4] == (2, 2, 5, 2)
+    for ra, rb in zip(a.per_arg, b.per_arg):
+        assert ra["total"] == rb["total"] and ra["failed"] == rb["failed"] == 0
 
 
 def test_vectorized_check_catches_a_wrong_vjp_and_bad_broadcasting():
