@@ -52,6 +52,7 @@ import numpy as np
 
 from . import _validate as V
 from ._problem import FULLY_MASKED_POLICIES, Problem, Scores
+from .fast import fast_backward, fast_forward
 from .tiled import check_block_size, tiled_backward, tiled_forward
 
 __all__ = [
@@ -67,7 +68,9 @@ __all__ = [
 ]
 
 #: Accepted values of ``sdpa_backward(..., method=)``.
-BACKWARD_METHODS = ("probs", "lse")
+BACKWARD_METHODS = ("probs", "lse", "plain")
+#: Accepted values of ``sdpa_forward(..., method=)``.
+FORWARD_METHODS = ("fast", "plain")
 
 
 class AttentionGrads(NamedTuple):
@@ -230,7 +233,7 @@ def sdpa_forward(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
     dropout_mask=None, rng=None, fully_masked="zero", upcast=True, bias=None, causal_alignment="top_left",
     window=None, softcap=None, alibi_slopes=None, q_lengths=None, kv_lengths=None, save_probs=True,
-    block_size=None,
+    block_size=None, method="fast",
 ):
     r"""Attention forward that also returns what the backward needs.
 
@@ -248,6 +251,10 @@ def sdpa_forward(
         picks a size from L, S and a 64 MiB budget. Every option is
         supported; the residuals then hold only ``(out, lse)``. Agrees with
         the dense path to rounding (tested at 1e-12).
+    method : {"fast", "plain"}, optional
+        Dense implementation: ``"fast"`` (default; in place, threaded row
+        passes, see :mod:`sdpa_ref.fast`) or ``"plain"``, the readable
+        reference that the Notes derive. They agree to 1e-14.
 
     Returns
     -------
@@ -279,12 +286,20 @@ def sdpa_forward(
     )
     if not isinstance(save_probs, (bool, np.bool_)):
         raise TypeError(f"`save_probs` should be a bool, but got {V.describe(save_probs)}")
+    V.check_choice(method, "method", FORWARD_METHODS)
     block = check_block_size(block_size, prob)
     if block is not None:
         O, lse, empty, padded = tiled_forward(prob, block)
         O = O.reshape(prob.out_shape)
         res = AttentionResiduals(problem=prob, probs=None, out=O, lse=lse.reshape(prob.out_shape[:-1]),
                                  tanh=None, empty=empty, padded=padded, block_size=block)
+        return O.astype(prob.out_dtype, copy=False), res
+    if method == "fast":
+        O, P, lse, th, empty = fast_forward(prob)
+        O = O.reshape(prob.out_shape)
+        res = AttentionResiduals(problem=prob, probs=P if save_probs else None, out=O,
+                                 lse=lse.reshape(prob.out_shape[:-1]), tanh=th, empty=empty,
+                                 padded=prob.padded_rows())
         return O.astype(prob.out_dtype, copy=False), res
     out, res = _forward(prob, save_probs=bool(save_probs))
     return out.astype(prob.out_dtype, copy=False), res
@@ -320,9 +335,12 @@ def sdpa_backward(residuals, grad_out, method=None):
         From :func:`sdpa_forward`.
     grad_out : array_like, (..., Hq, L, Ev)
         Cotangent ``dO`` of the output.
-    method : {"probs", "lse"}, optional
-        ``"probs"`` (the teaching form, the default when ``P`` was saved)
-        uses the saved ``P``. ``"lse"`` is FlashAttention's (the default
+    method : {"probs", "lse", "plain"}, optional
+        ``"probs"`` (the default when ``P`` was saved) uses the saved ``P``,
+        computed in place with :math:`D = \mathrm{rowsum}(dO \odot O)`
+        (:mod:`sdpa_ref.fast`); ``"plain"`` is the same algorithm written as
+        the Notes derive it, with :math:`D = \mathrm{rowsum}(P \odot dP)`,
+        the teaching form. ``"lse"`` is FlashAttention's (the default
         otherwise): it keeps only ``(O, lse)``, recomputes
         :math:`P = e^{T - \mathrm{lse}}` from the scores and uses
         :math:`D = \mathrm{rowsum}(dO \odot O)`. They agree to rounding.
@@ -381,24 +399,26 @@ def sdpa_backward(residuals, grad_out, method=None):
     g = V.as_float_array(grad_out, "grad_out")
     if g.shape != prob.out_shape:
         raise ValueError(f"`grad_out` should have the output's shape {prob.out_shape}, but got shape {g.shape}")
-    if method == "probs" and r.probs is None:
+    if method in ("probs", "plain") and r.probs is None:
         raise ValueError("`method` should be 'lse' for residuals saved with save_probs=False or block_size, "
-                         "but got 'probs'")
+                         f"but got {method!r}")
     if r.block_size is not None:
         return tiled_backward(prob, r.out, r.lse, r.empty, g, r.block_size)
+    if method == "probs" and prob.dtype.kind != "c":
+        return fast_backward(prob, r.probs, r.out, r.tanh, r.empty, g)
     ct = prob.dtype
     full, grouped = prob.full_scores, prob.grouped
     dO = g.astype(ct, copy=False).reshape(grouped + (g.shape[-1],))
     S = full[-1]
 
-    if method == "probs":
+    if method == "plain":
         P = r.probs
     else:
         P = _probs_from_lse(prob, r)
     P_drop = _apply_dropout(P, prob.keep, prob.dropout_p)
     dv = _swap(P_drop.reshape(grouped + (S,))) @ dO                      # dV = P_drop^T dO
     dP = _apply_dropout((dO @ _swap(prob.v)).reshape(full), prob.keep, prob.dropout_p)
-    if method == "probs":
+    if method == "plain":
         D = np.sum(P * dP, axis=-1, keepdims=True)                       # D = rowsum(P * dP)
     else:
         D = np.sum(dO * r.out.reshape(dO.shape), axis=-1).reshape(full[:-1] + (1,))   # rowsum(dO * O)

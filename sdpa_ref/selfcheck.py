@@ -10,9 +10,10 @@ Each attention case is checked five ways:
   float64 central differences, whole Jacobian, to ``CHECK_RTOL`` (1e-7);
 * ``cs``: the VJP and the JVP (``sdpa_jvp``) against the complex step
   (:func:`sdpa_forward_complex`), whole Jacobian, to ``COMPLEX_RTOL`` (1e-12);
-* ``lse``: FlashAttention's backward (``method="lse"``) against the default
-  one, to ``LSE_RTOL`` (1e-13) in the normwise relative error
-  ``max|a - b| / max|a|`` of each gradient;
+* ``lse``: FlashAttention's backward (``method="lse"``) and the plain,
+  documented one (``method="plain"``) against the default one, to
+  ``LSE_RTOL`` (1e-13) in the normwise relative error
+  ``max|a - b| / max(1, max|a|)`` of each gradient;
 * ``ip``: the inner-product identity ``<g, J t> == <J^T g, t>`` between the
   JVP and the VJP, to 1e-12.
 
@@ -309,7 +310,9 @@ def run_attention_case(case: AttentionCase, *, rtol=CHECK_RTOL, atol=CHECK_ATOL,
     cs_j = check_jvp(jfun_c, jvp_m, jargs, method="complex", rtol=complex_rtol, atol=complex_atol)
     # FlashAttention's backward against the teaching one
     g = np.random.default_rng(seed + 1).standard_normal(fun(*args).shape)
-    lse_err = max(_rel_diff(a, b, lse_rtol) for a, b in zip(vjp(g, *args), vjp(g, *args, method="lse")))
+    base = vjp(g, *args)
+    lse_err = max(_rel_diff(a, b, lse_rtol) for other in ("lse", "plain")
+                  for a, b in zip(base, vjp(g, *args, method=other)))
     # <g, J t> == <J^T g, t>
     rng = np.random.default_rng(seed + 2)
     ts = [rng.standard_normal(a.shape) for a in jargs]
@@ -334,15 +337,15 @@ def run_attention_case(case: AttentionCase, *, rtol=CHECK_RTOL, atol=CHECK_ATOL,
 
 
 def _rel_diff(a, b, rtol=None):
-    """Normwise relative difference ``max|a - b| / max|a|``; NaN must meet NaN (else inf)."""
+    """Normwise relative difference ``max|a - b| / max(1, max|a|)``; NaN must meet NaN (else inf)."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if not np.array_equal(np.isnan(a), np.isnan(b)):
         return float("inf")
     fin = ~np.isnan(a)
     if not fin.any():
         return 0.0
-    scale = float(np.max(np.abs(a[fin])))
-    return float(np.max(np.abs(a[fin] - b[fin]))) / scale if scale > 0 else float(np.max(np.abs(b[fin])))
+    scale = max(1.0, float(np.max(np.abs(a[fin]))))     # a floor of 1: exact zeros stay exact-ish
+    return float(np.max(np.abs(a[fin] - b[fin]))) / scale
 
 
 def _nan_policy_check(case, t0, **tols):

@@ -344,5 +344,12 @@ def test_unknown_method_and_probs_not_saved():
     with pytest.raises(ValueError, match="`method`"):
         sdpa_backward(res, np.ones(out.shape), method="flash")
     _, light = sdpa_forward(Q, K, Vv, save_probs=False)
+    for m in ("probs", "plain"):
+        with pytest.raises(ValueError, match="`method`"):
+            sdpa_backward(light, np.ones(out.shape), method=m)
+    # without P the default is the lse backward
+    a = sdpa_backward(light, np.ones(out.shape))
+    b = sdpa_backward(res, np.ones(out.shape), method="lse")
+    np.testing.assert_array_equal(a.query, b.query)
     with pytest.raises(ValueError, match="`method`"):
-        sdpa_backward(light, np.ones(out.shape))
+        sdpa_forward(Q, K, Vv, method="quick")
