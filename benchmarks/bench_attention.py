@@ -1,0 +1,224 @@
+"""Benchmark sdpa_ref's attention against PyTorch's CPU SDPA and the GEMM bound.
+
+Run: python benchmarks/bench_attention.py [--repeat 7] [--format table|json] [--skip-memory]
+
+All timings are forward + backward, float64 unless noted, measured in this
+process, interleaved (one run of every variant per round, the order rotated
+every round, 50 ms of rest before each run so that spinning BLAS / OpenMP
+threads of the previous run do not steal the cores) and reported as the
+median over rounds. Absolute times vary between machines; compare the ratios.
+
+* dense: the default fast path; plain: method="plain" (the documented form);
+  tiled: block_size=256;
+* torch64 / torch32: torch.nn.functional.scaled_dot_product_attention forward
+  and autograd backward, when torch is installed (same thread count);
+* gemm: the six bare matmuls any attention forward + backward must do
+  (Q K^T, P V, P^T dO, dO V^T, dS K, dS^T Q): the GEMM bound.
+
+Also, in subprocesses (VmHWM from /proc/self/status), the peak resident memory of the whole process for the
+tiled path at L = S = 4096 and 16384 (one head, E = 64, float64), and the
+time of a full gradient check of attention on (2, 2, 16, 8) inputs: sdpa_ref's
+check_vjp (scalar and vectorized) against torch.autograd.gradcheck.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from sdpa_ref import sdpa_backward, sdpa_forward  # noqa: E402
+
+SHAPES = [(1, 8, 1024, 64), (2, 4, 256, 64), (4, 8, 128, 64)]
+
+try:
+    import torch
+except ImportError:  # the benchmark runs without torch too
+    torch = None
+
+
+def variants(shape):
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal(shape) for _ in range(4))
+
+    def dense():
+        _, r = sdpa_forward(q, k, v)
+        sdpa_backward(r, g)
+
+    def plain():
+        _, r = sdpa_forward(q, k, v, method="plain")
+        sdpa_backward(r, g, method="plain")
+
+    def tiled():
+        _, r = sdpa_forward(q, k, v, block_size=256)
+        sdpa_backward(r, g)
+
+    def gemm():
+        s = q @ np.swapaxes(k, -1, -2)
+        s @ v
+        np.swapaxes(s, -1, -2) @ g
+        d = g @ np.swapaxes(v, -1, -2)
+        d @ k
+        np.swapaxes(d, -1, -2) @ q
+
+    out = {"dense": dense, "plain": plain, "tiled": tiled, "gemm": gemm}
+    if torch is not None:
+        for name, dt in (("torch64", torch.float64), ("torch32", torch.float32)):
+            tq, tk, tv = (torch.tensor(a, dtype=dt, requires_grad=True) for a in (q, k, v))
+            tg = torch.tensor(g, dtype=dt)
+
+            def run(tq=tq, tk=tk, tv=tv, tg=tg):
+                for t in (tq, tk, tv):
+                    t.grad = None
+                o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+                o.backward(tg)
+
+            out[name] = run
+    return out
+
+
+def time_shapes(repeat):
+    rows = []
+    for shape in SHAPES:
+        fns = variants(shape)
+        for f in fns.values():
+            f()                                   # warm up
+        times = {n: [] for n in fns}
+        names = list(fns)
+        for rnd in range(repeat):                 # interleaved rounds, order rotated every round
+            for n in names[rnd % len(names):] + names[:rnd % len(names)]:
+                time.sleep(0.05)                  # let BLAS / OpenMP worker threads stop spinning
+                t0 = time.perf_counter()
+                fns[n]()
+                times[n].append(time.perf_counter() - t0)
+        med = {n: float(np.median(t)) for n, t in times.items()}
+        row = {"shape": "x".join(map(str, shape)), **{f"{n}_s": v for n, v in med.items()},
+               "gemm_over_dense": med["gemm"] / med["dense"], "plain_over_dense": med["plain"] / med["dense"],
+               "tiled_over_dense": med["tiled"] / med["dense"]}
+        if "torch64" in med:
+            row["dense_over_torch64"] = med["dense"] / med["torch64"]
+            row["dense_over_torch32"] = med["dense"] / med["torch32"]
+        rows.append(row)
+        print(f"  timed {row['shape']}", file=sys.stderr)
+    return rows
+
+
+MEMORY_CODE = r"""
+import resource, sys, time, numpy as np
+sys.path.insert(0, {root!r})
+from sdpa_ref import sdpa_forward, sdpa_backward
+L = {L}
+rng = np.random.default_rng(0)
+q, k, v, g = (rng.standard_normal((1, L, 64)) for _ in range(4))
+t0 = time.perf_counter()
+_, r = sdpa_forward(q, k, v, block_size="auto")
+gr = sdpa_backward(r, g)
+dt = time.perf_counter() - t0
+assert np.isfinite(gr.query).all()
+# VmHWM: the peak RSS of this process image. ru_maxrss is not used on Linux
+# because it survives exec and can report the parent's high-water mark.
+peak = None
+try:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) / 1024
+except OSError:
+    pass
+if peak is None:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(peak, dt, r.block_size)
+"""
+
+
+def memory(Ls):
+    rows = []
+    for L in Ls:
+        code = MEMORY_CODE.format(root=os.path.dirname(HERE), L=L)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        rss, secs, block = out.split()
+        rows.append({"L=S": L, "peak_rss_MiB": float(rss), "seconds": float(secs), "block_size": int(block),
+                     "dense_P_alone_MiB": L * L * 8 / 2**20})
+        print(f"  memory L=S={L}: {float(rss):.0f} MiB", file=sys.stderr)
+    return rows
+
+
+def gradcheck_speed(repeat=3):
+    from sdpa_ref import check_vjp
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 2, 16, 8)) for _ in range(3))
+
+    def fun(q, k, v):
+        return sdpa_forward(q, k, v)[0]
+
+    def vjp(g, q, k, v):
+        gr = sdpa_backward(sdpa_forward(q, k, v)[1], g)
+        return gr.query, gr.key, gr.value
+
+    res = {}
+    for name, kw in (("check_vjp_full_s", {}), ("check_vjp_full_vectorized_s", {"vectorized": True})):
+        ts = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            rep = check_vjp(fun, vjp, (q, k, v), mode="full", **kw)
+            ts.append(time.perf_counter() - t0)
+            assert rep.ok
+        res[name] = float(np.median(ts))
+    if torch is not None:
+        tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+        ts = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            assert torch.autograd.gradcheck(torch.nn.functional.scaled_dot_product_attention, (tq, tk, tv))
+            ts.append(time.perf_counter() - t0)
+        res["torch_gradcheck_s"] = float(np.median(ts))
+        res["torch_over_ours_vectorized"] = res["torch_gradcheck_s"] / res["check_vjp_full_vectorized_s"]
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=7, help="interleaved rounds per shape (default: 7)")
+    ap.add_argument("--format", choices=("table", "json"), default="table")
+    ap.add_argument("--skip-memory", action="store_true", help="skip the 4096 / 16384 memory runs")
+    ap.add_argument("--memory-sizes", type=int, nargs="+", default=[4096, 16384])
+    args = ap.parse_args()
+    if torch is not None:
+        torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    result = {
+        "numpy": np.__version__, "torch": None if torch is None else torch.__version__,
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
+    result["memory"] = [] if args.skip_memory else memory(args.memory_sizes)   # first, while this process is small
+    result["timing"] = time_shapes(args.repeat)
+    result["gradcheck"] = gradcheck_speed()
+    if args.format == "json":
+        print(json.dumps(result, indent=2))
+        return
+    print(f"numpy {result['numpy']}, torch {result['torch']}, {result['cpus']} CPUs; forward + backward, "
+          f"median of {args.repeat} interleaved rounds\n")
+    cols = ["shape", "dense_s", "plain_s", "tiled_s", "gemm_s"] + (["torch64_s", "torch32_s"] if torch else [])
+    cols += ["gemm_over_dense"] + (["dense_over_torch64", "dense_over_torch32"] if torch else [])
+    print("  ".join(f"{c:>18}" for c in cols))
+    for r in result["timing"]:
+        print("  ".join(f"{r[c]:>18.4f}" if isinstance(r[c], float) else f"{r[c]:>18}" for c in cols))
+    gc = result["gradcheck"]
+    print("\ngradient check, attention on (2, 2, 16, 8), full Jacobian, float64:")
+    for k, v in gc.items():
+        print(f"  {k:<30} {v:.4f}")
+    if result["memory"]:
+        print("\ntiled path, one head, E = 64, float64, block_size='auto' (peak RSS of the whole process):")
+        for r in result["memory"]:
+            print(f"  L = S = {r['L=S']:>6}: {r['peak_rss_MiB']:8.1f} MiB peak, {r['seconds']:7.2f} s, block "
+                  f"{r['block_size']} (a dense P alone would be {r['dense_P_alone_MiB']:.0f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
