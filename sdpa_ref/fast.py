@@ -14,8 +14,8 @@ tested against it to 1e-14. What differs is how:
   small enough to stay in cache;
 * ``D = rowsum(dO * O)`` (``L x Ev`` work) instead of ``rowsum(P * dP)``
   (``L x S``), FlashAttention's identity;
-* row sums are a BLAS product with a ones vector (another summation order,
-  about 10 times faster than a reduction on short rows);
+* rows shorter than 64 are summed by a BLAS product with a ones vector
+  (another summation order, about 10 times faster than a reduction there);
 * the row-wise element-wise passes (shift, exp, normalise; ``(dP - D) * P``)
   run on row chunks in a thread pool -- NumPy releases the GIL inside
   ufunc loops, so on ``n`` cores they take about ``1/n`` of the time. Rows
@@ -43,6 +43,8 @@ _POOL: Optional[ThreadPoolExecutor] = None
 _POOL_LOCK = threading.Lock()
 #: Below this many entries an element-wise pass runs inline (threads cost more than they save).
 _MIN_PARALLEL = 1 << 22
+#: Rows shorter than this are summed by a BLAS product (a reduction is slow on them).
+_SHORT_ROW = 64
 #: Entries of a row block that one element-wise pass works on (4 MiB of float64).
 _CACHE_ENTRIES = 1 << 19
 
@@ -108,7 +110,7 @@ def fast_forward(prob: Problem):
                 m[eb] = 0.0
                 np.subtract(tb, m, out=tb)
                 np.exp(tb, out=tb)
-                s = tb @ ones
+                s = tb @ ones if S < _SHORT_ROW else np.sum(tb, axis=-1, keepdims=True)
                 np.multiply(tb, 1.0 / s, out=tb)
                 np.log(s, out=lb)
                 lb += m
