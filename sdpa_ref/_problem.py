@@ -224,15 +224,21 @@ class Problem:
         off = np.asarray(kl, dtype=np.int64) - np.asarray(ql, dtype=np.int64)
         return off.reshape(off.shape + (1, 1, 1))
 
-    def allowed(self):
-        """The structural allowed set (bool mask, causal, window, lengths), or None when unrestricted."""
+    def allowed(self, rows=None, cols=None):
+        """The structural allowed set (bool mask, causal, window, lengths), or None when unrestricted.
+
+        ``rows`` / ``cols`` are ``(start, stop)`` ranges of query and key
+        positions (the tiled path asks for one block); the default is all.
+        """
         L, S = self.full_scores[-2:]
-        i = np.arange(L)[:, None]
-        j = np.arange(S)[None, :]
+        i0, i1 = rows if rows is not None else (0, L)
+        j0, j1 = cols if cols is not None else (0, S)
+        i = np.arange(i0, i1)[:, None]
+        j = np.arange(j0, j1)[None, :]
         off = self.offset()
         parts = []
         if self.mask_bool is not None:
-            parts.append(self.mask_bool)
+            parts.append(slice_ls(self.mask_bool, i0, i1, j0, j1))
         left, right = self.window if self.window is not None else (None, None)
         if self.is_causal:
             right = 0 if right is None else min(right, 0)
@@ -258,12 +264,12 @@ class Problem:
         L = self.full_scores[-2]
         return np.arange(L)[:, None] >= self.q_lengths.reshape(self.q_lengths.shape + (1, 1, 1))
 
-    def alibi_bias(self):
-        """``-slope * |i + off - j|``, broadcastable to the scores."""
+    def alibi_bias(self, rows=None, cols=None):
+        """``-slope * |i + off - j|``, broadcastable to the scores (or to one block of them)."""
         L, S = self.full_scores[-2:]
-        i = np.arange(L)[:, None]
-        j = np.arange(S)[None, :]
-        dist = np.abs(i + self.offset() - j)          # (L, S) or (*batch, 1, L, S)
+        i0, i1 = rows if rows is not None else (0, L)
+        j0, j1 = cols if cols is not None else (0, S)
+        dist = np.abs(np.arange(i0, i1)[:, None] + self.offset() - np.arange(j0, j1)[None, :])
         return -self.alibi * dist
 
     def raw_scores(self):
@@ -296,6 +302,15 @@ class Problem:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def slice_ls(a, i0, i1, j0, j1):
+    """Rows ``i0:i1`` and columns ``j0:j1`` of an array broadcastable to (..., L, S)."""
+    if a.ndim < 2:
+        a = a.reshape((1,) * (2 - a.ndim) + a.shape)
+    rows = slice(None) if a.shape[-2] == 1 else slice(i0, i1)
+    cols = slice(None) if a.shape[-1] == 1 else slice(j0, j1)
+    return a[..., rows, cols]
 
 
 def _check_bool(x, name):

@@ -227,20 +227,8 @@ def check_vjp(
     -------
     GradcheckReport
     """
-    check_choice(mode, "mode", _MODES)
-    check_choice(method, "method", _METHODS)
-    xs = _copy_args(args)
-    out = _call(fun, xs)
-    nd = _Numeric(fun, _default_eps(eps, method), method, vectorized=bool(vectorized))
-    if mode == "projection":
-        rep = _vjp_projection(nd, vjp, xs, out, rtol, atol, seed, n_projections)
-        if rep.ok:
-            return rep
-        full = _vjp_full(nd, vjp, xs, out, rtol, atol)
-        full.mode = "projection, then full"
-        full.notes = rep.notes + [f"projection check failed (max_rel={rep.max_rel_error:.3e}); full check follows"]
-        return full
-    return _vjp_full(nd, vjp, xs, out, rtol, atol)
+    return _run(_vjp_projection, _vjp_full, fun, vjp, args, mode, eps, rtol, atol, seed, n_projections, method,
+                vectorized)
 
 
 def assert_vjp(fun, vjp, args, **kwargs) -> GradcheckReport:
@@ -283,20 +271,8 @@ def check_jvp(
     -------
     GradcheckReport
     """
-    check_choice(mode, "mode", _MODES)
-    check_choice(method, "method", _METHODS)
-    xs = _copy_args(args)
-    out = _call(fun, xs)
-    nd = _Numeric(fun, _default_eps(eps, method), method)
-    if mode == "projection":
-        rep = _jvp_projection(nd, jvp, xs, out, rtol, atol, seed, n_projections)
-        if rep.ok:
-            return rep
-        full = _jvp_full(nd, jvp, xs, out, rtol, atol)
-        full.mode = "projection, then full"
-        full.notes = rep.notes + [f"projection check failed (max_rel={rep.max_rel_error:.3e}); full check follows"]
-        return full
-    return _jvp_full(nd, jvp, xs, out, rtol, atol)
+    return _run(_jvp_projection, _jvp_full, fun, jvp, args, mode, eps, rtol, atol, seed, n_projections, method,
+                False)
 
 
 def assert_jvp(fun, jvp, args, **kwargs) -> GradcheckReport:
@@ -308,6 +284,24 @@ def assert_jvp(fun, jvp, args, **kwargs) -> GradcheckReport:
 
 
 # ------------------------------------------------------------ internals
+
+
+def _run(projection, full, fun, derivative, args, mode, eps, rtol, atol, seed, n_projections, method, vectorized):
+    """The shared body of check_vjp / check_jvp: projection first, full to locate a failure."""
+    check_choice(mode, "mode", _MODES)
+    check_choice(method, "method", _METHODS)
+    xs = _copy_args(args)
+    out = _call(fun, xs)
+    nd = _Numeric(fun, _default_eps(eps, method), method, vectorized=bool(vectorized))
+    if mode == "full":
+        return full(nd, derivative, xs, out, rtol, atol)
+    rep = projection(nd, derivative, xs, out, rtol, atol, seed, n_projections)
+    if rep.ok:
+        return rep
+    located = full(nd, derivative, xs, out, rtol, atol)
+    located.mode = "projection, then full"
+    located.notes = rep.notes + [f"projection check failed (max_rel={rep.max_rel_error:.3e}); full check follows"]
+    return located
 
 
 def _copy_args(args):

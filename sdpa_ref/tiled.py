@@ -34,7 +34,7 @@ from typing import Optional
 
 import numpy as np
 
-from ._problem import Problem
+from ._problem import Problem, slice_ls
 
 __all__ = ["DEFAULT_BLOCK_BUDGET", "auto_block_size", "check_block_size", "tiled_forward", "tiled_backward"]
 
@@ -88,33 +88,10 @@ class _Blocks:
         # queries as (..., Hkv, G, L, E): rows of one head stay contiguous in L
         self.q5 = prob.q.reshape(prob.q.shape[:-2] + (self.G, self.L, E))
         self.k4, self.v4 = prob.k, prob.v
-        self.off = prob.offset()
 
     def allowed(self, i0, i1, j0, j1):
         """Structural allowed set of the block, broadcastable to (..., Hq, bi, bj), or None."""
-        p = self.p
-        i = np.arange(i0, i1)[:, None]
-        j = np.arange(j0, j1)[None, :]
-        parts = []
-        if p.mask_bool is not None:
-            parts.append(_slice(p.mask_bool, i0, i1, j0, j1))
-        left, right = p.window if p.window is not None else (None, None)
-        if p.is_causal:
-            right = 0 if right is None else min(right, 0)
-        if left is not None:
-            parts.append(j >= i + self.off - left)
-        if right is not None:
-            parts.append(j <= i + self.off + right)
-        if p.kv_lengths is not None:
-            parts.append(j < p.kv_lengths.reshape(p.kv_lengths.shape + (1, 1, 1)))
-        if p.q_lengths is not None:
-            parts.append(i < p.q_lengths.reshape(p.q_lengths.shape + (1, 1, 1)))
-        if not parts:
-            return None
-        out = parts[0]
-        for x in parts[1:]:
-            out = out & x
-        return out
+        return self.p.allowed((i0, i1), (j0, j1))
 
     def scores(self, i0, i1, j0, j1, allowed):
         """``T`` of the block, ``(..., Hq, bi, bj)``, and ``tanh`` with softcap."""
@@ -128,12 +105,11 @@ class _Blocks:
             th = np.tanh(T / p.softcap)
             T = p.softcap * th
         if p.mask_float is not None:
-            T = T + _slice(p.mask_float, i0, i1, j0, j1)
+            T = T + slice_ls(p.mask_float, i0, i1, j0, j1)
         if p.bias is not None:
-            T = T + _slice(p.bias, i0, i1, j0, j1)
+            T = T + slice_ls(p.bias, i0, i1, j0, j1)
         if p.alibi is not None:
-            dist = np.abs(np.arange(i0, i1)[:, None] + self.off - np.arange(j0, j1)[None, :])
-            T = T - p.alibi * dist
+            T = T + p.alibi_bias((i0, i1), (j0, j1))
         if allowed is not None:
             T = np.where(allowed, T, -np.inf)
         return T, th
@@ -141,7 +117,7 @@ class _Blocks:
     def keep(self, i0, i1, j0, j1):
         if self.p.keep is None:
             return None
-        return _slice(self.p.keep, i0, i1, j0, j1)
+        return slice_ls(self.p.keep, i0, i1, j0, j1)
 
     def times_v(self, P, j0, j1):
         """``P (..., Hq, bi, bj) @ V_J`` per kv head: ``(..., Hq, bi, Ev)``."""
@@ -152,15 +128,6 @@ class _Blocks:
     def grouped(self, x):
         """(..., Hq, b, n) -> (..., Hkv, G, b, n)."""
         return x.reshape(x.shape[:-3] + (self.Hkv, self.G) + x.shape[-2:])
-
-
-def _slice(a, i0, i1, j0, j1):
-    """Rows ``i0:i1`` and columns ``j0:j1`` of an array broadcastable to (..., L, S)."""
-    if a.ndim < 2:
-        a = a.reshape((1,) * (2 - a.ndim) + a.shape)
-    rows = slice(None) if a.shape[-2] == 1 else slice(i0, i1)
-    cols = slice(None) if a.shape[-1] == 1 else slice(j0, j1)
-    return a[..., rows, cols]
 
 
 def _ranges(n, b):
@@ -326,8 +293,5 @@ def _sum_group(x, ndim):
 
 def _add_block(acc, dT, i0, i1, j0, j1, unbroadcast):
     """Add a block's dT into a gradient of a (possibly broadcast) mask or bias."""
-    a = acc if acc.ndim >= 2 else acc.reshape((1,) * (2 - acc.ndim) + acc.shape)
-    rows = slice(None) if a.shape[-2] == 1 else slice(i0, i1)
-    cols = slice(None) if a.shape[-1] == 1 else slice(j0, j1)
-    view = a[..., rows, cols]
+    view = slice_ls(acc, i0, i1, j0, j1)       # a view: += writes through
     view += unbroadcast(dT, view.shape)

@@ -115,18 +115,7 @@ def _sum_to(g, shape):
     return (g.sum(axis=axes, keepdims=True) if axes else g).reshape(shape)
 
 
-class _Lazy:
-    def __init__(self, which):
-        self.which = which
-        self.supports = SUPPORTS
-        self._fn = None
+from . import _Lazy  # noqa: E402
 
-    def __call__(self, *args, **kwargs):
-        if self._fn is None:
-            fwd, bwd, _ = jax_dpa()
-            self._fn = fwd if self.which == "forward" else bwd
-        return self._fn(*args, **kwargs)
-
-
-forward = _Lazy("forward")
-backward = _Lazy("backward")
+forward = _Lazy(jax_dpa, "forward", SUPPORTS)
+backward = _Lazy(jax_dpa, "backward", SUPPORTS)

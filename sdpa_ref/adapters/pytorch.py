@@ -105,20 +105,7 @@ def torch_sdpa(device="cpu", backend=None):
     return forward, backward, SUPPORTS
 
 
-class _Lazy:
-    """Module-level ``forward`` / ``backward`` for ``sdpa-ref conform``, built on first call (CPU)."""
+from . import _Lazy  # noqa: E402
 
-    def __init__(self, which):
-        self.which = which
-        self.supports = SUPPORTS
-        self._fn = None
-
-    def __call__(self, *args, **kwargs):
-        if self._fn is None:
-            fwd, bwd, _ = torch_sdpa()
-            self._fn = fwd if self.which == "forward" else bwd
-        return self._fn(*args, **kwargs)
-
-
-forward = _Lazy("forward")
-backward = _Lazy("backward")
+forward = _Lazy(torch_sdpa, "forward", SUPPORTS)
+backward = _Lazy(torch_sdpa, "backward", SUPPORTS)
