@@ -94,3 +94,17 @@ def test_tiled_path_allocates_nothing_of_size_L_times_S():
     ref = scaled_dot_product_attention(q[:, :256], k, v, is_causal=True, window=(300, None))
     np.testing.assert_allclose(out[:, :256], ref, rtol=1e-12, atol=1e-13)
     assert np.isfinite(grads.key).all()
+
+
+@given(variant_problem(max_len=6), st.sampled_from([1, 4]))
+def test_tiled_and_fast_paths_never_write_into_the_inputs(problem, block):
+    q, k, v, opts, _ = problem
+    arrays = {"q": q, "k": k, "v": v, **{n: a for n, a in opts.items() if isinstance(a, np.ndarray)}}
+    before = {n: a.copy() for n, a in arrays.items()}
+    for kw in ({"block_size": block}, {}, {"method": "plain"}):
+        out, res = sdpa_forward(q, k, v, **kw, **opts)
+        g = np.ones_like(out)
+        sdpa_backward(res, g)
+        assert (g == 1).all()
+    for n, a in arrays.items():
+        np.testing.assert_array_equal(a, before[n], err_msg=n)
