@@ -259,7 +259,7 @@ def tiled_backward(prob: Problem, O, lse, empty, g, block: int):
             P_drop = _drop(P, keep, prob.dropout_p)
             # dV_J += P_drop^T dO_I, summed over the group
             Pg, dOg = bl.grouped(P_drop), bl.grouped(dO_i)
-            dv[..., j0:j1, :] += _sum_group(np.swapaxes(Pg, -1, -2) @ dOg, dv.ndim)
+            dv[..., j0:j1, :] += _sum_group(np.swapaxes(Pg, -1, -2) @ dOg)
             # dP = dO V^T * Z / (1-p);  dT = P * (dP - D)
             dP = dOg @ np.swapaxes(prob.v[..., None, j0:j1, :], -1, -2)
             dP = _drop(dP.reshape(P.shape), keep, prob.dropout_p)
@@ -275,7 +275,7 @@ def tiled_backward(prob: Problem, O, lse, empty, g, block: int):
             dTg = bl.grouped(dT)
             dq_i = prob.scale * (dTg @ prob.k[..., None, j0:j1, :])   # (..., Hkv, G, bi, E)
             dq[..., i0:i1, :] += dq_i.reshape(dq_i.shape[:-4] + (Hq,) + dq_i.shape[-2:])
-            dk[..., j0:j1, :] += _sum_group(prob.scale * (np.swapaxes(dTg, -1, -2) @ q_i), dk.ndim)
+            dk[..., j0:j1, :] += _sum_group(prob.scale * (np.swapaxes(dTg, -1, -2) @ q_i))
     shapes, dtypes = prob.shapes, prob.dtypes
     return AttentionGrads(
         query=_unbroadcast(dq, shapes["query"]).astype(dtypes["query"], copy=False),
@@ -286,8 +286,8 @@ def tiled_backward(prob: Problem, O, lse, empty, g, block: int):
     )
 
 
-def _sum_group(x, ndim):
-    """(..., Hkv, G, b, n) summed over G, broadcast batch kept: (..., Hkv, b, n)."""
+def _sum_group(x):
+    """(..., Hkv, G, b, n) summed over the group G: (..., Hkv, b, n)."""
     return x.sum(axis=-3)
 
 

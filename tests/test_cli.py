@@ -125,3 +125,20 @@ def test_progress_only_on_a_terminal(capsys):
     assert quiet.getvalue() == ""
     assert main(["diagnose", "--d-k", "4", "--trials", "2"]) == 0
     assert capsys.readouterr().err == ""     # captured stderr is not a terminal
+
+
+def test_check_complex_rtol_is_used(capsys):
+    assert main(["check", "--filter", "L<S softcap=1.5 gqa", "--complex-rtol", "1e-30"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_diagnose_n_queries_is_used(capsys):
+    assert main(["diagnose", "--d-k", "8", "--trials", "3", "--n-queries", "5", "--format", "json"]) == 0
+    assert {r["n_queries"] for r in json.loads(capsys.readouterr().out)} == {5}
+
+
+def test_conform_supports_overrides(capsys):
+    assert main(["conform", "impls:ref_forward", "--supports", "is_causal", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    skipped = {r["case"] for r in rows if r["status"] == "skip"}
+    assert "mask-L7-S9" in skipped and "causal-top_left-L7-S13" not in skipped

@@ -60,3 +60,14 @@ def test_results_do_not_depend_on_the_thread_count():
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                 check=True).stdout)
     assert len(outs) == 1
+
+
+def test_num_threads_reads_the_environment(monkeypatch):
+    from sdpa_ref.fast import num_threads
+
+    monkeypatch.setenv("SDPA_REF_NUM_THREADS", "3")
+    assert num_threads() == 3
+    monkeypatch.setenv("SDPA_REF_NUM_THREADS", "1")
+    assert num_threads() == 1
+    monkeypatch.delenv("SDPA_REF_NUM_THREADS")
+    assert num_threads() >= 1

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..attention import _unbroadcast
+
 __all__ = ["jax_dpa", "forward", "backward", "SUPPORTS"]
 
 SUPPORTS = frozenset({"attn_mask", "bias", "is_causal", "scale", "enable_gqa", "q_lengths", "kv_lengths", "window",
@@ -95,24 +97,15 @@ def jax_dpa(implementation=None):
         out = []
         for arr, like in zip(grads[:3], (query, key, value)):
             full = from_btnh(arr, batch + like.shape[-3:])
-            out.append(_sum_to(full, like.shape))
+            out.append(_unbroadcast(full, like.shape))
         if b is not None:
             db = np.asarray(grads[3]).reshape(batch + (query.shape[-3],) + grads[3].shape[-2:])
-            out.append(_sum_to(db, np.shape(opts["bias"])))
+            out.append(_unbroadcast(db, np.shape(opts["bias"])))
         return tuple(out)
 
     forward.supports = SUPPORTS
     backward.supports = SUPPORTS
     return forward, backward, SUPPORTS
-
-
-def _sum_to(g, shape):
-    g = np.asarray(g)
-    extra = g.ndim - len(shape)
-    if extra > 0:
-        g = g.sum(axis=tuple(range(extra)))
-    axes = tuple(i for i, s in enumerate(shape) if s == 1 and g.shape[i] != 1)
-    return (g.sum(axis=axes, keepdims=True) if axes else g).reshape(shape)
 
 
 from . import _Lazy  # noqa: E402
