@@ -246,17 +246,32 @@ def check_implementation(
                              seconds=time.perf_counter() - t0, meta={"dtypes": list(dtypes)})
 
 
-def reference_quantities(case: Case, dtype="float64", upcast=True, grad_seed=None):
-    """The reference's out and grads for ``case`` (inputs drawn in ``dtype``)."""
-    inp = case.make_inputs(dtype)
+def reference_quantities(case: Case, dtype="float64", *, naive=False):
+    """The reference's out and grads for ``case``, on its inputs drawn in ``dtype``.
+
+    By default in float64 arithmetic with float64 results (``ref64``); with
+    ``naive=True`` computed in ``dtype`` itself (``upcast=False``), the plain
+    same-precision implementation of the relative rule. Returns a dict of
+    float64 arrays: ``out, dq, dk, dv`` and ``dbias`` with a bias.
+    """
+    dt = np.dtype(dtype)
+    inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
-    out, res = sdpa_forward(q, k, v, upcast=upcast, **inp)
-    g = grad_out_for(case, out.shape, out.dtype)
+    if naive:
+        out, res = sdpa_forward(q, k, v, upcast=False, **inp)
+        g = grad_out_for(case, out.shape, dt)
+    else:
+        q, k, v = (a.astype(np.float64) for a in (q, k, v))
+        for n in ("bias", "alibi_slopes"):
+            if n in inp:
+                inp[n] = np.asarray(inp[n], dtype=np.float64)
+        out, res = sdpa_forward(q, k, v, **inp)
+        g = grad_out_for(case, out.shape, dt).astype(np.float64)
     gr = sdpa_backward(res, g)
     quant = {"out": out, "dq": gr.query, "dk": gr.key, "dv": gr.value}
     if gr.bias is not None:
         quant["dbias"] = gr.bias
-    return quant, res
+    return {n: np.asarray(a, dtype=np.float64) for n, a in quant.items()}
 
 
 def grad_out_for(case: Case, shape, dtype):
@@ -266,11 +281,8 @@ def grad_out_for(case: Case, shape, dtype):
 
 
 def _judge_case(case, dt, forward, backward, rule, sup):
-    ref64 = _ref_in_float64(case, dt)          # float64 arithmetic on the test-dtype inputs, kept in float64
-    naive = None
-    if isinstance(rule, RelativeRule):
-        naive_q, _ = reference_quantities(case, dt, upcast=False)
-        naive = {k: np.asarray(v, dtype=np.float64) for k, v in naive_q.items()}
+    ref64 = reference_quantities(case, dt)     # float64 arithmetic on the test-dtype inputs, kept in float64
+    naive = reference_quantities(case, dt, naive=True) if isinstance(rule, RelativeRule) else None
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
     if _has_fully_masked_rows(case, dt):
@@ -317,22 +329,6 @@ def _has_fully_masked_rows(case, dt):
     if res.padded is not None:
         empty = empty & ~res.padded
     return bool(np.any(empty))
-
-
-def _ref_in_float64(case, dt):
-    """The reference on the test-dtype inputs, in float64 arithmetic, kept in float64."""
-    inp = case.make_inputs(dt)
-    q, k, v = (inp.pop(n).astype(np.float64) for n in ("query", "key", "value"))
-    for n in ("bias", "alibi_slopes"):
-        if n in inp:
-            inp[n] = np.asarray(inp[n], dtype=np.float64)
-    out, res = sdpa_forward(q, k, v, **inp)
-    g = grad_out_for(case, out.shape, np.dtype(dt)).astype(np.float64)
-    gr = sdpa_backward(res, g)
-    quant = {"out": out, "dq": gr.query, "dk": gr.key, "dv": gr.value}
-    if gr.bias is not None:
-        quant["dbias"] = gr.bias
-    return quant
 
 
 def _compare(case, dt, qty, val, ref64, naive, rule):

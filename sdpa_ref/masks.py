@@ -117,16 +117,17 @@ def padding_mask(q_lengths, kv_lengths, L, S):
     """
     L = _check_size(L, "L")
     S = _check_size(S, "S")
+    from ._problem import _check_lengths     # the one length validator
+
     ql = np.asarray(L if q_lengths is None else q_lengths)
     kl = np.asarray(S if kv_lengths is None else kv_lengths)
-    for arr, name, lim in ((ql, "q_lengths", L), (kl, "kv_lengths", S)):
-        if arr.dtype.kind not in "iu":
-            raise TypeError(f"`{name}` should be an integer array, but got dtype {arr.dtype}")
-        if arr.size and (arr.min() < 0 or arr.max() > lim):
-            raise ValueError(f"`{name}` should hold lengths in [0, {lim}], but got {arr.min()}..{arr.max()}")
-    batch = np.broadcast_shapes(ql.shape, kl.shape)
-    ql = np.broadcast_to(ql, batch)[..., None, None, None]
-    kl = np.broadcast_to(kl, batch)[..., None, None, None]
+    try:
+        batch = np.broadcast_shapes(ql.shape, kl.shape)
+    except ValueError:
+        raise ValueError(f"`q_lengths` and `kv_lengths` should broadcast together, but got shapes "
+                         f"{ql.shape} and {kl.shape}") from None
+    ql = np.broadcast_to(_check_lengths(ql, "q_lengths", L, batch), batch)[..., None, None, None]
+    kl = np.broadcast_to(_check_lengths(kl, "kv_lengths", S, batch), batch)[..., None, None, None]
     i = np.arange(L)[:, None]
     j = np.arange(S)[None, :]
     return (i < ql) & (j < kl)

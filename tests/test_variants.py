@@ -353,3 +353,11 @@ def test_unknown_method_and_probs_not_saved():
     np.testing.assert_array_equal(a.query, b.query)
     with pytest.raises(ValueError, match="`method`"):
         sdpa_forward(Q, K, Vv, method="quick")
+
+
+def test_padding_mask_bad_lengths_name_the_argument():
+    for bad, exc in (([3, 1], ValueError), ([1.0, 2.0], TypeError), ([-1, 1], ValueError)):
+        with pytest.raises(exc, match="`q_lengths`"):
+            padding_mask(bad, [2, 3], 2, 3)
+    with pytest.raises(ValueError, match="`kv_lengths`"):
+        padding_mask([1, 2], [4, 1], 2, 3)
