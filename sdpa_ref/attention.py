@@ -564,17 +564,21 @@ def _probs_from_lse(prob: Problem, r: AttentionResiduals):
 def _grads_from_dT(prob: Problem, dT, tanh, dv):
     """dB, dTraw, dQ, dK from the score gradient, all summed back to their inputs."""
     full, grouped = prob.full_scores, prob.grouped
+    dTraw = dT if tanh is None else dT * (1.0 - tanh * tanh)
+    dTg = dTraw.reshape(grouped + (full[-1],))
+    dq = (prob.scale * (dTg @ prob.k)).reshape(full[:-1] + (prob.q.shape[-1],))
+    dk = prob.scale * (_swap(dTg) @ prob.q)
+    return _pack_grads(prob, dq, dk, dv, dT)
+
+
+def _pack_grads(prob: Problem, dq, dk, dv, dT):
+    """The gradients summed back to the inputs' shapes and dtypes; ``dT`` (before softcap) gives dmask, dbias."""
     shapes, dtypes = prob.shapes, prob.dtypes
     dmask = dbias = None
     if prob.mask_float is not None:
         dmask = _unbroadcast(dT, shapes["attn_mask"]).astype(dtypes["attn_mask"], copy=False)
     if prob.bias is not None:
         dbias = _unbroadcast(dT, shapes["bias"]).astype(dtypes["bias"], copy=False)
-    if tanh is not None:
-        dT = dT * (1.0 - tanh * tanh)                      # dTraw
-    dTg = dT.reshape(grouped + (full[-1],))
-    dq = (prob.scale * (dTg @ prob.k)).reshape(full[:-1] + (prob.q.shape[-1],))
-    dk = prob.scale * (_swap(dTg) @ prob.q)
     return AttentionGrads(
         query=_unbroadcast(dq, shapes["query"]).astype(dtypes["query"], copy=False),
         key=_unbroadcast(dk, shapes["key"]).astype(dtypes["key"], copy=False),

@@ -3,14 +3,18 @@
 import os
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
 
 import numpy as np
+import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
-from sdpa_ref import sdpa_backward, sdpa_forward
+from sdpa_ref import fast, sdpa_backward, sdpa_forward
 
 from helpers import assert_close_normwise
-from strategies import variant_problem
+from strategies import attention_problem, variant_problem
 
 FAST_RTOL = 1e-14
 
@@ -48,9 +52,12 @@ def test_fast_path_on_a_large_problem_uses_threads_and_agrees():
 
 
 def test_results_do_not_depend_on_the_thread_count():
+    # (2, 3, 600, 600) scores: cut into 4 chunks of heads (2 + 1 heads per batch) with threads,
+    # one piece with SDPA_REF_NUM_THREADS=1
+    assert len(fast._head_chunks((2, 3), 600 * 600)) == 4
     code = (
         "import numpy as np, sdpa_ref as s;"
-        "r=np.random.default_rng(2); q,k,v=(r.standard_normal((2,3,257,8)) for _ in range(3));"
+        "r=np.random.default_rng(2); q,k,v=(r.standard_normal((2,3,600,8)) for _ in range(3));"
         "o,res=s.sdpa_forward(q,k,v,is_causal=True); g=s.sdpa_backward(res,np.ones_like(o));"
         "import sys, hashlib; sys.stdout.write(hashlib.sha256(o.tobytes() + g.query.tobytes()).hexdigest())"
     )
@@ -71,3 +78,155 @@ def test_num_threads_reads_the_environment(monkeypatch):
     assert num_threads() == 1
     monkeypatch.delenv("SDPA_REF_NUM_THREADS")
     assert num_threads() >= 1
+
+
+# ------------------------------------------------------- chunks of heads
+
+
+@contextmanager
+def chunked(entries, threads="3"):
+    """Force the head-chunked path: chunks of ``entries`` score entries, ``threads`` threads."""
+    old, env = fast._CHUNK_ENTRIES, os.environ.get("SDPA_REF_NUM_THREADS")
+    fast._CHUNK_ENTRIES = entries
+    os.environ["SDPA_REF_NUM_THREADS"] = threads
+    try:
+        yield
+    finally:
+        fast._CHUNK_ENTRIES = old
+        if env is None:
+            del os.environ["SDPA_REF_NUM_THREADS"]
+        else:
+            os.environ["SDPA_REF_NUM_THREADS"] = env
+
+
+def _fwd_bwd(q, k, v, opts, **kw):
+    out, res = sdpa_forward(q, k, v, **opts, **kw)
+    g = np.random.default_rng(0).standard_normal(out.shape)
+    return (out, res.probs, res.lse) + tuple(x for x in sdpa_backward(res, g, method=kw.get("method")) if x is not None)
+
+
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=4), st.integers(1, 50), st.integers(1, 30))
+def test_head_chunks_cover_every_head_once(lead, unit, entries):
+    lead = tuple(lead)
+    seen = np.zeros(lead, dtype=int)
+    old = fast._CHUNK_ENTRIES
+    fast._CHUNK_ENTRIES = entries
+    try:
+        for c in fast._head_chunks(lead, unit):
+            assert len(c) == len(lead)
+            seen[c] += 1
+    finally:
+        fast._CHUNK_ENTRIES = old
+    assert (seen == 1).all()
+
+
+@given(variant_problem(max_len=6), st.sampled_from([1, 7, 40]))
+def test_head_chunked_path_is_bitwise_the_one_piece_path_and_equals_plain(problem, entries):
+    q, k, v, opts, _ = problem
+    with chunked(entries, threads="1"):
+        whole = _fwd_bwd(q, k, v, opts)
+    with chunked(entries):
+        lead = q.shape[:-3] + (k.shape[-3],)
+        unit = (q.shape[-3] // k.shape[-3]) * q.shape[-2] * k.shape[-2]
+        if np.prod(lead) >= 2 and np.prod(lead) * unit >= 2 * entries:
+            assert len(fast._head_chunks(lead, unit)) >= 2
+        parts = _fwd_bwd(q, k, v, opts)
+    plain = _fwd_bwd(q, k, v, opts, method="plain")
+    assert len(whole) == len(parts) == len(plain)
+    for a, b, c in zip(whole, parts, plain):
+        np.testing.assert_array_equal(a, b)
+        _close(c, b)
+
+
+@given(attention_problem(max_batch=3, max_len=6))
+def test_head_chunks_with_a_float_mask_and_bias_and_broadcast_inputs(problem):
+    q, k, v, opts = problem
+    rng = np.random.default_rng(3)
+    opts = dict(opts, bias=rng.standard_normal(q.shape[-3:-1] + (k.shape[-2],)))
+    for kk, vv in ((k, v), (k[:1], v[:1]), (k[0], v[0])):      # key / value shared over the batch
+        with chunked(1):
+            parts = _fwd_bwd(q, kk, vv, opts)
+        plain = _fwd_bwd(q, kk, vv, opts, method="plain")
+        for a, b in zip(plain, parts):
+            _close(a, b)
+
+
+def test_head_chunks_without_a_controllable_blas_run_one_by_one():
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 3, 7, 4)) for _ in range(3))
+    saved = fast._BLAS_STATE["controller"]
+    try:
+        fast._BLAS_STATE["controller"] = False
+        with chunked(1):
+            parts = _fwd_bwd(q, k, v, {"is_causal": True})
+    finally:
+        fast._BLAS_STATE["controller"] = saved
+    with chunked(1, threads="1"):
+        whole = _fwd_bwd(q, k, v, {"is_causal": True})
+    for a, b in zip(whole, parts):
+        np.testing.assert_array_equal(a, b)
+
+
+class _FakeController:
+    """Records what the BLAS limiter does: the current limit, and every call."""
+
+    def __init__(self):
+        self.threads, self.calls = 4, []
+
+    def limit(self, limits, user_api):
+        assert user_api == "blas"
+        self.calls.append(("limit", limits))
+        before, self.threads = self.threads, limits
+        ctl = self
+
+        class Limiter:
+            def restore_original_limits(self):
+                ctl.calls.append(("restore", before))
+                ctl.threads = before
+
+        return Limiter()
+
+
+def test_blas_limit_is_set_by_the_first_caller_in_and_restored_by_the_last_out():
+    fake = _FakeController()
+    saved = fast._BLAS_STATE["controller"]
+    fast._BLAS_STATE["controller"] = fake
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with fast._blas_threads(1) as ok:
+            seen["a_ok"] = ok
+            a_in.set()
+            b_in.wait()
+            seen["a"] = fake.threads
+        a_out.set()
+
+    def b():
+        a_in.wait()
+        with fast._blas_threads(1):
+            b_in.set()
+            a_out.wait()                        # a has left: the limit must still hold for b
+            seen["b"] = fake.threads
+
+    try:
+        ts = [threading.Thread(target=a), threading.Thread(target=b)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        fast._BLAS_STATE["controller"] = saved
+    assert seen == {"a_ok": True, "a": 1, "b": 1}
+    assert fake.calls == [("limit", 1), ("restore", 4)] and fake.threads == 4
+
+
+def test_the_blas_limiter_says_when_it_cannot_limit():
+    saved = fast._BLAS_STATE["controller"]
+    fast._BLAS_STATE["controller"] = False
+    try:
+        with fast._blas_threads(1) as ok:
+            assert ok is False
+        assert fast._BLAS_STATE["users"] == 0
+    finally:
+        fast._BLAS_STATE["controller"] = saved
