@@ -17,20 +17,22 @@ tested against it to 1e-14. What differs is how:
 * rows shorter than 64 are summed by a BLAS product with a ones vector
   (another summation order, about 10 times faster than a reduction there);
 * the work is split over the heads: a problem with several ``(batch, kv
-  head)`` units of at least :data:`_CHUNK_ENTRIES` score entries in all is
-  cut into rectangular chunks of whole heads, and each chunk runs its whole
-  pipeline (its score GEMM, the row passes, its ``P V``; in the backward its
-  four GEMMs and the row passes) in a thread pool. NumPy releases the GIL
-  in BLAS calls and in ufunc loops, so the chunks run side by side, and one
-  chunk's GEMM overlaps another's ``exp``. Measured on 2 cores at
-  ``(1, 8, 1024, 64)``: this is about 1.6 times faster than running the
-  GEMMs with a threaded BLAS and only the row passes in threads, because
-  NumPy's float64 ``exp`` is a scalar loop and a threaded BLAS leaves its
-  worker threads spinning on the cores the ``exp`` needs. A single large
-  head instead runs its row passes on row blocks in the pool. Chunks are
-  cut from the shape alone and every row and every matrix product is
-  computed the same way in any chunk, so the result does not depend on the
-  number of threads (a test compares the bytes).
+  head)`` units and at least two chunks' worth of score entries (see
+  :func:`_chunk_entries`) is cut into rectangular chunks of whole heads.
+  Each chunk runs its whole pipeline (its score GEMM, the row passes, its
+  ``P V``; in the backward its four GEMMs and the row passes) in a thread
+  pool, with the BLAS limited to ``threads // chunks`` threads (at least 1)
+  through threadpoolctl while the chunks run. NumPy releases the GIL in
+  BLAS calls and in ufunc loops, so the chunks run side by side and one
+  chunk's GEMM overlaps another's ``exp``. This beats a threaded BLAS with
+  only the row passes in threads because NumPy's float64 ``exp`` is a
+  scalar loop (about a quarter of the time here) and a threaded BLAS leaves
+  its worker threads spinning on the cores that ``exp`` needs. A single
+  head, a small problem, or a BLAS that threadpoolctl cannot limit keeps the
+  BLAS's own threads and runs the row passes on row blocks in the pool.
+  Chunks are cut from the shape alone and every row and every matrix
+  product is computed the same way in any chunk, so the result does not
+  depend on the number of threads (tests compare the bytes).
 
 Threads: ``os.cpu_count()`` by default; set the environment variable
 ``SDPA_REF_NUM_THREADS`` (read when the pool is first used) to override, 1
@@ -54,7 +56,7 @@ _POOL: Optional[ThreadPoolExecutor] = None
 _POOL_LOCK = threading.Lock()
 #: Below this many entries an element-wise pass runs inline (threads cost more than they save).
 _MIN_PARALLEL = 1 << 22
-#: Score entries of one chunk of heads for the pool (and the least a problem needs to be split).
+#: Score entries of one chunk of heads for the pool when ``E + Ev >= 128`` (see :func:`_chunk_entries`).
 _CHUNK_ENTRIES = 1 << 20
 #: Rows shorter than this are summed by a BLAS product (a reduction is slow on them).
 _SHORT_ROW = 64
@@ -100,20 +102,38 @@ def _row_chunks(fn, *arrays):
 # ------------------------------------------------------------- chunking
 
 
-def _head_chunks(lead, unit):
+def _chunk_entries(width):
+    """Score entries per chunk for head width ``E + Ev``: ``_CHUNK_ENTRIES`` scaled by ``width / 128``,
+    between a quarter of it and all of it.
+
+    The cut pays when the element-wise work (``exp`` above all, a scalar loop
+    in NumPy) is a large part of the time; the GEMM work per score entry
+    grows with ``E + Ev``. Measured on 2 cores (fwd + bwd, paired rounds):
+    cutting at 2**18 entries took 1.13-1.2x longer than one piece for
+    ``(2, 4, 256, 64)`` and ``(4, 8, 128, 64)``, but 0.70x for
+    ``(8, 8, 128, 16)`` and 0.73x for the full gradient check on
+    ``(2, 2, 16, 8)``; at ``(1, 8, 1024, 64)`` one head per chunk is the
+    fastest cut.
+    """
+    return max(_CHUNK_ENTRIES >> 2, min(_CHUNK_ENTRIES, _CHUNK_ENTRIES * width // 128))
+
+
+def _head_chunks(lead, unit, width=128):
     """Rectangular chunks of the leading ``(*batch, Hkv)`` index, as tuples of slices.
 
-    Each chunk holds about :data:`_CHUNK_ENTRIES` score entries (``unit`` is
-    the number of one ``(batch, kv head)``): whole trailing axes, a range of
-    the next one, single indices of the outer ones. The cut depends on the
-    shape only, never on the thread count. One chunk (everything) when the
-    problem is small or there is one thread.
+    Each chunk holds about :func:`_chunk_entries` score entries (``unit`` is
+    the number of one ``(batch, kv head)``, ``width`` is ``E + Ev``): whole
+    trailing axes, a range of the next one, single indices of the outer
+    ones. The cut depends on the shape only, never on the thread count. One
+    chunk (everything) when the problem is below two chunks or there is one
+    thread.
     """
     whole = [tuple(slice(None) for _ in lead)]
     N = int(np.prod(lead))
-    if num_threads() == 1 or N < 2 or N * unit < 2 * _CHUNK_ENTRIES:
+    target = _chunk_entries(width)
+    if num_threads() == 1 or N < 2 or N * unit < 2 * target:
         return whole
-    per = max(1, _CHUNK_ENTRIES // max(unit, 1))          # units per chunk
+    per = max(1, target // max(unit, 1))                  # units per chunk
     ax, t = len(lead) - 1, 1
     while ax >= 0 and t * lead[ax] <= per:
         t *= lead[ax]
@@ -240,7 +260,7 @@ class _Layout:
         self.S = self.full[-1]
         Hkv = prob.k.shape[-3]
         self.G = self.full[-3] // Hkv if Hkv else 1
-        self.chunks = _head_chunks(self.lead, self.grouped[-1] * self.S)
+        self.chunks = _head_chunks(self.lead, self.grouped[-1] * self.S, prob.q.shape[-1] + prob.v.shape[-1])
         self.nd_g, self.nd_f = len(self.lead) + 2, len(self.full)
 
     def full_view(self, a):

@@ -70,7 +70,7 @@ def test_nan_agrees_with_nan_but_not_with_a_number():
 
     a = np.array([np.nan, np.nan, 1.0, np.inf, 2.0])
     n = np.array([np.nan, 1.0, np.nan, np.inf, 2.0 + 1e-12])
-    abs_err, rel = _errors(a, n)
+    abs_err, rel, _ = _errors(a, n)
     np.testing.assert_array_equal(abs_err[:4], [0.0, np.inf, np.inf, 0.0])
     np.testing.assert_array_equal(rel[:4], [0.0, 1.0, 1.0, 0.0])
     # a function whose output has a NaN entry: J's NaN row matches a NaN gradient row
