@@ -6,7 +6,9 @@ All timings are forward + backward, float64 unless noted, measured in this
 process, interleaved (one run of every variant per round, the order rotated
 every round, 50 ms of rest before each run so that spinning BLAS / OpenMP
 threads of the previous run do not steal the cores) and reported as the
-median over rounds. Absolute times vary between machines; compare the ratios.
+median over rounds; every ratio is the median over rounds of the ratio of
+the two times measured in the same round, which cancels the slow drift of a
+shared machine. Absolute times vary between machines; compare the ratios.
 
 * dense: the default fast path; plain: method="plain" (the documented form);
   tiled: block_size=256;
@@ -98,12 +100,16 @@ def time_shapes(repeat):
                 fns[n]()
                 times[n].append(time.perf_counter() - t0)
         med = {n: float(np.median(t)) for n, t in times.items()}
+
+        def ratio(a, b):                          # median over rounds of the ratio within each round
+            return float(np.median(np.array(times[a]) / np.array(times[b])))
+
         row = {"shape": "x".join(map(str, shape)), **{f"{n}_s": v for n, v in med.items()},
-               "gemm_over_dense": med["gemm"] / med["dense"], "plain_over_dense": med["plain"] / med["dense"],
-               "tiled_over_dense": med["tiled"] / med["dense"]}
+               "gemm_over_dense": ratio("gemm", "dense"), "plain_over_dense": ratio("plain", "dense"),
+               "tiled_over_dense": ratio("tiled", "dense")}
         if "torch64" in med:
-            row["dense_over_torch64"] = med["dense"] / med["torch64"]
-            row["dense_over_torch32"] = med["dense"] / med["torch32"]
+            row["dense_over_torch64"] = ratio("dense", "torch64")
+            row["dense_over_torch32"] = ratio("dense", "torch32")
         rows.append(row)
         print(f"  timed {row['shape']}", file=sys.stderr)
     return rows
@@ -149,7 +155,8 @@ def memory(Ls):
     return rows
 
 
-def gradcheck_speed(repeat=3):
+def gradcheck_speed(repeat=7):
+    """Full-Jacobian gradient checks, interleaved rounds; the ratio is the median of per-round ratios."""
     from sdpa_ref import check_vjp
 
     rng = np.random.default_rng(0)
@@ -162,24 +169,29 @@ def gradcheck_speed(repeat=3):
         gr = sdpa_backward(sdpa_forward(q, k, v)[1], g)
         return gr.query, gr.key, gr.value
 
-    res = {}
-    for name, kw in (("check_vjp_full_s", {}), ("check_vjp_full_vectorized_s", {"vectorized": True})):
-        ts = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            rep = check_vjp(fun, vjp, (q, k, v), mode="full", **kw)
-            ts.append(time.perf_counter() - t0)
-            assert rep.ok
-        res[name] = float(np.median(ts))
+    def ours(**kw):
+        assert check_vjp(fun, vjp, (q, k, v), mode="full", **kw).ok
+
+    fns = {"check_vjp_full_s": ours, "check_vjp_full_vectorized_s": lambda: ours(vectorized=True)}
     if torch is not None:
         tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
-        ts = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
+
+        def theirs():
             assert torch.autograd.gradcheck(torch.nn.functional.scaled_dot_product_attention, (tq, tk, tv))
-            ts.append(time.perf_counter() - t0)
-        res["torch_gradcheck_s"] = float(np.median(ts))
-        res["torch_over_ours_vectorized"] = res["torch_gradcheck_s"] / res["check_vjp_full_vectorized_s"]
+
+        fns["torch_gradcheck_s"] = theirs
+    times = {n: [] for n in fns}
+    names = list(fns)
+    for rnd in range(repeat):
+        for n in names[rnd % len(names):] + names[:rnd % len(names)]:
+            time.sleep(0.05)
+            t0 = time.perf_counter()
+            fns[n]()
+            times[n].append(time.perf_counter() - t0)
+    res = {n: float(np.median(t)) for n, t in times.items()}
+    if torch is not None:
+        res["torch_over_ours_vectorized"] = float(np.median(
+            np.array(times["torch_gradcheck_s"]) / np.array(times["check_vjp_full_vectorized_s"])))
     return res
 
 

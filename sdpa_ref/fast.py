@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Optional
 
 import numpy as np
@@ -94,7 +94,12 @@ def _row_chunks(fn, *arrays):
         return
     bounds = np.linspace(0, rows, min(n, rows) + 1).astype(int)
     pool = _pool(n)
-    futs = [pool.submit(fn, *[a[b0:b1] for a in arrays]) for b0, b1 in zip(bounds[:-1], bounds[1:]) if b1 > b0]
+    _wait_all([pool.submit(fn, *[a[b0:b1] for a in arrays]) for b0, b1 in zip(bounds[:-1], bounds[1:]) if b1 > b0])
+
+
+def _wait_all(futs):
+    """Wait for every future, then raise the first error: no piece is left running on a failure."""
+    wait(futs)
     for f in futs:
         f.result()
 
@@ -190,9 +195,7 @@ def _run(worker, chunks):
     if len(chunks) > 1:
         with _blas_threads(max(1, n // len(chunks))) as limited:
             if limited:
-                futs = [_pool(n).submit(worker, c, False) for c in chunks]
-                for f in futs:
-                    f.result()
+                _wait_all([_pool(n).submit(worker, c, False) for c in chunks])
                 return
     for c in chunks:
         worker(c, True)
@@ -239,6 +242,25 @@ class _blas_threads:
                 st["limit"].restore_original_limits()
                 st["limit"] = None
         return False
+
+
+def _after_fork_in_child():
+    """A forked child has none of the parent's threads: start a fresh pool and fresh locks there."""
+    global _POOL, _POOL_LOCK, _BLAS_LOCK
+    _POOL = None
+    _POOL_LOCK = threading.Lock()
+    _BLAS_LOCK = threading.Lock()
+    limit = _BLAS_STATE["limit"]
+    _BLAS_STATE.update(users=0, limit=None)
+    if limit is not None:             # forked while a parent thread held the limit: give the child its BLAS back
+        try:
+            limit.restore_original_limits()
+        except Exception:  # pragma: no cover - best effort in a fork handler
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _controller():

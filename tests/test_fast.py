@@ -230,3 +230,31 @@ def test_the_blas_limiter_says_when_it_cannot_limit():
         assert fast._BLAS_STATE["users"] == 0
     finally:
         fast._BLAS_STATE["controller"] = saved
+
+
+def _chunked_in_child(conn):
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 3, 9, 4)) for _ in range(3))
+    with chunked(1):
+        out, res = sdpa_forward(q, k, v)
+        sdpa_backward(res, np.ones_like(out))
+    conn.send(out.sum())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_the_thread_pool_works_in_a_forked_child():
+    import multiprocessing as mp
+
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 3, 9, 4)) for _ in range(3))
+    with chunked(1):
+        expected = sdpa_forward(q, k, v)[0].sum()      # the parent's pool exists before the fork
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_chunked_in_child, args=(child,))
+    p.start()
+    got = parent.recv() if parent.poll(30) else None
+    p.join(10)
+    if p.is_alive():
+        p.kill()
+    assert got == expected
