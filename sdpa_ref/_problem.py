@@ -264,13 +264,16 @@ class Problem:
         L = self.full_scores[-2]
         return np.arange(L)[:, None] >= self.q_lengths.reshape(self.q_lengths.shape + (1, 1, 1))
 
-    def alibi_bias(self, rows=None, cols=None):
-        """``-slope * |i + off - j|``, broadcastable to the scores (or to one block of them)."""
+    def alibi_distance(self, rows=None, cols=None):
+        """``|i + off - j|``, broadcastable to the scores (or to one block of them)."""
         L, S = self.full_scores[-2:]
         i0, i1 = rows if rows is not None else (0, L)
         j0, j1 = cols if cols is not None else (0, S)
-        dist = np.abs(np.arange(i0, i1)[:, None] + self.offset() - np.arange(j0, j1)[None, :])
-        return -self.alibi * dist
+        return np.abs(np.arange(i0, i1)[:, None] + self.offset() - np.arange(j0, j1)[None, :])
+
+    def alibi_bias(self, rows=None, cols=None):
+        """``-slope * |i + off - j|``, broadcastable to the scores (or to one block of them)."""
+        return -self.alibi * self.alibi_distance(rows, cols)
 
     def raw_scores(self):
         """``Traw = scale * Q K^T`` in the full layout ``(*batch, Hq, L, S)``."""

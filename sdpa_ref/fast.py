@@ -34,9 +34,9 @@ tested against it to 1e-14. What differs is how:
   product is computed the same way in any chunk, so the result does not
   depend on the number of threads (tests compare the bytes).
 
-Threads: ``os.cpu_count()`` by default; set the environment variable
-``SDPA_REF_NUM_THREADS`` (read when the pool is first used) to override, 1
-to disable.
+Threads: the number of CPUs this process may run on by default; the
+environment variable ``SDPA_REF_NUM_THREADS`` overrides it (read on every
+call; 1 disables the pool; the pool's size is fixed when it is first made).
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ def fast_forward(prob: Problem):
     th = None if prob.softcap is None else np.empty_like(T)
     allowed = prob.allowed()
     blocked = None if allowed is None else ~allowed
-    dist = None if prob.alibi is None else _alibi_distance(prob)
+    dist = None if prob.alibi is None else prob.alibi_distance()
     drop = None if prob.keep is None else 1.0 / (1.0 - prob.dropout_p)
     sub = max(1, _CACHE_ENTRIES // max(S, 1))          # rows per cache-sized block
     ones = np.ones((S, 1), dtype=ct)                   # row sums as a BLAS product: fast on short rows
@@ -374,12 +374,6 @@ def fast_forward(prob: Problem):
         if padded is not None:
             O = np.where(padded, 0.0, O)
     return O, P, lse.reshape(full[:-1]), th, empty
-
-
-def _alibi_distance(prob: Problem):
-    """``|i + off - j|``, broadcastable to the scores; ALiBi adds ``-slope`` times it."""
-    L, S = prob.full_scores[-2:]
-    return np.abs(np.arange(L)[:, None] + prob.offset() - np.arange(S)[None, :])
 
 
 # ---------------------------------------------------------------- backward

@@ -363,7 +363,8 @@ class _Numeric:
         pm2[n + i, i] = xm_flat
         f = self._real_batched(others[:a] + [pm] + others[a + 1:], 2 * n, out_shape)
         J = np.empty((f.shape[1], n))                         # (out, in): contiguous for the comparison
-        np.divide(np.subtract(f[:n], f[n:]).T, (xp_flat - xm_flat)[None, :], out=J)
+        with np.errstate(invalid="ignore"):                   # inf - inf on non-finite inputs, set to NaN below
+            np.divide(np.subtract(f[:n], f[n:]).T, (xp_flat - xm_flat)[None, :], out=J)
         J[:, ~finite] = np.nan
         return J
 

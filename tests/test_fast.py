@@ -258,3 +258,17 @@ def test_the_thread_pool_works_in_a_forked_child():
     if p.is_alive():
         p.kill()
     assert got == expected
+
+
+@given(variant_problem(max_len=6))
+def test_head_chunked_path_never_writes_into_the_inputs(problem):
+    q, k, v, opts, _ = problem
+    arrays = {"q": q, "k": k, "v": v, **{n: a for n, a in opts.items() if isinstance(a, np.ndarray)}}
+    before = {n: a.copy() for n, a in arrays.items()}
+    with chunked(1):
+        out, res = sdpa_forward(q, k, v, **opts)
+        g = np.ones_like(out)
+        sdpa_backward(res, g)
+    assert (g == 1).all()
+    for n, a in arrays.items():
+        np.testing.assert_array_equal(a, before[n], err_msg=n)

@@ -234,6 +234,20 @@ def test_vectorized_full_check_agrees_with_the_scalar_one(method):
         assert ra["total"] == rb["total"] and ra["failed"] == rb["failed"] == 0
 
 
+@pytest.mark.parametrize("method", ["central", "complex"])
+def test_vectorized_check_leaves_out_non_finite_inputs_like_the_scalar_one(method):
+    x = np.array([[0.5, -np.inf, 1.0], [2.0, -1.0, -np.inf]])
+    vjp = lambda g, x: (softmax_vjp(softmax(x), g),)      # noqa: E731
+    a = check_vjp(softmax, vjp, (x,), method=method)
+    b = check_vjp(softmax, vjp, (x,), method=method, vectorized=True)
+    assert a.ok and b.ok
+    assert a.per_arg[0]["total"] == b.per_arg[0]["total"] == 6 * 4
+    np.testing.assert_allclose(b.max_abs_error, a.max_abs_error, rtol=1e-6, atol=1e-15)
+    # and a wrong gradient on a finite entry next to the -inf ones is still caught
+    bad = check_vjp(softmax, lambda g, x: (softmax_vjp(softmax(x), g) * 1.01,), (x,), method=method, vectorized=True)
+    assert not bad.ok
+
+
 def test_vectorized_check_catches_a_wrong_vjp_and_bad_broadcasting():
     def wrong(g, q, k, v):
         gr = sdpa_backward(sdpa_forward(q, k, v)[1], g)
