@@ -52,14 +52,24 @@ def test_fast_path_on_a_large_problem_uses_threads_and_agrees():
 
 
 def test_results_do_not_depend_on_the_thread_count():
-    # (2, 3, 600, 600) scores: cut into 4 chunks of heads (2 + 1 heads per batch) with threads,
-    # one piece with SDPA_REF_NUM_THREADS=1
-    assert len(fast._head_chunks((2, 3), 600 * 600)) == 4
+    # with threads: (2, 3, 600, 600) scores in 6 chunks of one head; (2, 3, 3000, 40) short rows in
+    # 4 chunks (2 + 1 heads per batch); one head of 110000 x 40 short rows, its row passes in threads.
+    # With SDPA_REF_NUM_THREADS=1 all three are one piece without threads.
+    assert len(fast._head_chunks((2, 3), 600 * 600, 16)) == 6
+    assert len(fast._head_chunks((2, 3), 3000 * 40, 16)) == 4
+    assert 110000 * 40 >= fast._MIN_PARALLEL
     code = (
-        "import numpy as np, sdpa_ref as s;"
-        "r=np.random.default_rng(2); q,k,v=(r.standard_normal((2,3,600,8)) for _ in range(3));"
-        "o,res=s.sdpa_forward(q,k,v,is_causal=True); g=s.sdpa_backward(res,np.ones_like(o));"
-        "import sys, hashlib; sys.stdout.write(hashlib.sha256(o.tobytes() + g.query.tobytes()).hexdigest())"
+        "import numpy as np, sdpa_ref as s, sys, hashlib\n"
+        "r = np.random.default_rng(2)\n"
+        "h = hashlib.sha256()\n"
+        "for qs, ks in (((2, 3, 600, 8), (2, 3, 600, 8)), ((2, 3, 3000, 8), (2, 3, 40, 8)),\n"
+        "               ((1, 1, 110000, 8), (1, 1, 40, 8))):\n"
+        "    q, k, v = r.standard_normal(qs), r.standard_normal(ks), r.standard_normal(ks)\n"
+        "    o, res = s.sdpa_forward(q, k, v, is_causal=True)\n"
+        "    g = s.sdpa_backward(res, np.ones_like(o))\n"
+        "    for a in (o, res.lse, g.query, g.key, g.value):\n"
+        "        h.update(a.tobytes())\n"
+        "sys.stdout.write(h.hexdigest())\n"
     )
     outs = set()
     for n in ("1", "2", "3"):
