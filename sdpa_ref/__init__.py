@@ -1,8 +1,8 @@
 r"""sdpa_ref: a pure-NumPy reference for softmax and scaled dot-product attention.
 
 Every backward is derived by hand (see each docstring's Notes) and proven
-against finite differences. What is computed is specified in SEMANTICS.md
-and summarised in the README.
+against finite differences. What is computed is specified in the project's
+contract, SEMANTICS.md; docs/architecture.md shows where each part lives.
 
 Shape legend, used in every docstring
 -------------------------------------
@@ -19,14 +19,19 @@ Shape legend, used in every docstring
     Width of queries and keys.
 ``Ev``
     Width of values (and of the output); may differ from ``E``.
+``G``
+    Query heads per kv head, ``Hq // Hkv``: the group axis of grouped-query
+    attention. Inside the package queries are ``(..., Hkv, G, L, E)``, the
+    same memory as ``(..., Hq, L, E)`` since head ``h = kv * G + g``.
 
 So ``query`` is ``(..., Hq, L, E)``, ``key`` is ``(..., Hkv, S, E)``,
 ``value`` is ``(..., Hkv, S, Ev)`` and the output is ``(..., Hq, L, Ev)``.
 """
 
-from .attention import (
+from .api import (
     BACKWARD_METHODS,
     FULLY_MASKED_POLICIES,
+    METHODS,
     AttentionGrads,
     AttentionResiduals,
     scaled_dot_product_attention,
@@ -43,7 +48,8 @@ from .gradcheck import (
     check_vjp,
     numerical_jacobian,
 )
-from .masks import alibi_bias, alibi_slopes, causal_mask, padding_mask, window_mask
+from .masks import causal_mask, padding_mask, window_mask
+from .options import OPTION_NAMES, AttentionOptions
 from .softmax import (
     log_softmax,
     log_softmax_vjp,
@@ -51,8 +57,10 @@ from .softmax import (
     softmax,
     softmax_jacobian,
     softmax_jvp,
+    softmax_lse,
     softmax_vjp,
 )
+from .transforms import alibi_bias, alibi_slopes
 
 __version__ = "0.1.0"
 
@@ -60,6 +68,7 @@ __all__ = [
     "__version__",
     # softmax family
     "softmax",
+    "softmax_lse",
     "log_softmax",
     "logsumexp",
     "softmax_vjp",
@@ -75,7 +84,10 @@ __all__ = [
     "AttentionGrads",
     "AttentionResiduals",
     "FULLY_MASKED_POLICIES",
+    "METHODS",
     "BACKWARD_METHODS",
+    "AttentionOptions",
+    "OPTION_NAMES",
     # masks
     "causal_mask",
     "window_mask",

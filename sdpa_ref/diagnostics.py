@@ -28,7 +28,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 import numpy as np
 
 from . import _validate as V
-from .attention import sdpa_backward, sdpa_forward
+from .api import sdpa_backward, sdpa_forward
 
 __all__ = [
     "SCALES",

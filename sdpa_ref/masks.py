@@ -1,14 +1,25 @@
-r"""Plain builders for the masks of ``SEMANTICS.md``.
+r"""The allowed set and the fully-masked policy of ``SEMANTICS.md``.
 
-Each returns a bool array (True = the key takes part) that can be handed to
-any attention implementation, so that a kernel's own masks can be built from
-the same definitions the reference uses.
+The public builders (:func:`causal_mask`, :func:`window_mask`,
+:func:`padding_mask`) return bool arrays (True = the key takes part) that can
+be handed to any attention implementation. They are built by the same
+:func:`allowed_set` that every engine of the package calls, so a kernel's own
+masks can come from the very definitions the reference uses.
 
 Take query ``i`` and key ``j``. The alignment sets an offset: ``off = 0`` for
 ``"top_left"`` (PyTorch, JAX) and ``off = S - L`` for ``"bottom_right"``
-(FlashAttention, xformers). Then causal keeps ``j <= i + off`` and
-``window=(left, right)`` keeps ``i + off - left <= j <= i + off + right``;
-``None`` or ``-1`` for a bound means unbounded on that side.
+(FlashAttention, xformers); with per-batch lengths ``off = kv_len - q_len``.
+Then
+
+* causal keeps ``j <= i + off``;
+* ``window=(left, right)`` keeps ``i + off - left <= j <= i + off + right``
+  (``None`` or ``-1`` for a bound means unbounded on that side);
+* lengths keep ``j < kv_len`` and ``i < q_len``;
+* a bool ``attn_mask`` keeps its True entries.
+
+A row with no allowed key gets what the ``fully_masked`` policy says
+(:func:`fill_empty_rows`): zeros, NaN or the uniform average over all ``S``
+keys. Query rows past ``q_len`` are zero under every policy.
 """
 
 from __future__ import annotations
@@ -17,18 +28,21 @@ import numbers
 
 import numpy as np
 
-__all__ = [
-    "ALIGNMENTS",
-    "causal_mask",
-    "window_mask",
-    "padding_mask",
-    "alibi_bias",
-    "alibi_slopes",
-    "alignment_offset",
-]
+from .options import ALIGNMENTS
 
-#: The accepted values of ``alignment`` / ``causal_alignment``.
-ALIGNMENTS = ("top_left", "bottom_right")
+__all__ = [
+    "alignment_offset",
+    "allowed_set",
+    "block_of",
+    "causal_mask",
+    "check_lengths",
+    "fill_empty_rows",
+    "fill_output_without_keys",
+    "padded_rows",
+    "padding_mask",
+    "policy_fill",
+    "window_mask",
+]
 
 
 def alignment_offset(L, S, alignment="top_left"):
@@ -42,6 +56,110 @@ def alignment_offset(L, S, alignment="top_left"):
     if alignment == "top_left":
         return np.zeros(np.broadcast_shapes(np.shape(L), np.shape(S)), dtype=np.int64)[()]
     return np.asarray(S, dtype=np.int64) - np.asarray(L, dtype=np.int64)
+
+
+def allowed_set(L, S, *, is_causal=False, window=None, alignment="top_left", q_lengths=None, kv_lengths=None,
+                mask=None, rows=None, cols=None):
+    """The allowed set: bool mask AND causal AND window AND lengths, or ``None`` when nothing is excluded.
+
+    Parameters
+    ----------
+    L, S : int
+        Query and key positions.
+    is_causal, window, alignment
+        As in :func:`sdpa_ref.sdpa_forward` (``window`` already normalised to
+        ``(left, right)`` of int or None).
+    q_lengths, kv_lengths : ndarray of int64, (...), optional
+        Per-batch lengths (validated by :func:`check_lengths`).
+    mask : ndarray of bool, broadcastable to (..., Hq, L, S), optional
+    rows, cols : (start, stop), optional
+        Only this block of query rows and key columns (the tiled engine asks
+        for one block at a time); the default is all.
+
+    Returns
+    -------
+    ndarray of bool, broadcastable to (..., Hq, L, S) (or the block), or None
+    """
+    i0, i1 = rows if rows is not None else (0, L)
+    j0, j1 = cols if cols is not None else (0, S)
+    i = np.arange(i0, i1)[:, None]
+    j = np.arange(j0, j1)[None, :]
+    parts = []
+    if mask is not None:
+        parts.append(slice_ls(mask, i0, i1, j0, j1))
+    left, right = window if window is not None else (None, None)
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    if left is not None or right is not None:
+        off = diagonal_offset(L, S, alignment, q_lengths, kv_lengths)
+        if left is not None:
+            parts.append(j >= i + off - left)
+        if right is not None:
+            parts.append(j <= i + off + right)
+    if kv_lengths is not None:
+        parts.append(j < _per_batch(kv_lengths))
+    if q_lengths is not None:
+        parts.append(i < _per_batch(q_lengths))
+    if not parts:
+        return None
+    out = parts[0]
+    for p in parts[1:]:
+        out = out & p
+    return out
+
+
+def diagonal_offset(L, S, alignment, q_lengths=None, kv_lengths=None):
+    """``off`` for the problem: 0, ``S - L``, or per batch ``kv_len - q_len`` of shape ``(*batch, 1, 1, 1)``."""
+    if alignment == "top_left":
+        return 0
+    if q_lengths is None and kv_lengths is None:
+        return S - L
+    ql = L if q_lengths is None else q_lengths
+    kl = S if kv_lengths is None else kv_lengths
+    return _per_batch(np.asarray(kl, dtype=np.int64) - np.asarray(ql, dtype=np.int64))
+
+
+def padded_rows(L, q_lengths, rows=None):
+    """``(*batch, 1, L, 1)`` bool: query rows ``i >= q_len`` (of the block ``rows``), or None."""
+    if q_lengths is None:
+        return None
+    i0, i1 = rows if rows is not None else (0, L)
+    return np.arange(i0, i1)[:, None] >= _per_batch(q_lengths)
+
+
+# ------------------------------------------------------------ the policy
+
+
+def policy_fill(policy, S):
+    """What ``P`` holds on a row with no allowed key: 0, NaN, or ``1/S`` (the uniform average)."""
+    return {"zero": 0.0, "nan": np.nan, "uniform": 1.0 / S if S else np.nan}[policy]
+
+
+def fill_empty_rows(P, empty, padded, policy, S):
+    """``P`` with the rows that have no allowed key filled by ``policy``; padded query rows are 0.
+
+    ``empty`` is ``(..., L, 1)`` bool; ``padded`` the rows past ``q_len``
+    (or None). Returns ``P`` itself when no row is empty.
+    """
+    if not np.any(empty):
+        return P
+    P = np.where(empty, P.dtype.type(policy_fill(policy, S)), P)
+    if padded is not None and policy != "zero":
+        P = np.where(padded, P.dtype.type(0), P)
+    return P
+
+
+def fill_output_without_keys(O, policy, S, padded):
+    """With ``S == 0`` the output is an empty sum (0): the ``"nan"`` policy makes it NaN (padded rows stay 0)."""
+    if policy != "nan" or S != 0:
+        return O
+    O = np.full_like(O, np.nan)
+    if padded is not None:
+        O = np.where(padded, O.dtype.type(0), O)
+    return O
+
+
+# ------------------------------------------------------- public builders
 
 
 def causal_mask(L, S, alignment="top_left"):
@@ -77,20 +195,19 @@ def window_mask(L, S, left, right, alignment="top_left"):
     Returns
     -------
     ndarray of bool, (L, S)
+
+    Examples
+    --------
+    >>> window_mask(3, 3, 1, 0).astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
     """
     L = _check_size(L, "L")
     S = _check_size(S, "S")
-    left = _check_bound(left, "left")
-    right = _check_bound(right, "right")
-    off = int(alignment_offset(L, S, alignment))
-    i = np.arange(L)[:, None]
-    j = np.arange(S)[None, :]
-    keep = np.ones((L, S), dtype=bool)
-    if left is not None:
-        keep &= j >= i + off - left
-    if right is not None:
-        keep &= j <= i + off + right
-    return keep
+    window = (_check_bound(left, "left"), _check_bound(right, "right"))
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"`alignment` should be one of {ALIGNMENTS!r}, but got {alignment!r}")
+    keep = allowed_set(L, S, window=window, alignment=alignment)
+    return np.ones((L, S), dtype=bool) if keep is None else np.broadcast_to(keep, (L, S)).copy()
 
 
 def padding_mask(q_lengths, kv_lengths, L, S):
@@ -117,8 +234,6 @@ def padding_mask(q_lengths, kv_lengths, L, S):
     """
     L = _check_size(L, "L")
     S = _check_size(S, "S")
-    from ._problem import _check_lengths     # the one length validator
-
     ql = np.asarray(L if q_lengths is None else q_lengths)
     kl = np.asarray(S if kv_lengths is None else kv_lengths)
     try:
@@ -126,59 +241,67 @@ def padding_mask(q_lengths, kv_lengths, L, S):
     except ValueError:
         raise ValueError(f"`q_lengths` and `kv_lengths` should broadcast together, but got shapes "
                          f"{ql.shape} and {kl.shape}") from None
-    ql = np.broadcast_to(_check_lengths(ql, "q_lengths", L, batch), batch)[..., None, None, None]
-    kl = np.broadcast_to(_check_lengths(kl, "kv_lengths", S, batch), batch)[..., None, None, None]
-    i = np.arange(L)[:, None]
-    j = np.arange(S)[None, :]
-    return (i < ql) & (j < kl)
+    ql = np.broadcast_to(check_lengths(ql, "q_lengths", L, batch), batch)
+    kl = np.broadcast_to(check_lengths(kl, "kv_lengths", S, batch), batch)
+    keep = allowed_set(L, S, q_lengths=ql, kv_lengths=kl)
+    return np.broadcast_to(keep, batch + (1, L, S)).copy()
 
 
-def alibi_bias(slopes, L, S, alignment="top_left"):
-    """Float ALiBi bias ``-slope * |i + off - j|`` of shape ``(..., Hq, L, S)``.
+# ---------------------------------------------------------------- helpers
 
-    ``slopes`` is ``(Hq,)`` or ``(..., Hq)``. This is what ``alibi_slopes=``
-    adds to the scores; passing it as ``bias=`` gives the same attention.
 
-    Examples
-    --------
-    >>> alibi_bias([0.5], 2, 3)[0].tolist()
-    [[-0.0, -0.5, -1.0], [-0.5, -0.0, -0.5]]
+def check_lengths(x, name, limit, batch):
+    """Per-batch lengths as int64, broadcastable to ``batch``, in ``[0, limit]``; or None."""
+    if x is None:
+        return None
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"`{name}` should be an integer array of per-batch lengths, but got dtype {arr.dtype}")
+    try:
+        ok = np.broadcast_shapes(arr.shape, batch) == tuple(batch)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"`{name}` should have a shape that broadcasts to the batch shape {tuple(batch)}, "
+                         f"but got shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > limit):
+        raise ValueError(f"`{name}` should hold lengths in [0, {limit}], but got values from "
+                         f"{arr.min()} to {arr.max()}")
+    return arr.astype(np.int64)
+
+
+def block_of(a, nd, lead=None, rows=None, cols=None):
+    """The block of ``a`` (broadcastable to an ``nd``-dim ``(*batch, Hq, L, S)`` array); a view.
+
+    ``lead`` holds slices of the leading ``(*batch, Hq)`` axes (the fast
+    engine's chunk of heads), ``rows`` / ``cols`` ``(start, stop)`` ranges of
+    the last two (the tiled engine's block). Axes that ``a`` lacks or has as
+    1 are left alone, so the result still broadcasts against the block.
     """
-    L = _check_size(L, "L")
-    S = _check_size(S, "S")
-    s = np.asarray(slopes, dtype=np.float64)
-    if s.ndim < 1:
-        raise ValueError(f"`slopes` should have shape (Hq,) or (..., Hq), but got shape {s.shape}")
-    off = int(alignment_offset(L, S, alignment))
-    dist = np.abs(np.arange(L)[:, None] + off - np.arange(S)[None, :])
-    return -s[..., None, None] * dist
+    if a is None:
+        return None
+    if rows is not None or cols is not None:
+        a = slice_ls(a, *(rows or (0, None)), *(cols or (0, None)))
+    if lead is not None:
+        off = nd - a.ndim
+        a = a[tuple(slice(None) if i - off < 0 or a.shape[i - off] == 1 else s
+                    for i, s in enumerate(lead) if i - off >= 0)]
+    return a
 
 
-def alibi_slopes(n_heads):
-    """The standard ALiBi slopes of Press et al. (2022) for ``n_heads`` heads.
+def slice_ls(a, i0, i1, j0, j1):
+    """Rows ``i0:i1`` and columns ``j0:j1`` of an array broadcastable to (..., L, S); a view."""
+    if a.ndim < 2:
+        a = a.reshape((1,) * (2 - a.ndim) + a.shape)
+    rows = slice(None) if a.shape[-2] == 1 else slice(i0, i1)
+    cols = slice(None) if a.shape[-1] == 1 else slice(j0, j1)
+    return a[..., rows, cols]
 
-    For a power of two ``n``, the geometric sequence ``2^(-8/n * (h + 1))``,
-    ``h = 0 .. n-1``. Otherwise the slopes of the largest power of two
-    ``m < n``, followed by every other slope of ``2m`` heads, as in the
-    paper's reference code.
 
-    Examples
-    --------
-    >>> alibi_slopes(4).tolist()
-    [0.25, 0.0625, 0.015625, 0.00390625]
-    """
-    n = _check_size(n_heads, "n_heads")
-    if n == 0:
-        return np.zeros(0)
-
-    def pow2(m):
-        start = 2.0 ** (-8.0 / m)
-        return [start ** (h + 1) for h in range(m)]
-
-    m = 1 << (n.bit_length() - 1)
-    if m == n:
-        return np.array(pow2(n))
-    return np.array(pow2(m) + pow2(2 * m)[0::2][: n - m])
+def _per_batch(x):
+    """A per-batch array ``(*batch)`` as ``(*batch, 1, 1, 1)``: against (head, row, column)."""
+    x = np.asarray(x)
+    return x.reshape(x.shape + (1, 1, 1))
 
 
 def _check_size(n, name):

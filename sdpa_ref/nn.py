@@ -15,7 +15,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .attention import sdpa_backward, sdpa_forward
+from .api import sdpa_backward, sdpa_forward
 from .softmax import log_softmax
 
 __all__ = [

@@ -31,6 +31,7 @@ from ._validate import check_axis
 __all__ = [
     "logsumexp",
     "softmax",
+    "softmax_lse",
     "log_softmax",
     "softmax_vjp",
     "log_softmax_vjp",
@@ -119,6 +120,29 @@ def softmax(x, axis=-1):
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         e = np.exp(x - m)
         return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def softmax_lse(x, axis=-1):
+    r"""Softmax and log-sum-exp together: one max, one ``exp``, one sum.
+
+    Returns ``(y, lse)`` with ``lse`` keeping the reduced axis (length 1):
+    :math:`y = e^{x - m} / s` and :math:`\operatorname{lse} = m + \log s`,
+    :math:`s = \sum_j e^{x_j - m}`. Attention needs both (``P`` and ``LSE``);
+    an all ``-inf`` row gives NaN probabilities and ``lse = -inf``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> y, lse = softmax_lse(np.array([0., -np.inf]))
+    >>> y.tolist(), lse.tolist()
+    ([1.0, 0.0], [0.0])
+    """
+    x, axis = _prepare(x, axis)
+    m = _safe_max(x, axis)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        e = np.exp(x - m)
+        s = np.sum(e, axis=axis, keepdims=True)
+        return e / s, np.log(s) + m
 
 
 def log_softmax(x, axis=-1):

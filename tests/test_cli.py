@@ -109,7 +109,7 @@ def test_saturation_demo(capsys):
 def test_progress_only_on_a_terminal(capsys):
     import io
 
-    from sdpa_ref.cli import _Progress
+    from sdpa_ref.cli.output import _Progress
 
     class Tty(io.StringIO):
         def isatty(self):

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sdpa_ref import fast, sdpa_backward, sdpa_forward
+from sdpa_ref import sdpa_backward, sdpa_forward
+from sdpa_ref.engines import _threads, fast
 
 from helpers import assert_close_normwise
 from strategies import attention_problem, variant_problem
@@ -57,7 +58,7 @@ def test_results_do_not_depend_on_the_thread_count():
     # With SDPA_REF_NUM_THREADS=1 all three are one piece without threads.
     assert len(fast._head_chunks((2, 3), 600 * 600, 16)) == 6
     assert len(fast._head_chunks((2, 3), 3000 * 40, 16)) == 4
-    assert 110000 * 40 >= fast._MIN_PARALLEL
+    assert 110000 * 40 >= _threads.MIN_PARALLEL
     code = (
         "import numpy as np, sdpa_ref as s, sys, hashlib\n"
         "r = np.random.default_rng(2)\n"
@@ -80,7 +81,7 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 def test_num_threads_reads_the_environment(monkeypatch):
-    from sdpa_ref.fast import num_threads
+    from sdpa_ref.engines._threads import num_threads
 
     monkeypatch.setenv("SDPA_REF_NUM_THREADS", "3")
     assert num_threads() == 3
@@ -164,48 +165,42 @@ def test_head_chunks_with_a_float_mask_and_bias_and_broadcast_inputs(problem):
 def test_head_chunks_without_a_controllable_blas_run_one_by_one():
     rng = np.random.default_rng(4)
     q, k, v = (rng.standard_normal((2, 3, 7, 4)) for _ in range(3))
-    saved = fast._BLAS_STATE["controller"]
+    saved = _threads._BLAS_STATE["controllers"]
     try:
-        fast._BLAS_STATE["controller"] = False
+        _threads._BLAS_STATE["controllers"] = []
         with chunked(1):
             parts = _fwd_bwd(q, k, v, {"is_causal": True})
     finally:
-        fast._BLAS_STATE["controller"] = saved
+        _threads._BLAS_STATE["controllers"] = saved
     with chunked(1, threads="1"):
         whole = _fwd_bwd(q, k, v, {"is_causal": True})
     for a, b in zip(whole, parts):
         np.testing.assert_array_equal(a, b)
 
 
-class _FakeController:
-    """Records what the BLAS limiter does: the current limit, and every call."""
+class _FakeBLAS:
+    """A BLAS controller that records its thread count and every call."""
 
     def __init__(self):
         self.threads, self.calls = 4, []
 
-    def limit(self, limits, user_api):
-        assert user_api == "blas"
-        self.calls.append(("limit", limits))
-        before, self.threads = self.threads, limits
-        ctl = self
+    def get_num_threads(self):
+        return self.threads
 
-        class Limiter:
-            def restore_original_limits(self):
-                ctl.calls.append(("restore", before))
-                ctl.threads = before
-
-        return Limiter()
+    def set_num_threads(self, n):
+        self.calls.append(n)
+        self.threads = n
 
 
-def test_blas_limit_is_set_by_the_first_caller_in_and_restored_by_the_last_out():
-    fake = _FakeController()
-    saved = fast._BLAS_STATE["controller"]
-    fast._BLAS_STATE["controller"] = fake
+def test_blas_is_held_by_the_first_caller_in_and_restored_by_the_last_out():
+    fake = _FakeBLAS()
+    saved = _threads._BLAS_STATE["controllers"]
+    _threads._BLAS_STATE["controllers"] = [fake]
     a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
     seen = {}
 
     def a():
-        with fast._blas_threads(1) as ok:
+        with _threads.single_threaded_blas() as ok:
             seen["a_ok"] = ok
             a_in.set()
             b_in.wait()
@@ -214,7 +209,7 @@ def test_blas_limit_is_set_by_the_first_caller_in_and_restored_by_the_last_out()
 
     def b():
         a_in.wait()
-        with fast._blas_threads(1):
+        with _threads.single_threaded_blas():
             b_in.set()
             a_out.wait()                        # a has left: the limit must still hold for b
             seen["b"] = fake.threads
@@ -226,20 +221,37 @@ def test_blas_limit_is_set_by_the_first_caller_in_and_restored_by_the_last_out()
         for t in ts:
             t.join()
     finally:
-        fast._BLAS_STATE["controller"] = saved
+        _threads._BLAS_STATE["controllers"] = saved
     assert seen == {"a_ok": True, "a": 1, "b": 1}
-    assert fake.calls == [("limit", 1), ("restore", 4)] and fake.threads == 4
+    assert fake.calls == [1, 4] and fake.threads == 4
 
 
-def test_the_blas_limiter_says_when_it_cannot_limit():
-    saved = fast._BLAS_STATE["controller"]
-    fast._BLAS_STATE["controller"] = False
+def test_every_public_call_holds_the_blas_to_one_thread(monkeypatch):
+    fake, seen = _FakeBLAS(), []
+    monkeypatch.setitem(_threads._BLAS_STATE, "controllers", [fake])
+    real = fast.forward
+
+    def spy(prob, **kw):
+        seen.append(fake.threads)
+        return real(prob, **kw)
+
+    monkeypatch.setattr(fast, "forward", spy)
+    monkeypatch.setitem(__import__("sdpa_ref.api", fromlist=["ENGINES"]).ENGINES, "fast", fast)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 5, 3))
+    sdpa_forward(q, q, q)
+    assert seen == [1] and fake.threads == 4
+
+
+def test_the_blas_holder_says_when_it_cannot_hold():
+    saved = _threads._BLAS_STATE["controllers"]
+    _threads._BLAS_STATE["controllers"] = []
     try:
-        with fast._blas_threads(1) as ok:
+        with _threads.single_threaded_blas() as ok:
             assert ok is False
-        assert fast._BLAS_STATE["users"] == 0
+        assert _threads._BLAS_STATE["users"] == 0
     finally:
-        fast._BLAS_STATE["controller"] = saved
+        _threads._BLAS_STATE["controllers"] = saved
 
 
 def _chunked_in_child(conn):

@@ -6,7 +6,7 @@ what one might hope: see the README's conformance section.
 
 import pytest
 
-from sdpa_ref.conformance import FixedRule, check_implementation
+from sdpa_ref.harness.conformance import FixedRule, check_implementation
 
 
 def _fail_set(rep):

@@ -8,8 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sdpa_ref import scaled_dot_product_attention, sdpa_backward, sdpa_forward
-from sdpa_ref.selfcheck import attention_cases, make_attention_inputs
-from sdpa_ref.tiled import auto_block_size
+from sdpa_ref.harness.cases import gradcheck_grid as attention_cases
+from sdpa_ref.harness.selfcheck import differentiable_inputs as make_attention_inputs
+from sdpa_ref.engines.tiled import auto_block_size
 
 from helpers import assert_close_normwise
 from strategies import variant_problem
@@ -64,11 +65,13 @@ def test_block_size_auto_and_validation():
 
 
 def test_auto_block_size_follows_the_budget():
-    from sdpa_ref._problem import Problem
+    from sdpa_ref.options import AttentionOptions
+    from sdpa_ref.problem import Problem
 
-    small = Problem.build(np.zeros((1, 1, 64, 8)), np.zeros((1, 1, 64, 8)), np.zeros((1, 1, 64, 8)))
-    big = Problem.build(np.zeros((1, 1, 16384, 64)), np.zeros((1, 1, 16384, 64)), np.zeros((1, 1, 16384, 64)))
-    many = Problem.build(np.zeros((4, 16, 16384, 64)), np.zeros((4, 16, 16384, 64)), np.zeros((4, 16, 16384, 64)))
+    def build(shape):
+        return Problem.build(np.zeros(shape), np.zeros(shape), np.zeros(shape), AttentionOptions())
+
+    small, big, many = build((1, 1, 64, 8)), build((1, 1, 16384, 64)), build((4, 16, 16384, 64))
     assert auto_block_size(small) == 64                    # capped by the sequence
     assert 512 <= auto_block_size(big) <= 2048 and auto_block_size(big) % 16 == 0
     assert auto_block_size(many) < auto_block_size(big)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from sdpa_ref import sdpa_backward, sdpa_forward
-from sdpa_ref.cases import get_suite
+from sdpa_ref.harness.cases import get_suite
 from sdpa_ref.cli import main
-from sdpa_ref.vectors import FORMAT_VERSION, verify_vectors, write_vectors
+from sdpa_ref.harness.vectors import FORMAT_VERSION, verify_vectors, write_vectors
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..attention import _unbroadcast
+from ..options import OPTION_NAMES
+from ..transforms import unbroadcast as _unbroadcast
 
 __all__ = ["jax_dpa", "forward", "backward", "SUPPORTS"]
 
-SUPPORTS = frozenset({"attn_mask", "bias", "is_causal", "scale", "enable_gqa", "q_lengths", "kv_lengths", "window",
-                      "causal_alignment", "fully_masked"})
+#: What jax.nn.dot_product_attention can be asked for: the options of sdpa_ref but these.
+SUPPORTS = frozenset(OPTION_NAMES) - {"softcap", "alibi_slopes", "dropout_p", "dropout_mask"}
 
 
 def jax_dpa(implementation=None):
@@ -108,7 +109,7 @@ def jax_dpa(implementation=None):
     return forward, backward, SUPPORTS
 
 
-from . import _Lazy  # noqa: E402
+from ._lazy import _Lazy  # noqa: E402
 
 forward = _Lazy(jax_dpa, "forward", SUPPORTS)
 backward = _Lazy(jax_dpa, "backward", SUPPORTS)

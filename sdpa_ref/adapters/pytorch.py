@@ -16,10 +16,13 @@ import contextlib
 
 import numpy as np
 
+from ..options import OPTION_NAMES
+
 __all__ = ["torch_sdpa", "forward", "backward", "SUPPORTS"]
 
-SUPPORTS = frozenset({"attn_mask", "is_causal", "scale", "enable_gqa", "bias", "causal_alignment",
-                      "fully_masked"})
+#: What PyTorch's SDPA can be asked for: the options of sdpa_ref but these.
+SUPPORTS = frozenset(OPTION_NAMES) - {"window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "dropout_p",
+                                      "dropout_mask"}
 
 
 def torch_sdpa(device="cpu", backend=None):
@@ -105,7 +108,7 @@ def torch_sdpa(device="cpu", backend=None):
     return forward, backward, SUPPORTS
 
 
-from . import _Lazy  # noqa: E402
+from ._lazy import _Lazy  # noqa: E402
 
 forward = _Lazy(torch_sdpa, "forward", SUPPORTS)
 backward = _Lazy(torch_sdpa, "backward", SUPPORTS)

@@ -42,21 +42,21 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from .attention import sdpa_backward, sdpa_forward
+from ..api import sdpa_backward, sdpa_forward
+from ..options import ARRAY_OPTIONS
 from .cases import SUITE_VERSION, get_suite
 from .conformance import grad_out_for
 
 __all__ = ["FORMAT_VERSION", "write_vectors", "verify_vectors", "VerifyReport", "read_npz"]
 
 FORMAT_VERSION = "1"
-_ARRAY_INPUTS = ("attn_mask", "bias", "alibi_slopes", "dropout_mask", "q_lengths", "kv_lengths")
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 
 
 def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
                   progress: Optional[Callable[[int, int, str], None]] = None) -> dict:
     """Write ``<case>.npz`` files and ``manifest.json`` into ``out_dir``; return the manifest."""
-    from . import __version__
+    from .. import __version__
 
     dt = np.dtype(dtype)
     if dt not in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)):
@@ -101,7 +101,7 @@ def case_arrays(case, dt) -> Dict[str, np.ndarray]:
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
     arrays: Dict[str, np.ndarray] = {"query": q, "key": k, "value": v}
-    for name in _ARRAY_INPUTS:
+    for name in ARRAY_OPTIONS:
         if name in inp:
             arrays[name] = np.asarray(inp.pop(name))
     opts = case.options_json()
@@ -133,7 +133,7 @@ def expected(arrays, opts, dt, case=None, grad_out=None) -> Dict[str, np.ndarray
 
 def _options_kwargs(arrays, opts):
     kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in opts.items() if k != "arrays"}
-    for name in _ARRAY_INPUTS:
+    for name in ARRAY_OPTIONS:
         if name in arrays:
             kw[name] = arrays[name]
     return kw

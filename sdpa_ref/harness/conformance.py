@@ -28,15 +28,16 @@ fails with an infinite error.
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from .attention import sdpa_backward, sdpa_forward
-from .cases import OPTION_NAMES, SUITE_VERSION, Case, get_suite
+from ..api import sdpa_backward, sdpa_forward
+from ..options import OPTION_NAMES
+from .cases import Case, get_suite
+from .report import ConformanceReport, ConformanceRow
 
 __all__ = ["RelativeRule", "FixedRule", "ULPRule", "ConformanceRow", "ConformanceReport", "check_implementation",
            "resolve_supports"]
@@ -94,80 +95,6 @@ class ULPRule:
         return f"ulp: |impl-ref64| <= {self.max_ulps:g} ulp of ref64 in the test dtype, element-wise"
 
 
-# ------------------------------------------------------------------- report
-
-
-@dataclass
-class ConformanceRow:
-    case: str
-    dtype: str
-    quantity: str
-    status: str                        # "pass" | "FAIL" | "skip" | "error"
-    error: Optional[float] = None
-    allowed: Optional[float] = None
-    ratio: Optional[float] = None
-    worst_index: Optional[tuple] = None
-    impl_value: Optional[float] = None
-    ref_value: Optional[float] = None
-    note: str = ""
-
-
-@dataclass
-class ConformanceReport:
-    """One row per (case, dtype, quantity); ``.ok``, ``str()``, ``.to_json()``."""
-
-    rows: List[ConformanceRow]
-    rule: str
-    suite: str
-    suite_version: str = SUITE_VERSION
-    seconds: float = 0.0
-    meta: Dict[str, object] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return all(r.status in ("pass", "skip") for r in self.rows) and any(r.status == "pass" for r in self.rows)
-
-    @property
-    def failures(self) -> List[ConformanceRow]:
-        return [r for r in self.rows if r.status in ("FAIL", "error")]
-
-    def counts(self) -> Dict[str, int]:
-        out = {"pass": 0, "FAIL": 0, "skip": 0, "error": 0}
-        for r in self.rows:
-            out[r.status] += 1
-        return out
-
-    def to_dict(self) -> dict:
-        return {"ok": self.ok, "rule": self.rule, "suite": self.suite, "suite_version": self.suite_version,
-                "counts": self.counts(), "seconds": self.seconds, "meta": self.meta,
-                "rows": [asdict(r) for r in self.rows]}
-
-    def to_json(self, **kw) -> str:
-        return json.dumps(self.to_dict(), default=_json_default, **kw)
-
-    def __str__(self) -> str:
-        head = f"{'case':<58} {'dtype':<8} {'qty':<5} {'status':<6} {'error':>10} {'allowed':>10} {'ratio':>7}"
-        lines = [head, "-" * len(head)]
-        for r in self.rows:
-            if r.status == "skip":
-                lines.append(f"{r.case[:58]:<58} {r.dtype:<8} {r.quantity:<5} {'skip':<6}  {r.note}")
-                continue
-            err = "-" if r.error is None else f"{r.error:.3e}"
-            alw = "-" if r.allowed is None else f"{r.allowed:.3e}"
-            rat = "-" if r.ratio is None else f"{r.ratio:.3f}"
-            lines.append(f"{r.case[:58]:<58} {r.dtype:<8} {r.quantity:<5} {r.status:<6} {err:>10} {alw:>10} {rat:>7}")
-            if r.status in ("FAIL", "error"):
-                where = f"worst at {r.worst_index}: impl {r.impl_value!r}, reference {r.ref_value!r}" \
-                    if r.worst_index is not None else ""
-                lines.append(f"    {where} {r.note}".rstrip())
-        c = self.counts()
-        lines.append("")
-        lines.append(f"{c['pass']} passed, {c['FAIL'] + c['error']} failed, {c['skip']} skipped "
-                     f"(suite {self.suite} v{self.suite_version}; rule {self.rule}; {self.seconds:.1f} s)")
-        lines.append("verdict: " + ("CONFORMS" if self.ok else "DOES NOT CONFORM"))
-        return "\n".join(lines)
-
-
 # ------------------------------------------------------------------ judging
 
 
@@ -212,7 +139,7 @@ def check_implementation(
         ``(dq, dk, dv)`` or, for a case with a bias, ``(dq, dk, dv, dbias)``.
     supports : iterable of str, optional
         Option names the implementation understands (see
-        :data:`sdpa_ref.cases.OPTION_NAMES`); default ``forward.supports`` or
+        :data:`sdpa_ref.OPTION_NAMES`); default ``forward.supports`` or
         all. A case needing another option is skipped, never called.
     suite : {"quick", "full"}
     dtypes : sequence of str
@@ -285,7 +212,7 @@ def _judge_case(case, dt, forward, backward, rule, sup):
     naive = reference_quantities(case, dt, naive=True) if isinstance(rule, RelativeRule) else None
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
-    if _has_fully_masked_rows(case, dt):
+    if case.has_fully_masked_rows(dt):
         # the policy matters only where a row has no key: say it explicitly there
         inp["fully_masked"] = case.opts.get("fully_masked", "zero")
     else:
@@ -318,17 +245,6 @@ def _judge_case(case, dt, forward, backward, rule, sup):
     for qty, val in got.items():
         rows.append(_compare(case.name, dt, qty, val, ref64[qty], None if naive is None else naive[qty], rule))
     return rows
-
-
-def _has_fully_masked_rows(case, dt):
-    """Whether the reference has a row with no allowed key (padded query rows aside)."""
-    inp = case.make_inputs(dt)
-    q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
-    _, res = sdpa_forward(q, k, v, save_probs=False, **inp)
-    empty = res.empty
-    if res.padded is not None:
-        empty = empty & ~res.padded
-    return bool(np.any(empty))
 
 
 def _compare(case, dt, qty, val, ref64, naive, rule):
@@ -388,13 +304,3 @@ def _rounding_floor(ref64, dtype):
 
 def _copy_opts(inp):
     return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inp.items()}
-
-
-def _json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, tuple):
-        return list(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

@@ -1,0 +1,164 @@
+"""The ``sdpa-ref`` command line.
+
+Run ``sdpa-ref --help`` or ``sdpa-ref COMMAND --help``. The parser is here;
+each command's work is in :mod:`.commands`, and tables, JSON, CSV, progress
+and plots in :mod:`.output`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from .commands import _cmd_check, _cmd_conform, _cmd_diagnose, _cmd_saturation, _cmd_vectors, _cmd_verify
+from .output import _add_format, format_rows
+
+__all__ = ["main", "build_parser", "format_rows"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="sdpa-ref",
+        description=(
+            "sdpa_ref: a pure-NumPy reference for softmax and scaled dot-product attention, "
+            "with hand-derived gradients proven by finite differences."
+        ),
+        epilog="Run 'sdpa-ref COMMAND --help' for the options of one command.",
+    )
+    parser.add_argument("--version", action="version", version=f"sdpa_ref {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "check",
+        help="verify this installation: gradient checks of every backward over a grid of options",
+        description=(
+            "Prove every backward in the package (softmax, log-softmax, attention) over a grid "
+            "of options: no/bool/float masks, bias, causal in both alignments, windows, softcap, "
+            "ALiBi, per-batch lengths, GQA, dropout with an explicit keep mask, L<S, L>S, Ev!=E, "
+            "broadcast batch, and each fully_masked policy. Each attention case checks the VJP and JVP "
+            "against central differences (fd), the VJP and JVP against the complex step (cs), "
+            "FlashAttention's lse backward against the default (lse) and <g,Jt> = <J^T g,t> (ip). "
+            "Prints one line per case and exits 1 if any case fails."
+        ),
+    )
+    p.add_argument("--quick", action="store_true", help="run a covering subset of the grid (about 45%%)")
+    p.add_argument("--filter", metavar="TEXT", default=None,
+                   help="run only the cases whose name contains TEXT (e.g. 'softcap' or 'mask=bool')")
+    _add_format(p)
+    p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: 1e-7)")
+    p.add_argument("--atol", type=float, default=None, help="absolute floor (default: 1e-9)")
+    p.add_argument("--complex-rtol", type=float, default=None,
+                   help="relative tolerance of the complex-step checks (default: 1e-12)")
+    p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser(
+        "diagnose",
+        help="measure softmax saturation, entropy and gradient norms as d_k grows, per scaling",
+        description=(
+            "Sweep d_k and measure, for each scaling choice (none: 1, sqrt: 1/sqrt(d_k), linear: "
+            "1/d_k), the score std (beside the theory's sqrt(d_k)*scale), the softmax entropy, "
+            "the top weight, the share of saturated rows (top weight > 0.9), and the norms of "
+            "the gradients with respect to the scores, the queries and the keys, all computed "
+            "by the reference's forward and backward on standard normal q, k."
+        ),
+        epilog="Example: sdpa-ref diagnose --d-k 16 64 256 --format json",
+    )
+    p.add_argument("--d-k", type=int, nargs="+", default=None, metavar="D",
+                   help="key widths to sweep (default: 4 8 16 ... 1024)")
+    p.add_argument("--n-keys", type=int, default=50, help="keys per query (default: 50)")
+    p.add_argument("--n-queries", type=int, default=32, help="queries per trial (default: 32)")
+    p.add_argument("--trials", type=int, default=64, help="independent draws per point (default: 64)")
+    p.add_argument("--scales", nargs="+", choices=("none", "sqrt", "linear"), default=["none", "sqrt", "linear"],
+                   help="scaling choices to compare (default: all three)")
+    p.add_argument("--seed", type=int, default=0, help="random seed; the result is deterministic (default: 0)")
+    _add_format(p)
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="also draw normalized entropy, max weight and gradient norm against d_k "
+                        "(needs the 'plot' extra: python -m pip install 'sdpa_ref[plot]')")
+    p.set_defaults(func=_cmd_diagnose)
+
+    p = sub.add_parser(
+        "saturation",
+        help="see it yourself: top-5 softmax weights of one query, raw vs scaled scores",
+        description=(
+            "Draw one standard normal query and N keys of width d_k and print the five largest "
+            "softmax weights of the raw scores q.k and of the scaled scores q.k/sqrt(d_k)."
+        ),
+    )
+    p.add_argument("--d-k", type=int, default=128, help="key width (default: 128)")
+    p.add_argument("--n-keys", type=int, default=50, help="number of keys (default: 50)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    _add_format(p)
+    p.set_defaults(func=_cmd_saturation)
+
+    p = sub.add_parser(
+        "vectors",
+        help="write golden test vectors (.npz per case + manifest.json) for implementations outside Python",
+        description=(
+            "Write one .npz per case of the suite (inputs, options as JSON bytes, the reference's output, "
+            "LSE, a seeded grad_out and every gradient, in float64; below float64 also the naive same-dtype "
+            "results for FlashAttention's relative rule) and manifest.json with the suite and package "
+            "versions, each file's sha256 and the tolerance rule. The files are byte-deterministic."
+        ),
+    )
+    p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write into (created if missing)")
+    p.add_argument("--suite", choices=("quick", "full"), default="quick", help="case suite (default: quick)")
+    p.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float64",
+                   help="dtype of the stored inputs (default: float64)")
+    p.set_defaults(func=_cmd_vectors)
+
+    p = sub.add_parser(
+        "verify",
+        help="re-check golden vectors against their manifest (hashes) and a fresh computation",
+        description="Check every file listed in OUT_DIR/manifest.json: its sha256, and its expected arrays "
+                    "against the reference recomputed from the stored inputs (rtol 1e-12). Exit 1 on any mismatch.",
+    )
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    _add_format(p)
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser(
+        "conform",
+        help="judge an importable attention implementation against the reference",
+        description=(
+            "Run MODULE:FUNCTION (called as f(query, key, value, **options) on NumPy arrays) over the case "
+            "suite at each dtype and judge it against the float64 reference. The default rule is "
+            "FlashAttention's: max|impl-ref64| <= 2 (3 for gradients) * max|naive_same_dtype-ref64| + the "
+            "dtype's rounding of the output. Options the function does not list in a `supports` attribute "
+            "are never passed; such cases are skipped. Exit 1 if anything fails."
+        ),
+        epilog="Example: sdpa-ref conform sdpa_ref.adapters.pytorch:forward "
+               "--backward sdpa_ref.adapters.pytorch:backward --dtype float32 float16",
+    )
+    p.add_argument("target", metavar="MODULE:FUNCTION", help="the forward to judge")
+    p.add_argument("--backward", metavar="MODULE:FUNCTION", default=None,
+                   help="f(grad_out, query, key, value, **options) -> (dq, dk, dv[, dbias])")
+    p.add_argument("--suite", choices=("quick", "full"), default="quick")
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=("float16", "float32", "float64"),
+                   help="test dtypes (default: float32)")
+    p.add_argument("--rule", choices=("relative", "fixed", "ulp"), default="relative",
+                   help="relative (default), fixed (--rtol/--atol) or ulp (--max-ulps)")
+    p.add_argument("--rtol", type=float, default=1e-12)
+    p.add_argument("--atol", type=float, default=1e-12)
+    p.add_argument("--max-ulps", type=float, default=4.0)
+    p.add_argument("--supports", nargs="+", default=None, metavar="OPTION",
+                   help="override the options the function understands")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.set_defaults(func=_cmd_conform)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

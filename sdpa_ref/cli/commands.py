@@ -1,0 +1,189 @@
+"""The work of each ``sdpa-ref`` command: call the library, hand the rows to :mod:`.output`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .output import DIAGNOSE_COLUMNS, _dump, _import_pyplot, _plot_sweep, _Progress, format_rows
+
+def _cmd_check(args) -> int:
+    from ..harness import selfcheck
+
+    tols = {"rtol": selfcheck.CHECK_RTOL if args.rtol is None else args.rtol,
+            "atol": selfcheck.CHECK_ATOL if args.atol is None else args.atol}
+    if args.complex_rtol is not None:
+        tols["complex_rtol"] = args.complex_rtol
+    progress = _Progress("check")
+    results = selfcheck.run_checks(args.quick, progress=progress, name_filter=args.filter, **tols)
+    if not results:
+        print(f"sdpa-ref: no case matches --filter {args.filter!r}", file=sys.stderr)
+        return 2
+    progress.done()
+    rows = [
+        {"case": r.name, "status": "ok" if r.ok else "FAIL", "fd_rel_error": r.max_rel_error,
+         "cs_rel_error": r.cs_rel_error, "lse_rel_error": r.lse_rel_error, "ip_rel_error": r.ip_rel_error,
+         "seconds": round(r.seconds, 4)}
+        for r in results
+    ]
+    n_fail = sum(not r.ok for r in results)
+    if args.format == "table":
+        table = [{k: ("-" if v is None else v) for k, v in row.items()} for row in rows]
+        print(format_rows(table, list(rows[0].keys())))
+        worst = lambda key: max((row[key] for row in rows if row[key] is not None), default=0.0)  # noqa: E731
+        print(f"\n{len(results) - n_fail} passed, {n_fail} failed")
+        print(f"worst relative errors: central differences {worst('fd_rel_error'):.2e} (tolerance "
+              f"{tols['rtol']:.0e}); complex step {worst('cs_rel_error'):.2e} "
+              f"({tols.get('complex_rtol', selfcheck.COMPLEX_RTOL):.0e}); lse vs probs backward "
+              f"{worst('lse_rel_error'):.2e} ({selfcheck.LSE_RTOL:.0e}); <g,Jt> vs <J^T g,t> "
+              f"{worst('ip_rel_error'):.2e}")
+        print("symmetric relative error |a-n|/(|a|+|n|), float64; fd: sdpa_backward and sdpa_jvp vs central differences; "
+              "cs: sdpa_backward and sdpa_jvp vs the complex step")
+        for r in results:
+            if not r.ok:
+                print(f"\nFAILED: {r.name}\n{r.detail}")
+    else:
+        print(_dump(rows, args.format))
+    return 1 if n_fail else 0
+
+
+def _cmd_diagnose(args) -> int:
+    from .. import diagnostics
+
+    if args.plot is not None:
+        plt = _import_pyplot()
+        if plt is None:
+            print("sdpa-ref: --plot needs matplotlib; install it with: python -m pip install 'sdpa_ref[plot]'",
+                  file=sys.stderr)
+            return 2
+    d_ks = args.d_k if args.d_k else list(diagnostics.DEFAULT_D_KS)
+    progress = _Progress("diagnose")
+    try:
+        rows = diagnostics.sweep(d_ks, n_keys=args.n_keys, n_queries=args.n_queries, trials=args.trials,
+                                 scales=args.scales, seed=args.seed, progress=progress)
+    except ValueError as exc:
+        progress.done()
+        print(f"sdpa-ref: {exc}", file=sys.stderr)
+        return 2
+    progress.done()
+    dicts = [r.as_dict() for r in rows]
+    if args.format == "table":
+        order = {s: i for i, s in enumerate(args.scales)}
+        table = sorted(dicts, key=lambda r: (order[r["scale"]], r["d_k"]))
+        print(format_rows(table, DIAGNOSE_COLUMNS, group_by="scale"))
+        r0 = rows[0]
+        print(f"\n{r0.trials} trials x {r0.n_queries} queries x {r0.n_keys} keys per point, seed {args.seed}. "
+              "Per-row means; predicted_score_std = sqrt(d_k) * scale; saturated = top weight > 0.9; "
+              "grad norms are mean L2 norms of a row of dT (scores), dQ and dK.")
+    else:
+        print(_dump(dicts, args.format))
+    if args.plot is not None:
+        _plot_sweep(plt, rows, args.scales, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _cmd_saturation(args) -> int:
+    import numpy as np
+
+    from ..softmax import softmax
+
+    if args.d_k < 1 or args.n_keys < 5:
+        print("sdpa-ref: --d-k should be >= 1 and --n-keys >= 5", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(args.seed)
+    q = rng.standard_normal(args.d_k)
+    k = rng.standard_normal((args.n_keys, args.d_k))
+    raw = k @ q
+    scaled = raw / np.sqrt(args.d_k)
+    p_raw, p_scaled = softmax(raw), softmax(scaled)
+    top_raw = np.argsort(-p_raw)[:5]
+    top_scaled = np.argsort(-p_scaled)[:5]
+    result = {
+        "d_k": args.d_k, "n_keys": args.n_keys, "seed": args.seed,
+        "raw_score_std": float(raw.std()), "scaled_score_std": float(scaled.std()),
+        "raw_top5": [{"key": int(i), "score": float(raw[i]), "weight": float(p_raw[i])} for i in top_raw],
+        "scaled_top5": [{"key": int(i), "score": float(scaled[i]), "weight": float(p_scaled[i])} for i in top_scaled],
+    }
+    if args.format == "json":
+        print(json.dumps(result, indent=2))
+        return 0
+    rows = []
+    for rank in range(5):
+        a, b = result["raw_top5"][rank], result["scaled_top5"][rank]
+        rows.append({"rank": rank + 1, "raw_key": a["key"], "raw_score": a["score"], "raw_weight": a["weight"],
+                     "scaled_key": b["key"], "scaled_score": b["score"], "scaled_weight": b["weight"]})
+    if args.format == "csv":
+        print(_dump(rows, "csv"))
+        return 0
+    print(f"one query against {args.n_keys} keys, d_k = {args.d_k}, seed {args.seed}")
+    print(f"raw scores q.k: std {result['raw_score_std']:.2f} (theory sqrt(d_k) = {np.sqrt(args.d_k):.2f}); "
+          f"scaled q.k/sqrt(d_k): std {result['scaled_score_std']:.2f} (theory 1)\n")
+    print(format_rows(rows, list(rows[0].keys())))
+    print(f"\ntop weight: raw {p_raw.max():.4f}, scaled {p_scaled.max():.4f}; "
+          f"uniform would be {1 / args.n_keys:.4f}")
+    return 0
+
+
+def _cmd_vectors(args) -> int:
+    from ..harness import vectors
+
+    progress = _Progress("vectors")
+    manifest = vectors.write_vectors(args.out_dir, suite=args.suite, dtype=args.dtype, progress=progress)
+    progress.done()
+    print(f"wrote {len(manifest['files'])} cases ({args.suite} suite v{manifest['suite_version']}, "
+          f"{args.dtype}) and manifest.json to {args.out_dir}")
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    from ..harness import vectors
+
+    rep = vectors.verify_vectors(args.out_dir)
+    if args.format == "table":
+        print(rep)
+    else:
+        print(_dump([{k: v for k, v in r.items()} for r in rep.rows], args.format))
+    return 0 if rep.ok else 1
+
+
+def _cmd_conform(args) -> int:
+    from ..harness import conformance
+
+    try:
+        fwd = _load(args.target)
+        bwd = _load(args.backward) if args.backward else None
+    except (ImportError, AttributeError, ValueError) as exc:
+        print(f"sdpa-ref: cannot load the implementation: {exc}", file=sys.stderr)
+        return 2
+    rule = {"relative": conformance.RelativeRule(), "fixed": conformance.FixedRule(args.rtol, args.atol),
+            "ulp": conformance.ULPRule(args.max_ulps)}[args.rule]
+    progress = _Progress("conform")
+    try:
+        rep = conformance.check_implementation(fwd, backward=bwd, supports=args.supports, suite=args.suite,
+                                               dtypes=args.dtype, rule=rule, progress=progress)
+    except ValueError as exc:
+        progress.done()
+        print(f"sdpa-ref: {exc}", file=sys.stderr)
+        return 2
+    progress.done()
+    print(rep if args.format == "table" else rep.to_json(indent=2))
+    return 0 if rep.ok else 1
+
+
+def _load(spec):
+    """``package.module:attr.sub`` -> the object; the current directory is importable."""
+    import importlib
+    import os
+
+    if ":" not in spec:
+        raise ValueError(f"`{spec}` should be MODULE:FUNCTION")
+    mod, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    obj = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"`{spec}` is not callable")
+    return obj

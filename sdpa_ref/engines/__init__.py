@@ -1,0 +1,9 @@
+"""Engines: the ways of computing attention, behind one contract (:mod:`.contract`).
+
+* ``plain`` -- :mod:`sdpa_ref.attention`, the teaching core and the oracle;
+* ``fast`` -- :mod:`.fast`, dense, in place, threaded over heads;
+* ``tiled`` -- :mod:`.tiled`, FlashAttention's online softmax over blocks.
+
+:mod:`sdpa_ref.api` picks one with ``method=``. This package imports none of
+them itself, so that the core can import the contract without a cycle.
+"""

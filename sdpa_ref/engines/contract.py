@@ -1,0 +1,123 @@
+r"""The contract every engine implements, and what the public API hands the user between passes.
+
+An engine is a module with two functions::
+
+    forward(prob, *, save_probs=True) -> Forward
+    backward(prob, fwd, dO) -> Grads
+
+``prob`` is a validated :class:`~sdpa_ref.problem.Problem` (compute dtype,
+``q`` as ``(..., Hkv, G, L, E)``); ``dO`` is ``(*batch, Hq, L, Ev)`` in the
+compute dtype. Every array below is in the compute dtype and in the *full*
+batch layout (``*batch`` is the broadcast of the inputs' batch dims); the
+public API sums gradients back to the inputs' shapes and casts them.
+
+The engines agree with the teaching core (:mod:`sdpa_ref.attention`) to
+rounding, on every option; ``tests/test_engines.py`` holds them to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+__all__ = ["AttentionGrads", "AttentionResiduals", "Forward", "Grads"]
+
+
+class Forward(NamedTuple):
+    """What a forward returns (and what its backward reads)."""
+
+    out: np.ndarray                    # O    (*batch, Hq, L, Ev)
+    lse: np.ndarray                    # LSE  (*batch, Hq, L); -inf on rows with no allowed key
+    probs: Optional[np.ndarray]        # P    (*batch, Hq, L, S), or None when not saved
+    tanh: Optional[np.ndarray]         # tanh(Traw / cap) (*batch, Hq, L, S) with softcap and saved P, else None
+    empty: np.ndarray                  # (*batch, Hq, L, 1) bool: rows with no allowed key
+
+
+class Grads(NamedTuple):
+    """What a backward returns."""
+
+    dq: np.ndarray                     # (*batch, Hq, L, E)
+    dk: np.ndarray                     # (*batch, Hkv, S, E), summed over each GQA group
+    dv: np.ndarray                     # (*batch, Hkv, S, Ev), summed over each GQA group
+    dmask: Optional[np.ndarray]        # the float attn_mask's gradient, in its own shape
+    dbias: Optional[np.ndarray]        # the bias's gradient, in its own shape
+
+
+class AttentionGrads(NamedTuple):
+    """Gradients of a loss with respect to the inputs of attention.
+
+    Each has its input's own shape and dtype. ``attn_mask`` is the gradient
+    with respect to a float mask, ``bias`` with respect to ``bias`` (each
+    summed to its own shape); ``None`` where there is no such float input.
+    """
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    attn_mask: Optional[np.ndarray]
+    bias: Optional[np.ndarray] = None
+
+
+@dataclass(frozen=True)
+class AttentionResiduals:
+    """What :func:`sdpa_backward` needs, saved by :func:`sdpa_forward`.
+
+    ``problem`` holds the validated inputs and options, ``forward`` what the
+    engine ``method`` returned (:class:`~sdpa_ref.engines.contract.Forward`),
+    ``block_size`` the tiled engine's block (None for the dense engines).
+    """
+
+    problem: Any                    # the validated Problem
+    forward: Forward
+    method: str
+    block_size: Optional[int] = None
+
+    @property
+    def probs(self):
+        """``P`` ``(..., Hq, L, S)``, or None (``save_probs=False``, tiled)."""
+        return self.forward.probs
+
+    @property
+    def out(self):
+        """The output in the compute dtype, in the user's rank."""
+        return self.forward.out.reshape(self.problem.out_shape)
+
+    @property
+    def lse(self):
+        """The log-sum-exp of the allowed scores ``(..., Hq, L)``; ``-inf`` on rows with no key."""
+        return self.forward.lse.reshape(self.problem.out_shape[:-1])
+
+    @property
+    def tanh(self):
+        return self.forward.tanh
+
+    @property
+    def empty(self):
+        """``(*batch, Hq, L, 1)`` bool: rows with no allowed key."""
+        return self.forward.empty
+
+    @property
+    def padded(self):
+        """``(*batch, 1, L, 1)`` bool: query rows past ``q_lengths``, or None."""
+        return self.problem.padded_rows()
+
+    @property
+    def dropout_mask(self):
+        """The bool keep mask ``Z`` used by the forward, or None."""
+        return self.problem.keep
+
+    keep = dropout_mask
+
+    @property
+    def scale(self):
+        return self.problem.scale
+
+    @property
+    def dropout_p(self):
+        return self.problem.options.dropout_p
+
+    @property
+    def v(self):
+        return self.problem.v

@@ -1,0 +1,263 @@
+r"""The fast dense engine: the teaching core's arithmetic, with fewer passes and copies.
+
+The default of :func:`sdpa_ref.sdpa_forward` (``method="fast"``). It calls
+the same transforms, allowed set and policy as the core
+(:mod:`sdpa_ref.attention`) and is tested against it to 1e-14. What differs
+is how:
+
+* the query heads of a GQA group are folded into the row axis,
+  ``(..., Hkv, G*L, E)``, so one GEMM per kv head gives the whole group's
+  scores, and the backward's ``P_drop^T dO`` and ``dT^T Q`` contract the
+  group's rows: that *is* the sum over the group;
+* one ``L x S`` buffer holds the scores, becomes ``exp(T - m)`` in place and
+  then ``P`` (normalised by multiplying with ``1/sum``); the backward turns
+  ``dO V^T`` into ``dT`` in place; the row passes work on blocks of rows
+  small enough to stay in cache;
+* ``D = rowsum(dO * O)`` (``L x Ev`` work) instead of ``rowsum(P * dP)``
+  (``L x S``), FlashAttention's identity;
+* rows shorter than 64 are summed by ``np.einsum("ij->i", ...)``, row by row
+  by construction (a BLAS product with a ones vector is faster, but its
+  result for a row depends on how many rows the call holds);
+* a problem with several ``(batch, kv head)`` units and at least two chunks'
+  worth of score entries is cut into rectangular chunks of whole heads
+  (:func:`_head_chunks`), which run their whole pipeline side by side in the
+  package's pool while the BLAS is held to one thread
+  (:mod:`._threads`). A single head or a small problem runs its row passes
+  on row blocks in the pool.
+
+Chunks are cut from the shape alone, and every row and every matrix product
+is computed the same way in any chunk, so the result is the same bytes for
+any thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..masks import block_of, fill_empty_rows, fill_output_without_keys
+from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_vjp, transform_scores, \
+    transform_scores_vjp
+from ._threads import blas_is_held, num_threads, row_chunks, run_all
+from .contract import Forward, Grads
+
+__all__ = ["forward", "backward"]
+
+#: Score entries of one chunk of heads when ``E + Ev >= 128`` (see :func:`_chunk_entries`).
+_CHUNK_ENTRIES = 1 << 20
+#: Rows shorter than this are summed by einsum (a reduction is slow on them).
+_SHORT_ROW = 64
+#: Entries of a row block that one element-wise pass works on (4 MiB of float64).
+_CACHE_ENTRIES = 1 << 19
+
+
+def forward(prob, *, save_probs=True) -> Forward:
+    """``(O, lse, P, tanh, empty)`` as the contract says."""
+    lay = _Layout(prob)
+    o, full, lead, S = prob.options, lay.full, lay.lead, lay.S
+    GL, Ev = lay.grouped[-1], prob.v.shape[-1]
+    ct = prob.dtype
+    q = prob.q.reshape(prob.q.shape[:-4] + (prob.Hkv, GL, prob.q.shape[-1]))
+    T = np.empty(lead + (GL, S), dtype=ct)             # becomes P in place
+    O = np.empty(lead + (GL, Ev), dtype=ct)
+    lse = np.empty(lead + (GL, 1), dtype=ct)
+    empty = np.empty(lead + (GL, 1), dtype=bool)
+    th = None if o.softcap is None else np.empty_like(T)
+    allowed = prob.allowed()
+    sub = max(1, _CACHE_ENTRIES // max(S, 1))          # rows per cache-sized block
+
+    def softmax_rows(t, lse_c, empty_c):
+        # five passes (max, shift, exp, sum, scale) over blocks that stay in cache
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            for r0 in range(0, t.shape[0], sub):
+                tb, eb, lb = t[r0:r0 + sub], empty_c[r0:r0 + sub], lse_c[r0:r0 + sub]
+                m = np.max(tb, axis=-1, keepdims=True, initial=-np.inf)
+                np.equal(m, -np.inf, out=eb)
+                m[eb] = 0.0
+                np.subtract(tb, m, out=tb)
+                np.exp(tb, out=tb)
+                s = _row_sums(tb)
+                np.multiply(tb, ct.type(1) / s, out=tb)
+                np.log(s, out=lb)
+                lb += m
+
+    def chunk(idx, inner_parallel):
+        fidx = lay.full_index(idx)
+        qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
+        Tc = T[idx]
+        scores_forward(qc, k, prob.scale, out=Tc)
+        transform_scores(prob, lay.full_view(Tc), lead=fidx, tanh_out=None if th is None else lay.full_view(th[idx]),
+                         allowed=block_of(allowed, lay.nd_f, fidx))
+        rows = (_rows(Tc), _rows(lse[idx]), _rows(empty[idx]))
+        if inner_parallel:
+            row_chunks(softmax_rows, *rows)
+        else:
+            softmax_rows(*rows)
+        Pd = dropout_forward(lay.full_view(Tc), block_of(prob.keep, lay.nd_f, fidx), o.dropout_p)
+        np.matmul(Pd.reshape(Tc.shape), v, out=O[idx])
+
+    _run(chunk, lay.chunks)
+    P = T.reshape(full)
+    empty = empty.reshape(full[:-1] + (1,))
+    padded = prob.padded_rows()
+    if np.any(empty):                                  # the policy's rows, then O again (a rare path)
+        P = fill_empty_rows(P, empty, padded, o.fully_masked, S)
+        O = dropout_forward(P, prob.keep, o.dropout_p).reshape(lay.grouped + (S,)) @ prob.v
+    O = fill_output_without_keys(O.reshape(full[:-1] + (Ev,)), o.fully_masked, S, padded)
+    return Forward(out=O, lse=lse.reshape(full[:-1]), probs=P if save_probs else None,
+                   tanh=None if (th is None or not save_probs) else th.reshape(full), empty=empty)
+
+
+def backward(prob, fwd: Forward, dO) -> Grads:
+    """The backward from the saved ``P``, with ``D = rowsum(dO * O)`` and ``dT`` in place."""
+    lay = _Layout(prob)
+    o, full, grouped, lead, S = prob.options, lay.full, lay.grouped, lay.lead, lay.S
+    ct = prob.dtype
+    E, Ev = prob.q.shape[-1], prob.v.shape[-1]
+    q = prob.q.reshape(prob.q.shape[:-4] + (prob.Hkv, grouped[-1], E))
+    dO = dO.reshape(grouped + (Ev,))
+    Og = fwd.out.reshape(grouped + (Ev,))
+    Pg = np.broadcast_to(fwd.probs, full).reshape(grouped + (S,))
+    thg = None if fwd.tanh is None else np.broadcast_to(fwd.tanh, full).reshape(grouped + (S,))
+    emptyg = fwd.empty.reshape(grouped + (1,))
+    # the whole dT is kept only when attn_mask or bias needs its gradient (summed down afterwards);
+    # otherwise each chunk works in its own buffer, which the allocator reuses
+    keep_dT = prob.mask_float is not None or prob.bias is not None
+    dT = np.empty(grouped + (S,), dtype=ct) if keep_dT else None
+    dq = np.empty(grouped + (E,), dtype=ct)
+    dk = np.empty(lead + (S, E), dtype=ct)
+    dv = np.empty(lead + (S, Ev), dtype=ct)
+    zero_empty = o.fully_masked == "uniform" and np.any(fwd.empty)
+    sub = max(1, _CACHE_ENTRIES // max(S, 1))
+
+    def score_grad_rows(d, p, D_c):
+        for r0 in range(0, d.shape[0], sub):
+            db = d[r0:r0 + sub]
+            np.subtract(db, D_c[r0:r0 + sub], out=db)
+            np.multiply(db, p[r0:r0 + sub], out=db)
+
+    def chunk(idx, inner_parallel):
+        fidx = lay.full_index(idx)
+        qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
+        Pc, dOc = Pg[idx], dO[idx]
+        keep = block_of(prob.keep, lay.nd_f, fidx)
+        Pd = Pc if keep is None else dropout_forward(lay.full_view(np.ascontiguousarray(Pc)), keep,
+                                                     o.dropout_p).reshape(Pc.shape)
+        np.matmul(np.swapaxes(Pd, -1, -2), dOc, out=dv[idx])              # dV = P_drop^T dO
+        dTc = dT[idx] if keep_dT else np.empty(Pc.shape, dtype=ct)
+        np.matmul(dOc, np.swapaxes(v, -1, -2), out=dTc)                   # dP = dO V^T ...
+        if keep is not None:
+            dropout_forward(lay.full_view(dTc), keep, o.dropout_p, out=lay.full_view(dTc))   # ... * Z / (1-p)
+        D = np.sum(dOc * Og[idx], axis=-1).reshape(-1, 1)                 # D = rowsum(dO * O)
+        rows = (_rows(dTc), _rows(Pc), D)
+        if inner_parallel:
+            row_chunks(score_grad_rows, *rows)
+        else:
+            score_grad_rows(*rows)                                         # dT = (dP - D) * P
+        if zero_empty:
+            np.copyto(dTc, 0.0, where=emptyg[idx])
+        dTraw = transform_scores_vjp(dTc, None if thg is None else thg[idx], out=None if keep_dT else dTc)
+        scores_vjp(dTraw, qc, k, prob.scale, dq_out=dq[idx], dk_out=dk[idx])
+
+    _run(chunk, lay.chunks)
+    dT = None if dT is None else dT.reshape(full)
+    return Grads(dq=dq.reshape(full[:-1] + (E,)), dk=dk, dv=dv,
+                 dmask=None if prob.mask_float is None else additive_vjp(dT, prob.shapes["attn_mask"]),
+                 dbias=None if prob.bias is None else additive_vjp(dT, prob.shapes["bias"]))
+
+
+# ------------------------------------------------------------- chunking
+
+
+def _chunk_entries(width):
+    """Score entries per chunk for head width ``E + Ev``: ``_CHUNK_ENTRIES`` scaled by ``width / 128``,
+    between a quarter of it and all of it.
+
+    The cut pays when the element-wise work (``exp`` above all, a scalar loop
+    in NumPy) is a large part of the time; the GEMM work per score entry
+    grows with ``E + Ev``. Measured on 2 cores (fwd + bwd, paired rounds):
+    cutting at 2**18 entries took 1.13-1.2x longer than one piece for
+    ``(2, 4, 256, 64)`` and ``(4, 8, 128, 64)``, but 0.70x for
+    ``(8, 8, 128, 16)``; at ``(1, 8, 1024, 64)`` one head per chunk is the
+    fastest cut.
+    """
+    return max(_CHUNK_ENTRIES >> 2, min(_CHUNK_ENTRIES, _CHUNK_ENTRIES * width // 128))
+
+
+def _head_chunks(lead, unit, width=128):
+    """Rectangular chunks of the leading ``(*batch, Hkv)`` index, as tuples of slices.
+
+    Each chunk holds about :func:`_chunk_entries` score entries (``unit`` is
+    the number of one ``(batch, kv head)``, ``width`` is ``E + Ev``): whole
+    trailing axes, a range of the next one, single indices of the outer
+    ones. The cut depends on the shape only. One chunk (everything) when the
+    problem is below two chunks or there is one thread.
+    """
+    whole = [tuple(slice(None) for _ in lead)]
+    N = int(np.prod(lead))
+    target = _chunk_entries(width)
+    if num_threads() == 1 or N < 2 or N * unit < 2 * target:
+        return whole
+    per = max(1, target // max(unit, 1))                  # units per chunk
+    ax, t = len(lead) - 1, 1
+    while ax >= 0 and t * lead[ax] <= per:
+        t *= lead[ax]
+        ax -= 1
+    if ax < 0:
+        return whole
+    r = max(1, per // t)
+    chunks = []
+    for outer in np.ndindex(*lead[:ax]):
+        for a0 in range(0, lead[ax], r):
+            chunks.append(tuple(slice(i, i + 1) for i in outer) + (slice(a0, min(a0 + r, lead[ax])),)
+                          + tuple(slice(None) for _ in lead[ax + 1:]))
+    return chunks
+
+
+def _run(worker, chunks):
+    """One chunk inline (its row passes may use the pool); several side by side in the pool.
+
+    Chunks run in the pool only while the BLAS is held to one thread (every
+    public call holds it); otherwise their GEMMs would oversubscribe the
+    cores, and they run one by one.
+    """
+    if len(chunks) > 1 and blas_is_held() and num_threads() > 1:
+        run_all(lambda c: worker(c, False), chunks)
+        return
+    for c in chunks:
+        worker(c, True)
+
+
+class _Layout:
+    """The shapes of one problem in the grouped ``(*batch, Hkv, G*L)`` and full ``(*batch, Hq, L)`` layouts."""
+
+    def __init__(self, prob):
+        self.full = prob.full_scores
+        self.G, self.S = prob.G, prob.S
+        self.grouped = prob.batch + (prob.Hkv, self.G * prob.L)
+        self.lead = self.grouped[:-1]
+        self.chunks = _head_chunks(self.lead, self.grouped[-1] * self.S, prob.q.shape[-1] + prob.v.shape[-1])
+        self.nd_g, self.nd_f = len(self.lead) + 2, len(self.full)
+
+    def full_index(self, idx):
+        """A chunk of the grouped ``(*batch, Hkv)`` index as one of the full ``(*batch, Hq)`` index."""
+        h = idx[-1]
+        hq = h if h.start is None else slice(h.start * self.G, h.stop * self.G)
+        return idx[:-1] + (hq,)
+
+    def full_view(self, a):
+        """The full-layout view ``(..., Hq, L, n)`` of a grouped-layout chunk ``(..., Hkv, G*L, n)``."""
+        r = a.reshape(a.shape[:-3] + (a.shape[-3] * self.G, self.full[-2], a.shape[-1]))
+        assert r.size == 0 or np.may_share_memory(r, a), "a chunk must be a view of its buffer"
+        return r
+
+
+def _rows(a):
+    """``a`` as a 2-D ``(rows, last)`` array (also when the last dim is 0)."""
+    return a.reshape(int(np.prod(a.shape[:-1])), a.shape[-1])
+
+
+def _row_sums(t):
+    """Row sums ``(rows, 1)``, row by row: the same bits whatever rows the call holds."""
+    if t.shape[-1] < _SHORT_ROW:
+        return np.einsum("ij->i", t)[:, None]
+    return np.sum(t, axis=-1, keepdims=True)

@@ -1,0 +1,221 @@
+r"""The tiled engine: FlashAttention's algorithm in NumPy, in bounded memory.
+
+``method="tiled"`` (or ``block_size=b``) lands here. The scores are never
+materialised: the forward walks key blocks of ``b`` columns for each block of
+``b`` query rows, keeping a running max ``m``, sum ``l`` and output
+accumulator (the online softmax), and stores only ``O`` and ``lse``. The
+backward walks the same blocks and recomputes each block's
+:math:`P = e^{T - \mathrm{lse}}`, with :math:`D = \mathrm{rowsum}(dO \odot O)`.
+It is also the ``"lse"`` backward of dense residuals (one block holding every
+row and key): FlashAttention's recomputing backward.
+
+Per block of rows ``I`` and keys ``J`` (all batch entries and heads at once)::
+
+    T_IJ   = transform_scores(scale * Q_I K_J^T)     the same chain as every engine
+    m_new  = max(m, rowmax T_IJ)
+    l      = l * e^(m - m_new) + rowsum e^(T_IJ - m_new)
+    acc    = acc * e^(m - m_new) + (e^(T_IJ - m_new) * Z / (1-p)) V_J
+    ...
+    O_I    = acc / l,   lse_I = m + log l
+
+Blocks that the allowed set excludes entirely are skipped in both passes.
+Peak memory is ``O((L + S) (E + Ev) + b^2)`` per head on top of the inputs.
+Fully masked rows follow the same policies as the other engines (the uniform
+one in a second pass over the keys for the row blocks that have such rows).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from ..masks import block_of, fill_empty_rows, fill_output_without_keys, policy_fill
+from ..transforms import dropout_forward, scores_forward, scores_vjp, transform_scores, transform_scores_vjp, \
+    unbroadcast
+from .contract import Forward, Grads
+
+__all__ = ["DEFAULT_BLOCK_BUDGET", "auto_block_size", "check_block_size", "forward", "backward"]
+
+#: Memory budget (bytes) for the block temporaries of ``block_size="auto"``.
+DEFAULT_BLOCK_BUDGET = 64 * 2**20
+#: How many block-sized temporaries a backward step holds at once.
+_TEMPS = 6
+
+
+def check_block_size(block_size, prob):
+    """``None``, a positive int, or ``"auto"`` (resolved here)."""
+    if block_size is None:
+        return None
+    if isinstance(block_size, str):
+        if block_size != "auto":
+            raise ValueError(f"`block_size` should be None, a positive int or 'auto', but got {block_size!r}")
+        return auto_block_size(prob)
+    if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (numbers.Integral, np.integer)) \
+            or block_size < 1:
+        raise ValueError(f"`block_size` should be None, a positive int or 'auto', but got {block_size!r}")
+    return int(block_size)
+
+
+def auto_block_size(prob, budget: int = DEFAULT_BLOCK_BUDGET) -> int:
+    """The largest multiple of 16 (at least 16) whose block temporaries fit ``budget``.
+
+    A block holds ``n_heads_total * b * b`` entries, ``n_heads_total`` being the
+    product of the batch dims and ``Hq``; about six such arrays live at once.
+    """
+    L, S = prob.L, prob.S
+    heads = int(np.prod(prob.full_scores[:-2])) or 1
+    itemsize = np.dtype(prob.dtype).itemsize
+    b = int(np.sqrt(budget / (_TEMPS * itemsize * heads)))
+    b = max(16, (b // 16) * 16)
+    return max(1, min(b, max(L, S, 1)))
+
+
+# ----------------------------------------------------------------- forward
+
+
+def forward(prob, *, save_probs=False, block_size="auto") -> Forward:
+    """Online-softmax forward; ``probs`` and ``tanh`` are never kept (``save_probs`` is moot here)."""
+    block = check_block_size(block_size, prob)
+    o, bl = prob.options, _Blocks(prob)
+    L, S = prob.L, prob.S
+    lead = prob.batch + (prob.Hq,)
+    Ev, ct = prob.v.shape[-1], prob.dtype
+    rt = ct.type(0).real.dtype
+    O = np.zeros(lead + (L, Ev), dtype=ct)
+    lse = np.full(lead + (L,), -np.inf, dtype=rt)
+    empty = np.zeros(lead + (L, 1), dtype=bool)
+    for i0, i1 in _ranges(L, block):
+        m = np.full(lead + (i1 - i0, 1), -np.inf, dtype=rt)
+        l = np.zeros(lead + (i1 - i0, 1), dtype=ct)
+        acc = np.zeros(lead + (i1 - i0, Ev), dtype=ct)
+        for j0, j1 in _ranges(S, block):
+            allowed = prob.allowed((i0, i1), (j0, j1))
+            if allowed is not None and not np.any(allowed):
+                continue                                            # a wholly masked block
+            T, _ = bl.scores(i0, i1, j0, j1, allowed)
+            m_new = np.maximum(m, np.max(T.real, axis=-1, keepdims=True))
+            shift = np.where(m_new == -np.inf, rt.type(0), m_new)
+            with np.errstate(invalid="ignore", over="ignore"):
+                alpha = np.exp(m - shift)                           # 0 where m was -inf
+                e = np.exp(T - shift)
+            l = l * alpha + e.sum(axis=-1, keepdims=True)
+            acc = acc * alpha + bl.times_v(dropout_forward(e, bl.keep(i0, i1, j0, j1), o.dropout_p), j0, j1)
+            m = m_new
+        row_empty = m == -np.inf
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out = acc / l
+            lse[..., i0:i1] = (np.log(l) + np.where(row_empty, rt.type(0), m))[..., 0].real
+        O[..., i0:i1, :] = _policy_rows(prob, bl, out, row_empty, i0, i1)
+        empty[..., i0:i1, :] = row_empty
+    O = fill_output_without_keys(O, o.fully_masked, S, prob.padded_rows())
+    return Forward(out=O, lse=lse, probs=None, tanh=None, empty=empty)
+
+
+def _policy_rows(prob, bl, out, row_empty, i0, i1):
+    """Apply ``fully_masked`` to the rows of a block that saw no key; padded rows are 0."""
+    if not np.any(row_empty):
+        return out
+    o, S = prob.options, prob.S
+    if o.fully_masked == "uniform":                                 # P = 1/S on every key: a pass over V
+        u = np.zeros(out.shape, dtype=out.dtype)
+        for j0, j1 in _ranges(S, max(1, i1 - i0)):
+            w = np.full(out.shape[:-1] + (j1 - j0,), policy_fill("uniform", S), dtype=out.dtype)
+            u = u + bl.times_v(dropout_forward(w, bl.keep(i0, i1, j0, j1), o.dropout_p), j0, j1)
+        out = np.where(row_empty, u, out)
+    else:
+        out = np.where(row_empty, out.dtype.type(policy_fill(o.fully_masked, S)), out)
+    padded = prob.padded_rows((i0, i1))
+    return out if padded is None else np.where(padded, out.dtype.type(0), out)
+
+
+# ---------------------------------------------------------------- backward
+
+
+def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
+    """Blockwise recomputation backward (FlashAttention's): ``P = exp(T - lse)`` block by block."""
+    block = check_block_size(block_size, prob)
+    o, bl = prob.options, _Blocks(prob)
+    L, S, Hq, Hkv = prob.L, prob.S, prob.Hq, prob.Hkv
+    ct, full = prob.dtype, prob.full_scores
+    nd = len(full)
+    D = np.sum(dO * fwd.out, axis=-1, keepdims=True)                # rowsum(dO * O)
+    lse = fwd.lse.reshape(full[:-1] + (1,))
+    E = prob.q.shape[-1]
+    dq = np.zeros(full[:-1] + (E,), dtype=ct)
+    dk = np.zeros(prob.batch + (Hkv, S, E), dtype=ct)
+    dv = np.zeros(prob.batch + (Hkv, S, prob.v.shape[-1]), dtype=ct)
+    dmask = None if prob.mask_float is None else np.zeros(prob.shapes["attn_mask"], dtype=ct)
+    dbias = None if prob.bias is None else np.zeros(prob.shapes["bias"], dtype=ct)
+    for i0, i1 in _ranges(L, block):
+        em = fwd.empty[..., i0:i1, :]
+        pad = prob.padded_rows((i0, i1))
+        lse_i = np.where(em, ct.type(0), lse[..., i0:i1, :])
+        dO_i, D_i = dO[..., i0:i1, :], D[..., i0:i1, :]
+        for j0, j1 in _ranges(S, block):
+            allowed = prob.allowed((i0, i1), (j0, j1))
+            skip = allowed is not None and not np.any(allowed)
+            if skip and not (o.fully_masked in ("uniform", "nan") and np.any(em)):
+                continue                                            # P = 0 on the whole block
+            if skip:
+                T, th = np.full(prob.batch + (Hq, i1 - i0, j1 - j0), -np.inf, dtype=ct), None
+            else:
+                T, th = bl.scores(i0, i1, j0, j1, allowed)
+            with np.errstate(invalid="ignore", over="ignore"):
+                P = np.exp(T - lse_i)
+            P = fill_empty_rows(P, em, pad, o.fully_masked, S)
+            keep = bl.keep(i0, i1, j0, j1)
+            P_drop = dropout_forward(P, keep, o.dropout_p)
+            dOg = bl.grouped(dO_i)
+            dv[..., j0:j1, :] += (np.swapaxes(bl.grouped(P_drop), -1, -2) @ dOg).sum(axis=-3)   # P_drop^T dO
+            dP = (dOg @ np.swapaxes(prob.v[..., None, j0:j1, :], -1, -2)).reshape(P.shape)
+            dP = dropout_forward(dP, keep, o.dropout_p)                                      # dO V^T Z/(1-p)
+            dT = P * (dP - D_i)
+            if o.fully_masked == "uniform" and np.any(em):
+                dT = np.where(em, ct.type(0), dT)
+            for acc in (dmask, dbias):
+                if acc is not None:                                  # dB = dT, summed to B's shape
+                    view = block_of(acc, nd, None, (i0, i1), (j0, j1))
+                    view += unbroadcast(dT, view.shape)
+            dTraw = transform_scores_vjp(dT, th)
+            dq_i, dk_j = scores_vjp(bl.grouped(dTraw), prob.q[..., i0:i1, :], prob.k[..., None, j0:j1, :],
+                                    prob.scale)
+            dq[..., i0:i1, :] += dq_i.reshape(dq_i.shape[:-4] + (Hq,) + dq_i.shape[-2:])
+            dk[..., j0:j1, :] += dk_j.sum(axis=-3)
+    return Grads(dq=dq, dk=dk, dv=dv, dmask=dmask, dbias=dbias)
+
+
+# ------------------------------------------------------------------ blocks
+
+
+class _Blocks:
+    """Scores, dropout and ``P V`` of one (row block, key block) of a problem."""
+
+    def __init__(self, prob):
+        self.p = prob
+
+    def scores(self, i0, i1, j0, j1, allowed):
+        """``(T, tanh)`` of the block, ``(*batch, Hq, bi, bj)``."""
+        p = self.p
+        T = scores_forward(p.q[..., i0:i1, :], p.k[..., None, j0:j1, :], p.scale)   # (..., Hkv, G, bi, bj)
+        T = T.reshape(T.shape[:-4] + (p.Hq, i1 - i0, j1 - j0))
+        want = p.batch + T.shape[-3:]
+        if T.shape != want:                                          # batch dims that only `value` has
+            T = np.broadcast_to(T, want).copy()
+        return transform_scores(p, T, (i0, i1), (j0, j1), allowed=allowed)
+
+    def keep(self, i0, i1, j0, j1):
+        return block_of(self.p.keep, len(self.p.full_scores), None, (i0, i1), (j0, j1))
+
+    def times_v(self, P, j0, j1):
+        """``P (..., Hq, bi, bj) @ V_J`` per kv head: ``(..., Hq, bi, Ev)``."""
+        out = self.grouped(P) @ self.p.v[..., None, j0:j1, :]
+        return out.reshape(out.shape[:-4] + (self.p.Hq,) + out.shape[-2:])
+
+    def grouped(self, x):
+        """``(..., Hq, b, n)`` -> ``(..., Hkv, G, b, n)``."""
+        return x.reshape(x.shape[:-3] + (self.p.Hkv, self.p.G) + x.shape[-2:])
+
+
+def _ranges(n, b):
+    return [(s, min(s + b, n)) for s in range(0, n, b)] if n else []

@@ -1,0 +1,66 @@
+r"""Framework-neutral gradient checking by finite differences.
+
+Everything here takes plain callables on NumPy arrays, so it can check
+anyone's gradients, not only this package's:
+
+* ``fun(*args) -> array``
+* ``vjp(g, *args) -> (grad_0, grad_1, ...)``, one gradient per arg
+* ``jvp(tangents, *args) -> output tangent``, ``tangents`` a tuple with one
+  entry per arg
+
+All arithmetic is in float64 on private copies of ``args``: the caller's
+arrays are never perturbed.
+
+Comparison rule
+---------------
+An analytic value ``a`` and a numeric value ``n`` agree when
+
+    |a - n| <= atol    or    |a - n| / max(tiny, |a| + |n|) <= rtol.
+
+The relative error is the *symmetric* one, so it is bounded by 1 and
+treats ``a`` and ``n`` alike; the absolute floor lets exact zeros pass
+against a difference quotient of ``1e-12``. The reported
+``max_rel_error`` is taken over the entries past the floor and over those
+with ``|a| + |n| >= atol / rtol``, where the relative error is meaningful. Two NaNs agree (a documented NaN
+gradient checked against a NaN difference); one NaN does not. Inputs that are
+not finite (a ``-inf`` mask entry, say) cannot be perturbed and are left out
+of the comparison.
+
+Complex step
+------------
+With ``method="complex"`` the derivative is taken as
+:math:`f'(x)\,t = \operatorname{Im} f(x + i h t) / h` with :math:`h = 10^{-30}`.
+There is no subtraction, so no cancellation: the result is exact to
+rounding (about ``1e-15`` relative), which proves a gradient to ``1e-12``
+where central differences stop near ``1e-9``. It needs ``fun`` to accept
+complex input and to be analytic along the path (no ``abs``, no comparisons
+on the perturbed values, the max-shift of a softmax taken from the real
+part); :func:`sdpa_ref.sdpa_forward_complex` is such a forward.
+
+Step size
+---------
+Central differences ``(f(x + h) - f(x - h)) / 2h`` have truncation error
+:math:`O(h^2)` and rounding error :math:`O(\epsilon / h)`; the two balance at
+:math:`h \approx \epsilon^{1/3} \approx 6\times10^{-6}`, which is scaled to
+each entry as ``h_i = eps * max(1, |x_i|)``. The realised step
+``(x + h) - (x - h)`` is used as the denominator, so representation error in
+``x + h`` does not bias the quotient. Expect agreement to about ``1e-9``
+relative on well-conditioned functions.
+"""
+
+from .checks import DEFAULT_ATOL, DEFAULT_RTOL, assert_jvp, assert_vjp, check_jvp, check_vjp
+from .numeric import COMPLEX_STEP, numerical_jacobian
+from .report import GradcheckReport, WorstEntry
+
+__all__ = [
+    "COMPLEX_STEP",
+    "DEFAULT_RTOL",
+    "DEFAULT_ATOL",
+    "GradcheckReport",
+    "WorstEntry",
+    "numerical_jacobian",
+    "check_vjp",
+    "assert_vjp",
+    "check_jvp",
+    "assert_jvp",
+]

@@ -1,0 +1,362 @@
+"""One :class:`Case` type: the named, deterministic attention problems of the whole harness.
+
+A case is a frozen description -- shapes, a seed and the options -- and
+``case.make_inputs(dtype)`` draws its inputs in float64 from the seed and
+casts them, so every dtype sees the same problem up to its own rounding.
+Conformance (:mod:`.conformance`), golden vectors (:mod:`.vectors`) and the
+gradient self-check (:mod:`.selfcheck`) all take their problems from here:
+
+* :func:`get_suite` -- the conformance and vector suites, ``"quick"`` (small
+  shapes, every feature at least once) and ``"full"`` (plus combinations and
+  sizes up to L = S = 512);
+* :func:`gradcheck_grid` -- tiny shapes (L, S <= 5) over every combination
+  of options, for finite differences.
+
+What a case declares is computed from what it is, in one place:
+``option_names`` from the inputs it makes (in the vocabulary of
+:data:`sdpa_ref.options.OPTION_NAMES`), and ``has_fully_masked_rows`` by
+asking the reference which rows have no allowed key.
+
+The suite is versioned: :data:`SUITE_VERSION` changes whenever a case is
+added, removed or its inputs change, so golden vectors name what they hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from ..api import sdpa_forward
+from ..options import ARRAY_OPTIONS, OPTION_NAMES, AttentionOptions
+
+__all__ = ["ARRAY_KINDS", "SUITE_VERSION", "SUITES", "Case", "get_suite", "gradcheck_grid"]
+
+#: Bumped whenever the cases or their inputs change.
+SUITE_VERSION = "1"
+SUITES = ("quick", "full")
+#: The array inputs a case can draw, and the option each one fills.
+ARRAY_KINDS = {"mask": "attn_mask", "masked_rows": "attn_mask", "float_mask": "attn_mask", "bias": "bias",
+               "alibi": "alibi_slopes", "lengths": "q_lengths", "zero_kv": "kv_lengths", "dropout": "dropout_mask"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention problem: shapes, seed, options.
+
+    ``options`` holds the scalar options (names from
+    :data:`~sdpa_ref.options.OPTION_NAMES`) as sorted ``(name, value)``
+    pairs; ``arrays`` names the arrays to draw (the keys of
+    :data:`ARRAY_KINDS`): a bool ``mask`` (``masked_rows``: every third row
+    from row 1 fully False), a ``float_mask`` ``(batch, 1, L, S)``
+    (with ``masked_rows``: -inf on those rows), a ``bias`` ``(Hq, L, S)``, ``alibi`` slopes, per-batch ``lengths``
+    (``zero_kv``: the last batch entry has no key), ``dropout`` (an explicit
+    keep mask).
+    """
+
+    name: str
+    L: int
+    S: int
+    E: int = 8
+    Ev: int = 8
+    Hq: int = 2
+    Hkv: int = 2
+    batch_q: Tuple[int, ...] = (2,)
+    batch_kv: Tuple[int, ...] = (2,)
+    seed: int = 0
+    options: Tuple[Tuple[str, object], ...] = ()
+    arrays: Tuple[str, ...] = ()
+    logit_scale: float = 1.0
+
+    def __post_init__(self):
+        bad = [k for k, _ in self.options if k not in OPTION_NAMES or k in ARRAY_OPTIONS]
+        bad += [a for a in self.arrays if a not in ARRAY_KINDS]
+        if bad:
+            raise ValueError(f"`Case` should name scalar options of {OPTION_NAMES} and arrays of "
+                             f"{tuple(ARRAY_KINDS)}, but got {bad}")
+
+    @property
+    def opts(self) -> Dict[str, object]:
+        return dict(self.options)
+
+    @property
+    def option_names(self) -> frozenset:
+        """The keyword names this case passes that an implementation must support (non-default ones)."""
+        return _option_names(self)
+
+    def has_fully_masked_rows(self, dtype="float64") -> bool:
+        """Whether the reference has a row with no allowed key (query rows past ``q_len`` aside)."""
+        return _has_fully_masked_rows(self, np.dtype(dtype).name)
+
+    def make_inputs(self, dtype="float64") -> Dict[str, object]:
+        """``query``, ``key``, ``value`` in ``dtype`` plus every option of the case, as keyword arguments."""
+        dt = np.dtype(dtype)
+        rng = np.random.default_rng([self.seed, self.L, self.S, self.E])
+        batch = np.broadcast_shapes(self.batch_q, self.batch_kv)
+        q = rng.standard_normal(self.batch_q + (self.Hq, self.L, self.E)) * self.logit_scale
+        k = rng.standard_normal(self.batch_kv + (self.Hkv, self.S, self.E))
+        v = rng.standard_normal(self.batch_kv + (self.Hkv, self.S, self.Ev))
+        out: Dict[str, object] = {"query": q.astype(dt), "key": k.astype(dt), "value": v.astype(dt)}
+        out.update(self.opts)
+        if self.Hq != self.Hkv:
+            out["enable_gqa"] = True
+        if "mask" in self.arrays or ("masked_rows" in self.arrays and "float_mask" not in self.arrays):
+            m = rng.random(batch + (self.Hq, self.L, self.S)) < 0.8
+            m[..., 0] = True                     # no row is empty by accident ...
+            m[..., -1] = True                    # ... under either alignment
+            if "masked_rows" in self.arrays:
+                m[..., 1::3, :] = False          # every third row, from row 1, sees no key
+            out["attn_mask"] = m
+        if "float_mask" in self.arrays:
+            fm = rng.standard_normal(batch + (1, self.L, self.S))
+            if "masked_rows" in self.arrays:
+                fm[..., 1::3, :] = -np.inf       # -inf over a whole row is fully masked too
+            out["attn_mask"] = fm.astype(dt)
+        if "bias" in self.arrays:
+            out["bias"] = rng.standard_normal((self.Hq, self.L, self.S)).astype(dt)
+        if "alibi" in self.arrays:
+            out["alibi_slopes"] = np.linspace(0.05, 0.5, self.Hq).astype(dt)
+        n = batch[0] if batch else 1
+        if "lengths" in self.arrays:
+            out["q_lengths"] = np.maximum(1, self.L - np.arange(n) * max(1, self.L // 3)).astype(np.int64)
+            out["kv_lengths"] = np.maximum(1, self.S - (np.arange(n)[::-1]) * max(1, self.S // 4)).astype(np.int64)
+        if "zero_kv" in self.arrays:
+            out["kv_lengths"] = np.where(np.arange(n) == n - 1, 0, self.S).astype(np.int64)
+        if not batch:
+            for name in ("q_lengths", "kv_lengths"):
+                if name in out:
+                    out[name] = out[name][0]
+        if "dropout" in self.arrays:
+            p = float(self.opts.get("dropout_p", 0.2))
+            out["dropout_p"] = p
+            out["dropout_mask"] = rng.random(batch + (self.Hq, self.L, self.S)) >= p
+        return out
+
+    def options_json(self) -> dict:
+        """The scalar options and the names of the drawn arrays, JSON-ready."""
+        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.options}
+        if self.Hq != self.Hkv:
+            d["enable_gqa"] = True
+        d["arrays"] = list(self.arrays)
+        return d
+
+
+@functools.lru_cache(maxsize=None)
+def _option_names(case: Case) -> frozenset:
+    defaults = AttentionOptions()
+    inp = case.make_inputs()
+    return frozenset(k for k, v in inp.items() if k in OPTION_NAMES
+                     and (k in ARRAY_OPTIONS or getattr(defaults, k) != v))
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fully_masked_rows(case: Case, dtype: str) -> bool:
+    inp = case.make_inputs(dtype)
+    _, res = sdpa_forward(inp.pop("query"), inp.pop("key"), inp.pop("value"), save_probs=False, **inp)
+    empty = res.empty
+    if res.padded is not None:
+        empty = empty & ~res.padded
+    return bool(np.any(empty))
+
+
+def get_suite(suite: str = "quick") -> List[Case]:
+    """The conformance cases of ``suite`` (``"quick"`` or ``"full"``), in a stable order."""
+    if suite not in SUITES:
+        raise ValueError(f"`suite` should be one of {SUITES!r}, but got {suite!r}")
+    cases = _quick()
+    if suite == "full":
+        cases = cases + _full_extra()
+    names = [c.name for c in cases]
+    assert len(set(names)) == len(names), "case names must be unique"
+    return cases
+
+
+# ------------------------------------------------------------ suite cases
+
+
+def _case(L, S, *, E=8, Ev=8, Hq=2, Hkv=2, batch_q=(2,), batch_kv=(2,), seed=0, arrays=(), logit_scale=1.0,
+          prefix=None, **options):
+    parts = [prefix] if prefix else []
+    if Hq != Hkv:
+        parts.append("mqa" if Hkv == 1 else "gqa")
+    if batch_q != batch_kv:
+        parts.append("bcast")
+    parts += [a.replace("_", "-") for a in ARRAY_KINDS if a in arrays]
+    if options.get("is_causal"):
+        parts.append("causal")
+    if options.get("window") is not None:
+        parts.append("window" + "".join("_" + ("inf" if b is None else str(b)) for b in options["window"]))
+    if options.get("causal_alignment", "top_left") != "top_left" or options.get("is_causal") \
+            or options.get("window") is not None:
+        parts.append(options.get("causal_alignment", "top_left"))
+    if options.get("softcap") is not None:
+        parts.append(f"softcap{options['softcap']:g}")
+    if options.get("scale") is not None:
+        parts.append(f"scale{options['scale']:g}")
+    if options.get("fully_masked", "zero") != "zero":
+        parts.append(options["fully_masked"])
+    if logit_scale != 1.0:
+        parts.append("large-logits")
+    if Ev != E:
+        parts.append(f"Ev{Ev}")
+    parts.append(f"L{L}-S{S}")
+    return Case(name="-".join(parts), L=L, S=S, E=E, Ev=Ev, Hq=Hq, Hkv=Hkv, batch_q=batch_q, batch_kv=batch_kv,
+                seed=seed, options=tuple(sorted(options.items())), arrays=tuple(arrays), logit_scale=logit_scale)
+
+
+def _quick() -> List[Case]:
+    br = "bottom_right"
+    return [
+        _case(8, 8, prefix="plain"),
+        _case(5, 11, prefix="plain"),
+        _case(11, 5, prefix="plain"),
+        _case(6, 6, Ev=12, prefix="plain"),
+        _case(4, 7, batch_q=(3, 2), batch_kv=(1, 2), prefix="plain"),
+        _case(1, 1, E=1, Ev=1, batch_q=(), batch_kv=(), prefix="tiny"),
+        _case(6, 9, Hq=4, Hkv=2),
+        _case(6, 9, Hq=4, Hkv=1),
+        _case(7, 13, Hq=4, Hkv=2, is_causal=True, causal_alignment=br),
+        _case(7, 9, arrays=("mask",)),
+        _case(7, 9, arrays=("bias",)),
+        _case(7, 9, arrays=("mask", "bias")),
+        _case(7, 13, is_causal=True),
+        _case(7, 13, is_causal=True, causal_alignment=br),
+        _case(13, 7, is_causal=True),
+        _case(13, 7, is_causal=True, causal_alignment=br),        # rows 0..5 see no key
+        _case(12, 12, window=(3, 0)),
+        _case(9, 14, window=(2, 2), causal_alignment=br),
+        _case(10, 10, softcap=5.0),
+        _case(10, 10, arrays=("alibi",), is_causal=True, causal_alignment=br),
+        _case(9, 12, arrays=("lengths",)),
+        _case(9, 12, arrays=("lengths",), is_causal=True, causal_alignment=br),
+        _case(8, 8, arrays=("masked_rows",)),
+        _case(8, 8, arrays=("masked_rows",), fully_masked="nan"),
+        _case(8, 8, arrays=("masked_rows",), fully_masked="uniform"),
+        _case(16, 16, logit_scale=20.0),
+        _case(16, 16, logit_scale=20.0, softcap=30.0),
+        _case(8, 10, arrays=("dropout",), dropout_p=0.2),
+        _case(6, 8, scale=0.3),
+        _case(24, 24, E=16, Ev=16, Hq=4, Hkv=2, arrays=("mask", "bias", "alibi", "lengths"), is_causal=True,
+              causal_alignment=br, window=(6, None), softcap=8.0, prefix="all"),
+    ]
+
+
+def _full_extra() -> List[Case]:
+    br = "bottom_right"
+    extra = []
+    for L, S in ((64, 64), (128, 96), (96, 128), (512, 512)):
+        extra.append(_case(L, S, E=64, Ev=64, Hq=4, Hkv=2, batch_q=(1,), batch_kv=(1,), prefix="big"))
+        extra.append(_case(L, S, E=64, Ev=64, Hq=4, Hkv=2, batch_q=(1,), batch_kv=(1,), is_causal=True,
+                           causal_alignment=br, prefix="big"))
+    extra += [
+        _case(256, 256, E=64, Ev=32, batch_q=(1,), batch_kv=(1,), window=(32, 32), causal_alignment=br,
+              prefix="big"),
+        _case(256, 256, E=64, Ev=64, batch_q=(1,), batch_kv=(1,), softcap=20.0, arrays=("alibi",), prefix="big"),
+        _case(200, 300, E=32, Ev=32, batch_q=(3,), batch_kv=(3,), arrays=("lengths", "bias"), is_causal=True,
+              causal_alignment=br, prefix="big"),
+        _case(128, 128, E=64, Ev=64, batch_q=(1,), batch_kv=(1,), logit_scale=20.0, prefix="big"),
+        _case(64, 64, E=32, Ev=32, arrays=("dropout",), dropout_p=0.1, prefix="big"),
+        _case(12, 20, Hq=6, Hkv=3, arrays=("mask", "bias"), is_causal=True),
+        _case(20, 12, Hq=6, Hkv=3, arrays=("mask",), window=(4, 1), causal_alignment=br),
+        _case(15, 15, arrays=("masked_rows", "bias"), fully_masked="nan"),
+        _case(15, 15, arrays=("masked_rows", "bias"), fully_masked="uniform"),
+        _case(15, 15, arrays=("masked_rows", "dropout"), dropout_p=0.3),
+        _case(10, 17, arrays=("lengths",), window=(2, 3), causal_alignment=br, softcap=3.0),
+        _case(17, 10, arrays=("alibi", "mask"), is_causal=True),
+    ]
+    return extra
+
+
+# ------------------------------------------------------- the gradient grid
+
+# name -> (batch_q, batch_kv, L, S, E, Ev)
+_GRID_SHAPES = {
+    "L=S": ((2,), (2,), 4, 4, 3, 2),
+    "L<S": ((2,), (2,), 3, 5, 4, 3),
+    "L>S": ((2,), (2,), 5, 3, 2, 3),
+    "bcast": ((2,), (1,), 3, 4, 3, 2),
+}
+
+
+def _grid_case(shape, *, gqa=False, dropout=False, arrays=(), **options):
+    bq, bkv, L, S, E, Ev = _GRID_SHAPES[shape]
+    arrays = tuple(arrays) + (("dropout",) if dropout else ())
+    if dropout:
+        options["dropout_p"] = 0.3
+    parts = [shape] + [a.replace("_", "-") for a in ARRAY_KINDS if a in arrays and a != "dropout"]
+    br = options.get("causal_alignment") == "bottom_right"
+    if options.get("is_causal"):
+        parts.append("causal" + ("-br" if br else ""))
+    if options.get("window") is not None:
+        parts.append("window=(" + ",".join("-" if b is None else str(b) for b in options["window"]) + ")"
+                     + ("-br" if br else ""))
+    if br and not (options.get("is_causal") or options.get("window") is not None):
+        parts.append("bottom_right")
+    for k in ("softcap",):
+        if options.get(k) is not None:
+            parts.append(f"{k}={options[k]:g}")
+    if gqa:
+        parts.append("gqa")
+    if dropout:
+        parts.append("dropout")
+    if options.get("fully_masked", "zero") != "zero" or "masked_rows" in arrays:
+        parts.append(f"fully_masked={options.get('fully_masked', 'zero')}")
+    return Case(name=" ".join(parts), L=L, S=S, E=E, Ev=Ev, Hq=4 if gqa else 2, Hkv=2, batch_q=bq, batch_kv=bkv,
+                options=tuple(sorted(options.items())), arrays=arrays)
+
+
+def gradcheck_grid(quick: bool = False) -> List[Case]:
+    """The self-check's grid of tiny cases; ``quick`` keeps a covering subset (see the CLI's ``--quick``).
+
+    A core product of shapes x no / bool / float mask x causal x GQA x dropout;
+    every ``fully_masked`` policy on inputs with fully masked rows; the
+    variants of FlashAttention, JAX and xformers; and rows emptied by
+    alignment, a window or a zero length, under each policy. ``quick`` keeps
+    the core cases where GQA and dropout go together and causal goes with the
+    mask kind, and every other variant (all those with a non-default policy).
+    """
+    masks = {"none": (), "bool": ("mask",), "float": ("float_mask",)}
+    core = [_grid_case(s, arrays=masks[m], is_causal=c, gqa=g, dropout=d)
+            for s, m, c, g, d in itertools.product(_GRID_SHAPES, masks, (False, True), (False, True),
+                                                   (False, True))]
+    rows = {"bool": ("masked_rows",), "float": ("float_mask", "masked_rows")}
+    masked = [_grid_case(s, arrays=rows[m], gqa=g, dropout=d, fully_masked=p)
+              for s, m, p, g, d in itertools.product(("L=S", "L>S"), rows, ("zero", "nan", "uniform"),
+                                                     (False, True), (False, True))]
+    br = "bottom_right"
+    base = [
+        dict(arrays=("bias",)), dict(arrays=("mask", "bias")), dict(arrays=("float_mask", "bias")),
+        dict(is_causal=True, causal_alignment=br),
+        dict(window=(2, 1)), dict(window=(2, 1), causal_alignment=br), dict(window=(None, 1), causal_alignment=br),
+        dict(window=(1, None)), dict(window=(1, 0), is_causal=True, causal_alignment=br),
+        dict(softcap=1.5), dict(softcap=1.5, arrays=("bias",), is_causal=True),
+        dict(arrays=("alibi",)), dict(arrays=("alibi",), causal_alignment=br),
+        dict(arrays=("alibi",), is_causal=True, causal_alignment=br),
+        dict(arrays=("lengths",)), dict(arrays=("lengths",), causal_alignment=br, is_causal=True),
+        dict(arrays=("lengths",), window=(1, 1), causal_alignment=br),
+        dict(arrays=("mask", "bias", "alibi", "lengths"), is_causal=True, causal_alignment=br, window=(3, None),
+             softcap=2.0),
+    ]
+    variants = [_grid_case(shape, gqa=gd, dropout=gd, **dict(opts))
+                for shape in ("L<S", "L>S", "bcast") for opts in base for gd in (False, True)]
+    emptied = [dict(shape="L>S", is_causal=True, causal_alignment=br),       # rows i < L - S see no key
+               dict(shape="L>S", window=(0, 0)),                             # rows i >= S see no key
+               dict(shape="L=S", arrays=("zero_kv",)),                       # a batch entry with no keys
+               dict(shape="L>S", arrays=("lengths",), is_causal=True, causal_alignment=br)]
+    for opts, policy, gd in itertools.product(emptied, ("zero", "nan", "uniform"), (False, True)):
+        variants.append(_grid_case(gqa=gd, dropout=gd, fully_masked=policy, **dict(opts)))
+    cases = core + masked + variants
+    if quick:
+        keep = []
+        for i, c in enumerate(cases):
+            gqa, drop = c.Hq != c.Hkv, "dropout" in c.arrays
+            if i < len(core):
+                if gqa == drop and c.opts.get("is_causal", False) == ("float_mask" not in c.arrays):
+                    keep.append(c)
+            elif gqa == drop and (i % 2 == 0 or c.opts.get("fully_masked", "zero") != "zero"):
+                keep.append(c)
+        cases = keep
+    return cases

@@ -1,0 +1,94 @@
+"""The conformance report: one row per (case, dtype, quantity), as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from .cases import SUITE_VERSION
+
+__all__ = ["ConformanceReport", "ConformanceRow"]
+
+
+@dataclass
+class ConformanceRow:
+    case: str
+    dtype: str
+    quantity: str
+    status: str                        # "pass" | "FAIL" | "skip" | "error"
+    error: Optional[float] = None
+    allowed: Optional[float] = None
+    ratio: Optional[float] = None
+    worst_index: Optional[tuple] = None
+    impl_value: Optional[float] = None
+    ref_value: Optional[float] = None
+    note: str = ""
+
+
+@dataclass
+class ConformanceReport:
+    """One row per (case, dtype, quantity); ``.ok``, ``str()``, ``.to_json()``."""
+
+    rows: List[ConformanceRow]
+    rule: str
+    suite: str
+    suite_version: str = SUITE_VERSION
+    seconds: float = 0.0
+    meta: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status in ("pass", "skip") for r in self.rows) and any(r.status == "pass" for r in self.rows)
+
+    @property
+    def failures(self) -> List[ConformanceRow]:
+        return [r for r in self.rows if r.status in ("FAIL", "error")]
+
+    def counts(self) -> Dict[str, int]:
+        out = {"pass": 0, "FAIL": 0, "skip": 0, "error": 0}
+        for r in self.rows:
+            out[r.status] += 1
+        return out
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "rule": self.rule, "suite": self.suite, "suite_version": self.suite_version,
+                "counts": self.counts(), "seconds": self.seconds, "meta": self.meta,
+                "rows": [asdict(r) for r in self.rows]}
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), default=_json_default, **kw)
+
+    def __str__(self) -> str:
+        head = f"{'case':<58} {'dtype':<8} {'qty':<5} {'status':<6} {'error':>10} {'allowed':>10} {'ratio':>7}"
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            if r.status == "skip":
+                lines.append(f"{r.case[:58]:<58} {r.dtype:<8} {r.quantity:<5} {'skip':<6}  {r.note}")
+                continue
+            err = "-" if r.error is None else f"{r.error:.3e}"
+            alw = "-" if r.allowed is None else f"{r.allowed:.3e}"
+            rat = "-" if r.ratio is None else f"{r.ratio:.3f}"
+            lines.append(f"{r.case[:58]:<58} {r.dtype:<8} {r.quantity:<5} {r.status:<6} {err:>10} {alw:>10} {rat:>7}")
+            if r.status in ("FAIL", "error"):
+                where = f"worst at {r.worst_index}: impl {r.impl_value!r}, reference {r.ref_value!r}" \
+                    if r.worst_index is not None else ""
+                lines.append(f"    {where} {r.note}".rstrip())
+        c = self.counts()
+        lines.append("")
+        lines.append(f"{c['pass']} passed, {c['FAIL'] + c['error']} failed, {c['skip']} skipped "
+                     f"(suite {self.suite} v{self.suite_version}; rule {self.rule}; {self.seconds:.1f} s)")
+        lines.append("verdict: " + ("CONFORMS" if self.ok else "DOES NOT CONFORM"))
+        return "\n".join(lines)
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

@@ -1,0 +1,225 @@
+r"""Every attention keyword in one frozen object, validated once.
+
+:class:`AttentionOptions` is the single list of the options of attention.
+The public entry points build one from the user's keywords at the boundary;
+everything below them (the allowed set, the score transforms, the engines)
+reads its fields. The harness (cases, conformance, vectors, self-check), the
+command line and the adapters take their vocabulary from it too:
+
+* :data:`OPTION_NAMES`: the keywords an implementation under test may be
+  called with (every field that defines *what* is computed);
+* :data:`ARRAY_OPTIONS`: those that are arrays (stored as such in golden
+  vectors); the rest are scalars.
+
+The scalar fields are checked and normalised here (``window`` becomes a
+pair of ``int`` or ``None``, ``-1`` meaning unbounded). Array fields are
+checked against the shapes of ``query``, ``key`` and ``value`` when the
+problem is built (:mod:`sdpa_ref.problem`), since only then are the shapes
+known.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import _validate as V
+
+__all__ = [
+    "ALIGNMENTS",
+    "DOC_OPTIONS",
+    "ARRAY_OPTIONS",
+    "FULLY_MASKED_POLICIES",
+    "OPTION_NAMES",
+    "AttentionOptions",
+]
+
+#: Accepted values of ``fully_masked``; see ``SEMANTICS.md``.
+FULLY_MASKED_POLICIES = ("zero", "nan", "uniform")
+#: Accepted values of ``causal_alignment``.
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def _opt(default, *, array=False, semantic=True):
+    """A field: ``array`` options are arrays; ``semantic`` ones change what is computed."""
+    return field(default=default, metadata={"array": array, "semantic": semantic})
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """The options of attention, as in :func:`sdpa_ref.sdpa_forward`.
+
+    Build it with :meth:`from_kwargs` (which validates); the constructor
+    itself trusts its arguments. See ``SEMANTICS.md`` for what each one
+    means. ``rng`` and ``upcast`` decide how, not what: they are not in
+    :data:`OPTION_NAMES`.
+    """
+
+    attn_mask: Any = _opt(None, array=True)
+    dropout_p: float = _opt(0.0)
+    is_causal: bool = _opt(False)
+    scale: Optional[float] = _opt(None)
+    enable_gqa: bool = _opt(False)
+    dropout_mask: Any = _opt(None, array=True)
+    rng: Any = _opt(None, semantic=False)
+    fully_masked: str = _opt("zero")
+    upcast: bool = _opt(True, semantic=False)
+    bias: Any = _opt(None, array=True)
+    causal_alignment: str = _opt("top_left")
+    window: Optional[Tuple[Optional[int], Optional[int]]] = _opt(None)
+    softcap: Optional[float] = _opt(None)
+    alibi_slopes: Any = _opt(None, array=True)
+    q_lengths: Any = _opt(None, array=True)
+    kv_lengths: Any = _opt(None, array=True)
+
+    @classmethod
+    def from_kwargs(cls, where: str = "sdpa_forward", **kwargs) -> "AttentionOptions":
+        """Validate the scalar options; an unknown keyword is a `TypeError` naming ``where``."""
+        unknown = sorted(set(kwargs) - set(_FIELDS))
+        if unknown:
+            raise TypeError(f"`{where}` got unexpected keyword(s) {', '.join(unknown)}; the attention options "
+                            f"are {', '.join(_FIELDS)}")
+        o = dict(_DEFAULTS, **kwargs)
+        for name in ("is_causal", "enable_gqa", "upcast"):
+            o[name] = check_bool(o[name], name)
+        V.check_choice(o["fully_masked"], "fully_masked", FULLY_MASKED_POLICIES)
+        V.check_choice(o["causal_alignment"], "causal_alignment", ALIGNMENTS)
+        o["window"] = _check_window(o["window"])
+        if o["scale"] is not None:
+            s = V.as_real_scalar(o["scale"], "scale")
+            if not np.isfinite(s) or s == 0.0:
+                raise ValueError(f"`scale` should be finite and non-zero, but got {s!r}")
+            o["scale"] = s
+        if o["softcap"] is not None:
+            c = V.as_real_scalar(o["softcap"], "softcap")
+            if not (np.isfinite(c) and c > 0):
+                raise ValueError(f"`softcap` should be a finite number > 0, but got {c!r}")
+            o["softcap"] = c
+        p = V.as_real_scalar(o["dropout_p"], "dropout_p")
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"`dropout_p` should be in [0, 1), but got {p!r}")
+        o["dropout_p"] = p
+        return cls(**o)
+
+    def semantic_items(self):
+        """``(name, value)`` of the options that define what is computed, in field order."""
+        return [(n, getattr(self, n)) for n in OPTION_NAMES]
+
+    def is_default(self, name: str) -> bool:
+        """Whether option ``name`` has its default value (so an implementation need not support it)."""
+        v = getattr(self, name)
+        return v is None if _DEFAULTS[name] is None else v == _DEFAULTS[name]
+
+
+_FIELDS = tuple(f.name for f in fields(AttentionOptions))
+_DEFAULTS = {f.name: f.default for f in fields(AttentionOptions)}
+#: The keywords that define what attention computes (what an implementation under test may be passed).
+OPTION_NAMES = tuple(f.name for f in fields(AttentionOptions) if f.metadata["semantic"])
+#: The options that are arrays.
+ARRAY_OPTIONS = tuple(f.name for f in fields(AttentionOptions) if f.metadata["array"])
+
+
+#: The numpydoc "Parameters" entries of the options, shared by the entry points' docstrings.
+DOC_OPTIONS = r"""
+    query : array_like, (..., Hq, L, E)
+    key : array_like, (..., Hkv, S, E)
+    value : array_like, (..., Hkv, S, Ev)
+        Floating arrays (float16, float32 or float64). Leading batch dims
+        broadcast as in ``np.matmul``.
+    attn_mask : array_like, optional, broadcastable to (..., Hq, L, S)
+        Bool: True means the key takes part. Float: added to the scores
+        (``-inf`` entries are excluded exactly).
+    dropout_p : float, optional
+        Dropout probability in ``[0, 1)``, applied to ``P`` after the softmax
+        with the scale ``1 / (1 - p)``.
+    is_causal : bool, optional
+        Keep ``j <= i + off`` (see ``causal_alignment``). Combined with the
+        other masks by intersection (PyTorch refuses mask + causal).
+    scale : float, optional
+        Score scale; ``1 / sqrt(E)`` by default (1 when ``E == 0``). Must be
+        finite and non-zero.
+    enable_gqa : bool, optional
+        Grouped-query attention: ``Hkv`` divides ``Hq`` and query head ``h``
+        reads kv head ``h // G``, ``G`` the group size (``repeat_interleave``
+        semantics).
+    **options
+        The keyword-only options of :class:`~sdpa_ref.options.AttentionOptions`:
+
+        dropout_mask : array_like of bool, broadcastable to (..., Hq, L, S)
+            Explicit keep mask ``Z`` (True keeps), used whenever given.
+        rng : numpy.random.Generator or int
+            Source of the keep mask when ``dropout_p > 0`` and no
+            ``dropout_mask`` is given. ``None`` draws fresh OS entropy.
+        fully_masked : {"zero", "nan", "uniform"}
+            What a row with no allowed key gets: zeros (PyTorch >= 2.5,
+            FlashAttention), NaN (textbook, xformers) or the mean of ``V``
+            over all ``S`` keys (JAX). Query rows past ``q_lengths`` are
+            zeros under every policy.
+        upcast : bool
+            Compute in float64 and return the inputs' dtype (default), or
+            compute in the inputs' own dtype to stand in for a low-precision
+            kernel.
+        bias : array_like, broadcastable to (..., Hq, L, S)
+            Float additive bias, separate from ``attn_mask``; has its own
+            gradient.
+        causal_alignment : {"top_left", "bottom_right"}
+            Offset of the diagonal for ``is_causal``, ``window`` and ALiBi:
+            ``off = 0`` (PyTorch, JAX) or ``off = S - L`` (FlashAttention,
+            xformers); with per-batch lengths ``kv_len - q_len``.
+        window : (int or None, int or None)
+            Sliding window ``(left, right)``, inclusive: keeps
+            ``i + off - left <= j <= i + off + right``; ``None`` or ``-1`` is
+            unbounded on that side. ``(None, 0)`` is causal.
+        softcap : float > 0
+            Scores become ``cap * tanh(scores / cap)`` after scaling, before
+            the mask, bias and ALiBi.
+        alibi_slopes : array_like, (Hq,) or (..., Hq)
+            Adds ``-slope * |i + off - j|`` to the scores, as FlashAttention.
+        q_lengths, kv_lengths : array_like of int, (...)
+            Per-batch valid lengths. Keys ``j >= kv_len`` are excluded; query
+            rows ``i >= q_len`` are zeroed in the output and every gradient.
+    method : {"fast", "plain", "tiled"}, optional
+        The engine: ``"fast"`` (default; dense, in place, threaded over
+        heads), ``"plain"`` (the teaching core, :mod:`sdpa_ref.attention`)
+        or ``"tiled"`` (FlashAttention's online softmax in bounded memory).
+        They agree to rounding.
+    block_size : int or "auto", optional
+        The tiled engine's block: ``block_size`` queries by ``block_size``
+        keys, so that no ``L x S`` array is ever built; peak memory is
+        ``O((L + S)(E + Ev) + block_size^2)`` per head. ``"auto"`` (the
+        default of ``method="tiled"``) picks a size from L, S and a 64 MiB
+        budget. Giving it selects the tiled engine."""
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def check_bool(x, name):
+    """``x`` as a Python bool, or a `TypeError` naming ``name``."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"`{name}` should be a bool, but got {V.describe(x)}")
+    return bool(x)
+
+
+def _check_window(window):
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:     # a set has no order: refused
+        raise TypeError(f"`window` should be a pair (left, right) of ints >= 0, -1 or None, but got {window!r}")
+    out = []
+    for side, b in zip(("left", "right"), window):
+        if b is None:
+            out.append(None)
+            continue
+        if isinstance(b, (bool, np.bool_)) or not isinstance(b, (numbers.Integral, np.integer)):
+            raise TypeError(f"`window` {side} bound should be an int >= 0, -1 or None, but got {b!r}")
+        if b == -1:
+            out.append(None)
+        elif b < 0:
+            raise ValueError(f"`window` {side} bound should be >= 0 (or -1 / None for unbounded), but got {b}")
+        else:
+            out.append(int(b))
+    return tuple(out)

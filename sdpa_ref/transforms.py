@@ -1,0 +1,280 @@
+r"""Score transforms: each one's forward, VJP and JVP side by side.
+
+The scores of attention are built in stages (``SEMANTICS.md``)::
+
+    Traw = scale * Q K^T                 scores_forward      / scores_vjp    / scores_jvp
+    T    = cap * tanh(Traw / cap)        softcap_forward     / softcap_vjp   / softcap_jvp
+    T    = T + B                         additive_forward    / additive_vjp  / additive_jvp   (float mask, bias)
+    T    = T - slope * |i + off - j|     alibi_forward       (a constant: identity VJP and JVP)
+    T    = -inf outside the allowed set  (masks.allowed_set)
+
+and, after the softmax, dropout ``P_drop = P * Z / (1 - p)``
+(:func:`dropout_forward`, linear, so it is its own VJP and JVP).
+
+:func:`transform_scores`, :func:`transform_scores_vjp` and
+:func:`transform_scores_jvp` run the whole chain for a problem; every engine
+(the teaching core, the fast dense one and the tiled one) calls them, on the
+whole ``(..., Hq, L, S)`` score array or on one block of it. Adding a
+transform means one forward/VJP/JVP triple here, one line in each of the
+three chains, and its tests.
+
+Every function takes an optional ``out=`` so that the fast engine can work
+in place; the arithmetic is the same either way. Constants are cast to the
+scores' dtype, so ``upcast=False`` computes in the inputs' dtype throughout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .masks import ALIGNMENTS, alignment_offset, block_of, diagonal_offset
+
+__all__ = [
+    "additive_forward",
+    "additive_jvp",
+    "additive_vjp",
+    "alibi_bias",
+    "alibi_distance",
+    "alibi_forward",
+    "alibi_slopes",
+    "dropout_forward",
+    "dropout_jvp",
+    "dropout_vjp",
+    "scores_forward",
+    "scores_jvp",
+    "scores_vjp",
+    "softcap_forward",
+    "softcap_jvp",
+    "softcap_vjp",
+    "transform_scores",
+    "transform_scores_jvp",
+    "transform_scores_vjp",
+    "unbroadcast",
+]
+
+
+# ------------------------------------------------ scores: Traw = scale * Q K^T
+
+
+def scores_forward(q, k, scale, out=None):
+    """``Traw = scale * q k^T``, ``q (..., M, E)``, ``k (..., S, E)`` -> ``(..., M, S)``.
+
+    The scale multiplies the operand with fewer rows (never the ``M x S``
+    product): one rounding of ``scale * x`` either way, and less work.
+    """
+    s = q.dtype.type(scale)
+    if q.shape[-2] <= k.shape[-2]:
+        return np.matmul(s * q, np.swapaxes(k, -1, -2), out=out)
+    return np.matmul(q, np.swapaxes(s * k, -1, -2), out=out)
+
+
+def scores_vjp(dT, q, k, scale, dq_out=None, dk_out=None):
+    """``dq = scale * dT k`` and ``dk = scale * dT^T q`` (per head; the caller sums a GQA group)."""
+    s = dT.dtype.type(scale)
+    dq = np.multiply(np.matmul(dT, k, out=dq_out), s, out=dq_out)
+    dk = np.multiply(np.matmul(np.swapaxes(dT, -1, -2), q, out=dk_out), s, out=dk_out)
+    return dq, dk
+
+
+def scores_jvp(q, k, dq, dk, scale):
+    """``dTraw = scale * (dq k^T + q dk^T)``; ``dq`` or ``dk`` may be None (zero)."""
+    s = q.dtype.type(scale)
+    t = None
+    if dq is not None:
+        t = (s * dq) @ np.swapaxes(k, -1, -2)
+    if dk is not None:
+        u = (s * q) @ np.swapaxes(dk, -1, -2)
+        t = u if t is None else t + u
+    return t
+
+
+# ---------------------------------------------- softcap: T = cap * tanh(Traw / cap)
+
+
+def softcap_forward(t, cap, out=None, tanh_out=None):
+    """``(cap * tanh(t / cap), tanh(t / cap))``; the tanh is what the VJP needs."""
+    c = t.dtype.type(cap)
+    th = np.tanh(np.divide(t, c, out=tanh_out), out=tanh_out)
+    return np.multiply(th, c, out=out), th
+
+
+def softcap_vjp(th, g, out=None):
+    """``dTraw = g * (1 - tanh^2)``: the derivative of ``cap * tanh(x / cap)`` is ``1 - tanh^2(x / cap)``."""
+    one = th.dtype.type(1)
+    return np.multiply(g, one - th * th, out=out)
+
+
+def softcap_jvp(th, dt, out=None):
+    """An element-wise map's JVP is the same product as its VJP: ``dT = (1 - tanh^2) dTraw``."""
+    return softcap_vjp(th, dt, out=out)
+
+
+# ------------------------------------------ additive terms: T = T + B (float mask, bias)
+
+
+def additive_forward(t, b, out=None):
+    """``T + B``; ``-inf`` entries of ``B`` exclude their key exactly (``exp(-inf) = 0``)."""
+    return np.add(t, b, out=out)
+
+
+def additive_vjp(g, shape):
+    """``dB = dT`` summed back to ``B``'s own (broadcast) shape."""
+    return unbroadcast(g, shape)
+
+
+def additive_jvp(dt, db):
+    """``dT + dB`` (``dB`` may be None: a constant term)."""
+    return dt if db is None else dt + db
+
+
+# -------------------------------------- ALiBi: T = T - slope * |i + off - j|
+
+
+def alibi_distance(L, S, alignment="top_left", q_lengths=None, kv_lengths=None, rows=None, cols=None,
+                   dtype=np.float64):
+    """``|i + off - j|`` in ``dtype``, broadcastable to the scores (or to one block of them)."""
+    i0, i1 = rows if rows is not None else (0, L)
+    j0, j1 = cols if cols is not None else (0, S)
+    off = diagonal_offset(L, S, alignment, q_lengths, kv_lengths)
+    return np.abs(np.arange(i0, i1)[:, None] + off - np.arange(j0, j1)[None, :]).astype(dtype)
+
+
+def alibi_forward(t, slopes, dist, out=None):
+    """``T - slope * dist``; ``slopes`` is ``(..., Hq, 1, 1)``. A constant term: its VJP and JVP are the identity."""
+    return np.subtract(t, slopes * dist, out=out)
+
+
+# ------------------------------------------- dropout: P_drop = P * Z / (1 - p)
+
+
+def dropout_forward(x, keep, p, out=None):
+    """``x * Z / (1 - p)`` with ``Z`` the bool keep mask; ``x`` itself without one.
+
+    A multiply, not ``np.where``, so that a NaN row stays NaN as the formula says.
+    """
+    if keep is None:
+        return x
+    return np.multiply(x, keep * x.real.dtype.type(1.0 / (1.0 - p)), out=out)
+
+
+def dropout_vjp(g, keep, p, out=None):
+    """Dropout is a diagonal linear map: its VJP is the same product."""
+    return dropout_forward(g, keep, p, out=out)
+
+
+dropout_jvp = dropout_vjp
+
+
+# ------------------------------------------------------------ the chains
+
+
+def transform_scores(prob, T, rows=None, cols=None, lead=None, tanh_out=None, allowed=None):
+    """Raw scores ``Traw`` -> ``(T, tanh)``: the whole chain, written into ``T``.
+
+    ``T`` is the scores of the block of the ``(*batch, Hq, L, S)`` scores
+    selected by ``lead`` (slices of the leading axes: a chunk of heads),
+    ``rows`` and ``cols`` (``(start, stop)``: a tile); the default is all of
+    it. ``allowed`` is the block's allowed set when the caller has it
+    already. ``tanh_out`` receives ``tanh(Traw / cap)`` with softcap.
+    """
+    o, nd = prob.options, len(prob.full_scores)
+    rows = rows if rows is not None else (0, prob.L)
+    cols = cols if cols is not None else (0, prob.S)
+    th = None
+    if o.softcap is not None:
+        T, th = softcap_forward(T, o.softcap, out=T, tanh_out=tanh_out)
+    for b in (prob.mask_float, prob.bias):
+        if b is not None:
+            T = additive_forward(T, block_of(b, nd, lead, rows, cols), out=T)
+    if prob.alibi is not None:
+        dist = alibi_distance(prob.L, prob.S, o.causal_alignment, prob.q_lengths, prob.kv_lengths, rows, cols,
+                              dtype=T.real.dtype)
+        T = alibi_forward(T, block_of(prob.alibi, nd, lead), block_of(dist, nd, lead), out=T)
+    if allowed is None:
+        allowed = block_of(prob.allowed(rows, cols), nd, lead)
+    if allowed is not None:
+        np.copyto(T, -np.inf, where=~allowed)
+    return T, th
+
+
+def transform_scores_vjp(dT, th, out=None):
+    """``dT`` (the gradient of the final scores) -> ``dTraw``: through softcap when there is one.
+
+    The additive terms' gradient is ``dT`` itself (:func:`additive_vjp`);
+    ALiBi and the -inf exclusions are constants.
+    """
+    return dT if th is None else softcap_vjp(th, dT, out=out)
+
+
+def transform_scores_jvp(dTraw, th, dB=None):
+    """``dTraw`` -> ``dT``: through softcap, plus the bias tangent."""
+    dT = dTraw if th is None else softcap_jvp(th, dTraw)
+    return additive_jvp(dT, dB)
+
+
+# ------------------------------------------------------- public builders
+
+
+def alibi_bias(slopes, L, S, alignment="top_left"):
+    """Float ALiBi bias ``-slope * |i + off - j|`` of shape ``(..., Hq, L, S)``.
+
+    ``slopes`` is ``(Hq,)`` or ``(..., Hq)``. This is what ``alibi_slopes=``
+    adds to the scores; passing it as ``bias=`` gives the same attention.
+
+    Examples
+    --------
+    >>> alibi_bias([0.5], 2, 3)[0].tolist()
+    [[-0.0, -0.5, -1.0], [-0.5, -0.0, -0.5]]
+    """
+    from .masks import _check_size
+
+    L, S = _check_size(L, "L"), _check_size(S, "S")
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"`alignment` should be one of {ALIGNMENTS!r}, but got {alignment!r}")
+    s = np.asarray(slopes, dtype=np.float64)
+    if s.ndim < 1:
+        raise ValueError(f"`slopes` should have shape (Hq,) or (..., Hq), but got shape {s.shape}")
+    off = int(alignment_offset(L, S, alignment))
+    dist = np.abs(np.arange(L)[:, None] + off - np.arange(S)[None, :]).astype(np.float64)
+    return -s[..., None, None] * dist
+
+
+def alibi_slopes(n_heads):
+    """The standard ALiBi slopes of Press et al. (2022) for ``n_heads`` heads.
+
+    For a power of two ``n``, the geometric sequence ``2^(-8/n * (h + 1))``,
+    ``h = 0 .. n-1``. Otherwise the slopes of the largest power of two
+    ``m < n``, followed by every other slope of ``2m`` heads, as in the
+    paper's reference code.
+
+    Examples
+    --------
+    >>> alibi_slopes(4).tolist()
+    [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    from .masks import _check_size
+
+    n = _check_size(n_heads, "n_heads")
+    if n == 0:
+        return np.zeros(0)
+
+    def pow2(m):
+        start = 2.0 ** (-8.0 / m)
+        return [start ** (h + 1) for h in range(m)]
+
+    m = 1 << (n.bit_length() - 1)
+    if m == n:
+        return np.array(pow2(n))
+    return np.array(pow2(m) + pow2(2 * m)[0::2][: n - m])
+
+
+def unbroadcast(g, shape):
+    """Sum ``g`` down to ``shape``, undoing NumPy broadcasting (autograd's ``unbroadcast``)."""
+    shape = tuple(shape)
+    extra = g.ndim - len(shape)
+    if extra > 0:
+        g = g.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return g.reshape(shape)

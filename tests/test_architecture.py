@@ -1,0 +1,137 @@
+"""The shape of the package holds: no import cycles, small modules, each piece of math in one place."""
+
+import ast
+import pathlib
+
+import pytest
+
+import sdpa_ref
+from sdpa_ref import OPTION_NAMES
+
+PKG = pathlib.Path(sdpa_ref.__file__).resolve().parent
+MODULES = {p: ".".join(("sdpa_ref",) + p.relative_to(PKG).with_suffix("").parts).replace(".__init__", "")
+           for p in sorted(PKG.rglob("*.py"))}
+#: A module that passes this has more than one job (the house style says about 400).
+MAX_LINES = 420
+
+
+def _imports(path, name):
+    """Every sdpa_ref module that ``path`` imports, at the top or inside a function."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in MODULES.values()]
+            cands = subs if len(subs) == len(node.names) else [mod] + subs
+        elif isinstance(node, ast.Import):
+            cands = [a.name for a in node.names]
+        else:
+            continue
+        out |= {c for c in cands if c in MODULES.values() and c != name}
+    return out
+
+
+def find_cycle(graph):
+    """A cycle of the directed graph ``{node: successors}`` as a list of nodes, or None."""
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = "open"
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == "open":
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = "done"
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycles():
+    graph = {name: _imports(path, name) for path, name in MODULES.items()}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_cycles_and_function_level_imports(tmp_path):
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("def f():\n    from . import api\n")
+    assert "sdpa_ref.api" in _imports(lazy, "sdpa_ref.attention")
+
+
+@pytest.mark.parametrize("path", list(MODULES), ids=lambda p: str(p.relative_to(PKG)))
+def test_no_module_is_much_over_400_lines(path):
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_LINES, f"{path.name} has {n} lines"
+
+
+def _code_without_docstrings(path):
+    """The module's code, docstrings and comments left out."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and node.body \
+                and isinstance(node.body[0], ast.Expr) and isinstance(getattr(node.body[0], "value", None),
+                                                                        ast.Constant):
+            node.body = node.body[1:] or [ast.Pass()]
+    return ast.unparse(tree)
+
+
+ONE_HOME = {
+    # the softcap transform and its derivative
+    "np.tanh(": {"transforms.py"},
+    "th * th": {"transforms.py"},
+    # dropout's 1 / (1 - p)
+    "1.0 - p": {"transforms.py"},
+    # the fully-masked policy's fill values
+    "'uniform': 1.0 / S": {"masks.py"},
+    # the GQA group size
+    "Hq // Hkv": {"problem.py"},
+}
+
+
+@pytest.mark.parametrize("snippet", list(ONE_HOME))
+def test_each_piece_of_math_lives_in_one_place(snippet):
+    found = {p.name for p in MODULES if snippet in _code_without_docstrings(p)
+             and p.parent.name != "adapters" and p.name not in ("diagnostics.py", "nn.py")}
+    assert found == ONE_HOME[snippet], f"{snippet!r} is written in {sorted(found)}"
+
+
+def test_the_option_list_is_written_once():
+    """No module but options.py spells out (more than half of) the list of option names."""
+    offenders = []
+    for path in MODULES:
+        if path.name == "options.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                names = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+                if len(names & set(OPTION_NAMES)) > len(OPTION_NAMES) // 2:
+                    offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, offenders
+
+
+def test_contract_and_architecture_docs_are_in_the_project():
+    root = PKG.parent
+    if not (root / "README.md").exists():
+        pytest.skip("not a source checkout")
+    assert (root / "SEMANTICS.md").exists() and (root / "docs" / "architecture.md").exists()
+    assert len((root / "README.md").read_bytes()) <= 10 * 1024
