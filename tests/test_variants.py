@@ -127,9 +127,11 @@ def test_jvp_with_none_tangents_and_shapes():
 def test_bottom_right_equals_top_left_when_L_equals_S(problem, _):
     q, k, v, opts, _o = problem
     L = q.shape[-2]
-    k, v = k[..., :L, :] if k.shape[-2] >= L else k, v[..., :L, :] if v.shape[-2] >= L else v
-    if k.shape[-2] != L:
-        return
+    reps = -(-L // k.shape[-2]) if k.shape[-2] else 0      # S made equal to L on every draw (no early return)
+    if reps == 0:
+        k, v = np.zeros(k.shape[:-2] + (L, k.shape[-1])), np.zeros(v.shape[:-2] + (L, v.shape[-1]))
+    k, v = (np.concatenate([a] * max(reps, 1), axis=-2)[..., :L, :] for a in (k, v))
+    assert k.shape[-2] == L
     opts = {kk: vv for kk, vv in opts.items() if kk not in ("attn_mask", "bias", "dropout_mask", "dropout_p",
                                                           "q_lengths", "kv_lengths")}
     a = scaled_dot_product_attention(q, k, v, **dict(opts, causal_alignment="top_left"))

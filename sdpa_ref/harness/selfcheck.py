@@ -94,7 +94,7 @@ def differentiable_inputs(case: Case):
 # ---------------------------------------------------------------- one case
 
 
-def attention_functions(opts, float_mask, bias):
+def attention_functions(q0, k0, v0, opts, float_mask, bias):
     """``fun``, ``fun_complex``, ``vjp``, ``jvp`` over the differentiable args.
 
     The args are ``(q, k, v)``, then the float mask and the bias when the case
@@ -103,10 +103,15 @@ def attention_functions(opts, float_mask, bias):
     has_m, has_b = float_mask is not None, bias is not None
     rest = {k: v for k, v in opts.items() if k != "attn_mask"}
 
+    nd = max(a.ndim for a in (q0, k0, v0))               # the rank of the scores' leading dims + 2
+
     def split(args):
         q, k, v, *extra = args
         m = extra.pop(0) if has_m else opts.get("attn_mask")
         b = extra.pop(0) if has_b else None
+        if q.ndim > q0.ndim:                              # a vectorized check's new leading axis:
+            m = _lead(m, nd) if has_m else m                # right-align a broadcast mask / bias under it
+            b = _lead(b, nd) if has_b else b
         return q, k, v, m, b
 
     def fun(*args):
@@ -120,7 +125,8 @@ def attention_functions(opts, float_mask, bias):
     def vjp(g, *args, method="probs"):
         q, k, v, m, b = split(args)
         gr = sdpa_backward(sdpa_forward(q, k, v, attn_mask=m, bias=b, **rest)[1], g, method=method)
-        return (gr.query, gr.key, gr.value) + ((gr.attn_mask,) if has_m else ()) + ((gr.bias,) if has_b else ())
+        extra = ((gr.attn_mask,) if has_m else ()) + ((gr.bias,) if has_b else ())
+        return (gr.query, gr.key, gr.value) + tuple(x.reshape(a.shape) for x, a in zip(extra, args[3:]))
 
     m_fixed = float_mask if has_m else opts.get("attn_mask")
 
@@ -139,6 +145,13 @@ def attention_functions(opts, float_mask, bias):
     return fun, fun_complex, vjp, jfun, jfun_complex, jvp
 
 
+def _lead(x, nd):
+    """``x`` with a new leading batch axis ``(n, *shape)`` as ``(n, 1, ..., *shape)`` of rank ``nd + 1``."""
+    if not isinstance(x, np.ndarray) or x.ndim > nd:
+        return x
+    return x.reshape(x.shape[:1] + (1,) * (nd + 1 - x.ndim) + x.shape[1:])
+
+
 def run_attention_case(case: Case, *, rtol=CHECK_RTOL, atol=CHECK_ATOL, complex_rtol=COMPLEX_RTOL,
                        complex_atol=COMPLEX_ATOL, lse_rtol=LSE_RTOL, seed=None) -> CheckResult:
     """Run the four checks of one case (see the module docstring); ``seed`` replaces the case's own."""
@@ -152,7 +165,7 @@ def run_attention_case(case: Case, *, rtol=CHECK_RTOL, atol=CHECK_ATOL, complex_
                                  complex_atol=complex_atol, lse_rtol=lse_rtol)
     args = (q, k, v) + ((fmask,) if fmask is not None else ()) + ((bias,) if bias is not None else ())
     jargs = (q, k, v) + ((bias,) if bias is not None else ())
-    fun, fun_c, vjp_raw, jfun, jfun_c, jvp = attention_functions(opts, fmask, bias)
+    fun, fun_c, vjp_raw, jfun, jfun_c, jvp = attention_functions(q, k, v, opts, fmask, bias)
     memo = {}
 
     def vjp(g, *a, method="probs"):
@@ -170,9 +183,9 @@ def run_attention_case(case: Case, *, rtol=CHECK_RTOL, atol=CHECK_ATOL, complex_
             jmemo[key] = jvp(ts, *a)
         return jmemo[key]
 
-    fd = check_vjp(fun, vjp, args, rtol=rtol, atol=atol)
+    fd = check_vjp(fun, vjp, args, rtol=rtol, atol=atol, vectorized=True)
     fd_j = check_jvp(jfun, jvp_m, jargs, rtol=rtol, atol=atol)
-    cs = check_vjp(fun_c, vjp, args, method="complex", rtol=complex_rtol, atol=complex_atol)
+    cs = check_vjp(fun_c, vjp, args, method="complex", rtol=complex_rtol, atol=complex_atol, vectorized=True)
     cs_j = check_jvp(jfun_c, jvp_m, jargs, method="complex", rtol=complex_rtol, atol=complex_atol)
     # FlashAttention's backward against the teaching one
     g = np.random.default_rng(seed + 1).standard_normal(fun(*args).shape)
