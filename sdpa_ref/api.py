@@ -129,7 +129,7 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     return out, AttentionResiduals(problem=prob, forward=fwd, method=name, block_size=block)
 
 
-def sdpa_forward_complex(query, key, value, *, method="plain", block_size=None, **options):
+def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **options):
     r"""The forward on complex input, for complex-step differentiation only.
 
     Takes the arguments of :func:`sdpa_forward` but accepts complex
@@ -151,7 +151,7 @@ def sdpa_forward_complex(query, key, value, *, method="plain", block_size=None, 
         raise ValueError("`upcast` should be True for sdpa_forward_complex (it computes in complex128), "
                          "but got False")
     prob = Problem.build(query, key, value, opts, complex_ok=True)
-    name, block = _engine(method, block_size, prob, ("plain", "tiled"))
+    name, block = _engine(method, block_size, prob, ("plain", "tiled"))   # default: plain, or tiled with a block
     with single_threaded_blas():
         fwd = _call_forward(name, prob, False, block)
     return fwd.out.reshape(prob.out_shape)

@@ -68,7 +68,7 @@ def test_caller_arrays_not_perturbed_even_by_a_mutating_fun():
 
 
 def test_nan_agrees_with_nan_but_not_with_a_number():
-    from sdpa_ref.gradcheck import _errors
+    from sdpa_ref.gradcheck.report import errors as _errors
 
     a = np.array([np.nan, np.nan, 1.0, np.inf, 2.0])
     n = np.array([np.nan, 1.0, np.nan, np.inf, 2.0 + 1e-12])

@@ -55,9 +55,11 @@ class _DtypeSpy:
 def test_upcast_false_computes_in_the_inputs_dtype_only(monkeypatch, method):
     """Running max, dropout scale and ALiBi distance stayed float64 on some engines."""
     seen = set()
-    from sdpa_ref import attention, masks, softmax, transforms
-    from sdpa_ref.engines import fast, tiled
-    for mod in (attention, masks, softmax, transforms, fast, tiled):
+    import importlib
+
+    mods = [importlib.import_module(f"sdpa_ref.{m}") for m in ("attention", "masks", "softmax", "transforms",
+                                                                 "engines.fast", "engines.tiled")]
+    for mod in mods:
         monkeypatch.setattr(mod, "np", _DtypeSpy(seen))
     f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     q, k, v = f32(2, 2, 6, 4), f32(2, 2, 7, 4), f32(2, 2, 7, 4)
@@ -107,14 +109,14 @@ def _oracle_has_fully_masked_rows(case):
     inp = case.make_inputs()
     q, k, v = inp["query"], inp["key"], inp["value"]
     B = np.broadcast_shapes(q.shape[:-3], k.shape[:-3]) or (1,)
-    q, k, v = (np.broadcast_to(a, B + a.shape[-3:]) for a in (q, k, v))
+    q, k, v = (np.broadcast_to(a, B + a.shape[-3:]).reshape((-1,) + a.shape[-3:]) for a in (q, k, v))
     mask = inp.get("attn_mask")
     full = B + (q.shape[-3], q.shape[-2], k.shape[-2])
-    mask = None if mask is None else np.broadcast_to(mask, full)
+    mask = None if mask is None else np.broadcast_to(mask, full).reshape((-1,) + full[-3:])
     ql = inp.get("q_lengths")
     kl = inp.get("kv_lengths")
-    ql = None if ql is None else np.broadcast_to(ql, B)
-    kl = None if kl is None else np.broadcast_to(kl, B)
+    ql = None if ql is None else np.broadcast_to(ql, B).reshape(-1)
+    kl = None if kl is None else np.broadcast_to(kl, B).reshape(-1)
     _, lse = oracle_attention(q, k, v, mask=mask, is_causal=inp.get("is_causal", False), policy="zero",
                               alignment=inp.get("causal_alignment", "top_left"), window=inp.get("window"),
                               q_lengths=ql, kv_lengths=kl)[:2]

@@ -286,7 +286,9 @@ def _grid_case(shape, *, gqa=False, dropout=False, arrays=(), **options):
     arrays = tuple(arrays) + (("dropout",) if dropout else ())
     if dropout:
         options["dropout_p"] = 0.3
-    parts = [shape] + [a.replace("_", "-") for a in ARRAY_KINDS if a in arrays and a != "dropout"]
+    label = {"mask": "mask=bool", "float_mask": "mask=float", "masked_rows": None, "zero_kv": "kv_len=0",
+             "dropout": None}
+    parts = [shape] + [label.get(a, a) for a in ARRAY_KINDS if a in arrays and label.get(a, a)]
     br = options.get("causal_alignment") == "bottom_right"
     if options.get("is_causal"):
         parts.append("causal" + ("-br" if br else ""))
