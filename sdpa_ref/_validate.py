@@ -13,7 +13,6 @@ import numbers
 import numpy as np
 
 __all__ = [
-    "FLOAT_DTYPES",
     "as_float_array",
     "as_mask",
     "as_real_scalar",
@@ -22,10 +21,6 @@ __all__ = [
     "check_choice",
     "describe",
 ]
-
-#: The floating dtypes the package computes in.
-FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-
 
 def describe(x) -> str:
     """A short description of ``x`` for error messages."""
