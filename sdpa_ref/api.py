@@ -18,7 +18,6 @@ Shapes (the legend of the package docstring)::
 
 from __future__ import annotations
 
-
 from . import _validate as V
 from . import attention
 from .engines import fast, tiled

@@ -113,10 +113,9 @@ def diagonal_offset(L, S, alignment, q_lengths=None, kv_lengths=None):
     if alignment == "top_left":
         return 0
     if q_lengths is None and kv_lengths is None:
-        return S - L
-    ql = L if q_lengths is None else q_lengths
-    kl = S if kv_lengths is None else kv_lengths
-    return _per_batch(np.asarray(kl, dtype=np.int64) - np.asarray(ql, dtype=np.int64))
+        return int(alignment_offset(L, S, alignment))
+    return _per_batch(alignment_offset(L if q_lengths is None else q_lengths,
+                                       S if kv_lengths is None else kv_lengths, alignment))
 
 
 def padded_rows(L, q_lengths, rows=None):

@@ -104,15 +104,6 @@ class AttentionOptions:
         o["dropout_p"] = p
         return cls(**o)
 
-    def semantic_items(self):
-        """``(name, value)`` of the options that define what is computed, in field order."""
-        return [(n, getattr(self, n)) for n in OPTION_NAMES]
-
-    def is_default(self, name: str) -> bool:
-        """Whether option ``name`` has its default value (so an implementation need not support it)."""
-        v = getattr(self, name)
-        return v is None if _DEFAULTS[name] is None else v == _DEFAULTS[name]
-
 
 _FIELDS = tuple(f.name for f in fields(AttentionOptions))
 _DEFAULTS = {f.name: f.default for f in fields(AttentionOptions)}

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .masks import ALIGNMENTS, alignment_offset, block_of, diagonal_offset
+from .masks import ALIGNMENTS, _check_size, block_of, diagonal_offset
 
 __all__ = [
     "additive_forward",
@@ -226,17 +226,13 @@ def alibi_bias(slopes, L, S, alignment="top_left"):
     >>> alibi_bias([0.5], 2, 3)[0].tolist()
     [[-0.0, -0.5, -1.0], [-0.5, -0.0, -0.5]]
     """
-    from .masks import _check_size
-
     L, S = _check_size(L, "L"), _check_size(S, "S")
     if alignment not in ALIGNMENTS:
         raise ValueError(f"`alignment` should be one of {ALIGNMENTS!r}, but got {alignment!r}")
     s = np.asarray(slopes, dtype=np.float64)
     if s.ndim < 1:
         raise ValueError(f"`slopes` should have shape (Hq,) or (..., Hq), but got shape {s.shape}")
-    off = int(alignment_offset(L, S, alignment))
-    dist = np.abs(np.arange(L)[:, None] + off - np.arange(S)[None, :]).astype(np.float64)
-    return -s[..., None, None] * dist
+    return -s[..., None, None] * alibi_distance(L, S, alignment)
 
 
 def alibi_slopes(n_heads):
@@ -252,8 +248,6 @@ def alibi_slopes(n_heads):
     >>> alibi_slopes(4).tolist()
     [0.25, 0.0625, 0.015625, 0.00390625]
     """
-    from .masks import _check_size
-
     n = _check_size(n_heads, "n_heads")
     if n == 0:
         return np.zeros(0)

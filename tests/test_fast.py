@@ -52,10 +52,11 @@ def test_fast_path_on_a_large_problem_uses_threads_and_agrees():
         _close(a, b)
 
 
-def test_results_do_not_depend_on_the_thread_count():
+def test_results_do_not_depend_on_the_thread_count(monkeypatch):
     # with threads: (2, 3, 600, 600) scores in 6 chunks of one head; (2, 3, 3000, 40) short rows in
     # 4 chunks (2 + 1 heads per batch); one head of 110000 x 40 short rows, its row passes in threads.
     # With SDPA_REF_NUM_THREADS=1 all three are one piece without threads.
+    monkeypatch.setenv("SDPA_REF_NUM_THREADS", "3")      # the cut below is the threaded one, whatever the caller set
     assert len(fast._head_chunks((2, 3), 600 * 600, 16)) == 6
     assert len(fast._head_chunks((2, 3), 3000 * 40, 16)) == 4
     assert 110000 * 40 >= _threads.MIN_PARALLEL

@@ -196,3 +196,50 @@ def test_results_hash_the_same_under_every_thread_setting():
 def test_public_names_are_exported():
     for name in ("AttentionOptions", "OPTION_NAMES", "METHODS", "softmax_lse"):
         assert name in sdpa_ref.__all__ and hasattr(sdpa_ref, name)
+
+
+@pytest.mark.parametrize("method", ["fast", "plain", "tiled"])
+def test_method_selects_the_engine_on_every_entry_point(monkeypatch, method):
+    """``method=`` is not accepted and ignored: the named engine's forward and backward run."""
+    import importlib
+
+    mod = importlib.import_module({"fast": "sdpa_ref.engines.fast", "plain": "sdpa_ref.attention",
+                                   "tiled": "sdpa_ref.engines.tiled"}[method])
+    calls = []
+    for fn in ("forward", "backward"):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, _real=real, _fn=fn, **kw: (calls.append(_fn), _real(*a, **kw))[1])
+    q = rng.standard_normal((1, 2, 5, 3))
+    out, res = sdpa_forward(q, q, q, method=method)
+    assert res.method == method and (res.probs is None) == (method == "tiled")
+    sdpa_backward(res, np.ones_like(out))
+    sdpa_ref.scaled_dot_product_attention(q, q, q, method=method)
+    assert calls == ["forward", "backward", "forward"]
+    if method != "tiled":
+        calls.clear()
+        sdpa_jvp((q, q, q), (q, None, None), method=method)
+        assert calls == ["forward"]
+
+
+def test_engine_and_option_errors_name_the_argument():
+    q = rng.standard_normal((1, 2, 5, 3))
+    with pytest.raises(ValueError, match="`method`"):
+        sdpa_forward(q, q, q, method="dense")
+    with pytest.raises(ValueError, match="`block_size`"):
+        sdpa_forward(q, q, q, method="plain", block_size=4)
+    with pytest.raises(ValueError, match="`method`"):
+        sdpa_jvp((q, q, q), (q, None, None), method="tiled")
+    with pytest.raises(TypeError, match="sdpa_forward.*windw"):
+        sdpa_forward(q, q, q, windw=(1, 0))
+    with pytest.raises(TypeError, match="`window`"):
+        sdpa_forward(q, q, q, window={3, 0})      # a set has no order: (0, 3) or (3, 0)?
+
+
+def test_softmax_lse_matches_scipy():
+    from scipy.special import logsumexp, softmax
+
+    x = rng.standard_normal((3, 4, 5)) * 30
+    x[0, 0] = -np.inf
+    y, lse = sdpa_ref.softmax_lse(x, axis=1)
+    np.testing.assert_allclose(y[1:], softmax(x[1:], axis=1), rtol=1e-13)
+    np.testing.assert_allclose(lse[1:], logsumexp(x[1:], axis=1, keepdims=True), rtol=1e-13)

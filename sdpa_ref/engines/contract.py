@@ -2,8 +2,8 @@ r"""The contract every engine implements, and what the public API hands the user
 
 An engine is a module with two functions::
 
-    forward(prob, *, save_probs=True) -> Forward
-    backward(prob, fwd, dO) -> Grads
+    forward(prob, *, save_probs=True) -> Forward      (the tiled engine: block_size= instead)
+    backward(prob, fwd, dO) -> Grads                  (the tiled engine: block_size= too)
 
 ``prob`` is a validated :class:`~sdpa_ref.problem.Problem` (compute dtype,
 ``q`` as ``(..., Hkv, G, L, E)``); ``dO`` is ``(*batch, Hq, L, Ev)`` in the
@@ -12,7 +12,8 @@ batch layout (``*batch`` is the broadcast of the inputs' batch dims); the
 public API sums gradients back to the inputs' shapes and casts them.
 
 The engines agree with the teaching core (:mod:`sdpa_ref.attention`) to
-rounding, on every option; ``tests/test_engines.py`` holds them to it.
+rounding, on every option; ``tests/test_fast.py`` and ``tests/test_tiled.py``
+hold them to it.
 """
 
 from __future__ import annotations

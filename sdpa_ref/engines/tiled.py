@@ -74,8 +74,8 @@ def auto_block_size(prob, budget: int = DEFAULT_BLOCK_BUDGET) -> int:
 # ----------------------------------------------------------------- forward
 
 
-def forward(prob, *, save_probs=False, block_size="auto") -> Forward:
-    """Online-softmax forward; ``probs`` and ``tanh`` are never kept (``save_probs`` is moot here)."""
+def forward(prob, *, block_size="auto") -> Forward:
+    """Online-softmax forward; ``probs`` and ``tanh`` are never kept (there is no ``L x S`` array to keep)."""
     block = check_block_size(block_size, prob)
     o, bl = prob.options, _Blocks(prob)
     L, S = prob.L, prob.S

@@ -82,10 +82,7 @@ def check_vjp(
 
 def assert_vjp(fun, vjp, args, **kwargs) -> GradcheckReport:
     """:func:`check_vjp`, raising `AssertionError` with the report's table on failure."""
-    rep = check_vjp(fun, vjp, args, **kwargs)
-    if not rep.ok:
-        raise AssertionError("\n" + str(rep))
-    return rep
+    return _asserted(check_vjp(fun, vjp, args, **kwargs))
 
 
 def check_jvp(
@@ -126,7 +123,10 @@ def check_jvp(
 
 def assert_jvp(fun, jvp, args, **kwargs) -> GradcheckReport:
     """:func:`check_jvp`, raising `AssertionError` with the report's table on failure."""
-    rep = check_jvp(fun, jvp, args, **kwargs)
+    return _asserted(check_jvp(fun, jvp, args, **kwargs))
+
+
+def _asserted(rep):
     if not rep.ok:
         raise AssertionError("\n" + str(rep))
     return rep

@@ -38,9 +38,8 @@ __all__ = ["ARRAY_KINDS", "SUITE_VERSION", "SUITES", "Case", "get_suite", "gradc
 #: Bumped whenever the cases or their inputs change.
 SUITE_VERSION = "1"
 SUITES = ("quick", "full")
-#: The array inputs a case can draw, and the option each one fills.
-ARRAY_KINDS = {"mask": "attn_mask", "masked_rows": "attn_mask", "float_mask": "attn_mask", "bias": "bias",
-               "alibi": "alibi_slopes", "lengths": "q_lengths", "zero_kv": "kv_lengths", "dropout": "dropout_mask"}
+#: The array inputs a case can draw (see :class:`Case`), in the order case names list them.
+ARRAY_KINDS = ("mask", "masked_rows", "float_mask", "bias", "alibi", "lengths", "zero_kv", "dropout")
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ class Case:
         bad += [a for a in self.arrays if a not in ARRAY_KINDS]
         if bad:
             raise ValueError(f"`Case` should name scalar options of {OPTION_NAMES} and arrays of "
-                             f"{tuple(ARRAY_KINDS)}, but got {bad}")
+                             f"{ARRAY_KINDS}, but got {bad}")
 
     @property
     def opts(self) -> Dict[str, object]:
