@@ -19,7 +19,9 @@ Forward::
 
     Traw   = scale * Q K^T                          scores_forward
     T      = transforms(Traw)                       softcap, + mask + bias + ALiBi, -inf outside A
-    P, LSE = softmax over each row of T             softmax_lse; rows with no key: the policy
+    P      = exp(T - m) / s, m = rowmax T, s = rowsum exp(T - m)
+                                                    softmax_parts; rows with no key: the policy
+    LSE    = m + log s
     P_drop = P * Z / (1 - p)                        dropout_forward
     O      = P_drop V
 
@@ -27,7 +29,7 @@ Backward, from ``dO``::
 
     dV     = P_drop^T dO, summed over the group     (the group shares one kv head)
     dP     = (dO V^T) * Z / (1 - p)
-    dT     = P * (dP - rowsum(P * dP))              softmax_vjp
+    dT     = P * (dP - rowsum(P * dP))              softmax_vjp (pivoted: see row_pivot)
     dB     = dT summed to the mask's / bias's shape additive_vjp
     dTraw  = dT * (1 - tanh^2)                      softcap_vjp (only with softcap)
     dQ     = scale * dTraw K
@@ -47,7 +49,7 @@ import numpy as np
 
 from .engines.contract import Forward, Grads
 from .masks import fill_empty_rows, fill_output_without_keys
-from .softmax import softmax_jvp, softmax_lse, softmax_vjp
+from .softmax import softmax_jvp, softmax_parts, softmax_vjp
 from .transforms import (
     additive_vjp,
     dropout_forward,
@@ -71,14 +73,16 @@ def forward(prob, *, save_probs=True) -> Forward:
     Traw = scores_forward(prob.q, k, prob.scale)                    # (..., Hkv, G, L, S)
     T = _full(Traw, prob, copy=True)                                # (..., Hq, L, S)
     T, th = transform_scores(prob, T)
-    P, lse = softmax_lse(T)                                          # exp(-inf) = 0 outside A
+    P, m, s = softmax_parts(T)                                       # exp(-inf) = 0 outside A
+    with np.errstate(divide="ignore"):
+        lse = m + np.log(s)                                         # -inf on a row with no key
     empty = np.max(T.real, axis=-1, keepdims=True, initial=-np.inf) == -np.inf
     P = fill_empty_rows(P, empty, prob.padded_rows(), o.fully_masked, S)
     P_drop = dropout_forward(P, prob.keep, o.dropout_p)
     O = _full(_grouped(P_drop, prob) @ v, prob)                     # O = P_drop V
     O = fill_output_without_keys(O, o.fully_masked, S, prob.padded_rows())
     return Forward(out=O, lse=lse[..., 0], probs=P if save_probs else None,
-                   tanh=th if save_probs else None, empty=empty)
+                   tanh=th if save_probs else None, empty=empty, rowmax=m, rowsum=s)
 
 
 def backward(prob, fwd: Forward, dO) -> Grads:

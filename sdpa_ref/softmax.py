@@ -32,6 +32,8 @@ __all__ = [
     "logsumexp",
     "softmax",
     "softmax_lse",
+    "softmax_parts",
+    "row_pivot",
     "log_softmax",
     "softmax_vjp",
     "log_softmax_vjp",
@@ -137,12 +139,45 @@ def softmax_lse(x, axis=-1):
     >>> y.tolist(), lse.tolist()
     ([1.0, 0.0], [0.0])
     """
+    y, m, s = softmax_parts(x, axis)
+    with np.errstate(divide="ignore"):
+        return y, np.log(s) + m
+
+
+def softmax_parts(x, axis=-1):
+    r"""Softmax with its two statistics kept apart: ``(y, m, s)``.
+
+    :math:`m` is the row maximum of the real part (0 where it is not
+    finite), :math:`s = \sum_j e^{x_j - m}` and :math:`y = e^{x - m} / s`;
+    ``m`` and ``s`` keep the reduced axis. Recomputing ``y`` later as
+    ``exp(x - m) / s`` gives it to rounding for any finite ``x``, however
+    large, whereas ``exp(x - lse)`` loses what ``lse = m + log(s)`` rounded
+    away (all of ``log(s)`` once ``|m|`` passes ``2**53 log(s)``).
+    """
     x, axis = _prepare(x, axis)
     m = _safe_max(x, axis)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         e = np.exp(x - m)
         s = np.sum(e, axis=axis, keepdims=True)
-        return e / s, np.log(s) + m
+        return e / s, m, s
+
+
+def row_pivot(y, g, axis=-1):
+    r"""``g`` at each row's largest ``y`` (the axis kept, length 1): the pivot of the softmax derivatives.
+
+    :math:`\sum_j y_j = 1`, so for any constant :math:`c`
+
+    .. math:: g - \textstyle\sum_k y_k g_k = (g - c) - \sum_k y_k (g_k - c).
+
+    With :math:`c = g_{j^*}` at the row's largest :math:`y` the dominant term
+    of the sum is exactly 0, and the rounding error of the sum shrinks with
+    the weight of the other terms: on peaked rows, where the plain form
+    cancels, by orders of magnitude (``benchmarks/accuracy_study.py``).
+    """
+    if y.shape[axis] == 0:
+        return np.zeros(y.shape[:axis % y.ndim] + (1,) + y.shape[axis % y.ndim + 1:], dtype=g.dtype)
+    idx = np.argmax(y.real, axis=axis, keepdims=True)
+    return np.take_along_axis(g, idx, axis=axis)
 
 
 def log_softmax(x, axis=-1):
@@ -200,9 +235,15 @@ def softmax_vjp(y, g, axis=-1):
 
     The element-wise ``y * (1 - y)`` is only the diagonal of :math:`J` and is
     wrong as a VJP.
+
+    It is evaluated in the pivoted form of :func:`row_pivot`,
+    :math:`y \odot ((g - c) - \sum_k y_k (g_k - c))` with :math:`c` the
+    entry of ``g`` at the row's largest ``y``: the same value, with the
+    cancellation of the dominant term done exactly.
     """
     y, g, axis = _prepare_pair(y, g, axis, "y", "g")
-    return y * (g - np.sum(g * y, axis=axis, keepdims=True))
+    gc = g - row_pivot(y, g, axis)
+    return y * (gc - np.sum(gc * y, axis=axis, keepdims=True))
 
 
 def log_softmax_vjp(y, g, axis=-1):
@@ -253,7 +294,8 @@ def softmax_jvp(y, dx, axis=-1):
     .. math:: dy = J\,dx = y \odot (dx - \textstyle\sum_k y_k\,dx_k).
     """
     y, dx, axis = _prepare_pair(y, dx, axis, "y", "dx")
-    return y * (dx - np.sum(y * dx, axis=axis, keepdims=True))
+    dxc = dx - row_pivot(y, dx, axis)                      # pivoted, as in softmax_vjp
+    return y * (dxc - np.sum(y * dxc, axis=axis, keepdims=True))
 
 
 def softmax_jacobian(y, axis=-1):

@@ -34,6 +34,8 @@ class Forward(NamedTuple):
     probs: Optional[np.ndarray]        # P    (*batch, Hq, L, S), or None when not saved
     tanh: Optional[np.ndarray]         # tanh(Traw / cap) (*batch, Hq, L, S) with softcap and saved P, else None
     empty: np.ndarray                  # (*batch, Hq, L, 1) bool: rows with no allowed key
+    rowmax: np.ndarray                 # m (*batch, Hq, L, 1), real: the row's max score, 0 on rows with no key
+    rowsum: np.ndarray                 # s (*batch, Hq, L, 1): sum_j exp(T_j - m); LSE = m + log(s)
 
 
 class Grads(NamedTuple):

@@ -3,11 +3,16 @@ r"""The tiled engine: FlashAttention's algorithm in NumPy, in bounded memory.
 ``method="tiled"`` (or ``block_size=b``) lands here. The scores are never
 materialised: the forward walks key blocks of ``b`` columns for each block of
 ``b`` query rows, keeping a running max ``m``, sum ``l`` and output
-accumulator (the online softmax), and stores only ``O`` and ``lse``. The
+accumulator (the online softmax), and stores only ``O``, ``lse`` and the row
+max and sum that make it. The
 backward walks the same blocks and recomputes each block's
-:math:`P = e^{T - \mathrm{lse}}`, with :math:`D = \mathrm{rowsum}(dO \odot O)`.
+:math:`P = e^{T - m} / s` from the row max :math:`m` and sum :math:`s`
+that the forward kept apart (:math:`e^{T - \mathrm{lse}}` would lose what
+``lse = m + log s`` rounded away: everything, once the scores are large),
+with the softmax VJP in the pivoted form of
+:func:`sdpa_ref.softmax.row_pivot`.
 It is also the ``"lse"`` backward of dense residuals (one block holding every
-row and key): FlashAttention's recomputing backward.
+row and key): FlashAttention's recomputing backward, made stable.
 
 Per block of rows ``I`` and keys ``J`` (all batch entries and heads at once)::
 
@@ -16,7 +21,7 @@ Per block of rows ``I`` and keys ``J`` (all batch entries and heads at once)::
     l      = l * e^(m - m_new) + rowsum e^(T_IJ - m_new)
     acc    = acc * e^(m - m_new) + (e^(T_IJ - m_new) * Z / (1-p)) V_J
     ...
-    O_I    = acc / l,   lse_I = m + log l
+    O_I    = acc / l,   lse_I = m + log l          (m and l kept for the backward)
 
 Blocks that the allowed set excludes entirely are skipped in both passes.
 Peak memory is ``O((L + S) (E + Ev) + b^2)`` per head on top of the inputs.
@@ -85,6 +90,8 @@ def forward(prob, *, block_size="auto") -> Forward:
     O = np.zeros(lead + (L, Ev), dtype=ct)
     lse = np.full(lead + (L,), -np.inf, dtype=rt)
     empty = np.zeros(lead + (L, 1), dtype=bool)
+    rowmax = np.zeros(lead + (L, 1), dtype=rt)
+    rowsum = np.zeros(lead + (L, 1), dtype=ct)
     for i0, i1 in _ranges(L, block):
         m = np.full(lead + (i1 - i0, 1), -np.inf, dtype=rt)
         l = np.zeros(lead + (i1 - i0, 1), dtype=ct)
@@ -103,13 +110,15 @@ def forward(prob, *, block_size="auto") -> Forward:
             acc = acc * alpha + bl.times_v(dropout_forward(e, bl.keep(i0, i1, j0, j1), o.dropout_p), j0, j1)
             m = m_new
         row_empty = m == -np.inf
+        m = np.where(row_empty, rt.type(0), m)
         with np.errstate(divide="ignore", invalid="ignore"):
             out = acc / l
-            lse[..., i0:i1] = (np.log(l) + np.where(row_empty, rt.type(0), m))[..., 0].real
+            lse[..., i0:i1] = (np.log(l) + m)[..., 0].real
+        rowmax[..., i0:i1, :], rowsum[..., i0:i1, :] = m, l
         O[..., i0:i1, :] = _policy_rows(prob, bl, out, row_empty, i0, i1)
         empty[..., i0:i1, :] = row_empty
     O = fill_output_without_keys(O, o.fully_masked, S, prob.padded_rows())
-    return Forward(out=O, lse=lse, probs=None, tanh=None, empty=empty)
+    return Forward(out=O, lse=lse, probs=None, tanh=None, empty=empty, rowmax=rowmax, rowsum=rowsum)
 
 
 def _policy_rows(prob, bl, out, row_empty, i0, i1):
@@ -133,14 +142,21 @@ def _policy_rows(prob, bl, out, row_empty, i0, i1):
 
 
 def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
-    """Blockwise recomputation backward (FlashAttention's): ``P = exp(T - lse)`` block by block."""
+    """Blockwise recomputation backward: ``P = exp(T - m) / s`` block by block, the softmax VJP pivoted.
+
+    For each block of rows, a first sweep over the key blocks finds the
+    pivot ``c`` (``dP`` at the row's largest ``P``) and
+    ``D = rowsum(P * (dP - c))``; the second computes the gradients with
+    ``dT = P * ((dP - c) - D)``. With one key block (the dense ``"lse"``
+    backward) the two sweeps share one recomputation.
+    """
     block = check_block_size(block_size, prob)
     o, bl = prob.options, _Blocks(prob)
     L, S, Hq, Hkv = prob.L, prob.S, prob.Hq, prob.Hkv
     ct, full = prob.dtype, prob.full_scores
     nd = len(full)
-    D = np.sum(dO * fwd.out, axis=-1, keepdims=True)                # rowsum(dO * O)
-    lse = fwd.lse.reshape(full[:-1] + (1,))
+    rowmax = fwd.rowmax.reshape(full[:-1] + (1,))
+    rowsum = fwd.rowsum.reshape(full[:-1] + (1,))
     E = prob.q.shape[-1]
     dq = np.zeros(full[:-1] + (E,), dtype=ct)
     dk = np.zeros(prob.batch + (Hkv, S, E), dtype=ct)
@@ -150,27 +166,54 @@ def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
     for i0, i1 in _ranges(L, block):
         em = fwd.empty[..., i0:i1, :]
         pad = prob.padded_rows((i0, i1))
-        lse_i = np.where(em, ct.type(0), lse[..., i0:i1, :])
-        dO_i, D_i = dO[..., i0:i1, :], D[..., i0:i1, :]
+        m_i = rowmax[..., i0:i1, :]
+        s_i = np.where(em, ct.type(1), rowsum[..., i0:i1, :])
+        dOg = bl.grouped(dO[..., i0:i1, :])
+        jobs = []
         for j0, j1 in _ranges(S, block):
             allowed = prob.allowed((i0, i1), (j0, j1))
             skip = allowed is not None and not np.any(allowed)
             if skip and not (o.fully_masked in ("uniform", "nan") and np.any(em)):
                 continue                                            # P = 0 on the whole block
+            jobs.append((j0, j1, skip, allowed))
+
+        def recompute(j0, j1, skip, allowed):
+            """``(P, dP, tanh, keep)`` of one block; ``dP`` is a fresh array."""
             if skip:
                 T, th = np.full(prob.batch + (Hq, i1 - i0, j1 - j0), -np.inf, dtype=ct), None
             else:
                 T, th = bl.scores(i0, i1, j0, j1, allowed)
             with np.errstate(invalid="ignore", over="ignore"):
-                P = np.exp(T - lse_i)
+                P = np.exp(T - m_i) / s_i                           # as the forward made it
             P = fill_empty_rows(P, em, pad, o.fully_masked, S)
             keep = bl.keep(i0, i1, j0, j1)
-            P_drop = dropout_forward(P, keep, o.dropout_p)
-            dOg = bl.grouped(dO_i)
-            dv[..., j0:j1, :] += (np.swapaxes(bl.grouped(P_drop), -1, -2) @ dOg).sum(axis=-3)   # P_drop^T dO
             dP = (dOg @ np.swapaxes(prob.v[..., None, j0:j1, :], -1, -2)).reshape(P.shape)
-            dP = dropout_forward(dP, keep, o.dropout_p)                                      # dO V^T Z/(1-p)
-            dT = P * (dP - D_i)
+            return P, dropout_forward(dP, keep, o.dropout_p), th, keep     # dO V^T Z/(1-p)
+
+        # sweep 1: per key block its own pivot c_b, rowsum(P (dP - c_b)) and rowsum(P); then one c and D
+        cached = recompute(*jobs[0]) if len(jobs) == 1 else None
+        parts = []
+        for job in jobs:
+            P, dP, _, _ = cached if cached is not None else recompute(*job)
+            idx = np.argmax(P.real, axis=-1, keepdims=True)
+            c_b = np.take_along_axis(dP, idx, axis=-1)
+            np.subtract(dP, c_b, out=dP)
+            parts.append((np.take_along_axis(P.real, idx, axis=-1), c_b, _rowdot(P, dP), _rowdot(P, None)))
+        if not parts:
+            continue
+        c, D = _pivot_and_D(parts)
+        # sweep 2: the gradients, dT = P * ((dP - c) - D)
+        for job in jobs:
+            j0, j1 = job[:2]
+            if cached is not None:
+                P, dP, th, keep = cached                            # dP - c already
+            else:
+                P, dP, th, keep = recompute(*job)
+                np.subtract(dP, c, out=dP)
+            P_drop = dropout_forward(P, keep, o.dropout_p)
+            dv[..., j0:j1, :] += (np.swapaxes(bl.grouped(P_drop), -1, -2) @ dOg).sum(axis=-3)   # P_drop^T dO
+            np.subtract(dP, D, out=dP)
+            dT = np.multiply(P, dP, out=dP)
             if o.fully_masked == "uniform" and np.any(em):
                 dT = np.where(em, ct.type(0), dT)
             for acc in (dmask, dbias):
@@ -183,6 +226,26 @@ def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
             dq[..., i0:i1, :] += dq_i.reshape(dq_i.shape[:-4] + (Hq,) + dq_i.shape[-2:])
             dk[..., j0:j1, :] += dk_j.sum(axis=-3)
     return Grads(dq=dq, dk=dk, dv=dv, dmask=dmask, dbias=dbias)
+
+
+def _rowdot(P, X):
+    """``rowsum(P * X)`` (``X=None``: ``rowsum(P)``), keeping the axis, without an ``L x S`` temporary."""
+    if X is None:
+        return np.sum(P, axis=-1, keepdims=True)
+    return np.einsum("...j,...j->...", P, X)[..., None]
+
+
+def _pivot_and_D(parts):
+    """One pivot ``c`` and ``D = rowsum(P (dP - c))`` from the key blocks' ``(max P, c_b, rowsum(P (dP - c_b)),
+    rowsum(P))``: ``c`` is the ``c_b`` of the block holding the row's largest ``P`` (the first such), and
+    ``sum_b [rowsum(P (dP - c_b)) + (c_b - c) rowsum(P)]`` is ``D``, the pivot block's correction exactly 0."""
+    pm, cb, s1, sp = (np.stack(x) for x in zip(*parts))
+    best = np.argmax(pm, axis=0)[None]
+    c = np.take_along_axis(cb, best, axis=0)[0]
+    D = s1[0] + (cb[0] - c) * sp[0]
+    for b in range(1, len(parts)):
+        D = D + (s1[b] + (cb[b] - c) * sp[b])
+    return c, D
 
 
 # ------------------------------------------------------------------ blocks
