@@ -18,9 +18,11 @@ Shapes (the legend of the package docstring)::
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import _validate as V
 from . import attention
-from .engines import fast, tiled
+from .engines import fast, reproducible, tiled
 from .engines._threads import single_threaded_blas
 from .engines.contract import AttentionGrads, AttentionResiduals
 from .options import DOC_OPTIONS, FULLY_MASKED_POLICIES, AttentionOptions, check_bool
@@ -41,17 +43,20 @@ __all__ = [
 ]
 
 #: The engines, by the name ``method=`` takes.
-ENGINES = {"fast": fast, "plain": attention, "tiled": tiled}
-#: Accepted values of ``method=`` of the forward entry points.
-METHODS = tuple(ENGINES)
+ENGINES = {"fast": fast, "plain": attention, "tiled": tiled, "reproducible": reproducible}
+#: Accepted values of ``method=`` of the forward entry points (``precision="reproducible"`` picks its own engine).
+METHODS = ("fast", "plain", "tiled")
+#: Accepted values of ``precision=``.
+PRECISIONS = ("fast", "reproducible")
 #: Accepted values of ``sdpa_backward(..., method=)``: the engines, and two older names
 #: (``"probs"`` is ``"fast"``, ``"lse"`` is ``"tiled"``: FlashAttention's recomputing backward).
-BACKWARD_METHODS = METHODS + ("probs", "lse")
+BACKWARD_METHODS = METHODS + ("probs", "lse", "reproducible")
 _ALIASES = {"probs": "fast", "lse": "tiled"}
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, *, return_lse=False, method=None, block_size=None, **options):
+                                 enable_gqa=False, *, return_lse=False, method=None, block_size=None,
+                                 precision="fast", **options):
     r"""Scaled dot-product attention, a drop-in for PyTorch's functional op.
 
     ``softmax(Q K^T * scale + mask) V`` with exact masking: masked entries
@@ -63,6 +68,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ----------%s
     return_lse : bool, optional
         Also return the per-row log-sum-exp of the allowed scores.
+    precision : {"fast", "reproducible"}, optional
+        As in :func:`sdpa_forward`.
 
     Returns
     -------
@@ -76,14 +83,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     return_lse = check_bool(return_lse, "return_lse")
     out, res = sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                            save_probs=False, method=method, block_size=block_size, **options)
+                            save_probs=False, method=method, block_size=block_size, precision=precision, **options)
     if return_lse:
         return out, res.lse.astype(res.problem.out_dtype, copy=False)
     return out
 
 
 def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                 *, save_probs=True, method=None, block_size=None, **options):
+                 *, save_probs=True, method=None, block_size=None, precision="fast", **options):
     r"""Attention forward that also returns what the backward needs.
 
     Parameters
@@ -93,6 +100,17 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         the ``"fast"`` and ``"plain"`` backwards; with False only
         ``(out, lse)`` are kept and :func:`sdpa_backward` recomputes ``P``
         (``method="tiled"``).
+    precision : {"fast", "reproducible"}, optional
+        ``"fast"`` (default): float64 (or the ``upcast=False`` dtype) with
+        the BLAS and NumPy's ``exp``; accurate to a few ulps, but the last
+        bits may differ between machines, BLAS kernels and NumPy builds.
+        ``"reproducible"``: every float64 result (``out``, ``lse``, and
+        later every gradient and the JVP) faithfully rounded -- within one
+        ulp of the exact value of the formula on the given inputs -- and the
+        same bits on any machine, thread count, BLAS or SIMD level
+        (:mod:`sdpa_ref.engines.reproducible`: double-double arithmetic with
+        exact BLAS products by the Ozaki scheme). Many times slower; float64
+        compute only; ``method`` and ``block_size`` must be None.
 
     Returns
     -------
@@ -121,7 +139,7 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     opts = AttentionOptions.from_kwargs("sdpa_forward", attn_mask=attn_mask, dropout_p=dropout_p,
                                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **options)
     prob = Problem.build(query, key, value, opts)
-    name, block = _engine(method, block_size, prob, METHODS)
+    name, block = _engine(method, block_size, prob, METHODS, precision)
     with single_threaded_blas():
         fwd = _call_forward(name, prob, save_probs, block)
     out = fwd.out.reshape(prob.out_shape).astype(prob.out_dtype, copy=False)
@@ -220,6 +238,13 @@ def sdpa_backward(residuals, grad_out, method=None):
     prob = residuals.problem
     V.check_choice(method if method is not None else residuals.method, "method", BACKWARD_METHODS)
     name = _ALIASES.get(method, method) if method is not None else residuals.method
+    if (name == "reproducible") != (residuals.method == "reproducible"):
+        raise ValueError("`method` should be None or 'reproducible' for residuals of precision='reproducible', "
+                         "and 'reproducible' only for those, but got "
+                         f"method={method!r} for residuals of method {residuals.method!r}")
+    if name == "reproducible" and residuals.forward.extra is None:
+        raise ValueError("`residuals` of precision='reproducible' need save_probs=True for the backward "
+                         "(it has no recomputing form)")
     if name != "tiled" and residuals.probs is None:
         if method is not None:
             raise ValueError("`method` should be 'tiled' (or 'lse') for residuals saved with save_probs=False "
@@ -244,7 +269,7 @@ def sdpa_backward(residuals, grad_out, method=None):
                           attn_mask=back(gr.dmask, "attn_mask"), bias=back(gr.dbias, "bias"))
 
 
-def sdpa_jvp(primals, tangents, *, method=None, **options):
+def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
     r"""Forward-mode derivative of attention: ``(out, out_tangent)``.
 
     Parameters
@@ -259,6 +284,9 @@ def sdpa_jvp(primals, tangents, *, method=None, **options):
         The engine of the primal forward (default ``"fast"``); the tangent is
         the teaching core's :func:`sdpa_ref.attention.jvp` on its ``P``.
         Forward mode has no tiled engine.
+    precision : {"fast", "reproducible"}, optional
+        As in :func:`sdpa_forward`; ``"reproducible"`` computes the tangent
+        in double-double too, faithfully rounded and the same bits everywhere.
     **options
         The keyword arguments of :func:`sdpa_forward`.
 
@@ -290,7 +318,7 @@ def sdpa_jvp(primals, tangents, *, method=None, **options):
                          f"but got {options['block_size']!r}")
     options.pop("block_size", None)
     V.check_choice("fast" if method is None else method, "method", ("fast", "plain"))
-    out, res = sdpa_forward(*primals, method=method, **dict(options, save_probs=True))
+    out, res = sdpa_forward(*primals, method=method, precision=precision, **dict(options, save_probs=True))
     prob = res.problem
     names = ("query", "key", "value", "bias")
     ts = list(tangents) + [None] * (4 - len(tangents))
@@ -311,15 +339,25 @@ def sdpa_jvp(primals, tangents, *, method=None, **options):
     if dq is not None:
         dq = dq.reshape(dq.shape[:-3] + prob.q.shape[-4:])
     with single_threaded_blas():
-        dO = attention.jvp(prob, res.forward, dq, dk, dv, db)
+        core = reproducible if res.method == "reproducible" else attention
+        dO = core.jvp(prob, res.forward, dq, dk, dv, db)
     return out, dO.reshape(prob.out_shape).astype(prob.out_dtype, copy=False)
 
 
 # ---------------------------------------------------------------- helpers
 
 
-def _engine(method, block_size, prob, allowed):
-    """``(engine name, tiled block or None)`` from ``method`` and ``block_size``."""
+def _engine(method, block_size, prob, allowed, precision="fast"):
+    """``(engine name, tiled block or None)`` from ``method``, ``block_size`` and ``precision``."""
+    V.check_choice(precision, "precision", PRECISIONS)
+    if precision == "reproducible":
+        if method is not None or block_size is not None:
+            raise ValueError("`method` and `block_size` should be None with precision='reproducible' (it has its "
+                             f"own engine), but got method={method!r}, block_size={block_size!r}")
+        if prob.dtype != np.float64:
+            raise ValueError("precision='reproducible' computes in float64: `upcast` should be True (the "
+                             f"default) for {prob.dtypes['query']} inputs, or the inputs float64")
+        return "reproducible", None
     if method is None:
         method = "tiled" if block_size is not None else allowed[0]
     V.check_choice(method, "method", allowed)

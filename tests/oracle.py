@@ -10,6 +10,10 @@ Jacobian diag(P) - P P^T of each row instead of the package's closed form.
 Inputs must already have equal batch dims: q (B, Hq, L, E), k (B, Hkv, S, E),
 v (B, Hkv, S, Ev); `mask`, `bias` and `keep` are full (B, Hq, L, S) arrays or
 None; `slopes` is (B, Hq) or None; `q_lengths`, `kv_lengths` are (B,) or None.
+
+`num="mp"` evaluates the same loops in 50-digit mpmath (the inputs taken
+exactly; q, k, v may then be object arrays of mpf): the exact value of the
+formula, for judging faithful rounding. The results are then object arrays.
 """
 
 import math
@@ -17,24 +21,62 @@ import math
 import numpy as np
 
 
+class _Float:
+    exp, log, tanh, one = math.exp, math.log, math.tanh, 1.0
+
+    @staticmethod
+    def array(a):
+        return np.asarray(a, dtype=np.float64)
+
+    @staticmethod
+    def zeros(shape):
+        return np.zeros(shape)
+
+
+class _Mp:
+    def __init__(self, dps=50):
+        import mpmath
+        self.ctx = mpmath.MPContext()
+        self.ctx.dps = dps
+        self.exp, self.log, self.tanh, self.one = self.ctx.exp, self.ctx.log, self.ctx.tanh, self.ctx.mpf(1)
+
+    def array(self, a):
+        a = np.asarray(a)
+        if a.dtype == object:
+            return a
+        out = np.empty(a.shape, dtype=object)
+        for i, x in np.ndenumerate(a):
+            out[i] = self.ctx.mpf(float(x))
+        return out
+
+    def zeros(self, shape):
+        out = np.empty(shape, dtype=object)
+        out[...] = self.ctx.mpf(0)
+        return out
+
+
 def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None, p=0.0, policy="zero",
                      grad_out=None, bias=None, alignment="top_left", window=None, softcap=None, slopes=None,
-                     q_lengths=None, kv_lengths=None):
-    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+                     q_lengths=None, kv_lengths=None, num="float"):
+    M = _Mp() if num == "mp" else _Float
+    q, k, v = (M.array(a) for a in (q, k, v))
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     G = Hq // Hkv
     if scale is None:
         scale = 1.0 / math.sqrt(E) if E else 1.0
+    scale = M.one * scale
+    if grad_out is not None:
+        grad_out = M.array(grad_out)
     left, right = (None, None) if window is None else window
     left = None if left == -1 else left
     right = None if right == -1 else right
-    out = np.zeros((B, Hq, L, Ev))
-    lse = np.zeros((B, Hq, L))
+    out = M.zeros((B, Hq, L, Ev))
+    lse = M.zeros((B, Hq, L))
     want_grads = grad_out is not None
     if want_grads:
-        dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
-        dT_all = np.zeros((B, Hq, L, S))
+        dq, dk, dv = M.zeros(q.shape), M.zeros(k.shape), M.zeros(v.shape)
+        dT_all = M.zeros((B, Hq, L, S))
     for b in range(B):
         ql = L if q_lengths is None else int(q_lengths[b])
         kl = S if kv_lengths is None else int(kv_lengths[b])
@@ -51,7 +93,7 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
                         dot += q[b, h, i, e] * k[b, kh, j, e]
                     raw = scale * dot
                     if softcap is not None:
-                        th[j] = math.tanh(raw / softcap)
+                        th[j] = M.tanh(raw / softcap)
                         t[j] = softcap * th[j]
                     else:
                         t[j] = raw
@@ -64,7 +106,7 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
                     if bias is not None:
                         t[j] += float(bias[b, h, i, j])
                     if slopes is not None:
-                        t[j] += -float(slopes[b, h]) * abs(i + off - j)
+                        t[j] += -(M.one * float(slopes[b, h])) * abs(i + off - j)
                     if t[j] == -math.inf:
                         allowed[j] = False
                     if is_causal and j > i + off:
@@ -84,17 +126,17 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
                     if not padded and policy == "nan":
                         P = [math.nan] * S
                     elif not padded and policy == "uniform":
-                        P = [1.0 / S] * S
+                        P = [M.one / S] * S
                         score_dependent = False
                 else:
                     mx = max(t[j] for j in js)
-                    tot = sum(math.exp(t[j] - mx) for j in js)
+                    tot = sum(M.exp(t[j] - mx) for j in js)
                     for j in js:
-                        P[j] = math.exp(t[j] - mx) / tot
-                    lse[b, h, i] = mx + math.log(tot)
+                        P[j] = M.exp(t[j] - mx) / tot
+                    lse[b, h, i] = mx + M.log(tot)
                 drop = [1.0] * S
                 if keep is not None:
-                    drop = [(1.0 if keep[b, h, i, j] else 0.0) / (1.0 - p) for j in range(S)]
+                    drop = [(M.one if keep[b, h, i, j] else 0.0) / (M.one - p) for j in range(S)]
                 for e in range(Ev):
                     out[b, h, i, e] = sum(P[j] * drop[j] * v[b, kh, j, e] for j in range(S))
                 if not want_grads:
@@ -115,7 +157,7 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
                         dT[j] = acc
                 for j in range(S):
                     dT_all[b, h, i, j] = dT[j]
-                    d_raw = dT[j] * (1.0 - th[j] ** 2) if softcap is not None else dT[j]
+                    d_raw = dT[j] * (M.one - th[j] ** 2) if softcap is not None else dT[j]
                     for e in range(E):
                         dq[b, h, i, e] += scale * d_raw * k[b, kh, j, e]
                         dk[b, kh, j, e] += scale * d_raw * q[b, h, i, e]

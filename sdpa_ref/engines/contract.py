@@ -36,6 +36,7 @@ class Forward(NamedTuple):
     empty: np.ndarray                  # (*batch, Hq, L, 1) bool: rows with no allowed key
     rowmax: np.ndarray                 # m (*batch, Hq, L, 1), real: the row's max score, 0 on rows with no key
     rowsum: np.ndarray                 # s (*batch, Hq, L, 1): sum_j exp(T_j - m); LSE = m + log(s)
+    extra: Any = None                  # what only this engine's backward reads (the reproducible one's dd P)
 
 
 class Grads(NamedTuple):

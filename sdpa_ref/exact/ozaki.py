@@ -1,0 +1,210 @@
+r"""Matrix products that the BLAS forms exactly: the Ozaki scheme, with a double-double result.
+
+``matmul(A, B)`` returns ``A @ B`` as a double-double ``(hi, lo)`` within
+about ``2**-(bits)`` of the exact product, relative to ``|A| |B|``
+(``bits=104`` by default), and **the same bits on every BLAS, thread count
+and machine**. The way there (Ozaki, Ogita, Oishi and Rump, 2012):
+
+1. Every row of ``A`` (column of ``B``) is scaled by a power of two to a
+   maximum in ``[1/2, 1)``: exact, and it keeps the products below far from
+   underflow.
+2. ``A`` is cut into slices ``A = A_1 + A_2 + ... + A_n + R``:
+   ``A_p = fl(fl(X + sigma) - sigma)`` with ``sigma = 2**(rho + e)`` for the
+   row's current maximum ``2**e``, and ``X`` what is left. Each slice of a
+   row lies on the grid ``2**(rho + e - 53)`` and has at most ``53 - rho``
+   bits; ``B`` is cut the same way by columns. With
+   ``2 rho >= 54 + log2(K)``, every entry of ``A_p B_q`` is a sum of ``K``
+   products on one grid whose total stays below ``2**53`` grid steps, so
+   **every product and every partial sum is exact, in any order**: what the
+   BLAS does inside a GEMM (blocking, FMA, threads, SIMD) no longer matters.
+3. The products ``A_p B_q`` with ``p + q <= n + 1`` (the others lie below
+   the target accuracy) are added in a fixed order, smallest first, element
+   by element: the small ones in float64, the three leading levels into a
+   double-double (:mod:`.dd`); the result is scaled back.
+
+The inputs may be dd pairs (the slices are then cut from ``hi`` and ``lo``
+in turn, every remainder kept exactly by TwoSum). Inputs must be finite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..engines._threads import run_all
+from .dd import dd_add_d, fast_two_sum, pow2, two_sum
+
+__all__ = ["matmul", "n_slices"]
+
+
+#: Entries of one block of the result whose sums are formed together (1 MiB of float64).
+_BLOCK_ENTRIES = 1 << 17
+
+
+def _rho(K):
+    return math.ceil((54 + math.log2(max(K, 1))) / 2)
+
+
+def n_slices(K, bits=104):
+    """Slices per operand so that the products left out lie below about ``2**-bits`` of ``|A| |B|``.
+
+    A slice carries ``beta = 53 - rho`` bits, so a product of level ``l = p + q`` is below
+    ``K 2**(-beta l)`` of the product of the lines' maxima; the ``n + 1`` products of level ``n`` and the
+    remainders are what ``n`` slices leave out: ``beta n >= bits + log2(K) + log2(n + 3)``.
+    """
+    beta = 53 - _rho(K)
+    n = 2
+    while beta * n < bits + math.log2(max(K, 1)) + math.log2(n + 3):
+        n += 1
+    return n
+
+
+def _as_dd(x):
+    if isinstance(x, tuple):
+        return x
+    return x, np.zeros_like(x)
+
+
+def _normalise(x, axis):
+    """``(x * 2**-e, e)`` with the max over ``axis`` of ``|x.hi|`` in ``[1/2, 1)`` (e = 0 for a zero line)."""
+    mx = np.max(np.abs(x[0]), axis=axis, keepdims=True)
+    _, e = np.frexp(mx)
+    if e.min() >= -1022 and e.max() <= 1022:
+        f = pow2(-e)
+        return (x[0] * f, x[1] * f), e
+    return (np.ldexp(x[0], -e), np.ldexp(x[1], -e)), e
+
+
+def _slices(x, axis, n, rho):
+    """``(slices, remainder)``: ``n`` slices of the dd ``x`` (normalised), each on its line's grid (see the
+    module docstring), and what is left, a dd: ``x == sum(slices) + remainder`` exactly."""
+    hi, lo = x
+    out = []
+    for _ in range(n):
+        mx = np.max(np.abs(hi), axis=axis, keepdims=True)
+        _, e = np.frexp(mx)
+        sigma = pow2(np.clip(e + rho, -1022, 1023))        # e <= 0 after the normalisation
+        s = (hi + sigma) - sigma                           # exact: hi rounded to the grid 2**(rho + e - 53)
+        out.append(s)
+        hi, lo = two_sum(hi - s, lo)                       # hi - s is exact; the remainder stays exact
+    return out, (hi, lo)
+
+
+def _line_max(x, axis):
+    return np.max(np.abs(x), axis=axis, keepdims=True)
+
+
+def _products(a, b, n):
+    """The dd sum of the products ``a[p] @ b[q]``, ``p + q < n``, smallest level first (a fixed order).
+
+    A product of level ``l = p + q`` is below ``2**(-beta l)`` of ``|A||B|``: levels 3 and up are summed in
+    float64 (their rounding is below ``2**(-53 - 3 beta)``), the rest into a dd.
+    """
+    acc = None
+    for lev in range(n - 1, -1, -1):
+        for p in range(lev + 1):
+            c = np.matmul(a[p], b[lev - p])                # exact (see the module docstring)
+            if acc is None:
+                acc = (c, np.zeros_like(c))
+            elif lev >= 3:
+                acc = (acc[0] + c, acc[1])
+            else:
+                acc = dd_add_d(acc, c)
+    return fast_two_sum(*acc)
+
+
+#: Levels a ``final=True`` block tries first (10 of the products).
+QUICK_LEVELS = 4
+
+
+def _level_bound(ra, rb, ma, mb, sa, sb, K):
+    """An upper bound of ``|A B - (the levels below len(ma))|`` per entry.
+
+    ``ma``/``mb`` are the maxima and ``sa``/``sb`` the sums of absolute values of the first ``t`` slices of
+    each row of ``A`` / column of ``B`` (a slice's sum is exact: its entries share a grid with few bits),
+    ``ra``/``rb`` the maxima of their remainders. What the levels ``p + q < t`` leave out is the products
+    ``A_p B_q`` with ``p + q >= t`` (``p, q < t``) -- an entry of one is at most
+    ``min(sum|A_p| max|B_q|, max|A_p| sum|B_q|)`` -- plus ``(A_0 + ... + A_{t-1}) RB + RA B``. The dd sum
+    of the kept levels adds at most ``2**-100 |A||B|``; a factor ``1 + 2**-20`` covers the rounding of the
+    bound itself.
+    """
+    t = len(ma)
+    SA, SB, MA, MB = sum(sa), sum(sb), sum(ma), sum(mb)
+    left = SA * rb + K * ra * (MB + rb) + 2.0 ** -100 * np.minimum(SA * MB, MA * SB) + 2.0 ** -100 * K * (ra + MA) * (rb + MB)
+    for p in range(t):
+        for q in range(t):
+            if p + q >= t:
+                left = left + np.minimum(sa[p] * mb[q], ma[p] * sb[q])
+    return left * (1 + 2.0 ** -20)
+
+
+def matmul(A, B, bits=104, final=False):
+    """``A @ B`` as a dd ``(hi, lo)``; ``A`` ``(..., M, K)``, ``B`` ``(..., K, N)``, float64 or dd pairs.
+
+    Batch dimensions broadcast as in ``np.matmul``. See the module docstring
+    for the algorithm and the guarantee. ``B`` is sliced once; ``A`` block of
+    rows by block of rows, each block's slices, products and sums formed
+    together (in cache) and the blocks run side by side in the package's
+    thread pool: any cut gives the same bits.
+
+    ``final=True`` is for a result that is rounded to float64 next: a row
+    whose :data:`QUICK_LEVELS` leading levels (10 products of the
+    ``n (n + 1) / 2``) are, by a rigorous bound, within ``2**-55`` of every entry's own magnitude
+    keeps them (its ``hi`` is then faithfully rounded); the other rows take
+    every level. The choice depends on exact quantities of the row alone, so
+    it is the same on every machine and in any block.
+    """
+    A, B = _as_dd(A), _as_dd(B)
+    K = A[0].shape[-1]
+    shape = np.broadcast_shapes(A[0].shape[:-2], B[0].shape[:-2]) + (A[0].shape[-2], B[0].shape[-1])
+    if K == 0 or 0 in shape:
+        z = np.zeros(shape)
+        return z, z.copy()
+    rho, n = _rho(K), n_slices(K, bits)
+    M, N = shape[-2], shape[-1]
+    B, eb = _normalise(B, -2)
+    sb, rest_b = _slices(B, -2, n, rho)
+    t = QUICK_LEVELS
+    quick = final and n > t
+    if quick:
+        mbq = [np.broadcast_to(_line_max(x, -2), shape[:-2] + (1, N)).reshape(-1, 1, N) for x in sb[:t]]
+        sbq = [np.broadcast_to(np.sum(np.abs(x), axis=-2, keepdims=True), shape[:-2] + (1, N)).reshape(-1, 1, N)
+               for x in sb[:t]]                            # exact: K entries on one grid of few bits
+        _, rbq = _slices(B, -2, t, rho)
+        rbq = np.broadcast_to(_line_max(rbq[0], -2) + _line_max(rbq[1], -2), shape[:-2] + (1, N)).reshape(-1, 1, N)
+    sb = [np.broadcast_to(x, shape[:-2] + (K, N)).reshape(-1, K, N) for x in sb]
+    eb = np.broadcast_to(eb, shape[:-2] + (1, N)).reshape(-1, 1, N)
+    Ah, Al = (np.broadcast_to(x, shape[:-2] + (M, K)).reshape(-1, M, K) for x in A)
+    hi = np.empty((sb[0].shape[0], M, N))
+    lo = np.empty_like(hi)
+    mb = max(8, _BLOCK_ENTRIES // max(N, 1))               # rows per block: the sums stay in cache
+
+    def block(item):
+        b, m0 = item
+        a, ea = _normalise((Ah[b, m0:m0 + mb], Al[b, m0:m0 + mb]), -1)
+        if quick:
+            aq, raq = _slices(a, -1, t, rho)
+            h, l = _products(aq, [x[b] for x in sb[:t]], t)
+            bound = _level_bound(_line_max(raq[0], -1) + _line_max(raq[1], -1), rbq[b],
+                                 [_line_max(x, -1) for x in aq], [x[b] for x in mbq],
+                                 [np.sum(np.abs(x), axis=-1, keepdims=True) for x in aq], [x[b] for x in sbq], K)
+            redo = np.flatnonzero(~np.all(bound <= 2.0 ** -55 * np.abs(h), axis=-1))
+            if redo.size:                                  # those rows take every level (rows are independent)
+                h[redo], l[redo] = _products(_slices((a[0][redo], a[1][redo]), -1, n, rho)[0],
+                                             [x[b] for x in sb], n)
+        else:
+            h, l = _products(_slices(a, -1, n, rho)[0], [x[b] for x in sb], n)
+        e = ea + eb[b]                                     # (rows, 1) + (1, N): undo the scalings, exactly
+        if e.min() >= -1022 and e.max() <= 1023:
+            f = pow2(e)
+            hi[b, m0:m0 + mb], lo[b, m0:m0 + mb] = h * f, l * f
+        else:                                              # results near the ends of the range
+            hi[b, m0:m0 + mb], lo[b, m0:m0 + mb] = np.ldexp(h, e), np.ldexp(l, e)
+
+    items = [(b, m0) for b in range(hi.shape[0]) for m0 in range(0, M, mb)]
+    if len(items) > 1:
+        run_all(block, items)
+    else:
+        block(items[0])
+    return hi.reshape(shape), lo.reshape(shape)

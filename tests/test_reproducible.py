@@ -1,0 +1,242 @@
+"""``precision="reproducible"``: faithful rounding against 50-digit mpmath, agreement with the other engines on
+every option, and the same bits under every thread, BLAS and SIMD setting (and on the machine that committed
+``tests/data/reproducible_hashes.json``)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import sdpa_ref
+from sdpa_ref.exact import dd as D
+from sdpa_ref.exact import ozaki
+
+from helpers import assert_close_normwise
+from oracle import oracle_attention
+from strategies import variant_problem
+
+mpmath = pytest.importorskip("mpmath")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HASHES = os.path.join(HERE, "data", "reproducible_hashes.json")
+
+
+def _faithful(x, truth, what):
+    """Every entry of float64 ``x`` is one of the two floats next to the mpmath ``truth`` (the value itself if
+    representable); NaN where the truth is NaN."""
+    bad = []
+    for idx, t in np.ndenumerate(truth):
+        xi = float(x[idx])
+        if mpmath.isnan(t):
+            if not np.isnan(xi):
+                bad.append((idx, xi, t))
+            continue
+        t = mpmath.mpf(t)
+        a = float(t)                                              # nearest
+        if mpmath.mpf(a) == t:
+            ok = xi == a
+        else:
+            b = float(np.nextafter(a, np.inf if t > a else -np.inf))
+            ok = xi in (a, b)
+        if not ok:
+            bad.append((idx, xi, mpmath.nstr(t, 20)))
+    assert not bad, f"{what}: {len(bad)} entries not faithfully rounded, e.g. {bad[:3]}"
+
+
+def _oracle_args(q, oracle):
+    B = q.shape[0]
+    args = dict(oracle)
+    if "slopes" in args:
+        args["slopes"] = np.broadcast_to(args["slopes"], (B, q.shape[1]))
+    return args
+
+
+@settings(max_examples=12)
+@given(variant_problem(max_len=4))
+def test_faithfully_rounded_against_mpmath(problem):
+    q, k, v, opts, oracle = problem
+    rng = np.random.default_rng(0)
+    out, res = sdpa_ref.sdpa_forward(q, k, v, precision="reproducible", **opts)
+    g = rng.standard_normal(out.shape)
+    grads = sdpa_ref.sdpa_backward(res, g)
+    args = _oracle_args(q, oracle)
+    t_out, t_lse, (t_dq, t_dk, t_dv, _) = oracle_attention(q, k, v, grad_out=g, num="mp", **args)
+    _faithful(out, t_out, "out")
+    _faithful(res.lse, t_lse, "lse")
+    _faithful(grads.query, t_dq, "dq")
+    _faithful(grads.key, t_dk, "dk")
+    _faithful(grads.value, t_dv, "dv")
+
+
+@settings(max_examples=6)
+@given(variant_problem(max_len=3))
+def test_jvp_faithfully_rounded_against_mpmath(problem):
+    q, k, v, opts, oracle = problem
+    rng = np.random.default_rng(1)
+    tq, tk, tv = (rng.standard_normal(x.shape) for x in (q, k, v))
+    _, tan = sdpa_ref.sdpa_jvp((q, k, v), (tq, tk, tv), precision="reproducible", **opts)
+    # the exact derivative by a central difference in 60 digits: error O(h^2) = 1e-40
+    ctx = mpmath.MPContext()
+    ctx.dps = 60
+    h = ctx.mpf(10) ** -20
+
+    def shifted(a, t, sign):
+        out = np.empty(a.shape, dtype=object)
+        for i, x in np.ndenumerate(a):
+            out[i] = ctx.mpf(float(x)) + sign * h * ctx.mpf(float(t[i]))
+        return out
+
+    args = _oracle_args(q, oracle)
+    hi = oracle_attention(shifted(q, tq, 1), shifted(k, tk, 1), shifted(v, tv, 1), num="mp", **args)[0]
+    lo = oracle_attention(shifted(q, tq, -1), shifted(k, tk, -1), shifted(v, tv, -1), num="mp", **args)[0]
+    truth = np.empty(hi.shape, dtype=object)
+    for i, a in np.ndenumerate(hi):
+        b = lo[i]
+        truth[i] = float("nan") if mpmath.isnan(a) else (a - b) / (2 * h)
+    _faithful(tan, truth, "jvp")
+
+
+@given(variant_problem(max_len=5))
+def test_agrees_with_the_teaching_core_on_every_option(problem):
+    q, k, v, opts, _ = problem
+    out_p, res_p = sdpa_ref.sdpa_forward(q, k, v, method="plain", **opts)
+    out_r, res_r = sdpa_ref.sdpa_forward(q, k, v, precision="reproducible", **opts)
+    assert_close_normwise(out_r, out_p, 1e-13)
+    np.testing.assert_array_equal(np.isnan(out_r), np.isnan(out_p))
+    np.testing.assert_array_equal(res_r.lse == -np.inf, res_p.lse == -np.inf)
+    g = np.random.default_rng(0).standard_normal(out_p.shape)
+    for a, b in zip(sdpa_ref.sdpa_backward(res_r, g), sdpa_ref.sdpa_backward(res_p, g, method="plain")):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert_close_normwise(a, b, 1e-13)
+
+
+def test_results_are_the_committed_bits_under_every_setting():
+    """One hash per problem under threads 1-3, OpenBLAS 1/unset, its kernels, the SIMD levels, other block cuts.
+
+    The in-process run (default threads, OpenBLAS's own kernel for this CPU) is the next test.
+    """
+    with open(HASHES) as f:
+        want = json.load(f)
+    script = os.path.join(HERE, "repro_digest.py")
+    avx512 = "AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR X86_V4"
+    # each run varies several settings at once (a run costs an interpreter start); together they cover
+    # SDPA_REF_NUM_THREADS 1-3, OPENBLAS_NUM_THREADS 1 and unset, three OpenBLAS kernels, numpy's dispatch
+    # with and without the AVX-512 and AVX2 targets, and two other cuts of the blocks
+    settings_ = [({"SDPA_REF_NUM_THREADS": "1", "OPENBLAS_CORETYPE": "Prescott"}, []),
+                 ({"SDPA_REF_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "1", "OPENBLAS_CORETYPE": "Sandybridge"},
+                  ["--block-entries", "997"]),
+                 ({"SDPA_REF_NUM_THREADS": "2", "NPY_DISABLE_CPU_FEATURES": avx512}, ["--block-entries", "4096"]),
+                 ({"SDPA_REF_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "1",
+                   "NPY_DISABLE_CPU_FEATURES": avx512 + " AVX2 FMA3 X86_V3"}, [])]
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("SDPA_REF_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "NPY_DISABLE_CPU_FEATURES")}
+    ran = 0
+    for extra_env, args in settings_:
+        env = dict(base, **extra_env)
+        if "NPY_DISABLE_CPU_FEATURES" in extra_env:
+            probe = subprocess.run([sys.executable, "-c", "import numpy"], env=env, capture_output=True)
+            if probe.returncode != 0:
+                continue                                         # numpy refuses to switch off a baseline feature
+        cp = subprocess.run([sys.executable, script] + args, env=env, capture_output=True, text=True, timeout=300)
+        assert cp.returncode == 0, cp.stderr[-2000:]
+        got = dict(line.split() for line in cp.stdout.strip().splitlines())
+        assert got == want, f"{extra_env} {args}: " + ", ".join(n for n in want if got.get(n) != want[n])
+        ran += 1
+    assert ran >= 2
+
+
+def test_in_process_results_match_the_committed_hashes():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("repro_digest", os.path.join(HERE, "repro_digest.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with open(HASHES) as f:
+        assert mod.digests() == json.load(f)
+
+
+# ---------------------------------------------------------------- the building blocks
+
+
+def test_dd_exp_log_tanh_against_mpmath():
+    ctx = mpmath.MPContext()
+    ctx.dps = 50
+    rng = np.random.default_rng(3)
+    x = np.concatenate([-rng.exponential(40, 300), -rng.random(50) * 1e-6, [0.0, -700.0, -1e-300]])
+    z = np.concatenate([rng.standard_normal(300) * 4, rng.standard_normal(50) * 1e-4, [0.0, 30.0, -0.0625]])
+    y = np.concatenate([1 + rng.random(200) * 4096, 1 + rng.random(50) * 1e-9, [1.0, 2.0]])
+    for f, g, arg, rel in ((D.dd_exp, ctx.exp, x, True), (D.dd_tanh, ctx.tanh, z, True), (D.dd_log, ctx.log, y, False)):
+        hi, lo = f(D.dd(arg))
+        for a, h, l in zip(arg, hi, lo):
+            t = g(ctx.mpf(float(a)))
+            err = abs(ctx.mpf(float(h)) + ctx.mpf(float(l)) - t)
+            # below about 2**-960 the low half underflows: an absolute error of a few subnormals is the floor
+            assert err <= max((abs(t) if rel else 1) * 2.0 ** -99, 2.0 ** -1070), (f.__name__, a)
+
+
+def test_ozaki_products_are_exact_to_the_target_and_blind_to_the_blas_order():
+    ctx = mpmath.MPContext()
+    ctx.dps = 60
+    rng = np.random.default_rng(4)
+    A = rng.standard_normal((5, 70)) * np.exp(rng.standard_normal((5, 70)) * 4)
+    B = rng.standard_normal((70, 3))
+    A[1] *= 1e-250                                              # a row far from the others
+    hi, lo = ozaki.matmul(A, B)
+    for i in range(5):
+        for j in range(3):
+            t = ctx.fsum(ctx.mpf(float(A[i, k])) * ctx.mpf(float(B[k, j])) for k in range(70))
+            s = ctx.fsum(abs(ctx.mpf(float(A[i, k])) * ctx.mpf(float(B[k, j]))) for k in range(70))
+            assert abs(ctx.mpf(float(hi[i, j])) + ctx.mpf(float(lo[i, j])) - t) <= s * 2.0 ** -104
+    # the same product with the contraction permuted: a BLAS summing in another order
+    perm = rng.permutation(70)
+    h2, l2 = ozaki.matmul(A[:, perm], B[perm])
+    np.testing.assert_array_equal(hi, h2)
+    np.testing.assert_array_equal(lo, l2)
+
+
+def test_a_wrong_rounding_is_caught():
+    # the faithfulness check itself must fail for a result two ulps away
+    t = np.array([mpmath.mpf(1) / 3], dtype=object)
+    _faithful(np.array([1 / 3]), t, "ok")
+    with pytest.raises(AssertionError):
+        _faithful(np.array([np.nextafter(np.nextafter(1 / 3, 1), 1)]), t, "two ulps")
+
+
+# ---------------------------------------------------------------- the API
+
+
+def test_precision_errors_name_the_argument():
+    q = np.ones((1, 2, 3))
+    with pytest.raises(ValueError, match="precision"):
+        sdpa_ref.sdpa_forward(q, q, q, precision="exact")
+    with pytest.raises(ValueError, match="method"):
+        sdpa_ref.sdpa_forward(q, q, q, precision="reproducible", method="tiled")
+    with pytest.raises(ValueError, match="upcast"):
+        q32 = q.astype(np.float32)
+        sdpa_ref.sdpa_forward(q32, q32, q32, precision="reproducible", upcast=False)
+    _, res = sdpa_ref.sdpa_forward(q, q, q, precision="reproducible")
+    with pytest.raises(ValueError, match="method"):
+        sdpa_ref.sdpa_backward(res, np.ones((1, 2, 3)), method="fast")
+    _, res = sdpa_ref.sdpa_forward(q, q, q)
+    with pytest.raises(ValueError, match="method"):
+        sdpa_ref.sdpa_backward(res, np.ones((1, 2, 3)), method="reproducible")
+    _, res = sdpa_ref.sdpa_forward(q, q, q, precision="reproducible", save_probs=False)
+    with pytest.raises(ValueError, match="save_probs"):
+        sdpa_ref.sdpa_backward(res, np.ones((1, 2, 3)))
+
+
+def test_float32_inputs_are_upcast_and_the_result_rounded_once_more():
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 4, 3)) for _ in range(3))
+    out64 = sdpa_ref.scaled_dot_product_attention(q, k, v, precision="reproducible")
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    out32 = sdpa_ref.scaled_dot_product_attention(q32, k32, v32, precision="reproducible")
+    want = sdpa_ref.scaled_dot_product_attention(*(x.astype(np.float64) for x in (q32, k32, v32)),
+                                                 precision="reproducible").astype(np.float32)
+    assert out32.dtype == np.float32
+    np.testing.assert_array_equal(out32, want)
+    assert out64.dtype == np.float64
