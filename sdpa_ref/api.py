@@ -109,8 +109,12 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         ulp of the exact value of the formula on the given inputs -- and the
         same bits on any machine, thread count, BLAS or SIMD level
         (:mod:`sdpa_ref.engines.reproducible`: double-double arithmetic with
-        exact BLAS products by the Ozaki scheme). Many times slower; float64
-        compute only; ``method`` and ``block_size`` must be None.
+        exact BLAS products by the Ozaki scheme). With ``upcast=False``
+        (float64, float32 or float16), every operation is rounded to the
+        inputs' dtype, in a fixed order (products and sums accumulated in
+        float32, float64 for float64): an honest computation in that
+        precision, the same bits everywhere. Many times slower; ``method`` and ``block_size`` must be
+        None.
 
     Returns
     -------
@@ -354,9 +358,9 @@ def _engine(method, block_size, prob, allowed, precision="fast"):
         if method is not None or block_size is not None:
             raise ValueError("`method` and `block_size` should be None with precision='reproducible' (it has its "
                              f"own engine), but got method={method!r}, block_size={block_size!r}")
-        if prob.dtype != np.float64:
-            raise ValueError("precision='reproducible' computes in float64: `upcast` should be True (the "
-                             f"default) for {prob.dtypes['query']} inputs, or the inputs float64")
+        if prob.dtype not in (np.float64, np.float32, np.float16):
+            raise ValueError("precision='reproducible' computes in float64, float32 or float16, but the compute "
+                             f"dtype is {prob.dtype}")
         return "reproducible", None
     if method is None:
         method = "tiled" if block_size is not None else allowed[0]

@@ -20,7 +20,7 @@ import numpy as np
 
 import sdpa_ref
 from sdpa_ref.engines import reproducible
-from sdpa_ref.exact import ozaki
+from sdpa_ref.exact import arith, ozaki
 
 
 def _u(rng, shape, lo=-2.0, hi=2.0):
@@ -28,12 +28,13 @@ def _u(rng, shape, lo=-2.0, hi=2.0):
 
 
 def problems():
-    """``[(name, (q, k, v), options, grad_out)]``: fixed seeds, every option at least once."""
+    """``[(name, (q, k, v), options, grad_out)]``: fixed seeds, every option at least once; the last ones
+    in each precision's honest arithmetic (``upcast=False``)."""
     out = []
 
-    def add(name, seed, qs, ks, vs, **opts):
+    def add(name, seed, qs, ks, vs, dtype=np.float64, **opts):
         rng = np.random.default_rng(seed)
-        q, k, v = _u(rng, qs), _u(rng, ks), _u(rng, vs)
+        q, k, v = (_u(rng, s).astype(dtype) for s in (qs, ks, vs))
         for key in ("attn_mask", "bias"):
             if isinstance(opts.get(key), str):
                 opts[key] = _u(rng, (qs[-2], ks[-2]), -3.0, 3.0)
@@ -41,7 +42,7 @@ def problems():
         if isinstance(opts.get("alibi_slopes"), str):
             opts["alibi_slopes"] = rng.uniform(0.0, 1.0, size=(Hq,))
         o_shape = np.broadcast_shapes(qs[:-2], vs[:-3] + (Hq,) if len(vs) >= 3 else ()) + (qs[-2], vs[-1])
-        out.append((name, (q, k, v), opts, _u(rng, o_shape)))
+        out.append((name, (q, k, v), opts, _u(rng, o_shape).astype(dtype)))
 
     add("plain", 1, (2, 3, 7, 5), (2, 3, 6, 5), (2, 3, 6, 4))
     add("gqa-causal-br", 2, (1, 4, 9, 8), (1, 2, 11, 8), (1, 2, 11, 3), enable_gqa=True, is_causal=True,
@@ -60,6 +61,9 @@ def problems():
     add("batch-broadcast-rank3", 8, (4, 6, 5), (1, 4, 8, 5), (1, 4, 8, 7))
     add("chunked-threaded", 9, (2, 4, 96, 8), (2, 2, 112, 8), (2, 2, 112, 8), enable_gqa=True,
         is_causal=True, softcap=20.0)
+    for i, dt in enumerate((np.float64, np.float32, np.float16)):
+        add(f"honest-{np.dtype(dt).name}", 10 + i, (2, 2, 9, 8), (2, 1, 11, 8), (2, 1, 11, 4), dtype=dt,
+            upcast=False, enable_gqa=True, is_causal=True, attn_mask="draw", softcap=4.0, dropout_p=0.25, rng=5)
     return out
 
 
@@ -73,7 +77,7 @@ def digests():
         tangents = tuple(np.flip(x, axis=-1).copy() for x in (q, k, v))
         _, tan = sdpa_ref.sdpa_jvp((q, k, v), tangents, precision="reproducible", **opts)
         for a in (out, r.lse, *[x for x in grads if x is not None], tan):
-            h.update(np.ascontiguousarray(a, dtype=np.float64).tobytes())
+            h.update(np.ascontiguousarray(a).tobytes())
         res[name] = h.hexdigest()
     return res
 
@@ -87,6 +91,7 @@ def main(argv=None):
     if args.block_entries is not None:
         ozaki._BLOCK_ENTRIES = args.block_entries
         reproducible._ROW_ENTRIES = args.block_entries
+        arith.LowPrecision.BLOCK = args.block_entries
     for name, d in digests().items():
         print(name, d)
     return 0

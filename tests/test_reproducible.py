@@ -215,9 +215,8 @@ def test_precision_errors_name_the_argument():
         sdpa_ref.sdpa_forward(q, q, q, precision="exact")
     with pytest.raises(ValueError, match="method"):
         sdpa_ref.sdpa_forward(q, q, q, precision="reproducible", method="tiled")
-    with pytest.raises(ValueError, match="upcast"):
-        q32 = q.astype(np.float32)
-        sdpa_ref.sdpa_forward(q32, q32, q32, precision="reproducible", upcast=False)
+    q32 = q.astype(np.float32)
+    assert sdpa_ref.sdpa_forward(q32, q32, q32, precision="reproducible", upcast=False)[0].dtype == np.float32
     _, res = sdpa_ref.sdpa_forward(q, q, q, precision="reproducible")
     with pytest.raises(ValueError, match="method"):
         sdpa_ref.sdpa_backward(res, np.ones((1, 2, 3)), method="fast")

@@ -1,9 +1,14 @@
 r"""``precision="reproducible"``: faithfully rounded float64, the same bits on every machine.
 
 The formulas are the teaching core's (:mod:`sdpa_ref.attention`), evaluated
-in double-double arithmetic (:mod:`sdpa_ref.exact.dd`) with every matrix
-product formed exactly on the BLAS by the Ozaki scheme
-(:mod:`sdpa_ref.exact.ozaki`), and rounded to float64 once, at the end:
+once, here, in one of two arithmetics (:mod:`sdpa_ref.exact.arith`). In
+float64: double-double (:mod:`sdpa_ref.exact.dd`), every matrix product
+formed exactly on the BLAS by the Ozaki scheme (:mod:`sdpa_ref.exact.ozaki`),
+every result rounded to float64 once, at the end. With ``upcast=False`` (in
+float64, float32 or float16): every operation rounded to that dtype, as a kernel in
+that precision would compute, in a fixed order (products summed by a fixed
+pairwise tree; ``exp``, ``log`` and ``tanh`` the double-double ones rounded).
+The steps:
 
 * ``Traw = scale * Q K^T``, the transforms (softcap with the package's own
   ``tanh``, the float mask, bias and ``slope * distance`` of ALiBi, each
@@ -27,8 +32,7 @@ cancellation of more than about 2**45 (normwise: always within 2**-52);
 NaN results are the one canonical quiet NaN (IEEE 754 does not fix the
 sign and payload bits of a NaN, and SIMD paths differ in them).
 
-Limits: float64 compute only (``upcast=False`` with a lower precision is
-refused); real inputs; finite values or the masks' ``-inf``; inputs and
+Limits: real inputs; finite values or the masks' ``-inf``; inputs and
 results far from the subnormal range (below about ``2**-960`` the low half
 of a double-double underflows and the guarantee weakens to absolute
 ``2**-1074``-level errors).
@@ -40,9 +44,7 @@ import functools
 
 import numpy as np
 
-from ..exact import ozaki
-from ..exact.dd import (dd, dd_add, dd_add_d, dd_div, dd_exp, dd_log, dd_mul, dd_mul_d, dd_sub, dd_sum, dd_tanh,
-                        dd_where, two_prod, two_sum)
+from ..exact.arith import for_problem
 from ..masks import block_of, fill_empty_rows, fill_output_without_keys
 from ..transforms import alibi_distance
 from ._threads import run_all
@@ -50,6 +52,8 @@ from .contract import Forward, Grads
 
 #: Score entries of one block of rows whose element-wise chain runs together (256 KiB per array).
 _ROW_ENTRIES = 1 << 15
+#: Score entries below which the blocks run one after the other rather than in the pool.
+_PARALLEL_ENTRIES = 1 << 17
 
 __all__ = ["forward", "backward", "jvp"]
 
@@ -65,13 +69,14 @@ def _quiet(fn):
 
 @_quiet
 def forward(prob, *, save_probs=True) -> Forward:
-    """The forward in double-double; ``probs`` is ``P`` rounded, the dd ``P`` and ``tanh`` ride in ``extra``."""
+    """The forward; ``probs`` is ``P`` rounded, the full-precision ``P`` and ``tanh`` ride in ``extra``."""
+    X = for_problem(prob)
     o, S, full, nd = prob.options, prob.S, prob.full_scores, len(prob.full_scores)
-    Sraw = _full(ozaki.matmul(prob.q, _t(_kv(prob.k))), prob)                          # Q K^T, (..., Hq, L, S)
-    P = (np.empty(full), np.empty(full))
-    Pd = (np.empty(full), np.empty(full)) if prob.keep is not None else P
-    th = (np.empty(full), np.empty(full)) if o.softcap is not None else None
-    m, s_hi, lse = (np.empty(full[:-1] + (1,)) for _ in range(3))
+    Sraw = _full(X.matmul(prob.q, _t(_kv(prob.k))), prob)                              # Q K^T, (..., Hq, L, S)
+    P = X.empty(full)
+    Pd = X.empty(full) if prob.keep is not None else P
+    th = X.empty(full) if o.softcap is not None else None
+    m, s_val, lse = (np.empty(full[:-1] + (1,), X.dtype) for _ in range(3))
     empty = np.empty(full[:-1] + (1,), dtype=bool)
     excluded = _excluded(prob)
     dist = None if prob.alibi is None else alibi_distance(prob.L, S, o.causal_alignment, prob.q_lengths,
@@ -80,119 +85,121 @@ def forward(prob, *, save_probs=True) -> Forward:
 
     def rows(lead, r):
         ix = lead + (slice(*r),)
-        T = dd_mul_d((Sraw[0][ix], Sraw[1][ix]), prob.scale)
+        T = X.mul_d(X.at(Sraw, ix), prob.scale)
         if th is not None:                                           # cap * tanh(Traw / cap)
-            t = dd_tanh(dd_div(T, dd(np.float64(o.softcap))))
-            th[0][ix], th[1][ix] = t
-            T = dd_mul_d(t, o.softcap)
+            t = X.tanh(X.div(T, X.lift(o.softcap)))
+            X.put(th, ix, t)
+            T = X.mul_d(t, o.softcap)
         excl = block_of(excluded, nd, lead, r)
         for b in (prob.mask_float, prob.bias):
             if b is not None:
                 b = block_of(b, nd, lead, r)
                 neg = b == -np.inf                                   # a float -inf excludes the entry
-                T = dd_add_d(T, np.where(neg, 0.0, b))
+                T = X.add_d(T, np.where(neg, 0, b))
                 excl = neg if excl is None else (excl | neg)
-        if dist is not None:                                         # - slope * |i + off - j|, exactly
-            T = dd_sub(T, two_prod(*np.broadcast_arrays(block_of(prob.alibi, nd, lead), block_of(dist, nd, lead, r))))
-        hi = T[0] if excl is None else np.where(excl, -np.inf, T[0])
-        mx = np.max(hi, axis=-1, keepdims=True, initial=-np.inf)
+        if dist is not None:                                         # - slope * |i + off - j|
+            T = X.sub(T, X.exact_product(block_of(prob.alibi, nd, lead), block_of(dist, nd, lead, r)))
+        val = X.value(T) if excl is None else np.where(excl, -np.inf, X.value(T))
+        mx = np.max(val, axis=-1, keepdims=True, initial=-np.inf)
         em = mx == -np.inf
-        mx = np.where(em | ~np.isfinite(mx), 0.0, mx)
-        e = dd_exp(dd_add_d(T, -mx))
+        mx = np.where(em | ~np.isfinite(mx), 0, mx).astype(X.dtype)
+        e = X.exp(X.add_d(T, -mx))
         if excl is not None:
-            e = dd_where(excl, dd(np.float64(0.0)), e)
-        sm = dd_where(em, dd(np.float64(1.0)), dd_sum(e, keepdims=True))
-        p = _fill_rows(dd_div(e, sm), em, block_of(padded, nd, lead, r), o.fully_masked, S)
-        P[0][ix], P[1][ix] = p
+            e = X.where(excl, X.const(0.0), e)
+        sm = X.where(em, X.const(1.0), X.sum(e, keepdims=True))
+        p = _fill_rows(X, X.div(e, sm), em, block_of(padded, nd, lead, r), o.fully_masked, S)
+        X.put(P, ix, p)
         if Pd is not P:
-            Pd[0][ix], Pd[1][ix] = _dropout(p, block_of(prob.keep, nd, lead, r), o.dropout_p)
-        m[ix], s_hi[ix], empty[ix] = mx, np.where(em, 0.0, sm[0]), em
-        lse[ix] = np.where(em, -np.inf, dd_add_d(dd_log(sm), mx)[0])
+            X.put(Pd, ix, _dropout(X, p, block_of(prob.keep, nd, lead, r), o.dropout_p))
+        m[ix], s_val[ix], empty[ix] = mx, np.where(em, 0, X.value(sm)), em
+        lse[ix] = np.where(em, -np.inf, X.value(X.add_d(X.log(sm), mx)))
 
     _by_rows(full, rows)
-    O = _round(ozaki.matmul(_grouped(Pd, prob), _kv(prob.v), final=True))
+    O = _round(X, X.matmul(_grouped(Pd, prob), _kv(prob.v), final=True))
     O = _canon(fill_output_without_keys(_full(O, prob), o.fully_masked, S, padded))
     extra = {"P": P, "Pd": Pd, "tanh": th} if save_probs else None
-    return Forward(out=O, lse=_canon(lse[..., 0]), probs=P[0] if save_probs else None,
-                   tanh=None if th is None else th[0], empty=empty, rowmax=m, rowsum=s_hi, extra=extra)
+    return Forward(out=O, lse=_canon(lse[..., 0]), probs=X.value(P) if save_probs else None,
+                   tanh=None if th is None else X.value(th), empty=empty, rowmax=m, rowsum=s_val, extra=extra)
 
 
 @_quiet
 def backward(prob, fwd: Forward, dO) -> Grads:
-    """The core's backward in double-double; every gradient rounded once."""
+    """The core's backward; every gradient rounded once."""
+    X = for_problem(prob)
     o, full, nd = prob.options, prob.full_scores, len(prob.full_scores)
     P, Pd, th = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["tanh"]
     dOg = _grouped(dO, prob)                                          # (..., Hkv, G, L, Ev)
-    dv = ozaki.matmul(_t(_fold(_grouped(Pd, prob))), _fold(dOg),      # P_drop^T dO, the group folded in
-                      final=_no_sum(prob.batch + prob.v.shape[-3:], prob.shapes["value"]))
-    dP = _full(ozaki.matmul(dOg, _t(_kv(prob.v))), prob)             # dO V^T
+    dv = X.matmul(_t(_fold(_grouped(Pd, prob))), _fold(dOg),          # P_drop^T dO, the group folded in
+                  final=_no_sum(prob.batch + prob.v.shape[-3:], prob.shapes["value"]))
+    dP = _full(X.matmul(dOg, _t(_kv(prob.v))), prob)                 # dO V^T
     keep_dT = prob.mask_float is not None or prob.bias is not None
-    dT = (np.empty(full), np.empty(full)) if keep_dT else None
-    dTraw = (np.empty(full), np.empty(full))
+    dT = X.empty(full) if keep_dT else None
+    dTraw = X.empty(full)
 
     def rows(lead, r):
         ix = lead + (slice(*r),)
-        g = _dropout((dP[0][ix], dP[1][ix]), block_of(prob.keep, nd, lead, r), o.dropout_p)
-        t = _softmax_vjp((P[0][ix], P[1][ix]), g)                    # P * (dP - rowsum(P * dP)), pivoted
+        g = _dropout(X, X.at(dP, ix), block_of(prob.keep, nd, lead, r), o.dropout_p)
+        t = _softmax_vjp(X, X.at(P, ix), g)                           # P * (dP - rowsum(P * dP)), pivoted
         if o.fully_masked == "uniform":
-            t = dd_where(fwd.empty[ix], dd(np.float64(0.0)), t)
+            t = X.where(fwd.empty[ix], X.const(0.0), t)
         if dT is not None:
-            dT[0][ix], dT[1][ix] = t
+            X.put(dT, ix, t)
         if th is not None:                                           # * (1 - tanh^2)
-            h = (th[0][ix], th[1][ix])
-            t = dd_mul(t, dd_add_d(_neg(dd_mul(h, h)), 1.0))
-        dTraw[0][ix], dTraw[1][ix] = t
+            h = X.at(th, ix)
+            t = X.mul(t, X.add_d(X.neg(X.mul(h, h)), 1.0))
+        X.put(dTraw, ix, t)
 
     _by_rows(full, rows)
-    dmask = None if prob.mask_float is None else _round(_unbroadcast(dT, prob.shapes["attn_mask"]))
-    dbias = None if prob.bias is None else _round(_unbroadcast(dT, prob.shapes["bias"]))
+    dmask = None if prob.mask_float is None else _round(X, _unbroadcast(X, dT, prob.shapes["attn_mask"]))
+    dbias = None if prob.bias is None else _round(X, _unbroadcast(X, dT, prob.shapes["bias"]))
     dTg = _grouped(dTraw, prob)
-    dq = dd_mul_d(ozaki.matmul(dTg, _kv(prob.k), final=_no_sum(full[:-1] + (prob.q.shape[-1],),
-                                                                prob.shapes["query"])), prob.scale)
-    dk = dd_mul_d(ozaki.matmul(_t(_fold(dTg)), _fold_q(prob), final=_no_sum(prob.batch + prob.k.shape[-3:],
-                                                                          prob.shapes["key"])), prob.scale)
-    return Grads(dq=_round(_unbroadcast(_full(dq, prob), prob.shapes["query"])),
-                 dk=_round(_unbroadcast(dk, prob.shapes["key"])), dv=_round(_unbroadcast(dv, prob.shapes["value"])),
-                 dmask=dmask, dbias=dbias)
+    dq = X.mul_d(X.matmul(dTg, _kv(prob.k), final=_no_sum(full[:-1] + (prob.q.shape[-1],),
+                                                            prob.shapes["query"])), prob.scale)
+    dk = X.mul_d(X.matmul(_t(_fold(dTg)), _fold_q(prob), final=_no_sum(prob.batch + prob.k.shape[-3:],
+                                                                      prob.shapes["key"])), prob.scale)
+    return Grads(dq=_round(X, _unbroadcast(X, _full(dq, prob), prob.shapes["query"])),
+                 dk=_round(X, _unbroadcast(X, dk, prob.shapes["key"])),
+                 dv=_round(X, _unbroadcast(X, dv, prob.shapes["value"])), dmask=dmask, dbias=dbias)
 
 
 @_quiet
 def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None):
-    """The output tangent, the core's JVP in double-double (tangents in the core's layouts; None is zero)."""
+    """The output tangent, the core's JVP (tangents in the core's layouts; None is zero)."""
+    X = for_problem(prob)
     o, full, nd = prob.options, prob.full_scores, len(prob.full_scores)
     P, Pd, th = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["tanh"]
     dO = None
     if dq is not None or dk is not None or dbias is not None:
         dT = None
         if dq is not None:
-            dT = ozaki.matmul(dq, _t(_kv(prob.k)))
+            dT = X.matmul(dq, _t(_kv(prob.k)))
         if dk is not None:
-            u = ozaki.matmul(prob.q, _t(_kv(dk)))
-            dT = u if dT is None else dd_add(dT, u)
-        dT = dd(np.zeros(full)) if dT is None else _full(dT, prob)
-        dPd = (np.empty(full), np.empty(full))
+            u = X.matmul(prob.q, _t(_kv(dk)))
+            dT = u if dT is None else X.add(dT, u)
+        dT = X.lift(np.zeros(full)) if dT is None else _full(dT, prob)
+        dPd = X.empty(full)
 
         def rows(lead, r):
             ix = lead + (slice(*r),)
-            t = dd_mul_d((dT[0][ix], dT[1][ix]), prob.scale)
+            t = X.mul_d(X.at(dT, ix), prob.scale)
             if th is not None:
-                h = (th[0][ix], th[1][ix])
-                t = dd_mul(t, dd_add_d(_neg(dd_mul(h, h)), 1.0))
+                h = X.at(th, ix)
+                t = X.mul(t, X.add_d(X.neg(X.mul(h, h)), 1.0))
             if dbias is not None:
-                t = dd_add_d(t, block_of(dbias, nd, lead, r))
-            p = _softmax_jvp((P[0][ix], P[1][ix]), t)                # P * (dT - rowsum(P * dT)), pivoted
+                t = X.add_d(t, block_of(dbias, nd, lead, r))
+            p = _softmax_vjp(X, X.at(P, ix), t)                      # J is symmetric: the JVP is the same map
             if o.fully_masked == "uniform":
-                p = dd_where(fwd.empty[ix], dd(np.float64(0.0)), p)
-            dPd[0][ix], dPd[1][ix] = _dropout(p, block_of(prob.keep, nd, lead, r), o.dropout_p)
+                p = X.where(fwd.empty[ix], X.const(0.0), p)
+            X.put(dPd, ix, _dropout(X, p, block_of(prob.keep, nd, lead, r), o.dropout_p))
 
         _by_rows(full, rows)
-        dO = ozaki.matmul(_grouped(dPd, prob), _kv(prob.v))
+        dO = X.matmul(_grouped(dPd, prob), _kv(prob.v))
     if dv is not None:
-        u = ozaki.matmul(_grouped(Pd, prob), _kv(dv))
-        dO = u if dO is None else dd_add(dO, u)
+        u = X.matmul(_grouped(Pd, prob), _kv(dv))
+        dO = u if dO is None else X.add(dO, u)
     if dO is None:
-        return np.zeros(full[:-1] + (prob.v.shape[-1],))
-    return _full(_round(dO), prob)
+        return np.zeros(full[:-1] + (prob.v.shape[-1],), X.dtype)
+    return _full(_round(X, dO), prob)
 
 
 def _by_rows(full, fn):
@@ -203,27 +210,30 @@ def _by_rows(full, fn):
     computed the same way in any block.
     """
     L, S = full[-2], full[-1]
+    lead = full[:-2]
+    if not lead:
+        lead_items = [()]
+    elif L * S * lead[-1] <= _ROW_ENTRIES:                   # small heads: several in one block
+        lead_items = [tuple(slice(i, i + 1) for i in ix) + (slice(None),) for ix in np.ndindex(*lead[:-1])]
+    else:
+        lead_items = [tuple(slice(i, i + 1) for i in ix) for ix in np.ndindex(*lead)]
     rb = max(1, _ROW_ENTRIES // max(S, 1))
-    items = [(tuple(slice(i, i + 1) for i in ix), (r0, min(r0 + rb, L)))
-             for ix in np.ndindex(*full[:-2]) for r0 in range(0, L, rb)]
-    if len(items) > 1:
+    items = [(li, (r0, min(r0 + rb, L))) for li in lead_items for r0 in range(0, L, rb)]
+    if len(items) > 1 and int(np.prod(full)) >= _PARALLEL_ENTRIES:
         run_all(lambda it: fn(*it), items)
-    elif items:
-        fn(*items[0])
+    else:                                                    # small: the pool's hand-offs would cost more
+        for it in items:
+            fn(*it)
 
 
 # ------------------------------------------------------------ the softmax
 
 
-def _softmax_vjp(P, g):
+def _softmax_vjp(X, P, g):
     """``P * ((g - c) - rowsum(P * (g - c)))``, ``c = g`` at the row's largest ``P`` (the pivoted form)."""
-    idx = np.argmax(P[0], axis=-1)[..., None]
-    gc = dd_sub(g, (np.take_along_axis(g[0], idx, -1), np.take_along_axis(g[1], idx, -1)))
-    D = dd_sum(dd_mul(P, gc), keepdims=True)
-    return dd_mul(P, dd_sub(gc, D))
-
-
-_softmax_jvp = _softmax_vjp                                          # J is symmetric: the same map
+    idx = np.argmax(X.value(P), axis=-1)[..., None]
+    gc = X.sub(g, X.take(g, idx))
+    return X.mul(P, X.sub(gc, X.sum(X.mul(P, gc), keepdims=True)))
 
 
 # ------------------------------------------------------------- pieces
@@ -234,54 +244,48 @@ def _excluded(prob):
     return None if a is None else ~a
 
 
-def _fill_rows(P, empty, padded, policy, S):
-    """The fully-masked policy on a dd ``P`` (padded query rows 0), as :func:`masks.fill_empty_rows`."""
+def _fill_rows(X, P, empty, padded, policy, S):
+    """The fully-masked policy on ``P`` (padded query rows 0), as :func:`masks.fill_empty_rows`."""
     if not np.any(empty):
         return P
+    if not isinstance(P, tuple):
+        return fill_empty_rows(P, empty, padded, policy, S)
     hi = fill_empty_rows(P[0], empty, padded, policy, S)
-    fill_lo = dd_div(dd(np.float64(1.0)), dd(np.float64(S)))[1] if policy == "uniform" and S else 0.0
-    lo = np.where(empty, fill_lo, P[1])
+    lo = np.where(empty, X.fill_lo(policy, S), P[1])
     if padded is not None:
         lo = np.where(padded, 0.0, lo)
     return hi, lo
 
 
-def _dropout(x, keep, p):
-    """``x * Z / (1 - p)`` exactly (``1 - p`` by TwoSum) in dd; ``x`` without a keep mask."""
-    if keep is None:
-        return x
-    q = dd_div(x, two_sum(np.float64(1.0), np.float64(-p)))
-    return q[0] * keep, q[1] * keep
+def _dropout(X, x, keep, p):
+    """``x * Z / (1 - p)``; ``x`` itself without a keep mask."""
+    return x if keep is None else X.divide_by_keep(x, keep, p)
 
 
-def _unbroadcast(x, shape):
-    """A dd summed down to ``shape`` (a fixed-order tree per axis), then rounded later; see ``unbroadcast``."""
+def _unbroadcast(X, x, shape):
+    """``x`` summed down to ``shape`` by fixed-order trees, one axis at a time; see ``transforms.unbroadcast``."""
     shape = tuple(shape)
-    while x[0].ndim > len(shape):
-        x = dd_sum(x, axis=0)
+    while X.value(x).ndim > len(shape):
+        x = X.sum(x, axis=0)
     for ax, n in enumerate(shape):
-        if n == 1 and x[0].shape[ax] != 1:
-            x = dd_sum(x, axis=ax, keepdims=True)
-    return x[0].reshape(shape), x[1].reshape(shape)
+        if n == 1 and X.value(x).shape[ax] != 1:
+            x = X.sum(x, axis=ax, keepdims=True)
+    return X.reshape(x, shape)
 
 
 def _no_sum(shape, target):
     """Whether bringing a result of ``shape`` to the input's ``target`` shape sums nothing (then the product
-    is rounded as it comes, and ``ozaki.matmul(final=True)`` may stop at three levels)."""
+    is rounded as it comes, and ``ozaki.matmul(final=True)`` may stop early)."""
     return int(np.prod(shape)) == int(np.prod(target))
 
 
-def _round(x):
-    """A dd rounded to float64 (its ``hi``), NaNs made the one quiet NaN (IEEE leaves their bits open)."""
-    return _canon(x[0])
+def _round(X, x):
+    """The result in the compute dtype, NaNs made the one quiet NaN (IEEE leaves their bits open)."""
+    return _canon(X.value(x))
 
 
 def _canon(a):
-    return np.where(np.isnan(a), np.nan, a)
-
-
-def _neg(x):
-    return -x[0], -x[1]
+    return np.where(np.isnan(a), a.dtype.type(np.nan), a)
 
 
 # ------------------------------------------------------------ layouts

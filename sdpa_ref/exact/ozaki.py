@@ -40,6 +40,8 @@ __all__ = ["matmul", "n_slices"]
 
 #: Entries of one block of the result whose sums are formed together (1 MiB of float64).
 _BLOCK_ENTRIES = 1 << 17
+#: Products (``M N K``) below which the blocks run one after the other rather than in the pool.
+_PARALLEL_WORK = 1 << 21
 
 
 def _rho(K):
@@ -84,7 +86,7 @@ def _slices(x, axis, n, rho):
     for _ in range(n):
         mx = np.max(np.abs(hi), axis=axis, keepdims=True)
         _, e = np.frexp(mx)
-        sigma = pow2(np.clip(e + rho, -1022, 1023))        # e <= 0 after the normalisation
+        sigma = pow2(np.maximum(e + rho, -1022))           # e <= 0 after the normalisation: e + rho < 1023
         s = (hi + sigma) - sigma                           # exact: hi rounded to the grid 2**(rho + e - 53)
         out.append(s)
         hi, lo = two_sum(hi - s, lo)                       # hi - s is exact; the remainder stays exact
@@ -181,7 +183,7 @@ def matmul(A, B, bits=104, final=False):
     mb = max(8, _BLOCK_ENTRIES // max(N, 1))               # rows per block: the sums stay in cache
 
     def block(item):
-        b, m0 = item
+        b, m0 = item                                       # b: a range of batch entries
         a, ea = _normalise((Ah[b, m0:m0 + mb], Al[b, m0:m0 + mb]), -1)
         if quick:
             aq, raq = _slices(a, -1, t, rho)
@@ -189,10 +191,11 @@ def matmul(A, B, bits=104, final=False):
             bound = _level_bound(_line_max(raq[0], -1) + _line_max(raq[1], -1), rbq[b],
                                  [_line_max(x, -1) for x in aq], [x[b] for x in mbq],
                                  [np.sum(np.abs(x), axis=-1, keepdims=True) for x in aq], [x[b] for x in sbq], K)
-            redo = np.flatnonzero(~np.all(bound <= 2.0 ** -55 * np.abs(h), axis=-1))
-            if redo.size:                                  # those rows take every level (rows are independent)
-                h[redo], l[redo] = _products(_slices((a[0][redo], a[1][redo]), -1, n, rho)[0],
-                                             [x[b] for x in sb], n)
+            redo = ~np.all(bound <= 2.0 ** -55 * np.abs(h), axis=-1)            # (batch entries, rows)
+            for i in np.flatnonzero(redo.any(axis=-1)):     # those rows take every level (rows are independent)
+                r = np.flatnonzero(redo[i])
+                h[i, r], l[i, r] = _products(_slices((a[0][i, r], a[1][i, r]), -1, n, rho)[0],
+                                             [x[b][i] for x in sb], n)
         else:
             h, l = _products(_slices(a, -1, n, rho)[0], [x[b] for x in sb], n)
         e = ea + eb[b]                                     # (rows, 1) + (1, N): undo the scalings, exactly
@@ -202,9 +205,11 @@ def matmul(A, B, bits=104, final=False):
         else:                                              # results near the ends of the range
             hi[b, m0:m0 + mb], lo[b, m0:m0 + mb] = np.ldexp(h, e), np.ldexp(l, e)
 
-    items = [(b, m0) for b in range(hi.shape[0]) for m0 in range(0, M, mb)]
-    if len(items) > 1:
+    nb = max(1, _BLOCK_ENTRIES // max(M * N, 1)) if mb >= M else 1      # small products: several per block
+    items = [(slice(b, b + nb), m0) for b in range(0, hi.shape[0], nb) for m0 in range(0, M, mb)]
+    if len(items) > 1 and hi.size * K >= _PARALLEL_WORK:
         run_all(block, items)
-    else:
-        block(items[0])
+    else:                                                  # small: the pool's hand-offs would cost more
+        for it in items:
+            block(it)
     return hi.reshape(shape), lo.reshape(shape)

@@ -1,0 +1,220 @@
+r"""The two arithmetics of ``precision="reproducible"``: one interface, so the engine is written once.
+
+:class:`DoubleDouble` (float64 compute): values are dd pairs ``(hi, lo)``
+(:mod:`.dd`), products exact by the Ozaki scheme (:mod:`.ozaki`), results
+rounded to float64 once, at the end: faithfully rounded.
+
+:class:`LowPrecision` (``upcast=False``, in float64, float32 or float16): values are
+arrays of that dtype and every operation rounds to it, as a kernel working
+in that precision would; what makes it reproducible is the order. Matrix
+products and row sums accumulate in float32, as half-precision kernels do,
+(float64 in float64) by a fixed pairwise tree, and are rounded to the dtype once (float16
+products are exact in float32); ``exp``, ``log`` and ``tanh`` are the
+double-double ones rounded to the dtype (so faithfully rounded themselves);
+every other operation is rounded to the dtype. NumPy's float16 and float32
+``+ - * /`` are IEEE-754 operations, with or without SIMD (float16 goes
+through float32, whose 24 bits make that one correct rounding).
+
+Both give the same bits on every machine, thread count, BLAS and SIMD level.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..transforms import dropout_forward
+from . import ozaki
+from .dd import (dd, dd_add, dd_add_d, dd_div, dd_exp, dd_log, dd_mul, dd_mul_d, dd_sub, dd_sum, dd_tanh,
+                 two_prod, two_sum)
+
+__all__ = ["DoubleDouble", "LowPrecision", "for_problem"]
+
+
+def for_problem(prob):
+    """The arithmetic of a problem: double-double for float64 compute with ``upcast=True`` (the default),
+    otherwise the honest one of its compute dtype (``upcast=False``: float64 too)."""
+    if prob.dtype == np.float64 and prob.options.upcast:
+        return DoubleDouble()
+    return LowPrecision(prob.dtype)
+
+
+class DoubleDouble:
+    """float64 compute in double-double: about 100 bits in every intermediate."""
+
+    dtype = np.dtype(np.float64)
+
+    # -- storage
+    def empty(self, shape):
+        return np.empty(shape), np.empty(shape)
+
+    def at(self, a, ix):
+        return a[0][ix], a[1][ix]
+
+    def put(self, dst, ix, v):
+        dst[0][ix], dst[1][ix] = v
+
+    def const(self, x):
+        return dd(np.float64(x))
+
+    def value(self, a):
+        """The float64 value (``hi``): for comparisons, maxima, and the result."""
+        return a[0]
+
+    # -- element-wise
+    add, sub, mul, div = staticmethod(dd_add), staticmethod(dd_sub), staticmethod(dd_mul), staticmethod(dd_div)
+    add_d, mul_d = staticmethod(dd_add_d), staticmethod(dd_mul_d)
+    exp, log, tanh = staticmethod(dd_exp), staticmethod(dd_log), staticmethod(dd_tanh)
+
+    def lift(self, x):
+        return dd(np.asarray(x, dtype=np.float64))
+
+    def exact_product(self, a, b):
+        """``a * b`` of two float64 arrays, exactly."""
+        return two_prod(*np.broadcast_arrays(np.asarray(a, np.float64), np.asarray(b, np.float64)))
+
+    def neg(self, a):
+        return -a[0], -a[1]
+
+    def where(self, cond, a, b):
+        return np.where(cond, a[0], b[0]), np.where(cond, a[1], b[1])
+
+    def take(self, a, idx):
+        return np.take_along_axis(a[0], idx, -1), np.take_along_axis(a[1], idx, -1)
+
+    def divide_by_keep(self, x, keep, p):
+        """``x * Z / (1 - p)``, with ``1 - p`` exact."""
+        q = dd_div(x, two_sum(np.float64(1.0), np.float64(-p)))
+        return q[0] * keep, q[1] * keep
+
+    # -- reductions and products
+    def sum(self, a, axis=-1, keepdims=False):
+        return dd_sum(a, axis=axis, keepdims=keepdims)
+
+    def matmul(self, A, B, final=False):
+        return ozaki.matmul(A, B, final=final)
+
+    def reshape(self, a, shape):
+        return a[0].reshape(shape), a[1].reshape(shape)
+
+    def fill_lo(self, value, S):
+        """The low half of a policy's fill value (``1/S`` for ``"uniform"``)."""
+        return dd_div(dd(np.float64(1.0)), dd(np.float64(S)))[1] if value == "uniform" and S else 0.0
+
+
+class LowPrecision:
+    """Every operation rounded to ``dtype`` (float32 or float16), in a fixed order."""
+
+    #: Products formed at once by :meth:`matmul` (per block of rows).
+    BLOCK = 1 << 20
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+        self._t = self.dtype.type
+        self._work = np.dtype(np.float64 if self.dtype == np.float64 else np.float32)   # products and sums
+
+    def empty(self, shape):
+        return np.empty(shape, self.dtype)
+
+    def at(self, a, ix):
+        return a[ix]
+
+    def put(self, dst, ix, v):
+        dst[ix] = v
+
+    def const(self, x):
+        return self._t(x)
+
+    def value(self, a):
+        return a
+
+    def lift(self, x):
+        return np.asarray(x).astype(self.dtype)
+
+    def add(self, a, b):
+        return a + b
+
+    def sub(self, a, b):
+        return a - b
+
+    def mul(self, a, b):
+        return a * b
+
+    def div(self, a, b):
+        return a / b
+
+    def add_d(self, a, b):
+        return a + np.asarray(b).astype(self.dtype)
+
+    def mul_d(self, a, b):
+        return a * np.asarray(b).astype(self.dtype)
+
+    def _rounded(self, f, x):
+        with np.errstate(all="ignore"):
+            return f(dd(np.asarray(x, dtype=np.float64)))[0].astype(self.dtype)
+
+    def exp(self, x):
+        return self._rounded(dd_exp, x)
+
+    def log(self, x):
+        return self._rounded(dd_log, x)
+
+    def tanh(self, x):
+        return self._rounded(dd_tanh, x)
+
+    def exact_product(self, a, b):
+        """``fl(a * b)`` in the dtype (the name is the double-double's; here one rounding)."""
+        return np.asarray(a).astype(self.dtype) * np.asarray(b).astype(self.dtype)
+
+    def neg(self, a):
+        return -a
+
+    def where(self, cond, a, b):
+        return np.where(cond, a, b).astype(self.dtype, copy=False)
+
+    def take(self, a, idx):
+        return np.take_along_axis(a, idx, -1)
+
+    def divide_by_keep(self, x, keep, p):
+        """``x * (Z / (1 - p))``, the factor rounded to the dtype: the fast path's dropout."""
+        return dropout_forward(x, keep, p)
+
+    def sum(self, a, axis=-1, keepdims=False):
+        """A fixed pairwise tree along ``axis`` in the accumulation dtype, rounded once to the dtype."""
+        x = np.moveaxis(np.asarray(a, self.dtype), axis, -1)
+        if x.shape[-1] == 0:
+            x = np.zeros(x.shape[:-1] + (1,), self.dtype)
+        x = self._tree(x.astype(self._work))
+        return np.moveaxis(x, -1, axis) if keepdims else x[..., 0]
+
+    def _tree(self, x):
+        """The pairwise tree on the last axis of ``x``, in the accumulation dtype (float32; float64 for
+        float64), then rounded once to ``dtype``: half-precision kernels accumulate in float32."""
+        while x.shape[-1] > 1:
+            n, h = x.shape[-1], x.shape[-1] // 2
+            s = x[..., :h] + x[..., h:2 * h]
+            x = np.concatenate([s, x[..., -1:]], axis=-1) if n % 2 else s
+        return x.astype(self.dtype)
+
+    def matmul(self, A, B, final=False):
+        """``sum_k A_ik B_kj`` with products and the fixed tree of :meth:`sum` in the accumulation dtype,
+        rounded once to the dtype (float16 products are exact in float32), in blocks of rows."""
+        A, B = np.asarray(A, self.dtype), np.asarray(B, self.dtype)
+        K = A.shape[-1]
+        shape = np.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (A.shape[-2], B.shape[-1])
+        M, N = shape[-2], shape[-1]
+        A2 = np.broadcast_to(A, shape[:-2] + (M, K)).reshape(-1, M, K).astype(self._work)
+        B2 = np.broadcast_to(B, shape[:-2] + (K, N)).reshape(-1, K, N).astype(self._work)
+        out = np.zeros((A2.shape[0], M, N), self.dtype)
+        rows = max(1, self.BLOCK // max(K * N, 1))
+        if K:
+            for b in range(A2.shape[0]):
+                for m0 in range(0, M, rows):
+                    prod = A2[b, m0:m0 + rows, None, :] * np.swapaxes(B2[b], 0, 1)[None]   # (rows, N, K)
+                    out[b, m0:m0 + rows] = self._tree(prod)[..., 0]
+        return out.reshape(shape)
+
+    def reshape(self, a, shape):
+        return a.reshape(shape)
+
+    def fill_lo(self, value, S):
+        return None
