@@ -17,7 +17,9 @@ the errors in units of 2**-53 are printed) and report the median and the
 * ``fast``   the default (dense, saved P, pivoted D);
 * ``plain``  the teaching core;
 * ``lse``    the recomputing backward on dense residuals (``method="lse"``);
-* ``tiled``  the tiled engine with 3-wide blocks (several blocks per row).
+* ``tiled``  the tiled engine with 3-wide blocks (several blocks per row);
+* ``reproducible``  ``precision="reproducible"``: its largest error over the
+  cases must stay within ``2**-52`` (normwise), on every quantity.
 
 The targets of issue 11 are printed beside the numbers with PASS/MISS. The
 ratios are of rounding errors, which the BLAS and the machine change: rerun
@@ -35,7 +37,7 @@ import numpy as np
 import sdpa_ref
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
-VARIANTS = ("fast", "plain", "lse", "tiled")
+VARIANTS = ("fast", "plain", "lse", "tiled", "reproducible")
 #: (variant, quantity, statistic, bound) of issue 11, on the ratio to PyTorch's error.
 TARGETS = [("fast", "dq", "median", 0.6), ("fast", "dq", "p95", 1.6),
            ("fast", "dk", "median", 0.6), ("fast", "dk", "p95", 1.6),
@@ -98,7 +100,10 @@ def rel_error(x, truth, dps=50):
 
 def sdpa_ref_results(q, k, v, dO, scale, variant):
     """``{quantity: float64 array}`` from sdpa_ref by one variant."""
-    if variant == "tiled":
+    if variant == "reproducible":
+        out, res = sdpa_ref.sdpa_forward(q, k, v, scale=scale, precision="reproducible")
+        g = sdpa_ref.sdpa_backward(res, dO)
+    elif variant == "tiled":
         out, res = sdpa_ref.sdpa_forward(q, k, v, scale=scale, method="tiled", block_size=3)
         g = sdpa_ref.sdpa_backward(res, dO)
     else:
@@ -175,6 +180,11 @@ def summary(result):
             r = ratios(ours[var][qn], theirs[qn])
             val = float(np.median(r) if stat == "median" else np.percentile(r, 95))
             verdicts.append((f"{var} {qn} {stat} ratio to torch {val:.3f} <= {bound}", val <= bound))
+    if "reproducible" in ours:
+        for qn in QUANTITIES:
+            worst = float(np.max(ours["reproducible"][qn]))
+            verdicts.append((f"reproducible {qn} largest normwise error {worst / eps:.3f} * 2^-53 <= 2 * 2^-53",
+                             worst <= 2 * eps))
     base = {qn: float(np.median(ours["fast"][qn])) for qn in QUANTITIES} if "fast" in ours else None
     for var in ("lse", "tiled"):
         if var in ours and base is not None:

@@ -135,3 +135,8 @@ def test_additive_minus_1e9_mask_agrees_with_the_probs_backward(method):
         res = sdpa_ref.sdpa_forward(q, k, v, attn_mask=mask, method="tiled", block_size=2)[1]
     for a, b in zip(_grads(res, g, "lse" if method == "lse" else None), want):
         assert _rel(a, b) <= 1e-13
+
+
+def test_reproducible_precision_is_within_2_to_the_minus_52_normwise(errors):
+    for qn in study.QUANTITIES:
+        assert errors["reproducible"][qn].max() <= 2 * EPS, (qn, errors["reproducible"][qn].max() / EPS)
