@@ -140,3 +140,21 @@ def test_additive_minus_1e9_mask_agrees_with_the_probs_backward(method):
 def test_reproducible_precision_is_within_2_to_the_minus_52_normwise(errors):
     for qn in study.QUANTITIES:
         assert errors["reproducible"][qn].max() <= 2 * EPS, (qn, errors["reproducible"][qn].max() / EPS)
+
+
+@pytest.mark.parametrize("how", ["fast", "plain", "lse", "tiled", "reproducible"])
+def test_a_huge_key_entry_gives_finite_gradients_on_every_path(how):
+    rng = np.random.default_rng(3)
+    q, k, v, g = (rng.standard_normal((1, 2, 4, 3)) for _ in range(4))
+    k[0, 0, 1, 0] = 1e154                                           # scores near 1e154: exp must not overflow
+    if how == "tiled":
+        _, res = sdpa_ref.sdpa_forward(q, k, v, method="tiled", block_size=2)
+    elif how == "reproducible":
+        _, res = sdpa_ref.sdpa_forward(q, k, v, precision="reproducible")
+    else:
+        _, res = sdpa_ref.sdpa_forward(q, k, v, method="fast" if how == "lse" else how)
+    grads = sdpa_ref.sdpa_backward(res, g, method="lse" if how == "lse" else None)
+    want = sdpa_ref.sdpa_backward(sdpa_ref.sdpa_forward(q, k, v)[1], g)
+    for a, b in zip(grads[:3], want[:3]):
+        assert np.all(np.isfinite(a))
+        assert _rel(a, b) <= 1e-12

@@ -99,11 +99,8 @@ def forward(prob, *, save_probs=True) -> Forward:
                 excl = neg if excl is None else (excl | neg)
         if dist is not None:                                         # - slope * |i + off - j|
             T = X.sub(T, X.exact_product(block_of(prob.alibi, nd, lead), block_of(dist, nd, lead, r)))
-        val = X.value(T) if excl is None else np.where(excl, -np.inf, X.value(T))
-        mx = np.max(val, axis=-1, keepdims=True, initial=-np.inf)
-        em = mx == -np.inf
-        mx = np.where(em | ~np.isfinite(mx), 0, mx).astype(X.dtype)
-        e = X.exp(X.add_d(T, -mx))
+        mx, em = X.row_max(T, excl)                                  # T - mx <= 0, however large T
+        e = X.exp(X.sub(T, mx))
         if excl is not None:
             e = X.where(excl, X.const(0.0), e)
         sm = X.where(em, X.const(1.0), X.sum(e, keepdims=True))
@@ -111,8 +108,8 @@ def forward(prob, *, save_probs=True) -> Forward:
         X.put(P, ix, p)
         if Pd is not P:
             X.put(Pd, ix, _dropout(X, p, block_of(prob.keep, nd, lead, r), o.dropout_p))
-        m[ix], s_val[ix], empty[ix] = mx, np.where(em, 0, X.value(sm)), em
-        lse[ix] = np.where(em, -np.inf, X.value(X.add_d(X.log(sm), mx)))
+        m[ix], s_val[ix], empty[ix] = X.value(mx), np.where(em, 0, X.value(sm)), em
+        lse[ix] = np.where(em, -np.inf, X.value(X.add(X.log(sm), mx)))
 
     _by_rows(full, rows)
     O = _round(X, X.matmul(_grouped(Pd, prob), _kv(prob.v), final=True))

@@ -68,6 +68,17 @@ class DoubleDouble:
     def lift(self, x):
         return dd(np.asarray(x, dtype=np.float64))
 
+    def row_max(self, T, excluded):
+        """``(m, empty)``: each row's largest allowed value as a dd (its ``hi``, then the largest ``lo``
+        among the entries with that ``hi``: then ``T - m <= 0`` exactly, however large ``T``), 0 on rows
+        with none (``empty``)."""
+        hi = T[0] if excluded is None else np.where(excluded, -np.inf, T[0])
+        mh = np.max(hi, axis=-1, keepdims=True, initial=-np.inf)
+        ml = np.max(np.where(hi == mh, T[1], -np.inf), axis=-1, keepdims=True, initial=-np.inf)
+        empty = mh == -np.inf
+        bad = empty | ~np.isfinite(mh)
+        return (np.where(bad, 0.0, mh), np.where(bad | ~np.isfinite(ml), 0.0, ml)), empty
+
     def exact_product(self, a, b):
         """``a * b`` of two float64 arrays, exactly."""
         return two_prod(*np.broadcast_arrays(np.asarray(a, np.float64), np.asarray(b, np.float64)))
@@ -129,6 +140,13 @@ class LowPrecision:
 
     def lift(self, x):
         return np.asarray(x).astype(self.dtype)
+
+    def row_max(self, T, excluded):
+        """``(m, empty)``: each row's largest allowed value, 0 on rows with none (``empty``)."""
+        v = T if excluded is None else np.where(excluded, -np.inf, T)
+        m = np.max(v, axis=-1, keepdims=True, initial=-np.inf)
+        empty = m == -np.inf
+        return np.where(empty | ~np.isfinite(m), 0, m).astype(self.dtype), empty
 
     def add(self, a, b):
         return a + b
