@@ -146,7 +146,8 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     name, block = _engine(method, block_size, prob, METHODS, precision)
     with single_threaded_blas():
         fwd = _call_forward(name, prob, save_probs, block)
-    out = fwd.out.reshape(prob.out_shape).astype(prob.out_dtype, copy=False)
+    fwd = _read_only(fwd)
+    out = fwd.out.reshape(prob.out_shape).astype(prob.out_dtype, copy=True)   # the caller's own array
     return out, AttentionResiduals(problem=prob, forward=fwd, method=name, block_size=block)
 
 
@@ -371,6 +372,22 @@ def _engine(method, block_size, prob, allowed, precision="fast"):
                              f"but got {block_size!r}")
         return method, None
     return method, tiled.check_block_size("auto" if block_size is None else block_size, prob)
+
+
+def _read_only(fwd):
+    """The forward's arrays (and the engine's extras) made read-only: the residuals are never written again,
+    and ``out`` is handed out as a copy, so nothing the caller does afterwards changes a gradient."""
+    def freeze(x):
+        if isinstance(x, np.ndarray):
+            x.setflags(write=False)
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                freeze(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                freeze(y)
+    freeze(tuple(fwd))
+    return fwd
 
 
 def _call_forward(name, prob, save_probs, block):

@@ -117,11 +117,10 @@ class Problem:
         ct = np.result_type(out_dtype, np.float64) if (opts.upcast or complex_ok) else out_dtype
         rt = np.dtype(ct.type(0).real.dtype)
         G = Hq // Hkv if Hkv else 1
-        cast = lambda a, t=ct: None if a is None else a.astype(t, copy=False)  # noqa: E731
         return cls(
-            q=cast(qh).reshape(qh.shape[:-3] + (Hkv, G, L, E)), k=cast(kh), v=cast(vh),
-            mask_bool=mask_bool, mask_float=cast(mask_float), bias=cast(bias), alibi=cast(alibi, rt),
-            q_lengths=q_lengths, kv_lengths=kv_lengths, keep=keep, scale=scale, options=opts,
+            q=_own(qh, ct).reshape(qh.shape[:-3] + (Hkv, G, L, E)), k=_own(kh, ct), v=_own(vh, ct),
+            mask_bool=_own(mask_bool), mask_float=_own(mask_float, ct), bias=_own(bias, ct), alibi=_own(alibi, rt),
+            q_lengths=_own(q_lengths), kv_lengths=_own(kv_lengths), keep=_own(keep), scale=scale, options=opts,
             full_scores=full_scores, user_ndim=user_ndim,
             shapes={"query": q.shape, "key": k.shape, "value": v.shape,
                     "attn_mask": None if mask_float is None else mask_float.shape,
@@ -191,3 +190,19 @@ def _as_generator(rng):
     if isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
         return np.random.default_rng(int(rng))
     raise TypeError(f"`rng` should be a numpy.random.Generator, an int seed or None, but got {V.describe(rng)}")
+
+
+def _own(a, dtype=None):
+    """The problem's own read-only copy of ``a`` (None stays None).
+
+    Nothing the caller does to the arrays it passed in can then change the
+    residuals, and no engine can write into them. The cost is one copy of
+    each input, small next to the ``L x S`` work (a full-size float mask or
+    bias is copied too).
+    """
+    if a is None:
+        return None
+    a = np.array(a, dtype=dtype, copy=True)
+    a.setflags(write=False)
+    return a
+
