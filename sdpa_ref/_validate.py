@@ -19,6 +19,7 @@ __all__ = [
     "broadcast_batch",
     "check_axis",
     "check_choice",
+    "check_tolerance",
     "describe",
 ]
 
@@ -37,6 +38,7 @@ def as_float_array(x, name: str, *, min_ndim: int = 0, allow_complex: bool = Fal
     Raises `TypeError` for integer, bool, complex (unless allowed) and object
     input, and `ValueError` for fewer than ``min_ndim`` dimensions.
     """
+    _no_masked(x, name)
     try:
         arr = np.asarray(x)
     except Exception as exc:  # ragged lists and the like
@@ -58,6 +60,7 @@ def as_float_array(x, name: str, *, min_ndim: int = 0, allow_complex: bool = Fal
 
 def as_mask(x, name: str, target_shape: tuple, *, allow_float: bool = True, allow_complex: bool = False) -> np.ndarray:
     """Return a bool or float mask that broadcasts to ``target_shape``."""
+    _no_masked(x, name)
     try:
         arr = np.asarray(x)
     except Exception:
@@ -77,6 +80,21 @@ def as_mask(x, name: str, target_shape: tuple, *, allow_float: bool = True, allo
             f"but got shape {arr.shape}"
         )
     return arr
+
+
+def _no_masked(x, name):
+    """``numpy.ma`` arrays are refused: their mask would be dropped silently by ``np.asarray``."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"`{name}` should be a plain array, but got a numpy.ma.MaskedArray (its mask would be "
+                        "ignored); pass `.filled(...)`, or the mask as `attn_mask`")
+
+
+def check_tolerance(x, name: str) -> float:
+    """A finite tolerance >= 0 (NaN would make every comparison pass)."""
+    t = as_real_scalar(x, name)
+    if not np.isfinite(t) or t < 0:
+        raise ValueError(f"`{name}` should be a finite number >= 0, but got {t!r}")
+    return t
 
 
 def as_real_scalar(x, name: str) -> float:

@@ -211,6 +211,8 @@ def _check_window(window):
             out.append(None)
         elif b < 0:
             raise ValueError(f"`window` {side} bound should be >= 0 (or -1 / None for unbounded), but got {b}")
+        elif b > 2**62:
+            raise ValueError(f"`window` {side} bound should be at most 2**62 (use None for unbounded), but got {b}")
         else:
             out.append(int(b))
     return tuple(out)

@@ -188,6 +188,8 @@ def _as_generator(rng):
     if isinstance(rng, np.random.Generator):
         return rng
     if isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
+        if rng < 0:
+            raise ValueError(f"`rng` should be a non-negative int seed (or a numpy.random.Generator), but got {rng}")
         return np.random.default_rng(int(rng))
     raise TypeError(f"`rng` should be a numpy.random.Generator, an int seed or None, but got {V.describe(rng)}")
 

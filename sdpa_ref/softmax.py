@@ -76,6 +76,8 @@ def logsumexp(x, axis=-1, keepdims=False):
     >>> float(logsumexp(np.array([1000., 1000.])))  # naive: inf
     1000.6931471805599
     """
+    if not isinstance(keepdims, (bool, np.bool_)):
+        raise TypeError(f"`keepdims` should be a bool, but got {keepdims!r}")
     x, axis = _prepare(x, axis)
     m = _safe_max(x, axis)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):

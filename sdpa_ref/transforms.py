@@ -94,7 +94,8 @@ def scores_jvp(q, k, dq, dk, scale):
 def softcap_forward(t, cap, out=None, tanh_out=None):
     """``(cap * tanh(t / cap), tanh(t / cap))``; the tanh is what the VJP needs."""
     c = t.dtype.type(cap)
-    th = np.tanh(np.divide(t, c, out=tanh_out), out=tanh_out)
+    with np.errstate(over="ignore"):                       # a tiny cap: t / cap overflows to inf, tanh to 1
+        th = np.tanh(np.divide(t, c, out=tanh_out), out=tanh_out)
     return np.multiply(th, c, out=out), th
 
 
@@ -229,7 +230,15 @@ def alibi_bias(slopes, L, S, alignment="top_left"):
     L, S = _check_size(L, "L"), _check_size(S, "S")
     if alignment not in ALIGNMENTS:
         raise ValueError(f"`alignment` should be one of {ALIGNMENTS!r}, but got {alignment!r}")
-    s = np.asarray(slopes, dtype=np.float64)
+    try:
+        s = np.asarray(slopes)
+    except ValueError:                                     # ragged
+        s = np.asarray(slopes, dtype=object)
+    if s.dtype.kind not in "iuf" or isinstance(slopes, np.ma.MaskedArray):
+        raise TypeError(f"`slopes` should be real numbers (an int or float array), but got {slopes!r}")
+    s = s.astype(np.float64)
+    if not np.all(np.isfinite(s)):
+        raise ValueError(f"`slopes` should be finite, but got {slopes!r}")
     if s.ndim < 1:
         raise ValueError(f"`slopes` should have shape (Hq,) or (..., Hq), but got shape {s.shape}")
     return -s[..., None, None] * alibi_distance(L, S, alignment)

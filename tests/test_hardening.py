@@ -62,3 +62,98 @@ def test_the_residuals_are_read_only():
             arr[...] = 0
     assert not np.shares_memory(out, res.out)
     assert not np.shares_memory(q, res.problem.q)
+
+
+# ------------------------------------------------------------ validation gaps (issue 12, part 7)
+
+
+def _q():
+    return np.ones((1, 2, 3))
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: sdpa_ref.sdpa_forward(_q(), _q(), _q(), window=(2**63, 0)), ValueError, "`window`"),
+    (lambda: sdpa_ref.sdpa_forward(_q(), _q(), _q(), dropout_p=0.5, rng=-1), ValueError, "`rng`"),
+    (lambda: sdpa_ref.alibi_bias([None], 2, 3), TypeError, "`slopes`"),
+    (lambda: sdpa_ref.alibi_bias([np.nan], 2, 3), ValueError, "`slopes`"),
+    (lambda: sdpa_ref.logsumexp(np.ones(3), keepdims="no"), TypeError, "`keepdims`"),
+    (lambda: sdpa_ref.sdpa_forward(np.ma.masked_array(_q(), mask=_q() > 0), _q(), _q()), TypeError, "`query`"),
+    (lambda: sdpa_ref.sdpa_forward(_q(), _q(), _q(), attn_mask=np.ma.masked_array(np.ones((2, 2)))), TypeError,
+     "`attn_mask`"),
+    (lambda: sdpa_ref.sdpa_forward([[1.0, 2.0], [3.0]], _q(), _q()), TypeError, "`query`"),
+])
+def test_bad_input_is_a_clear_error_naming_the_argument(call, exc, words):
+    with pytest.raises(exc, match=words):
+        call()
+
+
+def test_alibi_bias_still_takes_int_slopes():
+    np.testing.assert_array_equal(sdpa_ref.alibi_bias([1, 2], 2, 3), sdpa_ref.alibi_bias([1.0, 2.0], 2, 3))
+
+
+def test_a_bad_suite_is_refused_before_the_folder_is_made(tmp_path):
+    from sdpa_ref.harness.vectors import write_vectors
+    target = tmp_path / "never"
+    with pytest.raises(ValueError, match="`suite`"):
+        write_vectors(str(target), suite="bogus")
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("how", ["fast", "tiled", "reproducible"])
+def test_the_smallest_softcap_warns_nothing(how, recwarn):
+    q = _q()
+    _, res = _forward(how, q, q, q, softcap=5e-324)
+    sdpa_ref.sdpa_backward(res, q)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+# ------------------------------------------------------------ checkers that cannot be fooled (part 4)
+
+
+def _diagonal_softmax_vjp(x, g):
+    """The classic wrong softmax VJP: only the diagonal y (1 - y) of the Jacobian."""
+    y = sdpa_ref.softmax(x)
+    return g * y * (1 - y)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(mode="projection", n_projections=0), "n_projections"),
+    (dict(mode="projection", n_projections=-3), "n_projections"),
+    (dict(rtol=float("nan")), "`rtol`"),
+    (dict(atol=float("nan")), "`atol`"),
+    (dict(rtol=-1.0), "`rtol`"),
+    (dict(atol=float("inf")), "`atol`"),
+])
+@pytest.mark.parametrize("check", ["vjp", "jvp"])
+def test_a_checker_refuses_settings_that_would_pass_wrong_code(kw, words, check):
+    x = np.random.default_rng(0).standard_normal((2, 5))
+    if check == "vjp":
+        call = lambda: sdpa_ref.check_vjp(sdpa_ref.softmax, _diagonal_softmax_vjp, (x,), **kw)  # noqa: E731
+    else:
+        call = lambda: sdpa_ref.check_jvp(sdpa_ref.softmax, _diagonal_softmax_vjp, (x,), **kw)  # noqa: E731
+    with pytest.raises(ValueError, match=words):
+        call()
+    # and with honest settings the wrong VJP is caught
+    assert not sdpa_ref.check_vjp(sdpa_ref.softmax, _diagonal_softmax_vjp, (x,)).ok
+
+
+@pytest.mark.parametrize("make", [
+    lambda R: R.FixedRule(rtol=-1, atol=0), lambda R: R.FixedRule(rtol=0, atol=float("nan")),
+    lambda R: R.ULPRule(-4), lambda R: R.ULPRule(float("nan")), lambda R: R.RelativeRule(k_out=-2),
+])
+def test_conformance_rules_refuse_negative_and_nan_tolerances(make):
+    from sdpa_ref.harness import conformance
+    with pytest.raises(ValueError, match="should be a finite number >= 0"):
+        make(conformance)
+
+
+@pytest.mark.parametrize("argv", [["check", "--rtol", "nan", "--atol", "nan"], ["check", "--atol", "-1"],
+                                  ["check", "--complex-rtol", "inf"],
+                                  ["conform", "x.py", "--rule", "ulp", "--max-ulps", "-3"]])
+def test_the_cli_refuses_bad_tolerances_with_a_one_line_error(argv, capsys):
+    from sdpa_ref.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "should be a finite number >= 0" in err and "Traceback" not in err

@@ -17,6 +17,17 @@ from .output import _add_format, format_rows
 __all__ = ["main", "build_parser", "format_rows"]
 
 
+def _tolerance(text):
+    """An argparse type: a finite number >= 0 (NaN would pass everything, a negative one nothing)."""
+    try:
+        t = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"should be a number, but got {text!r}") from None
+    if not (t >= 0 and t != float("inf")):
+        raise argparse.ArgumentTypeError(f"should be a finite number >= 0, but got {text!r}")
+    return t
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
@@ -51,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--filter", metavar="TEXT", default=None,
                    help="run only the cases whose name contains TEXT (e.g. 'softcap' or 'mask=bool')")
     _add_format(p)
-    p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: 1e-7)")
-    p.add_argument("--atol", type=float, default=None, help="absolute floor (default: 1e-9)")
-    p.add_argument("--complex-rtol", type=float, default=None,
+    p.add_argument("--rtol", type=_tolerance, default=None, help="relative tolerance (default: 1e-7)")
+    p.add_argument("--atol", type=_tolerance, default=None, help="absolute floor (default: 1e-9)")
+    p.add_argument("--complex-rtol", type=_tolerance, default=None,
                    help="relative tolerance of the complex-step checks (default: 1e-12)")
     p.set_defaults(func=_cmd_check)
 
@@ -117,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         help="re-check golden vectors against their manifest (hashes) and a fresh computation",
         description="Check every file listed in OUT_DIR/manifest.json: its sha256, and its expected arrays "
-                    "against the reference recomputed from the stored inputs (rtol 1e-12). Exit 1 on any mismatch.",
+                    "against the reference recomputed from the stored inputs, bit for bit (the reference is "
+                    "precision='reproducible': the same bits on every machine). Exit 1 on any mismatch.",
     )
     p.add_argument("out_dir", metavar="OUT_DIR")
     _add_format(p)
@@ -144,9 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="test dtypes (default: float32)")
     p.add_argument("--rule", choices=("relative", "fixed", "ulp"), default="relative",
                    help="relative (default), fixed (--rtol/--atol) or ulp (--max-ulps)")
-    p.add_argument("--rtol", type=float, default=1e-12)
-    p.add_argument("--atol", type=float, default=1e-12)
-    p.add_argument("--max-ulps", type=float, default=4.0)
+    p.add_argument("--rtol", type=_tolerance, default=1e-12)
+    p.add_argument("--atol", type=_tolerance, default=1e-12)
+    p.add_argument("--max-ulps", type=_tolerance, default=4.0)
     p.add_argument("--supports", nargs="+", default=None, metavar="OPTION",
                    help="override the options the function understands")
     p.add_argument("--format", choices=("table", "json"), default="table")

@@ -6,7 +6,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .._validate import check_choice
+from .._validate import check_choice, check_tolerance
 from .numeric import METHODS, Numeric, batched_call, call, copy_args, default_eps, numeric_blocks, valid_columns
 from .report import GradcheckReport, compare
 
@@ -139,6 +139,10 @@ def _run(projection, full, fun, derivative, args, mode, eps, rtol, atol, seed, n
     """The shared body of check_vjp / check_jvp: projection first, full to locate a failure."""
     check_choice(mode, "mode", _MODES)
     check_choice(method, "method", METHODS)
+    rtol, atol = check_tolerance(rtol, "rtol"), check_tolerance(atol, "atol")
+    if isinstance(n_projections, (bool, np.bool_)) or not isinstance(n_projections, (int, np.integer)) \
+            or n_projections < 1:
+        raise ValueError(f"`n_projections` should be an int >= 1 (0 checks nothing), but got {n_projections!r}")
     xs = copy_args(args)
     out = call(fun, xs)
     nd = Numeric(fun, default_eps(eps, method), method, vectorized=bool(vectorized))

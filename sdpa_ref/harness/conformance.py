@@ -35,6 +35,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 
 import numpy as np
 
+from .._validate import check_tolerance
 from ..api import sdpa_backward, sdpa_forward
 from ..options import OPTION_NAMES
 from .cases import Case, get_suite
@@ -56,6 +57,10 @@ class RelativeRule:
 
     name = "relative"
 
+    def __post_init__(self):
+        check_tolerance(self.k_out, "k_out")
+        check_tolerance(self.k_grad, "k_grad")
+
     def bound(self, quantity, ref64, naive, dtype):
         k = self.k_out if quantity == "out" else self.k_grad
         return k * _max_abs_diff(naive, ref64) + _rounding_floor(ref64, dtype)
@@ -74,6 +79,10 @@ class FixedRule:
 
     name = "fixed"
 
+    def __post_init__(self):
+        check_tolerance(self.rtol, "rtol")
+        check_tolerance(self.atol, "atol")
+
     def bound(self, quantity, ref64, naive, dtype):
         return None                      # element-wise; see _judge
 
@@ -88,6 +97,9 @@ class ULPRule:
     max_ulps: float = 4.0
 
     name = "ulp"
+
+    def __post_init__(self):
+        check_tolerance(self.max_ulps, "max_ulps")
 
     def bound(self, quantity, ref64, naive, dtype):
         return None

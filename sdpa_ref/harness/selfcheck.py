@@ -35,6 +35,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
+from .._validate import check_tolerance
 from ..api import sdpa_backward, sdpa_forward, sdpa_forward_complex, sdpa_jvp
 from ..gradcheck import check_jvp, check_vjp
 from ..softmax import log_softmax, log_softmax_vjp, softmax, softmax_jvp, softmax_vjp
@@ -298,8 +299,11 @@ def run_checks(quick: bool = False, progress: Optional[Callable[[int, int, str],
                name_filter: Optional[str] = None, **tols) -> List[CheckResult]:
     """Run every self-check; ``progress(i, n, name)`` is called before each attention case.
 
-    ``name_filter`` keeps only the cases whose name contains it.
+    ``name_filter`` keeps only the cases whose name contains it; every
+    tolerance must be a finite number >= 0.
     """
+    for name, t in tols.items():
+        check_tolerance(t, name)
     results = softmax_checks(**tols)
     cases = gradcheck_grid(quick)
     if name_filter:

@@ -66,8 +66,8 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
     dt = np.dtype(dtype)
     if dt not in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)):
         raise ValueError(f"`dtype` should be float16, float32 or float64, but got {dtype!r}")
+    cases = get_suite(suite)                               # refuse a bad suite before touching the disk
     os.makedirs(out_dir, exist_ok=True)
-    cases = get_suite(suite)
     files = []
     for i, case in enumerate(cases):
         if progress is not None:
