@@ -26,6 +26,7 @@ from .engines import fast, reproducible, tiled
 from .engines._threads import single_threaded_blas
 from .engines.contract import AttentionGrads, AttentionResiduals
 from .options import DOC_OPTIONS, FULLY_MASKED_POLICIES, AttentionOptions, check_bool
+from .masks import zero_output_rows
 from .problem import Problem
 from .transforms import unbroadcast
 
@@ -259,6 +260,9 @@ def sdpa_backward(residuals, grad_out, method=None):
     if g.shape != prob.out_shape:
         raise ValueError(f"`grad_out` should have the output's shape {prob.out_shape}, but got shape {g.shape}")
     dO = g.astype(prob.dtype, copy=False).reshape(prob.full_scores[:-1] + (g.shape[-1],))
+    zr = zero_output_rows(residuals.empty, prob.padded_rows(), prob.options.fully_masked)
+    if zr is not None:              # rows whose output is the constant 0: their grad_out is never read
+        dO = np.where(zr, prob.dtype.type(0), dO)
     with single_threaded_blas():
         if name == "tiled":
             block = residuals.block_size or max(prob.L, prob.S, 1)

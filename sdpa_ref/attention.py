@@ -48,7 +48,7 @@ from __future__ import annotations
 import numpy as np
 
 from .engines.contract import Forward, Grads
-from .masks import fill_empty_rows, fill_output_without_keys
+from .masks import constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from .softmax import softmax_jvp, softmax_parts, softmax_vjp
 from .transforms import (
     additive_vjp,
@@ -81,6 +81,9 @@ def forward(prob, *, save_probs=True) -> Forward:
     P_drop = dropout_forward(P, prob.keep, o.dropout_p)
     O = _full(_grouped(P_drop, prob) @ v, prob)                     # O = P_drop V
     O = fill_output_without_keys(O, o.fully_masked, S, prob.padded_rows())
+    zr = zero_output_rows(empty, prob.padded_rows(), o.fully_masked)
+    if zr is not None:                                              # 0 by definition: no value is read
+        O = np.where(zr, O.dtype.type(0), O)
     return Forward(out=O, lse=lse[..., 0], probs=P if save_probs else None,
                    tanh=th if save_probs else None, empty=empty, rowmax=m, rowsum=s)
 
@@ -95,8 +98,9 @@ def backward(prob, fwd: Forward, dO) -> Grads:
     dv = (np.swapaxes(_grouped(P_drop, prob), -1, -2) @ dO).sum(axis=-3)   # dV = P_drop^T dO, summed over G
     dP = dropout_vjp(_full(dO @ np.swapaxes(v, -1, -2), prob), prob.keep, o.dropout_p)
     dT = softmax_vjp(P, dP)                                         # P * (dP - rowsum(P * dP))
-    if o.fully_masked == "uniform":                                  # such a row's P does not depend on T
-        dT = np.where(fwd.empty, dT.dtype.type(0), dT)
+    cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)
+    if cr is not None:                                               # such a row's P does not depend on T
+        dT = np.where(cr, dT.dtype.type(0), dT)
     dmask = None if prob.mask_float is None else additive_vjp(dT, prob.shapes["attn_mask"])
     dbias = None if prob.bias is None else additive_vjp(dT, prob.shapes["bias"])
     dTraw = transform_scores_vjp(dT, th)                            # through softcap
@@ -119,8 +123,9 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None):
         dTraw = np.zeros(prob.full_scores, prob.dtype) if dTraw is None else _full(dTraw, prob)
         dT = transform_scores_jvp(dTraw, th, dbias)
         dP = softmax_jvp(P, np.broadcast_to(dT, P.shape))           # P * (dT - rowsum(P * dT))
-        if o.fully_masked == "uniform":
-            dP = np.where(fwd.empty, dP.dtype.type(0), dP)
+        cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)
+        if cr is not None:
+            dP = np.where(cr, dP.dtype.type(0), dP)
         dO = _grouped(dropout_jvp(dP, prob.keep, o.dropout_p), prob) @ v
     if dv is not None:
         dO_v = _grouped(dropout_forward(P, prob.keep, o.dropout_p), prob) @ _kv(dv)

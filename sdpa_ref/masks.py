@@ -148,6 +148,28 @@ def fill_empty_rows(P, empty, padded, policy, S):
     return P
 
 
+def constant_rows(empty, padded, policy):
+    """``(..., L, 1)`` bool: the rows whose ``P`` is a constant of the policy, or None.
+
+    Fully masked rows under ``"zero"`` or ``"uniform"``, and padded query
+    rows. Their ``dT`` and ``dP`` are 0 -- set, not computed, so that nothing
+    stored in the keys and values reaches them (``0 * inf`` would be NaN).
+    """
+    rows = empty if policy in ("zero", "uniform") else None
+    if padded is not None:
+        rows = padded if rows is None else (rows | padded)
+    return rows if rows is not None and np.any(rows) else None
+
+
+def zero_output_rows(empty, padded, policy):
+    """``(..., L, 1)`` bool: the rows whose output is 0 by definition (fully masked under ``"zero"``, padded), or
+    None. The engines set their output to 0 rather than compute ``0 V``, which reads every value."""
+    rows = empty if policy == "zero" else None
+    if padded is not None:
+        rows = padded if rows is None else (rows | padded)
+    return rows if rows is not None and np.any(rows) else None
+
+
 def fill_output_without_keys(O, policy, S, padded):
     """With ``S == 0`` the output is an empty sum (0): the ``"nan"`` policy makes it NaN (padded rows stay 0)."""
     if policy != "nan" or S != 0:

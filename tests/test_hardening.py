@@ -157,3 +157,39 @@ def test_the_cli_refuses_bad_tolerances_with_a_one_line_error(argv, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "should be a finite number >= 0" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------ rows whose result is a constant (part 3, in part)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")             # the poison does reach the other rows
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_a_fully_masked_row_under_the_zero_policy_reads_no_value(how, poison):
+    rng = np.random.default_rng(4)
+    q, k, v, g = (rng.standard_normal((1, 2, 4, 3)) for _ in range(4))
+    mask = np.ones((4, 4), bool)
+    mask[1, :] = False                                              # row 1 sees no key
+    clean_out, clean_res = _forward(how, q, k, v, attn_mask=mask)
+    clean = sdpa_ref.sdpa_backward(clean_res, g)
+    v2 = v.copy()
+    v2[0, 0, 2, 1] = poison                                         # a value other rows do read
+    out, res = _forward(how, q, k, v2, attn_mask=mask)
+    grads = sdpa_ref.sdpa_backward(res, g)
+    np.testing.assert_array_equal(out[:, :, 1], 0.0)
+    np.testing.assert_array_equal(out[:, :, 1], clean_out[:, :, 1])
+    np.testing.assert_array_equal(grads.query[:, :, 1], clean.query[:, :, 1])
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_grad_out_at_padded_rows_is_never_read(how):
+    rng = np.random.default_rng(5)
+    q, k, v, g = (rng.standard_normal((2, 2, 5, 3)) for _ in range(4))
+    lengths = np.array([5, 3])
+    _, res = _forward(how, q, k, v, q_lengths=lengths)
+    clean = sdpa_ref.sdpa_backward(res, g)
+    g2 = g.copy()
+    g2[1, :, 3:] = np.nan                                           # past q_lengths[1]
+    for a, b in zip(sdpa_ref.sdpa_backward(res, g2), clean):
+        if a is not None:
+            np.testing.assert_array_equal(a, b)

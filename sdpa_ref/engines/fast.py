@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..masks import block_of, fill_empty_rows, fill_output_without_keys
+from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from ..softmax import row_pivot
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_vjp, transform_scores, \
     transform_scores_vjp
@@ -110,6 +110,9 @@ def forward(prob, *, save_probs=True) -> Forward:
         P = fill_empty_rows(P, empty, padded, o.fully_masked, S)
         O = dropout_forward(P, prob.keep, o.dropout_p).reshape(lay.grouped + (S,)) @ prob.v
     O = fill_output_without_keys(O.reshape(full[:-1] + (Ev,)), o.fully_masked, S, padded)
+    zr = zero_output_rows(empty, padded, o.fully_masked)
+    if zr is not None:                                 # 0 by definition: no value is read
+        O = np.where(zr, ct.type(0), O)
     return Forward(out=O, lse=lse.reshape(full[:-1]), probs=P if save_probs else None,
                    tanh=None if (th is None or not save_probs) else th.reshape(full), empty=empty,
                    rowmax=rowmax.reshape(full[:-1] + (1,)), rowsum=rowsum.reshape(full[:-1] + (1,)))
@@ -125,7 +128,6 @@ def backward(prob, fwd: Forward, dO) -> Grads:
     dO = dO.reshape(grouped + (Ev,))
     Pg = np.broadcast_to(fwd.probs, full).reshape(grouped + (S,))
     thg = None if fwd.tanh is None else np.broadcast_to(fwd.tanh, full).reshape(grouped + (S,))
-    emptyg = fwd.empty.reshape(grouped + (1,))
     # the whole dT is kept only when attn_mask or bias needs its gradient (summed down afterwards);
     # otherwise each chunk works in its own buffer, which the allocator reuses
     keep_dT = prob.mask_float is not None or prob.bias is not None
@@ -133,7 +135,8 @@ def backward(prob, fwd: Forward, dO) -> Grads:
     dq = np.empty(grouped + (E,), dtype=ct)
     dk = np.empty(lead + (S, E), dtype=ct)
     dv = np.empty(lead + (S, Ev), dtype=ct)
-    zero_empty = o.fully_masked == "uniform" and np.any(fwd.empty)
+    cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)   # their dT is 0, set not computed
+    crg = None if cr is None else np.broadcast_to(cr, full[:-1] + (1,)).reshape(grouped + (1,))
     sub = max(1, _CACHE_ENTRIES // max(S, 1))
 
     def score_grad_rows(d, p):
@@ -162,8 +165,8 @@ def backward(prob, fwd: Forward, dO) -> Grads:
             row_chunks(score_grad_rows, *rows)
         else:
             score_grad_rows(*rows)                                         # dT = (dP - D) * P
-        if zero_empty:
-            np.copyto(dTc, 0.0, where=emptyg[idx])
+        if crg is not None:
+            np.copyto(dTc, 0.0, where=crg[idx])
         dTraw = transform_scores_vjp(dTc, None if thg is None else thg[idx], out=None if keep_dT else dTc)
         scores_vjp(dTraw, qc, k, prob.scale, dq_out=dq[idx], dk_out=dk[idx])
 

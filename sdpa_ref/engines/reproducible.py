@@ -45,7 +45,7 @@ import functools
 import numpy as np
 
 from ..exact.arith import for_problem
-from ..masks import block_of, fill_empty_rows, fill_output_without_keys
+from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from ..transforms import alibi_distance
 from ._threads import run_all
 from .contract import Forward, Grads
@@ -113,7 +113,11 @@ def forward(prob, *, save_probs=True) -> Forward:
 
     _by_rows(full, rows)
     O = _round(X, X.matmul(_grouped(Pd, prob), _kv(prob.v), final=True))
-    O = _canon(fill_output_without_keys(_full(O, prob), o.fully_masked, S, padded))
+    O = fill_output_without_keys(_full(O, prob), o.fully_masked, S, padded)
+    zr = zero_output_rows(empty, padded, o.fully_masked)
+    if zr is not None:                                               # 0 by definition: no value is read
+        O = np.where(zr, O.dtype.type(0), O)
+    O = _canon(O)
     extra = {"P": P, "Pd": Pd, "tanh": th} if save_probs else None
     return Forward(out=O, lse=_canon(lse[..., 0]), probs=X.value(P) if save_probs else None,
                    tanh=None if th is None else X.value(th), empty=empty, rowmax=m, rowsum=s_val, extra=extra)
@@ -125,6 +129,7 @@ def backward(prob, fwd: Forward, dO) -> Grads:
     X = for_problem(prob)
     o, full, nd = prob.options, prob.full_scores, len(prob.full_scores)
     P, Pd, th = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["tanh"]
+    padded = prob.padded_rows()
     dOg = _grouped(dO, prob)                                          # (..., Hkv, G, L, Ev)
     dv = X.matmul(_t(_fold(_grouped(Pd, prob))), _fold(dOg),          # P_drop^T dO, the group folded in
                   final=_no_sum(prob.batch + prob.v.shape[-3:], prob.shapes["value"]))
@@ -137,8 +142,9 @@ def backward(prob, fwd: Forward, dO) -> Grads:
         ix = lead + (slice(*r),)
         g = _dropout(X, X.at(dP, ix), block_of(prob.keep, nd, lead, r), o.dropout_p)
         t = _softmax_vjp(X, X.at(P, ix), g)                           # P * (dP - rowsum(P * dP)), pivoted
-        if o.fully_masked == "uniform":
-            t = X.where(fwd.empty[ix], X.const(0.0), t)
+        cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked)
+        if cr is not None:                                           # P does not depend on T there
+            t = X.where(cr, X.const(0.0), t)
         if dT is not None:
             X.put(dT, ix, t)
         if th is not None:                                           # * (1 - tanh^2)
@@ -165,6 +171,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None):
     X = for_problem(prob)
     o, full, nd = prob.options, prob.full_scores, len(prob.full_scores)
     P, Pd, th = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["tanh"]
+    padded = prob.padded_rows()
     dO = None
     if dq is not None or dk is not None or dbias is not None:
         dT = None
@@ -185,8 +192,9 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None):
             if dbias is not None:
                 t = X.add_d(t, block_of(dbias, nd, lead, r))
             p = _softmax_vjp(X, X.at(P, ix), t)                      # J is symmetric: the JVP is the same map
-            if o.fully_masked == "uniform":
-                p = X.where(fwd.empty[ix], X.const(0.0), p)
+            cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked)
+            if cr is not None:
+                p = X.where(cr, X.const(0.0), p)
             X.put(dPd, ix, _dropout(X, p, block_of(prob.keep, nd, lead, r), o.dropout_p))
 
         _by_rows(full, rows)

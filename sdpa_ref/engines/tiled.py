@@ -35,7 +35,7 @@ import numbers
 
 import numpy as np
 
-from ..masks import block_of, fill_empty_rows, fill_output_without_keys, policy_fill
+from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, policy_fill
 from ..transforms import dropout_forward, scores_forward, scores_vjp, transform_scores, transform_scores_vjp, \
     unbroadcast
 from .contract import Forward, Grads
@@ -214,8 +214,9 @@ def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
             dv[..., j0:j1, :] += (np.swapaxes(bl.grouped(P_drop), -1, -2) @ dOg).sum(axis=-3)   # P_drop^T dO
             np.subtract(dP, D, out=dP)
             dT = np.multiply(P, dP, out=dP)
-            if o.fully_masked == "uniform" and np.any(em):
-                dT = np.where(em, ct.type(0), dT)
+            cr = constant_rows(em, pad, o.fully_masked)
+            if cr is not None:                                       # P does not depend on T there
+                dT = np.where(cr, ct.type(0), dT)
             for acc in (dmask, dbias):
                 if acc is not None:                                  # dB = dT, summed to B's shape
                     view = block_of(acc, nd, None, (i0, i1), (j0, j1))
