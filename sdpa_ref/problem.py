@@ -117,8 +117,12 @@ class Problem:
         ct = np.result_type(out_dtype, np.float64) if (opts.upcast or complex_ok) else out_dtype
         rt = np.dtype(ct.type(0).real.dtype)
         G = Hq // Hkv if Hkv else 1
+        dead_q = _dead(q_lengths, L, batch, qh.shape[:-3])          # rows and keys past the lengths: never read
+        dead_kv = _dead(kv_lengths, S, batch, kh.shape[:-3])
+        dead_v = None if opts.fully_masked == "uniform" else _dead(kv_lengths, S, batch, vh.shape[:-3])
         return cls(
-            q=_own(qh, ct).reshape(qh.shape[:-3] + (Hkv, G, L, E)), k=_own(kh, ct), v=_own(vh, ct),
+            q=_own(qh, ct, dead_q).reshape(qh.shape[:-3] + (Hkv, G, L, E)), k=_own(kh, ct, dead_kv),
+            v=_own(vh, ct, dead_v),
             mask_bool=_own(mask_bool), mask_float=_own(mask_float, ct), bias=_own(bias, ct), alibi=_own(alibi, rt),
             q_lengths=_own(q_lengths), kv_lengths=_own(kv_lengths), keep=_own(keep), scale=scale, options=opts,
             full_scores=full_scores, user_ndim=user_ndim,
@@ -194,17 +198,36 @@ def _as_generator(rng):
     raise TypeError(f"`rng` should be a numpy.random.Generator, an int seed or None, but got {V.describe(rng)}")
 
 
-def _own(a, dtype=None):
-    """The problem's own read-only copy of ``a`` (None stays None).
+def _dead(lengths, n, batch, own_batch):
+    """``(*own_batch, 1, n, 1)`` bool: the positions past ``lengths`` for every batch entry that shares an
+    array's memory (an input broadcast over a batch dim is live if any entry there reads it); or None."""
+    if lengths is None:
+        return None
+    dead = np.broadcast_to(np.arange(n) >= lengths[..., None], tuple(batch) + (n,))
+    off = len(batch) - len(own_batch)
+    shared = tuple(i for i in range(len(batch)) if i < off or own_batch[i - off] == 1)
+    dead = np.all(dead, axis=shared, keepdims=True)[off:] if shared else dead
+    dead = dead.reshape(tuple(own_batch) + (1, n, 1))
+    return dead if dead.any() else None
+
+
+def _own(a, dtype=None, dead=None):
+    """The problem's own read-only copy of ``a`` (None stays None), 0 where ``dead`` is True.
 
     Nothing the caller does to the arrays it passed in can then change the
     residuals, and no engine can write into them. The cost is one copy of
     each input, small next to the ``L x S`` work (a full-size float mask or
-    bias is copied too).
+    bias is copied too). Query rows past ``q_lengths`` and keys past
+    ``kv_lengths`` (values too, except under ``fully_masked="uniform"``,
+    whose empty rows average every value by definition) are set to 0: the
+    engines' products multiply them by exact zeros, and ``0 * NaN`` would
+    leak whatever the padding holds.
     """
     if a is None:
         return None
     a = np.array(a, dtype=dtype, copy=True)
+    if dead is not None:                                   # what is stored there is never read: make it 0
+        a[np.broadcast_to(dead, a.shape)] = 0
     a.setflags(write=False)
     return a
 

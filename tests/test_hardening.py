@@ -193,3 +193,46 @@ def test_grad_out_at_padded_rows_is_never_read(how):
     for a, b in zip(sdpa_ref.sdpa_backward(res, g2), clean):
         if a is not None:
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_complex_result_is_a_failure_not_its_real_part():
+    from sdpa_ref.harness.cases import get_suite
+    from sdpa_ref.harness.conformance import check_implementation
+
+    def plus_imaginary(q, k, v, **o):
+        out = sdpa_ref.sdpa_forward(q, k, v, **o)[0]
+        return out + 1e6j
+
+    case = [c for c in get_suite("quick") if c.name == "plain-L8-S8"]
+    rep = check_implementation(plus_imaginary, dtypes=("float64",), cases=case)
+    assert not rep.ok
+    row = next(r for r in rep.rows if r.quantity == "out")
+    assert row.status == "FAIL" and "complex" in row.note
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("policy", ["zero", "nan"])
+def test_memory_past_the_lengths_is_never_read(how, policy, recwarn):
+    rng = np.random.default_rng(6)
+    q, k, v, g = (rng.standard_normal((2, 2, 5, 3)) for _ in range(4))
+    kw = dict(q_lengths=np.array([5, 3]), kv_lengths=np.array([5, 2]), fully_masked=policy)
+    out0, res0 = _forward(how, q, k, v, **kw)
+    clean = sdpa_ref.sdpa_backward(res0, g)
+    q2, k2, v2 = q.copy(), k.copy(), v.copy()
+    q2[1, :, 3:] = np.nan                                           # query rows past q_len
+    k2[1, :, 2:] = np.nan                                           # keys past kv_len
+    v2[1, :, 2:] = np.inf                                           # values past kv_len
+    out1, res1 = _forward(how, q2, k2, v2, **kw)
+    np.testing.assert_array_equal(out1, out0)                       # the same bits as with clean memory
+    np.testing.assert_array_equal(res1.lse, res0.lse)
+    for a, b in zip(sdpa_ref.sdpa_backward(res1, g), clean):
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_under_the_uniform_policy_an_empty_row_averages_every_value_by_definition():
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 1, 3, 2)) for _ in range(3))
+    out = sdpa_ref.scaled_dot_product_attention(q, k, v, kv_lengths=[0], fully_masked="uniform")
+    np.testing.assert_allclose(out[0, 0], np.broadcast_to(v[0, 0].mean(axis=0), (3, 2)), rtol=1e-15)
