@@ -236,3 +236,42 @@ def test_under_the_uniform_policy_an_empty_row_averages_every_value_by_definitio
     q, k, v = (rng.standard_normal((1, 1, 3, 2)) for _ in range(3))
     out = sdpa_ref.scaled_dot_product_attention(q, k, v, kv_lengths=[0], fully_masked="uniform")
     np.testing.assert_allclose(out[0, 0], np.broadcast_to(v[0, 0].mean(axis=0), (3, 2)), rtol=1e-15)
+
+
+def test_an_implementation_that_exits_is_a_failed_case_and_the_run_goes_on():
+    from sdpa_ref.harness.cases import get_suite
+    from sdpa_ref.harness.conformance import check_implementation
+
+    def exits(q, k, v, **o):
+        raise SystemExit(0)
+
+    cases = get_suite("quick")[:2]
+    rep = check_implementation(exits, dtypes=("float64",), cases=cases)
+    assert not rep.ok
+    assert [r.status for r in rep.rows] == ["error", "error"]
+    assert all("SystemExit" in r.note for r in rep.rows)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (lambda d: ["vectors", str(d / "afile")], "OUT_DIR should be a folder"),
+    (lambda d: ["vectors", ""], "OUT_DIR should be a folder path"),
+    (lambda d: ["diagnose", "--d-k", "4", "--plot", str(d / "no" / "such" / "p.png")], "--plot"),
+    (lambda d: ["saturation", "--seed", "-1"], "--seed"),
+    (lambda d: ["conform", "raising_module:f"], "RuntimeError: boom"),
+    (lambda d: ["conform", "broken_module:f"], "SyntaxError"),
+    (lambda d: ["conform", "exiting_module:f"], "SystemExit(0)"),
+])
+def test_user_mistakes_on_the_command_line_are_one_line_errors(tmp_path, monkeypatch, capsys, argv, words):
+    from sdpa_ref.cli import main
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "raising_module.py").write_text("raise RuntimeError('boom')\n")
+    (tmp_path / "broken_module.py").write_text("def f(:\n")
+    (tmp_path / "exiting_module.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(argv(tmp_path))
+    except SystemExit as e:                                         # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert words in err and "Traceback" not in err

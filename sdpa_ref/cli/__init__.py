@@ -28,6 +28,17 @@ def _tolerance(text):
     return t
 
 
+def _seed(text):
+    """An argparse type: a non-negative int seed."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"should be an int >= 0, but got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"should be an int >= 0, but got {text!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
@@ -87,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=64, help="independent draws per point (default: 64)")
     p.add_argument("--scales", nargs="+", choices=("none", "sqrt", "linear"), default=["none", "sqrt", "linear"],
                    help="scaling choices to compare (default: all three)")
-    p.add_argument("--seed", type=int, default=0, help="random seed; the result is deterministic (default: 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed; the result is deterministic (default: 0)")
     _add_format(p)
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="also draw normalized entropy, max weight and gradient norm against d_k "
@@ -104,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--d-k", type=int, default=128, help="key width (default: 128)")
     p.add_argument("--n-keys", type=int, default=50, help="number of keys (default: 50)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed (default: 0)")
     _add_format(p)
     p.set_defaults(func=_cmd_saturation)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from .output import DIAGNOSE_COLUMNS, _dump, _import_pyplot, _plot_sweep, _Progress, format_rows
@@ -51,6 +52,11 @@ def _cmd_diagnose(args) -> int:
     from .. import diagnostics
 
     if args.plot is not None:
+        parent = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(parent):
+            print(f"sdpa-ref: --plot should name a file in an existing folder, but {parent!r} does not exist",
+                  file=sys.stderr)
+            return 2
         plt = _import_pyplot()
         if plt is None:
             print("sdpa-ref: --plot needs matplotlib; install it with: python -m pip install 'sdpa_ref[plot]'",
@@ -128,8 +134,17 @@ def _cmd_saturation(args) -> int:
 def _cmd_vectors(args) -> int:
     from ..harness import vectors
 
+    err = _writable_dir(args.out_dir)
+    if err:
+        print(f"sdpa-ref: OUT_DIR {err}", file=sys.stderr)
+        return 2
     progress = _Progress("vectors")
-    manifest = vectors.write_vectors(args.out_dir, suite=args.suite, dtype=args.dtype, progress=progress)
+    try:
+        manifest = vectors.write_vectors(args.out_dir, suite=args.suite, dtype=args.dtype, progress=progress)
+    except OSError as exc:
+        progress.done()
+        print(f"sdpa-ref: cannot write into OUT_DIR {args.out_dir!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     progress.done()
     print(f"wrote {len(manifest['files'])} cases ({args.suite} suite v{manifest['suite_version']}, "
           f"{args.dtype}) and manifest.json to {args.out_dir}")
@@ -153,8 +168,11 @@ def _cmd_conform(args) -> int:
     try:
         fwd = _load(args.target)
         bwd = _load(args.backward) if args.backward else None
-    except (ImportError, AttributeError, ValueError) as exc:
-        print(f"sdpa-ref: cannot load the implementation: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        raise
+    except (Exception, SystemExit) as exc:                 # whatever the module does on import is its error
+        what = f"SystemExit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+        print(f"sdpa-ref: cannot load the implementation {args.target!r}: {what}", file=sys.stderr)
         return 2
     rule = {"relative": conformance.RelativeRule(), "fixed": conformance.FixedRule(args.rtol, args.atol),
             "ulp": conformance.ULPRule(args.max_ulps)}[args.rule]
@@ -171,10 +189,18 @@ def _cmd_conform(args) -> int:
     return 0 if rep.ok else 1
 
 
+def _writable_dir(path):
+    """Why ``path`` cannot be the folder to write into, or None."""
+    if not path:
+        return "should be a folder path, but got an empty one"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"should be a folder, but {path!r} is an existing file"
+    return None
+
+
 def _load(spec):
     """``package.module:attr.sub`` -> the object; the current directory is importable."""
     import importlib
-    import os
 
     if ":" not in spec:
         raise ValueError(f"`{spec}` should be MODULE:FUNCTION")

@@ -245,8 +245,10 @@ def _judge_case(case, dt, forward, backward, rule, sup):
         out = forward(q.copy(), k.copy(), v.copy(), **_copy_opts(inp))
     except NotImplementedError as exc:
         return [ConformanceRow(case.name, dt, "all", "skip", note=f"not implemented: {exc}")]
-    except Exception as exc:  # a crash is a failure, reported, not raised
-        return [ConformanceRow(case.name, dt, "out", "error", note=f"{type(exc).__name__}: {exc}")]
+    except KeyboardInterrupt:                              # the user's own Ctrl-C stops the run
+        raise
+    except BaseException as exc:  # a crash, SystemExit included, is a failure of the case, and the run goes on
+        return [ConformanceRow(case.name, dt, "out", "error", note=_what(exc))]
     got = {"out": out}
     if backward is not None:
         g = grad_out_for(case, ref64["out"].shape, np.dtype(dt))
@@ -261,11 +263,19 @@ def _judge_case(case, dt, forward, backward, rule, sup):
                                            note=f"backward returned {len(grads)} gradients, expected {len(names)}"))
         except NotImplementedError as exc:
             rows.append(ConformanceRow(case.name, dt, "grads", "skip", note=f"not implemented: {exc}"))
-        except Exception as exc:
-            rows.append(ConformanceRow(case.name, dt, "grads", "error", note=f"{type(exc).__name__}: {exc}"))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            rows.append(ConformanceRow(case.name, dt, "grads", "error", note=_what(exc)))
     for qty, val in got.items():
         rows.append(_compare(case.name, dt, qty, val, ref64[qty], None if naive is None else naive[qty], rule))
     return rows
+
+
+def _what(exc):
+    if isinstance(exc, SystemExit):
+        return f"SystemExit({exc.code!r}) raised by the implementation"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _compare(case, dt, qty, val, ref64, naive, rule):
