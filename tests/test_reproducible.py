@@ -238,3 +238,33 @@ def test_float32_inputs_are_upcast_and_the_result_rounded_once_more():
     assert out32.dtype == np.float32
     np.testing.assert_array_equal(out32, want)
     assert out64.dtype == np.float64
+
+
+@pytest.mark.parametrize("policy", ["zero", "uniform"])
+def test_the_reproducible_backward_and_jvp_pass_finite_differences_with_every_option(policy):
+    # one problem with every option at once; that the engine equals the teaching core on every combination
+    # is test_agrees_with_the_teaching_core_on_every_option, and the core's own finite-difference checks
+    # cover the combinations
+    rng = np.random.default_rng(11)
+    B, Hq, Hkv, L, S, E = 2, 4, 2, 4, 5, 3
+    q, k, v = (rng.standard_normal(s) for s in ((B, Hq, L, E), (B, Hkv, S, E), (B, Hkv, S, E)))
+    mask = rng.random((L, S)) < 0.8
+    mask[2] = False                                                  # a fully masked row
+    opts = dict(enable_gqa=True, attn_mask=mask, bias=rng.standard_normal((Hq, L, S)), softcap=2.0,
+                alibi_slopes=rng.random(Hq), window=(3, 1), q_lengths=[4, 3], kv_lengths=[5, 4],
+                dropout_p=0.2, dropout_mask=rng.random((B, Hq, L, S)) > 0.2, fully_masked=policy,
+                causal_alignment="bottom_right", scale=0.7)
+
+    def f(q, k, v):
+        return sdpa_ref.sdpa_forward(q, k, v, precision="reproducible", **opts)[0]
+
+    def vjp(g, q, k, v):
+        gr = sdpa_ref.sdpa_backward(sdpa_ref.sdpa_forward(q, k, v, precision="reproducible", **opts)[1], g)
+        return gr.query, gr.key, gr.value
+
+    def jvp(t, q, k, v):
+        return sdpa_ref.sdpa_jvp((q, k, v), tuple(t), precision="reproducible", **opts)[1]
+
+    # random projections: a wrong gradient anywhere changes <g, J t> (the full mode would take 300 calls)
+    assert sdpa_ref.check_vjp(f, vjp, (q, k, v), mode="projection", n_projections=4).ok
+    assert sdpa_ref.check_jvp(f, jvp, (q, k, v), mode="projection", n_projections=4).ok
