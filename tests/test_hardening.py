@@ -1,5 +1,7 @@
-"""Nothing a user does makes a computed result change: no aliasing between what the caller holds and the
-residuals (issue 12, part 1)."""
+"""Nothing a user does makes it lie (issue 12): no aliasing, clear errors for bad input, memory that is never
+read, checkers that cannot be fooled, a CLI without tracebacks, and a ``verify`` you can point at anything."""
+
+import os
 
 import numpy as np
 import pytest
@@ -275,3 +277,114 @@ def test_user_mistakes_on_the_command_line_are_one_line_errors(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert code == 2
     assert words in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------ a verify you can point at anything (part 5)
+
+
+@pytest.fixture(scope="module")
+def vector_set(tmp_path_factory):
+    from sdpa_ref.harness.vectors import write_vectors
+    d = tmp_path_factory.mktemp("vectors")
+    write_vectors(str(d), "quick", "float32")
+    return d
+
+
+def _copy_set(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _manifest(d):
+    import json
+    return json.loads((d / "manifest.json").read_text())
+
+
+def _write_manifest(d, m):
+    import json
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def _rehash(d, entry):
+    import hashlib
+    entry["sha256"] = hashlib.sha256((d / entry["file"]).read_bytes()).hexdigest()
+
+
+def test_verify_reads_nothing_outside_its_folder(vector_set, tmp_path):
+    from sdpa_ref.harness.vectors import verify_vectors
+    d = _copy_set(vector_set, tmp_path / "v")
+    outside = tmp_path / "outside.npz"
+    outside.write_bytes((d / "plain-L8-S8.npz").read_bytes())
+    m = _manifest(d)
+    m["files"][0]["file"] = "../outside.npz"
+    m["files"][1]["file"] = str(outside)                            # an absolute path
+    (d / "link.npz").symlink_to(outside)
+    m["files"][2]["file"] = "link.npz"
+    os.mkfifo(d / "fifo.npz")
+    m["files"][3]["file"] = "fifo.npz"
+    _write_manifest(d, m)
+    rep = verify_vectors(str(d))
+    assert not rep.ok
+    notes = {r["file"]: r.get("note", "") for r in rep.rows}
+    assert "not read" in notes["../outside.npz"] and "not read" in notes[str(outside)]
+    assert "symbolic link" in notes["link.npz"] and "not a regular file" in notes["fifo.npz"]
+
+
+def test_verify_refuses_tampered_sets(vector_set, tmp_path):
+    from sdpa_ref.harness import vectors
+    import numpy as np_
+    # inputs replaced and every output recomputed from them, hashes made consistent
+    d = _copy_set(vector_set, tmp_path / "a")
+    m = _manifest(d)
+    e = next(x for x in m["files"] if x["file"] == "plain-L8-S8.npz")
+    arrays = vectors.read_npz((d / e["file"]).read_bytes())
+    arrays["query"] = (arrays["query"] * 2).astype(arrays["query"].dtype)
+    import json
+    opts = json.loads(bytes(arrays["options_json"]).decode())
+    arrays.update(vectors.expected(arrays, opts, np_.dtype("float32"), grad_out=arrays["grad_out"]))
+    (d / e["file"]).write_bytes(vectors._npz_bytes(arrays))
+    _rehash(d, e)
+    _write_manifest(d, m)
+    rep = vectors.verify_vectors(str(d))
+    assert not rep.ok and "query" in next(r for r in rep.rows if r["file"] == e["file"])["note"]
+    # 29 of 30 cases deleted
+    d = _copy_set(vector_set, tmp_path / "b")
+    m = _manifest(d)
+    m["files"] = m["files"][:1]
+    _write_manifest(d, m)
+    for f in os.listdir(d):
+        if f.endswith(".npz") and f != m["files"][0]["file"]:
+            os.remove(d / f)
+    rep = vectors.verify_vectors(str(d))
+    assert not rep.ok and sum("missing from the manifest" in p for p in rep.problems) == 29
+    # a duplicated entry
+    d = _copy_set(vector_set, tmp_path / "c")
+    m = _manifest(d)
+    m["files"].append(dict(m["files"][0]))
+    _write_manifest(d, m)
+    rep = vectors.verify_vectors(str(d))
+    assert not rep.ok and any("listed twice" in r.get("note", "") for r in rep.rows)
+
+
+@pytest.mark.parametrize("text", ["", "[]", "{}", '{"suite": "quick"}', "[" * 200000 + "]" * 200000,
+                                  '{"suite": "quick", "dtype": "float32", "suite_version": "1", '
+                                  '"format_version": "1", "files": [{"file": 3}]}'])
+def test_a_malformed_manifest_is_a_one_line_error_with_exit_2(tmp_path, capsys, text):
+    from sdpa_ref.cli import main
+    (tmp_path / "manifest.json").write_text(text)
+    assert main(["verify", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "manifest.json" in err and "Traceback" not in err
+
+
+def test_verify_does_not_parse_a_file_whose_hash_is_wrong(vector_set, tmp_path):
+    import zipfile
+    from sdpa_ref.harness.vectors import verify_vectors
+    d = _copy_set(vector_set, tmp_path / "z")
+    bomb = d / "plain-L8-S8.npz"
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("out.npy", b"\0" * (64 << 20))                  # 64 MiB that deflate to almost nothing
+    rep = verify_vectors(str(d))
+    row = next(r for r in rep.rows if r["file"] == "plain-L8-S8.npz")
+    assert not row["ok"] and "not parsed" in row["note"]

@@ -9,7 +9,7 @@ import pytest
 from sdpa_ref import sdpa_backward, sdpa_forward
 from sdpa_ref.harness.cases import get_suite
 from sdpa_ref.cli import main
-from sdpa_ref.harness.vectors import FORMAT_VERSION, verify_vectors, write_vectors
+from sdpa_ref.harness.vectors import FORMAT_VERSION, ManifestError, verify_vectors, write_vectors
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,8 @@ def test_tampered_file_is_detected(tmp_path):
     (tmp_path / "stray.npz").write_bytes(b"")
     assert any("stray.npz" in p for p in verify_vectors(str(tmp_path)).problems)
     os.remove(tmp_path / "manifest.json")
-    assert not verify_vectors(str(tmp_path)).ok
+    with pytest.raises(ManifestError, match="manifest.json"):      # a missing manifest is an error, not a verdict
+        verify_vectors(str(tmp_path))
 
 
 def test_low_precision_vectors_carry_the_naive_results(tmp_path):

@@ -138,9 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "verify",
         help="re-check golden vectors against their manifest (hashes) and a fresh computation",
-        description="Check every file listed in OUT_DIR/manifest.json: its sha256, and its expected arrays "
-                    "against the reference recomputed from the stored inputs, bit for bit (the reference is "
-                    "precision='reproducible': the same bits on every machine). Exit 1 on any mismatch.",
+        description="Check every file listed in OUT_DIR/manifest.json: its sha256 (before it is parsed), "
+                    "then its bytes against the case regenerated from the suite's definition (the reference is "
+                    "precision='reproducible': the same bits on every machine). Only regular files inside "
+                    "OUT_DIR, named plainly, are read. Exit 1 on any mismatch, 2 on a malformed manifest.",
     )
     p.add_argument("out_dir", metavar="OUT_DIR")
     _add_format(p)

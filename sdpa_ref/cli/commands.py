@@ -154,7 +154,11 @@ def _cmd_vectors(args) -> int:
 def _cmd_verify(args) -> int:
     from ..harness import vectors
 
-    rep = vectors.verify_vectors(args.out_dir)
+    try:
+        rep = vectors.verify_vectors(args.out_dir)
+    except vectors.ManifestError as exc:
+        print(f"sdpa-ref: {exc}", file=sys.stderr)
+        return 2
     if args.format == "table":
         print(rep)
     else:

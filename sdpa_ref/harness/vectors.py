@@ -37,10 +37,12 @@ give the same hashes:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
 import os
+import stat
 import zipfile
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -52,7 +54,7 @@ from ..options import ARRAY_OPTIONS
 from .cases import SUITE_VERSION, get_suite
 from .conformance import grad_out_for
 
-__all__ = ["FORMAT_VERSION", "write_vectors", "verify_vectors", "VerifyReport", "read_npz"]
+__all__ = ["FORMAT_VERSION", "ManifestError", "write_vectors", "verify_vectors", "VerifyReport", "read_npz"]
 
 FORMAT_VERSION = "1"
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
@@ -104,7 +106,14 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
 
 
 def case_arrays(case, dt) -> Dict[str, np.ndarray]:
-    """All arrays of one vector file, in the order they are written."""
+    """All arrays of one vector file, in the order they are written (the caller's own copies)."""
+    return {n: a.copy() for n, a in _case_arrays(case, np.dtype(dt).name).items()}
+
+
+@functools.lru_cache(maxsize=128)
+def _case_arrays(case, dt):
+    """:func:`case_arrays`, computed once per process: the computation is deterministic to the bit."""
+    dt = np.dtype(dt)
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
     arrays: Dict[str, np.ndarray] = {"query": q, "key": k, "value": v}
@@ -170,68 +179,162 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def verify_vectors(out_dir) -> VerifyReport:
-    """Check every file's hash against the manifest and its contents, bit for bit, against a fresh computation.
+#: The largest vector file ``verify`` reads (the full suite's largest is about 4 MiB).
+MAX_FILE_BYTES = 256 << 20
+#: The largest ``manifest.json`` it reads.
+MAX_MANIFEST_BYTES = 16 << 20
 
-    Every reference array is computed with ``precision="reproducible"``, so
-    a fresh computation on any machine gives the same bits: an array that
-    differs in one bit, anywhere, fails. ``max_rel_diff`` reports how far it
-    is off, for the record.
+
+class ManifestError(ValueError):
+    """``manifest.json`` cannot be used: missing, not a regular file, too large, or not of the expected form."""
+
+
+def verify_vectors(out_dir) -> VerifyReport:
+    """Check a vector set against the suite's own definition, bit for bit.
+
+    The threat model: the folder may hold anything. ``verify`` reads only
+    ``manifest.json`` and the regular files it names, inside ``out_dir``, by
+    plain name -- no ``..``, no absolute paths, no symlinks, no devices or
+    FIFOs -- with bounded reads, and hashes each file before parsing it. It
+    then regenerates every case of the manifest's suite from the suite's
+    definition (inputs, options and every reference array, with
+    ``precision="reproducible"``: the same bits on any machine) and compares
+    bytes, so replaced inputs, recomputed outputs, changed options, deleted,
+    duplicated or foreign cases are all NOT VERIFIED. A malformed manifest
+    raises :class:`ManifestError`.
     """
     rep = VerifyReport()
-    mpath = os.path.join(out_dir, "manifest.json")
-    try:
-        with open(mpath, encoding="utf-8") as fh:
-            manifest = json.load(fh)
-    except (OSError, ValueError) as exc:
-        rep.problems.append(f"cannot read {mpath}: {exc}")
-        return rep
-    dt = np.dtype(manifest.get("dtype", "float64"))
-    listed = set()
-    for entry in manifest.get("files", []):
+    manifest = _read_manifest(out_dir)
+    dt = np.dtype(manifest["dtype"])
+    cases = {f"{c.name}.npz": c for c in get_suite(manifest["suite"])}
+    seen = set()
+    for entry in manifest["files"]:
         fname = entry["file"]
-        listed.add(fname)
-        path = os.path.join(out_dir, fname)
         row = {"file": fname, "hash_ok": False, "recompute_ok": False, "max_rel_diff": float("nan"), "ok": False}
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read()
-        except OSError as exc:
-            row["note"] = f"missing: {exc}"
-            rep.rows.append(row)
+        rep.rows.append(row)
+        if fname in seen:
+            row["note"] = "listed twice in the manifest"
+            continue
+        seen.add(fname)
+        data, why = _read_member(out_dir, fname)
+        if data is None:
+            row["note"] = why
             continue
         row["hash_ok"] = hashlib.sha256(data).hexdigest() == entry["sha256"]
-        try:
-            arrays = read_npz(data)
-            opts = json.loads(bytes(arrays["options_json"]).decode("utf-8"))
-            fresh = expected(arrays, opts, dt, grad_out=arrays["grad_out"])
-            worst = 0.0
-            for name, val in fresh.items():
-                if name == "grad_out":
-                    continue
-                stored, val = arrays[name], np.asarray(val)
-                if stored.shape != val.shape or stored.dtype != val.dtype:
-                    raise ValueError(f"{name}: shape or dtype differs from a fresh computation")
-                s64, v64 = stored.astype(np.float64), val.astype(np.float64)
-                fin = np.isfinite(s64) & np.isfinite(v64)
-                scale = np.abs(v64[fin]).max(initial=0.0) or 1.0
-                worst = max(worst, float(np.abs(s64[fin] - v64[fin]).max(initial=0.0)) / scale)
-                if not np.array_equal(stored, val, equal_nan=True):
-                    n_bad = int(np.sum(~((stored == val) | (np.isnan(s64) & np.isnan(v64)))))
-                    raise ValueError(f"{name}: {n_bad} entries differ from a fresh computation "
-                                     f"(by up to {worst:.3e} relative)")
-            row["recompute_ok"] = True
-            row["max_rel_diff"] = worst
-        except Exception as exc:  # a corrupt file is reported, not raised
-            row["note"] = f"{type(exc).__name__}: {exc}"
-        row["ok"] = row["hash_ok"] and row["recompute_ok"]
         if not row["hash_ok"]:
-            row["note"] = ("sha256 differs from the manifest; " + row.get("note", "")).rstrip("; ")
-        rep.rows.append(row)
-    extra = sorted(f for f in os.listdir(out_dir) if f.endswith(".npz") and f not in listed)
-    for f in extra:
+            row["note"] = "sha256 differs from the manifest (not parsed)"
+            continue
+        case = cases.get(fname)
+        if case is None:
+            row["note"] = f"not a case of the {manifest['suite']!r} suite"
+            continue
+        fresh = case_arrays(case, dt)
+        if _npz_bytes(fresh) == data:
+            row["recompute_ok"], row["max_rel_diff"] = True, 0.0
+        else:
+            row["note"], row["max_rel_diff"] = _differences(data, fresh)
+        row["ok"] = row["hash_ok"] and row["recompute_ok"]
+    for name in sorted(set(cases) - seen):
+        rep.problems.append(f"case {name} of the {manifest['suite']!r} suite is missing from the manifest")
+    try:
+        on_disk = os.listdir(out_dir)
+    except OSError as exc:
+        raise ManifestError(f"cannot list the folder {out_dir!r}: {exc.strerror or exc}") from None
+    for f in sorted(f for f in on_disk if f.endswith(".npz") and f not in seen):
         rep.problems.append(f"{f} is not listed in the manifest")
     return rep
+
+
+def _read_member(out_dir, name):
+    """``(bytes, None)`` of the regular file ``name`` inside ``out_dir``, or ``(None, why)``."""
+    if not isinstance(name, str) or name in ("", ".", "..") or name != os.path.basename(name) \
+            or any(c in name for c in "/\\\0") or not name.endswith(".npz"):
+        return None, "not a plain .npz file name (no folders, no '..'): not read"
+    path = os.path.join(out_dir, name)
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return None, f"missing: {exc.strerror or exc}"
+    if stat.S_ISLNK(st.st_mode):
+        return None, "a symbolic link: not read"
+    if not stat.S_ISREG(st.st_mode):
+        return None, "not a regular file: not read"
+    if st.st_size > MAX_FILE_BYTES:
+        return None, f"{st.st_size} bytes, more than the {MAX_FILE_BYTES} a vector file may have: not read"
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        return None, f"unreadable: {exc.strerror or exc}"
+    if len(data) > MAX_FILE_BYTES:
+        return None, "grew past the size limit while read: not read"
+    return data, None
+
+
+def _read_manifest(out_dir):
+    """The validated manifest dict, or :class:`ManifestError` in one line."""
+    path = os.path.join(out_dir, "manifest.json")
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise ManifestError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{path} should be a regular file of at most {MAX_MANIFEST_BYTES} bytes")
+    try:
+        with open(path, "rb") as fh:
+            manifest = json.loads(fh.read(MAX_MANIFEST_BYTES + 1).decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ManifestError(f"{path} is not valid JSON: {type(exc).__name__}") from None
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{path} should hold a JSON object, but holds a {type(manifest).__name__}")
+    from .cases import SUITES
+    if manifest.get("suite") not in SUITES:
+        raise ManifestError(f"{path}: 'suite' should be one of {SUITES!r}, but got {manifest.get('suite')!r}")
+    if manifest.get("dtype") not in ("float16", "float32", "float64"):
+        raise ManifestError(f"{path}: 'dtype' should be float16, float32 or float64, but got "
+                            f"{manifest.get('dtype')!r}")
+    if manifest.get("suite_version") != SUITE_VERSION or manifest.get("format_version") != FORMAT_VERSION:
+        raise ManifestError(f"{path}: written for suite version {manifest.get('suite_version')!r} and format "
+                            f"{manifest.get('format_version')!r}; this package has {SUITE_VERSION!r} and "
+                            f"{FORMAT_VERSION!r}")
+    files = manifest.get("files")
+    if not isinstance(files, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("file"), str) and isinstance(e.get("sha256"), str)
+            and len(e["sha256"]) == 64 for e in files):
+        raise ManifestError(f"{path}: 'files' should be a list of {{'file': name, 'sha256': 64 hex digits}}")
+    return manifest
+
+
+def _differences(data, fresh):
+    """``(note, max_rel_diff)``: which arrays of a stored file differ from the regenerated ones."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            if sum(i.file_size for i in zf.infolist()) > MAX_FILE_BYTES:
+                return "its arrays would inflate past the size limit: not parsed", float("nan")
+        stored = read_npz(data)
+    except Exception as exc:  # a corrupt file is reported, not raised
+        return f"not a readable .npz: {type(exc).__name__}", float("nan")
+    bad, worst = [], 0.0
+    for name in sorted(set(stored) | set(fresh)):
+        a, b = stored.get(name), fresh.get(name)
+        if a is None or b is None:
+            bad.append(f"{name} {'extra' if b is None else 'missing'}")
+            continue
+        b = np.asarray(b)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            bad.append(f"{name} shape/dtype")
+            continue
+        if a.tobytes() != np.ascontiguousarray(b).tobytes():
+            n_bad = int(np.sum(a.reshape(-1).view(np.uint8).reshape(a.size, -1)
+                               != np.ascontiguousarray(b).reshape(-1).view(np.uint8).reshape(b.size, -1),
+                               axis=-1).astype(bool).sum()) if a.size else 0
+            bad.append(f"{name}: {n_bad} entries differ")
+            if a.dtype.kind == "f":
+                a64, b64 = a.astype(np.float64), b.astype(np.float64)
+                fin = np.isfinite(a64) & np.isfinite(b64)
+                scale = np.abs(b64[fin]).max(initial=0.0) or 1.0
+                worst = max(worst, float(np.abs(a64[fin] - b64[fin]).max(initial=0.0)) / scale)
+    return ("differs from the suite's definition: " + ", ".join(bad) if bad else "bytes differ"), worst
 
 
 def read_npz(data: bytes) -> Dict[str, np.ndarray]:
