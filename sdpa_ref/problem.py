@@ -206,7 +206,9 @@ def _dead(lengths, n, batch, own_batch):
     dead = np.broadcast_to(np.arange(n) >= lengths[..., None], tuple(batch) + (n,))
     off = len(batch) - len(own_batch)
     shared = tuple(i for i in range(len(batch)) if i < off or own_batch[i - off] == 1)
-    dead = np.all(dead, axis=shared, keepdims=True)[off:] if shared else dead
+    if shared:
+        dead = np.all(dead, axis=shared, keepdims=True)
+    dead = dead.reshape(dead.shape[off:])                  # the leading dims the array lacks are 1 now
     dead = dead.reshape(tuple(own_batch) + (1, n, 1))
     return dead if dead.any() else None
 

@@ -388,3 +388,19 @@ def test_verify_does_not_parse_a_file_whose_hash_is_wrong(vector_set, tmp_path):
     rep = verify_vectors(str(d))
     row = next(r for r in rep.rows if r["file"] == "plain-L8-S8.npz")
     assert not row["ok"] and "not parsed" in row["note"]
+
+
+@pytest.mark.parametrize("which", ["query", "query-rank3", "key"])
+def test_an_input_shared_across_the_batch_keeps_rows_some_batch_entry_reads(which):
+    # q (Hq, L, E) is broadcast over a batch whose lengths differ: a row is dead only if dead for every entry
+    rng = np.random.default_rng(8)
+    q, k, v, g = (rng.standard_normal((2, 2, 5, 3)) for _ in range(4))
+    kw = dict(q_lengths=np.array([5, 3]), kv_lengths=np.array([4, 2]))
+    shared = {"query": (q[:1], k, v), "query-rank3": (q[0], k, v), "key": (q, k[:1], v[:1])}[which]
+    out, res = sdpa_ref.sdpa_forward(*shared, **kw)
+    full = [np.broadcast_to(a, (2, 2, 5, 3)).copy() for a in shared]
+    want, res_full = sdpa_ref.sdpa_forward(*full, **kw)
+    np.testing.assert_array_equal(out, want)
+    got, ref = sdpa_ref.sdpa_backward(res, g), sdpa_ref.sdpa_backward(res_full, g)
+    np.testing.assert_allclose(got.value, ref.value.sum(axis=0, keepdims=True) if which == "key" else ref.value,
+                               rtol=1e-13, atol=1e-15)

@@ -2,8 +2,10 @@
 
 * ``plain`` -- :mod:`sdpa_ref.attention`, the teaching core and the oracle;
 * ``fast`` -- :mod:`.fast`, dense, in place, threaded over heads;
-* ``tiled`` -- :mod:`.tiled`, FlashAttention's online softmax over blocks.
+* ``tiled`` -- :mod:`.tiled`, FlashAttention's online softmax over blocks;
+* ``reproducible`` -- :mod:`.reproducible`, ``precision="reproducible"``: the core's formulas in
+  double-double (or an honest fixed-order low precision), the same bits everywhere.
 
-:mod:`sdpa_ref.api` picks one with ``method=``. This package imports none of
+:mod:`sdpa_ref.api` picks one with ``method=`` (and ``precision=``). This package imports none of
 them itself, so that the core can import the contract without a cycle.
 """
