@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validate as V
-from . import attention
+from . import attention, poison
 from .engines import fast, reproducible, tiled
 from .engines._threads import single_threaded_blas
 from .engines.contract import AttentionGrads, AttentionResiduals
@@ -148,8 +148,10 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     with single_threaded_blas():
         fwd = _call_forward(name, prob, save_probs, block)
     fwd = _read_only(fwd)
-    out = fwd.out.reshape(prob.out_shape).astype(prob.out_dtype, copy=True)   # the caller's own array
-    return out, AttentionResiduals(problem=prob, forward=fwd, method=name, block_size=block)
+    taint = poison.forward_taint(prob, fwd.empty)      # results that read a NaN or inf input: NaN
+    out = poison.nan_where(fwd.out, None if taint is None else taint.out)
+    out = out.reshape(prob.out_shape).astype(prob.out_dtype, copy=True)   # the caller's own array
+    return out, AttentionResiduals(problem=prob, forward=fwd, method=name, block_size=block, taint=taint)
 
 
 def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **options):
@@ -177,7 +179,8 @@ def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **o
     name, block = _engine(method, block_size, prob, ("plain", "tiled"))   # default: plain, or tiled with a block
     with single_threaded_blas():
         fwd = _call_forward(name, prob, False, block)
-    return fwd.out.reshape(prob.out_shape)
+    taint = poison.forward_taint(prob, fwd.empty)
+    return poison.nan_where(fwd.out, None if taint is None else taint.out).reshape(prob.out_shape)
 
 
 def sdpa_backward(residuals, grad_out, method=None):
@@ -194,9 +197,10 @@ def sdpa_backward(residuals, grad_out, method=None):
         and ``"plain"`` read the saved ``P`` (``"fast"`` in place, with
         :math:`D = \mathrm{rowsum}(dO \odot O)`; ``"plain"``, the teaching
         form, with :math:`D = \mathrm{rowsum}(P \odot dP)`). ``"tiled"`` is
-        FlashAttention's: it keeps only ``(O, lse)`` and recomputes
-        :math:`P = e^{T - \mathrm{lse}}` block by block (one block for dense
-        residuals). ``"probs"`` and ``"lse"`` are the older names of
+        FlashAttention's: it keeps only ``(O, lse)`` (with the row max and sum
+        apart) and recomputes :math:`P = e^{T - m} / s` block by block (for
+        dense residuals, four blocks of rows with every key, so that it peaks
+        below the default). ``"probs"`` and ``"lse"`` are the older names of
         ``"fast"`` and ``"tiled"``. They agree to rounding.
 
     Returns
@@ -263,12 +267,14 @@ def sdpa_backward(residuals, grad_out, method=None):
     zr = zero_output_rows(residuals.empty, prob.padded_rows(), prob.options.fully_masked)
     if zr is not None:              # rows whose output is the constant 0: their grad_out is never read
         dO = np.where(zr, prob.dtype.type(0), dO)
+    dO, do_bad = poison.clean(dO)   # a NaN or inf in grad_out reaches only the gradients that read that row
     with single_threaded_blas():
         if name == "tiled":
-            block = residuals.block_size or max(prob.L, prob.S, 1)
+            block = residuals.block_size or tiled.lse_blocks(prob.L, prob.S)
             gr = tiled.backward(prob, residuals.forward, dO, block_size=block)
         else:
             gr = ENGINES[name].backward(prob, residuals.forward, dO)
+    gr = poison.backward_taint(prob, residuals.empty, gr, do_bad)
     shapes, dtypes = prob.shapes, prob.dtypes
 
     def back(x, name):
@@ -347,9 +353,12 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
     dq, dk, dv, db = conv
     if dq is not None:
         dq = dq.reshape(dq.shape[:-3] + prob.q.shape[-4:])
+    (dq, bq), (dk, bk), (dv, bv), (db, bb) = (poison.clean(t) for t in (dq, dk, dv, db))
     with single_threaded_blas():
         core = reproducible if res.method == "reproducible" else attention
         dO = core.jvp(prob, res.forward, dq, dk, dv, db)
+    rows = (None if b is None else b.any(axis=-1) for b in (bq, bk))
+    dO = poison.nan_where(dO, poison.jvp_taint(prob, res.empty, (*rows, bv, bb)))
     return out, dO.reshape(prob.out_shape).astype(prob.out_dtype, copy=False)
 
 

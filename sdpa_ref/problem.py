@@ -25,6 +25,7 @@ import numpy as np
 from . import _validate as V
 from .masks import allowed_set, check_lengths, padded_rows
 from .options import AttentionOptions
+from .poison import Poison, scrub
 
 __all__ = ["Problem"]
 
@@ -50,6 +51,7 @@ class Problem:
     shapes: dict                    # the user's shapes of query, key, value, attn_mask, bias
     dtypes: dict
     out_dtype: np.dtype
+    poison: Optional[Poison] = None  # where the inputs were not finite (the own copies hold 0 there), or None
 
     @classmethod
     def build(cls, query, key, value, opts: AttentionOptions, *, complex_ok=False) -> "Problem":
@@ -120,10 +122,23 @@ class Problem:
         dead_q = _dead(q_lengths, L, batch, qh.shape[:-3])          # rows and keys past the lengths: never read
         dead_kv = _dead(kv_lengths, S, batch, kh.shape[:-3])
         dead_v = None if opts.fully_masked == "uniform" else _dead(kv_lengths, S, batch, vh.shape[:-3])
+        own = {"q": _own(qh, ct, dead_q, True), "k": _own(kh, ct, dead_kv, True), "v": _own(vh, ct, dead_v, True),
+               "mask": _own(mask_float, ct, writable=True), "bias": _own(bias, ct, writable=True),
+               "alibi": _own(alibi, rt, writable=True)}
+        bad = {"q": scrub(own["q"], rows=True), "k": scrub(own["k"], rows=True), "v": scrub(own["v"]),
+               "mask": scrub(own["mask"], additive=True), "bias": scrub(own["bias"], additive=True),
+               "alibi": scrub(own["alibi"])}                     # poison is read only where it is read: poison.py
+        poison = None
+        if any(b is not None for b in bad.values()):
+            bq = bad["q"]
+            poison = Poison(q=None if bq is None else bq.reshape(qh.shape[:-3] + (Hkv, G, L)), k=bad["k"],
+                            v=bad["v"], mask=bad["mask"], bias=bad["bias"], alibi=bad["alibi"])
+        for a in own.values():
+            if a is not None:
+                a.setflags(write=False)
         return cls(
-            q=_own(qh, ct, dead_q).reshape(qh.shape[:-3] + (Hkv, G, L, E)), k=_own(kh, ct, dead_kv),
-            v=_own(vh, ct, dead_v),
-            mask_bool=_own(mask_bool), mask_float=_own(mask_float, ct), bias=_own(bias, ct), alibi=_own(alibi, rt),
+            q=own["q"].reshape(qh.shape[:-3] + (Hkv, G, L, E)), k=own["k"], v=own["v"],
+            mask_bool=_own(mask_bool), mask_float=own["mask"], bias=own["bias"], alibi=own["alibi"],
             q_lengths=_own(q_lengths), kv_lengths=_own(kv_lengths), keep=_own(keep), scale=scale, options=opts,
             full_scores=full_scores, user_ndim=user_ndim,
             shapes={"query": q.shape, "key": k.shape, "value": v.shape,
@@ -132,7 +147,7 @@ class Problem:
             dtypes={"query": q.dtype, "key": k.dtype, "value": v.dtype,
                     "attn_mask": None if mask_float is None else mask_float.dtype,
                     "bias": None if bias is None else bias.dtype},
-            out_dtype=out_dtype,
+            out_dtype=out_dtype, poison=poison,
         )
 
     # ----------------------------------------------------------- shapes
@@ -213,8 +228,10 @@ def _dead(lengths, n, batch, own_batch):
     return dead if dead.any() else None
 
 
-def _own(a, dtype=None, dead=None):
+def _own(a, dtype=None, dead=None, writable=False):
     """The problem's own read-only copy of ``a`` (None stays None), 0 where ``dead`` is True.
+
+    ``writable=True`` leaves it writable, for :func:`poison.scrub`; the caller then makes it read-only.
 
     Nothing the caller does to the arrays it passed in can then change the
     residuals, and no engine can write into them. The cost is one copy of
@@ -230,6 +247,7 @@ def _own(a, dtype=None, dead=None):
     a = np.array(a, dtype=dtype, copy=True)
     if dead is not None:                                   # what is stored there is never read: make it 0
         a[np.broadcast_to(dead, a.shape)] = 0
-    a.setflags(write=False)
+    if not writable:
+        a.setflags(write=False)
     return a
 

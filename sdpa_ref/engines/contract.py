@@ -70,13 +70,18 @@ class AttentionResiduals:
 
     ``problem`` holds the validated inputs and options, ``forward`` what the
     engine ``method`` returned (:class:`~sdpa_ref.engines.contract.Forward`),
-    ``block_size`` the tiled engine's block (None for the dense engines).
+    ``block_size`` the tiled engine's block (None for the dense engines),
+    ``taint`` the forward's results that read a non-finite input (a
+    :class:`~sdpa_ref.poison.Taint`, None when every input was finite):
+    ``forward`` holds the clean computation, which the backward reads, and
+    :attr:`out` and :attr:`lse` show the poisoned entries as NaN.
     """
 
     problem: Any                    # the validated Problem
     forward: Forward
     method: str
     block_size: Optional[int] = None
+    taint: Any = None
 
     @property
     def probs(self):
@@ -86,12 +91,14 @@ class AttentionResiduals:
     @property
     def out(self):
         """The output in the compute dtype, in the user's rank."""
-        return self.forward.out.reshape(self.problem.out_shape)
+        out = self.forward.out if self.taint is None else np.where(self.taint.out, np.nan, self.forward.out)
+        return out.reshape(self.problem.out_shape)
 
     @property
     def lse(self):
         """The log-sum-exp of the allowed scores ``(..., Hq, L)``; ``-inf`` on rows with no key."""
-        return self.forward.lse.reshape(self.problem.out_shape[:-1])
+        lse = self.forward.lse if self.taint is None else np.where(self.taint.lse, np.nan, self.forward.lse)
+        return lse.reshape(self.problem.out_shape[:-1])
 
     @property
     def tanh(self):
