@@ -28,6 +28,14 @@ def _tolerance(text):
     return t
 
 
+def _seconds(text):
+    """An argparse type: a finite number of seconds > 0."""
+    t = _tolerance(text)
+    if t == 0:
+        raise argparse.ArgumentTypeError(f"should be a number of seconds > 0, but got {text!r}")
+    return t
+
+
 def _seed(text):
     """An argparse type: a non-negative int seed."""
     try:
@@ -173,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ulps", type=_tolerance, default=4.0)
     p.add_argument("--supports", nargs="+", default=None, metavar="OPTION",
                    help="override the options the function understands")
+    p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+                   help="time limit per case and dtype (forward and backward together); a case that runs past "
+                        "it fails and the run goes on (default: none)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.set_defaults(func=_cmd_conform)
     return parser

@@ -183,7 +183,8 @@ def _cmd_conform(args) -> int:
     progress = _Progress("conform")
     try:
         rep = conformance.check_implementation(fwd, backward=bwd, supports=args.supports, suite=args.suite,
-                                               dtypes=args.dtype, rule=rule, progress=progress)
+                                               dtypes=args.dtype, rule=rule, progress=progress,
+                                               timeout=args.timeout)
     except ValueError as exc:
         progress.done()
         print(f"sdpa-ref: {exc}", file=sys.stderr)

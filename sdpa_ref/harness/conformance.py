@@ -24,6 +24,11 @@ or :class:`ULPRule` instead.
 
 NaN must meet NaN: a NaN where the reference has a number (or the reverse)
 fails with an infinite error.
+
+An implementation that raises is a failed case (``SystemExit`` included;
+only ``KeyboardInterrupt``, the user's own Ctrl-C, stops the run). With
+``timeout=SECONDS`` a case (its forward and backward together) that runs
+past the limit is a failed case too, and the run goes on.
 """
 
 from __future__ import annotations
@@ -38,11 +43,12 @@ import numpy as np
 from .._validate import check_tolerance
 from ..api import sdpa_backward, sdpa_forward
 from ..options import OPTION_NAMES
+from ._limits import CaseTimeout, call_with_deadline as _limited
 from .cases import Case, get_suite
 from .report import ConformanceReport, ConformanceRow
 
-__all__ = ["RelativeRule", "FixedRule", "ULPRule", "ConformanceRow", "ConformanceReport", "check_implementation",
-           "resolve_supports"]
+__all__ = ["RelativeRule", "FixedRule", "ULPRule", "ConformanceRow", "ConformanceReport", "CaseTimeout",
+           "check_implementation", "resolve_supports"]
 
 
 # -------------------------------------------------------------------- rules
@@ -134,6 +140,7 @@ def check_implementation(
     rule=None,
     cases: Optional[Sequence[Case]] = None,
     progress: Optional[Callable[[int, int, str], None]] = None,
+    timeout: Optional[float] = None,
 ) -> ConformanceReport:
     r"""Run ``forward`` (and ``backward``) over a case suite and judge them.
 
@@ -161,12 +168,23 @@ def check_implementation(
         Default :class:`RelativeRule`.
     cases : sequence of Case, optional
         Overrides ``suite``.
+    timeout : float, optional
+        Seconds a case may take (forward and backward together, per dtype);
+        one that runs past it is a failed case, and the run goes on. Python
+        code is interrupted when the limit passes (by ``SIGALRM`` in the main
+        thread on POSIX, else by an exception raised asynchronously in the
+        calling thread); native code that never returns to Python cannot be
+        interrupted, but a call that comes back late still fails.
 
     Returns
     -------
     ConformanceReport
     """
     rule = RelativeRule() if rule is None else rule
+    if timeout is not None:
+        check_tolerance(timeout, "timeout")
+        if timeout == 0:
+            raise ValueError("`timeout` should be a finite number of seconds > 0, or None, but got 0")
     sup = resolve_supports(forward, supports)
     suite_name = suite if cases is None else "custom"
     cases = list(get_suite(suite) if cases is None else cases)
@@ -181,7 +199,7 @@ def check_implementation(
             if missing:
                 rows.append(ConformanceRow(case.name, dt, "all", "skip", note=f"needs {', '.join(sorted(missing))}"))
                 continue
-            rows.extend(_judge_case(case, dt, forward, backward, rule, sup))
+            rows.extend(_judge_case(case, dt, forward, backward, rule, sup, timeout))
     return ConformanceReport(rows=rows, rule=rule.describe(), suite=suite_name,
                              seconds=time.perf_counter() - t0, meta={"dtypes": list(dtypes)})
 
@@ -228,7 +246,7 @@ def grad_out_for(case: Case, shape, dtype):
     return rng.standard_normal(shape).astype(dtype)
 
 
-def _judge_case(case, dt, forward, backward, rule, sup):
+def _judge_case(case, dt, forward, backward, rule, sup, timeout=None):
     ref64 = reference_quantities(case, dt)     # float64 arithmetic on the test-dtype inputs, kept in float64
     naive = reference_quantities(case, dt, naive=True) if isinstance(rule, RelativeRule) else None
     inp = case.make_inputs(dt)
@@ -241,19 +259,20 @@ def _judge_case(case, dt, forward, backward, rule, sup):
     if "fully_masked" in inp and "fully_masked" not in sup:
         inp.pop("fully_masked")
     rows = []
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        out = forward(q.copy(), k.copy(), v.copy(), **_copy_opts(inp))
+        out = _limited(deadline, forward, q.copy(), k.copy(), v.copy(), **_copy_opts(inp))
     except NotImplementedError as exc:
         return [ConformanceRow(case.name, dt, "all", "skip", note=f"not implemented: {exc}")]
     except KeyboardInterrupt:                              # the user's own Ctrl-C stops the run
         raise
     except BaseException as exc:  # a crash, SystemExit included, is a failure of the case, and the run goes on
-        return [ConformanceRow(case.name, dt, "out", "error", note=_what(exc))]
+        return [ConformanceRow(case.name, dt, "out", "error", note=_what(exc, timeout))]
     got = {"out": out}
     if backward is not None:
         g = grad_out_for(case, ref64["out"].shape, np.dtype(dt))
         try:
-            grads = backward(g, q.copy(), k.copy(), v.copy(), **_copy_opts(inp))
+            grads = _limited(deadline, backward, g, q.copy(), k.copy(), v.copy(), **_copy_opts(inp))
             names = ["dq", "dk", "dv"] + (["dbias"] if "dbias" in ref64 else [])
             grads = list(grads)
             for n, val in zip(names, grads):
@@ -266,13 +285,15 @@ def _judge_case(case, dt, forward, backward, rule, sup):
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
-            rows.append(ConformanceRow(case.name, dt, "grads", "error", note=_what(exc)))
+            rows.append(ConformanceRow(case.name, dt, "grads", "error", note=_what(exc, timeout)))
     for qty, val in got.items():
         rows.append(_compare(case.name, dt, qty, val, ref64[qty], None if naive is None else naive[qty], rule))
     return rows
 
 
-def _what(exc):
+def _what(exc, timeout=None):
+    if isinstance(exc, CaseTimeout):
+        return f"ran past the time limit of {timeout:g} s"
     if isinstance(exc, SystemExit):
         return f"SystemExit({exc.code!r}) raised by the implementation"
     return f"{type(exc).__name__}: {exc}"
