@@ -254,6 +254,99 @@ def test_an_implementation_that_exits_is_a_failed_case_and_the_run_goes_on():
     assert all("SystemExit" in r.note for r in rep.rows)
 
 
+def _spins(q, k, v, **o):
+    while True:
+        pass
+
+
+def _sleeps(q, k, v, **o):
+    import time
+    time.sleep(600)
+
+
+def _swallows(q, k, v, **o):                                        # catches Exception: the limit is no Exception
+    try:
+        while True:
+            pass
+    except Exception:
+        return q
+
+
+@pytest.mark.parametrize("impl", [_spins, _sleeps, _swallows])
+@pytest.mark.parametrize("thread", [False, True])
+def test_a_case_that_runs_past_the_timeout_is_a_failed_case_and_the_run_goes_on(impl, thread):
+    import threading
+    import time
+
+    from sdpa_ref.harness.cases import get_suite
+    from sdpa_ref.harness.conformance import check_implementation
+
+    cases = get_suite("quick")[:2]
+    got = {}
+
+    def run():
+        t0 = time.monotonic()
+        got["rep"] = check_implementation(impl, dtypes=("float64",), cases=cases, timeout=0.2)
+        got["seconds"] = time.monotonic() - t0
+
+    if thread:                                                      # off the main thread: no SIGALRM there
+        if impl is _sleeps:
+            pytest.skip("a sleep in another thread cannot be interrupted (documented); it still fails when late")
+        t = threading.Thread(target=run)
+        t.start()
+        t.join(30)
+        assert not t.is_alive()
+    else:
+        run()
+    rep = got["rep"]
+    assert [r.status for r in rep.rows] == ["error", "error"]
+    assert all("ran past the time limit of 0.2 s" in r.note for r in rep.rows)
+    assert got["seconds"] < 5
+
+
+def test_a_late_result_fails_even_when_it_could_not_be_interrupted():
+    import time
+
+    from sdpa_ref.harness.cases import get_suite
+    from sdpa_ref.harness.conformance import check_implementation
+
+    def late(q, k, v, **o):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.3:
+            try:
+                time.sleep(0.01)
+            except BaseException:                                   # swallows the interruption, then returns late
+                pass
+        return sdpa_ref.scaled_dot_product_attention(q, k, v, **o)
+
+    rep = check_implementation(late, dtypes=("float64",), cases=get_suite("quick")[:1], timeout=0.1)
+    assert [r.status for r in rep.rows] == ["error"] and "time limit" in rep.rows[0].note
+    ok = check_implementation(sdpa_ref.scaled_dot_product_attention, dtypes=("float64",),
+                              cases=get_suite("quick")[:1], timeout=60)
+    assert ok.ok
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf")])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused(timeout):
+    from sdpa_ref.harness.conformance import check_implementation
+    with pytest.raises(ValueError, match="timeout"):
+        check_implementation(sdpa_ref.scaled_dot_product_attention, timeout=timeout)
+
+
+def test_conform_timeout_on_the_command_line(tmp_path, monkeypatch, capsys):
+    from sdpa_ref.cli import main
+    (tmp_path / "hangs.py").write_text("def f(q, k, v, **o):\n    while True:\n        pass\nf.supports = ()\n")
+    monkeypatch.chdir(tmp_path)
+    code = main(["conform", "hangs:f", "--timeout", "0.05", "--dtype", "float64"])
+    out = capsys.readouterr().out
+    assert code == 1 and "ran past the time limit of 0.05 s" in out
+    for bad in ("0", "nan", "-2", "soon"):
+        with pytest.raises(SystemExit) as e:
+            main(["conform", "hangs:f", "--timeout", bad])
+        assert e.value.code == 2
+        assert "--timeout" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, words", [
     (lambda d: ["vectors", str(d / "afile")], "OUT_DIR should be a folder"),
     (lambda d: ["vectors", ""], "OUT_DIR should be a folder path"),
@@ -404,3 +497,31 @@ def test_an_input_shared_across_the_batch_keeps_rows_some_batch_entry_reads(whic
     got, ref = sdpa_ref.sdpa_backward(res, g), sdpa_ref.sdpa_backward(res_full, g)
     np.testing.assert_allclose(got.value, ref.value.sum(axis=0, keepdims=True) if which == "key" else ref.value,
                                rtol=1e-13, atol=1e-15)
+
+
+# ------------------------------------------------------------ honest memory (part 8)
+
+
+def _peak_in_scores(L, **kw):
+    """Peak traced memory of forward + backward, in units of one (B, H, L, S) float64 array."""
+    import tracemalloc
+    rng = np.random.default_rng(8)
+    q, k, v, g = (rng.standard_normal((1, 2, L, 16)) for _ in range(4))
+    bkw = {"method": kw.pop("backward")} if "backward" in kw else {}
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        _, res = sdpa_ref.sdpa_forward(q, k, v, **kw)
+        sdpa_ref.sdpa_backward(res, g, **bkw)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    return peak / (2 * L * L * 8)
+
+
+def test_save_probs_false_peaks_no_higher_than_the_default():
+    # the sizes of the arrays allocated, not timings: the same on every machine (benchmarks/bench_memory.py)
+    dense = _peak_in_scores(512)
+    lse = _peak_in_scores(512, save_probs=False)
+    assert lse <= dense, (lse, dense)
+    assert _peak_in_scores(512, block_size=128) < 0.5 * dense

@@ -11,8 +11,8 @@ that the forward kept apart (:math:`e^{T - \mathrm{lse}}` would lose what
 ``lse = m + log s`` rounded away: everything, once the scores are large),
 with the softmax VJP in the pivoted form of
 :func:`sdpa_ref.softmax.row_pivot`.
-It is also the ``"lse"`` backward of dense residuals (one block holding every
-row and key): FlashAttention's recomputing backward, made stable.
+It is also the ``"lse"`` backward of dense residuals (:func:`lse_blocks`: row
+blocks holding every key): FlashAttention's recomputing backward, made stable.
 
 Per block of rows ``I`` and keys ``J`` (all batch entries and heads at once)::
 
@@ -40,7 +40,7 @@ from ..transforms import dropout_forward, scores_forward, scores_vjp, transform_
     unbroadcast
 from .contract import Forward, Grads
 
-__all__ = ["DEFAULT_BLOCK_BUDGET", "auto_block_size", "check_block_size", "forward", "backward"]
+__all__ = ["DEFAULT_BLOCK_BUDGET", "auto_block_size", "backward", "check_block_size", "forward", "lse_blocks"]
 
 #: Memory budget (bytes) for the block temporaries of ``block_size="auto"``.
 DEFAULT_BLOCK_BUDGET = 64 * 2**20
@@ -60,6 +60,13 @@ def check_block_size(block_size, prob):
             or block_size < 1:
         raise ValueError(f"`block_size` should be None, a positive int or 'auto', but got {block_size!r}")
     return int(block_size)
+
+
+def lse_blocks(L, S):
+    """The ``(rows, keys)`` blocks of the ``"lse"`` backward of dense residuals: every key in one block (one sweep),
+    the rows in four blocks of at least 128, so that it peaks below the default path (``benchmarks/bench_memory.py``:
+    about 1.1 to 1.3 ``L x S`` arrays against 1.5 to 3.3)."""
+    return max(128, -(-L // 4)), max(S, 1)
 
 
 def auto_block_size(prob, budget: int = DEFAULT_BLOCK_BUDGET) -> int:
@@ -149,8 +156,12 @@ def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
     ``D = rowsum(P * (dP - c))``; the second computes the gradients with
     ``dT = P * ((dP - c) - D)``. With one key block (the dense ``"lse"``
     backward) the two sweeps share one recomputation.
+
+    ``block_size`` may also be a pair ``(rows, keys)``: the dense ``"lse"``
+    backward walks blocks of rows with every key in one block, so that its
+    temporaries stay below one ``L x S`` array.
     """
-    block = check_block_size(block_size, prob)
+    rb, cb = block_size if isinstance(block_size, tuple) else (check_block_size(block_size, prob),) * 2
     o, bl = prob.options, _Blocks(prob)
     L, S, Hq, Hkv = prob.L, prob.S, prob.Hq, prob.Hkv
     ct, full = prob.dtype, prob.full_scores
@@ -163,14 +174,16 @@ def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
     dv = np.zeros(prob.batch + (Hkv, S, prob.v.shape[-1]), dtype=ct)
     dmask = None if prob.mask_float is None else np.zeros(prob.shapes["attn_mask"], dtype=ct)
     dbias = None if prob.bias is None else np.zeros(prob.shapes["bias"], dtype=ct)
-    for i0, i1 in _ranges(L, block):
+
+    def rows(i0, i1):
+        """One block of rows; its temporaries die with the call, before the next block makes its own."""
         em = fwd.empty[..., i0:i1, :]
         pad = prob.padded_rows((i0, i1))
         m_i = rowmax[..., i0:i1, :]
         s_i = np.where(em, ct.type(1), rowsum[..., i0:i1, :])
         dOg = bl.grouped(dO[..., i0:i1, :])
         jobs = []
-        for j0, j1 in _ranges(S, block):
+        for j0, j1 in _ranges(S, cb):
             allowed = prob.allowed((i0, i1), (j0, j1))
             skip = allowed is not None and not np.any(allowed)
             if skip and not (o.fully_masked in ("uniform", "nan") and np.any(em)):
@@ -200,7 +213,7 @@ def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
             np.subtract(dP, c_b, out=dP)
             parts.append((np.take_along_axis(P.real, idx, axis=-1), c_b, _rowdot(P, dP), _rowdot(P, None)))
         if not parts:
-            continue
+            return
         c, D = _pivot_and_D(parts)
         # sweep 2: the gradients, dT = P * ((dP - c) - D)
         for job in jobs:
@@ -226,6 +239,9 @@ def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
                                     prob.scale)
             dq[..., i0:i1, :] += dq_i.reshape(dq_i.shape[:-4] + (Hq,) + dq_i.shape[-2:])
             dk[..., j0:j1, :] += dk_j.sum(axis=-3)
+
+    for i0, i1 in _ranges(L, rb):
+        rows(i0, i1)
     return Grads(dq=dq, dk=dk, dv=dv, dmask=dmask, dbias=dbias)
 
 
