@@ -164,10 +164,9 @@ def test_the_cli_refuses_bad_tolerances_with_a_one_line_error(argv, capsys):
 # ------------------------------------------------------------ rows whose result is a constant (part 3, in part)
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")             # the poison does reach the other rows
 @pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
-def test_a_fully_masked_row_under_the_zero_policy_reads_no_value(how, poison):
+def test_a_fully_masked_row_under_the_zero_policy_reads_no_value(how, poison, recwarn):
     rng = np.random.default_rng(4)
     q, k, v, g = (rng.standard_normal((1, 2, 4, 3)) for _ in range(4))
     mask = np.ones((4, 4), bool)
@@ -181,6 +180,7 @@ def test_a_fully_masked_row_under_the_zero_policy_reads_no_value(how, poison):
     np.testing.assert_array_equal(out[:, :, 1], 0.0)
     np.testing.assert_array_equal(out[:, :, 1], clean_out[:, :, 1])
     np.testing.assert_array_equal(grads.query[:, :, 1], clean.query[:, :, 1])
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]   # the poison is never multiplied
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -350,6 +350,7 @@ def test_conform_timeout_on_the_command_line(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("argv, words", [
     (lambda d: ["vectors", str(d / "afile")], "OUT_DIR should be a folder"),
     (lambda d: ["vectors", ""], "OUT_DIR should be a folder path"),
+    (lambda d: ["vectors", str(d / "afile" / "sub")], "cannot write into OUT_DIR"),
     (lambda d: ["diagnose", "--d-k", "4", "--plot", str(d / "no" / "such" / "p.png")], "--plot"),
     (lambda d: ["saturation", "--seed", "-1"], "--seed"),
     (lambda d: ["conform", "raising_module:f"], "RuntimeError: boom"),
@@ -416,12 +417,29 @@ def test_verify_reads_nothing_outside_its_folder(vector_set, tmp_path):
     m["files"][2]["file"] = "link.npz"
     os.mkfifo(d / "fifo.npz")
     m["files"][3]["file"] = "fifo.npz"
+    m["files"][4]["file"] = "/dev/zero"                             # 6 GiB of reads on the old main
+    (d / "zero.npz").symlink_to("/dev/zero")
+    m["files"][5]["file"] = "zero.npz"
+    (d / "dir.npz").mkdir()
+    m["files"][6]["file"] = "dir.npz"
+    device = False
+    try:                                                            # a device node inside the folder (needs root)
+        import stat
+        os.mknod(d / "dev.npz", 0o600 | stat.S_IFCHR, os.makedev(1, 5))
+        m["files"][7]["file"] = "dev.npz"
+        device = True
+    except (PermissionError, AttributeError, OSError):
+        pass
     _write_manifest(d, m)
     rep = verify_vectors(str(d))
     assert not rep.ok
     notes = {r["file"]: r.get("note", "") for r in rep.rows}
     assert "not read" in notes["../outside.npz"] and "not read" in notes[str(outside)]
+    assert "not read" in notes["/dev/zero"] and "symbolic link" in notes["zero.npz"]
     assert "symbolic link" in notes["link.npz"] and "not a regular file" in notes["fifo.npz"]
+    assert "not a regular file" in notes["dir.npz"]
+    if device:
+        assert "not a regular file" in notes["dev.npz"]
 
 
 def test_verify_refuses_tampered_sets(vector_set, tmp_path):
@@ -525,3 +543,17 @@ def test_save_probs_false_peaks_no_higher_than_the_default():
     lse = _peak_in_scores(512, save_probs=False)
     assert lse <= dense, (lse, dense)
     assert _peak_in_scores(512, block_size=128) < 0.5 * dense
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root may write anywhere")
+def test_vectors_into_a_folder_it_may_not_write_is_a_one_line_error(tmp_path, capsys):
+    from sdpa_ref.cli import main
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        assert main(["vectors", str(ro / "v")]) == 2
+    finally:
+        ro.chmod(0o700)
+    err = capsys.readouterr().err
+    assert "cannot write into OUT_DIR" in err and "Traceback" not in err
