@@ -469,6 +469,19 @@ def test_verify_refuses_tampered_sets(vector_set, tmp_path):
             os.remove(d / f)
     rep = vectors.verify_vectors(str(d))
     assert not rep.ok and sum("missing from the manifest" in p for p in rep.problems) == 29
+    # an extra option written into a case, its outputs recomputed with it, hashes made consistent
+    d = _copy_set(vector_set, tmp_path / "e")
+    m = _manifest(d)
+    e = next(x for x in m["files"] if x["file"] == "plain-L8-S8.npz")
+    arrays = vectors.read_npz((d / e["file"]).read_bytes())
+    opts = dict(json.loads(bytes(arrays["options_json"]).decode()), is_causal=True)
+    arrays["options_json"] = np_.frombuffer(json.dumps(opts, sort_keys=True).encode(), dtype=np_.uint8)
+    arrays.update(vectors.expected(arrays, opts, np_.dtype("float32"), grad_out=arrays["grad_out"]))
+    (d / e["file"]).write_bytes(vectors._npz_bytes(arrays))
+    _rehash(d, e)
+    _write_manifest(d, m)
+    rep = vectors.verify_vectors(str(d))
+    assert not rep.ok and not next(r for r in rep.rows if r["file"] == e["file"])["ok"]
     # a duplicated entry
     d = _copy_set(vector_set, tmp_path / "c")
     m = _manifest(d)
