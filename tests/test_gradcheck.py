@@ -260,3 +260,28 @@ def test_vectorized_check_catches_a_wrong_vjp_and_bad_broadcasting():
     # a fun that does not broadcast over the new axis gets a clear error
     with pytest.raises(ValueError, match="vectorized"):
         check_vjp(lambda x: x.sum(axis=0), lambda g, x: (np.ones_like(x) * g,), (np.ones((3, 2)),), vectorized=True)
+
+
+@pytest.mark.parametrize("method", ["central", "complex"])
+def test_vectorized_jvp_check_agrees_with_the_scalar_one_and_catches_a_wrong_jvp(method):
+    from sdpa_ref import sdpa_forward_complex, sdpa_jvp
+
+    fun = (lambda q, k, v: sdpa_forward_complex(q, k, v, is_causal=True)) if method == "complex" else \
+        (lambda q, k, v: sdpa_forward(q, k, v, is_causal=True)[0])
+
+    def jvp(ts, q, k, v):
+        return sdpa_jvp((q, k, v), ts, is_causal=True)[1]
+
+    def wrong(ts, q, k, v):                                         # forgets the key's tangent
+        return sdpa_jvp((q, k, v), (ts[0], None, ts[2]), is_causal=True)[1]
+
+    kw = dict(method=method, rtol=1e-12 if method == "complex" else RTOL, atol=1e-14 if method == "complex" else 1e-9)
+    a = check_jvp(fun, jvp, _attn_problem_small(), **kw)
+    b = check_jvp(fun, jvp, _attn_problem_small(), vectorized=True, **kw)
+    assert a.ok and b.ok and b.mode.endswith("vectorized")
+    assert b.n_evals < a.n_evals / 20
+    np.testing.assert_allclose(b.max_abs_error, a.max_abs_error, rtol=1e-6, atol=1e-15)
+    rep = check_jvp(fun, wrong, _attn_problem_small(), vectorized=True, **kw)
+    assert not rep.ok and rep.per_arg[1]["failed"] > 0 and rep.per_arg[0]["failed"] == 0
+    with pytest.raises(ValueError, match="vectorized"):
+        check_jvp(lambda x: x.sum(axis=0), lambda t, x: t[0].sum(axis=0), (np.ones((3, 2)),), vectorized=True)

@@ -7,7 +7,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .._validate import check_choice, check_tolerance
-from .numeric import METHODS, Numeric, batched_call, call, copy_args, default_eps, numeric_blocks, valid_columns
+from .numeric import METHODS, Numeric, batched_call, batched_shape, call, copy_args, default_eps, numeric_blocks, \
+    valid_columns
 from .report import GradcheckReport, compare
 
 __all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "assert_jvp", "assert_vjp", "check_jvp", "check_vjp"]
@@ -97,6 +98,7 @@ def check_jvp(
     seed: int = 0,
     n_projections: int = 3,
     method: str = "central",
+    vectorized: bool = False,
 ) -> GradcheckReport:
     r"""Check a Jacobian-vector product (forward mode) against finite differences.
 
@@ -107,18 +109,20 @@ def check_jvp(
     jvp : callable
         ``jvp(tangents, *args) -> array`` of the output's shape, where
         ``tangents`` is a tuple with one array per arg.
-    args, mode, eps, rtol, atol, seed, n_projections, method
+    args, mode, eps, rtol, atol, seed, n_projections, method, vectorized
         As in :func:`check_vjp`. ``"full"`` pushes one one-hot tangent per
         input entry; ``"projection"`` compares the whole output tangent
         :math:`J u` for random ``u`` with its central difference, entry by
-        entry.
+        entry. With ``vectorized=True`` (``fun`` and ``jvp`` broadcast over
+        one new leading axis, the tangents included) the full check makes
+        one batched ``jvp`` call per argument, with all its one-hot tangents.
 
     Returns
     -------
     GradcheckReport
     """
     return _run(_jvp_projection, _jvp_full, fun, jvp, args, mode, eps, rtol, atol, seed, n_projections, method,
-                False)
+                vectorized)
 
 
 def assert_jvp(fun, jvp, args, **kwargs) -> GradcheckReport:
@@ -246,6 +250,15 @@ def _jvp_full(nd, jvp, xs, out, rtol, atol):
     m = out.size
     ana = []
     for a, x in enumerate(xs):
+        if nd.vectorized:                           # every one-hot tangent of this arg in one batched call
+            n = x.size
+            ts = [np.zeros((n,) + y.shape) if b == a else np.broadcast_to(np.zeros(()), (n,) + y.shape)
+                  for b, y in enumerate(xs)]
+            ts[a].reshape(n, n)[np.arange(n), np.arange(n)] = 1.0
+            bx = [np.broadcast_to(y, (n,) + y.shape) for y in xs]
+            res = np.asarray(batched_call(jvp, "jvp", tuple(ts), *bx), dtype=np.float64)
+            ana.append(batched_shape(res, n, out.shape, "jvp").T if n else np.empty((m, 0)))
+            continue
         J = np.empty((m, x.size))
         for i in range(x.size):
             ts = [np.zeros(y.shape) for y in xs]
@@ -253,7 +266,10 @@ def _jvp_full(nd, jvp, xs, out, rtol, atol):
             J[:, i] = _as_tangent(jvp(tuple(ts), *[y.copy() for y in xs]), out).ravel()
         ana.append(J)
     num = numeric_blocks(nd, xs, out)
-    n_evals = 1 + (2 if nd.method == "complex" else 3) * sum(x.size for x in xs)
+    if nd.vectorized:
+        n_evals = 1 + 2 * len(xs)                   # per arg: one batched difference call and one batched jvp
+    else:
+        n_evals = 1 + (2 if nd.method == "complex" else 3) * sum(x.size for x in xs)
     meta = {"valid": valid_columns(xs, m), "shapes": [x.shape for x in xs]}
     return compare("check_jvp", _mode("full", nd), ana, num, rtol, atol, meta, out.shape, n_evals)
 

@@ -131,17 +131,27 @@ def attention_functions(q0, k0, v0, opts, float_mask, bias):
 
     m_fixed = float_mask if has_m else opts.get("attn_mask")
 
-    def jfun(*args):
+    def jsplit(args):
         q, k, v, *b = args
-        return sdpa_forward(q, k, v, attn_mask=m_fixed, bias=b[0] if b else None, **rest)[0]
+        b = b[0] if b else None
+        if q.ndim > q0.ndim and has_b:                    # a vectorized check's new leading axis
+            b = _lead(b, nd)
+        return q, k, v, b
+
+    def jfun(*args):
+        q, k, v, b = jsplit(args)
+        return sdpa_forward(q, k, v, attn_mask=m_fixed, bias=b, **rest)[0]
 
     def jfun_complex(*args):
-        q, k, v, *b = args
-        return sdpa_forward_complex(q, k, v, attn_mask=m_fixed, bias=b[0] if b else None, **rest)
+        q, k, v, b = jsplit(args)
+        return sdpa_forward_complex(q, k, v, attn_mask=m_fixed, bias=b, **rest)
 
     def jvp(ts, *args):
-        q, k, v, *b = args
-        return sdpa_jvp((q, k, v), tuple(ts), attn_mask=m_fixed, bias=b[0] if b else None, **rest)[1]
+        q, k, v, b = jsplit(args)
+        ts = tuple(ts)
+        if len(ts) == 4 and b is not None:
+            ts = ts[:3] + (ts[3].reshape(b.shape),)
+        return sdpa_jvp((q, k, v), ts, attn_mask=m_fixed, bias=b, **rest)[1]
 
     return fun, fun_complex, vjp, jfun, jfun_complex, jvp
 
@@ -185,9 +195,9 @@ def run_attention_case(case: Case, *, rtol=CHECK_RTOL, atol=CHECK_ATOL, complex_
         return jmemo[key]
 
     fd = check_vjp(fun, vjp, args, rtol=rtol, atol=atol, vectorized=True)
-    fd_j = check_jvp(jfun, jvp_m, jargs, rtol=rtol, atol=atol)
+    fd_j = check_jvp(jfun, jvp_m, jargs, rtol=rtol, atol=atol, vectorized=True)
     cs = check_vjp(fun_c, vjp, args, method="complex", rtol=complex_rtol, atol=complex_atol, vectorized=True)
-    cs_j = check_jvp(jfun_c, jvp_m, jargs, method="complex", rtol=complex_rtol, atol=complex_atol)
+    cs_j = check_jvp(jfun_c, jvp_m, jargs, method="complex", rtol=complex_rtol, atol=complex_atol, vectorized=True)
     # FlashAttention's backward against the teaching one
     g = np.random.default_rng(seed + 1).standard_normal(fun(*args).shape)
     base = vjp(g, *args)
