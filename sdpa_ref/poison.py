@@ -70,12 +70,11 @@ def scrub(a, *, additive=False, rows=False):
     ``additive``: ``-inf`` (an exclusion) is kept and not reported. ``rows``:
     report per row (any over the last axis).
     """
-    if a is None:
+    if a is None or _all_finite(a):
         return None
-    with np.errstate(invalid="ignore"):
-        bad = ~np.isfinite(a)
-        if additive:
-            bad &= ~(np.isreal(a) & (a.real == -np.inf))
+    bad = ~np.isfinite(a)
+    if additive:
+        bad &= ~(np.isreal(a) & (a.real == -np.inf))
     if not bad.any():
         return None
     a[bad] = 0
@@ -84,13 +83,18 @@ def scrub(a, *, additive=False, rows=False):
 
 def clean(a):
     """``(a with its non-finite entries set to 0, where they were)``; ``a`` itself and None when all are finite."""
-    if a is None:
-        return None, None
-    with np.errstate(invalid="ignore"):
-        ok = np.isfinite(a)
-    if ok.all():
+    if a is None or _all_finite(a):
         return a, None
+    ok = np.isfinite(a)
     return np.where(ok, a, a.dtype.type(0)), ~ok
+
+
+def _all_finite(a):
+    """Every entry finite: one reduction, no temporary (a sum of finite values that overflows is checked again)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.sum(a)):
+            return True
+    return bool(np.isfinite(a).all())
 
 
 # ------------------------------------------------------------ read sets
