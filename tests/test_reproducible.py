@@ -127,14 +127,16 @@ def test_results_are_the_committed_bits_under_every_setting():
     # each run varies several settings at once (a run costs an interpreter start); with the in-process
     # run of the next test (the machine's default thread count and OpenBLAS kernel) they cover
     # SDPA_REF_NUM_THREADS 1 to 3 and the default, OPENBLAS_NUM_THREADS 1 and unset, three OpenBLAS kernels,
-    # numpy's dispatch with and without the AVX-512 and AVX2 targets, and three cuts of the blocks
-    settings_ = [({"SDPA_REF_NUM_THREADS": "1", "OPENBLAS_CORETYPE": "Prescott",
+    # numpy's dispatch with and without the AVX-512 and AVX2 targets, three cuts of the blocks, and the NumPy
+    # loops in place of the compiled kernels (SDPA_REF_NATIVE=0; the others use them where a compiler is)
+    settings_ = [({"SDPA_REF_NUM_THREADS": "1", "OPENBLAS_CORETYPE": "Prescott", "SDPA_REF_NATIVE": "0",
                    "NPY_DISABLE_CPU_FEATURES": avx512}, ["--block-entries", "4096"]),
                  ({"SDPA_REF_NUM_THREADS": "2"}, []),
                  ({"SDPA_REF_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "1", "OPENBLAS_CORETYPE": "Sandybridge",
                    "NPY_DISABLE_CPU_FEATURES": avx512 + " AVX2 FMA3 X86_V3"}, ["--block-entries", "997"])]
     base = {k: v for k, v in os.environ.items()
-            if k not in ("SDPA_REF_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "NPY_DISABLE_CPU_FEATURES")}
+            if k not in ("SDPA_REF_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "NPY_DISABLE_CPU_FEATURES",
+                         "SDPA_REF_NATIVE")}
     ran = 0
     for extra_env, args in settings_:
         env = dict(base, **extra_env)
@@ -268,3 +270,31 @@ def test_the_reproducible_backward_and_jvp_pass_finite_differences_with_every_op
     # random projections: a wrong gradient anywhere changes <g, J t> (the full mode would take 300 calls)
     assert sdpa_ref.check_vjp(f, vjp, (q, k, v), mode="projection", n_projections=4).ok
     assert sdpa_ref.check_jvp(f, jvp, (q, k, v), mode="projection", n_projections=4).ok
+
+
+def test_the_compiled_kernels_give_the_numpy_loops_bits():
+    from sdpa_ref.exact import _native, dd, ozaki
+    lib = _native.kernels()
+    if lib is None:
+        pytest.skip("no C compiler here: the NumPy loops run, and the hashes above hold them")
+    rng = np.random.default_rng(3)
+    x0 = np.concatenate([-rng.random(20000) * 800, rng.standard_normal(500),
+                         [-760.0, -760.0000001, 0.0, -0.0, -np.inf, -5e-324, -745.2, -708.4]])
+    x1 = np.where(np.isinf(x0), 0.0, x0 * rng.standard_normal(x0.size) * 2.0 ** -60)
+    a = _native.dd_exp(lib, (x0, x1), dd._TABLE, dd._EXP_CONSTS)
+    b = dd._dd_exp_numpy((x0, x1))
+    for u, w in zip(a, b):
+        assert np.array_equal(u.view(np.int64), w.view(np.int64))
+    hi = rng.standard_normal((3, 7, 40)) * np.exp(rng.standard_normal((3, 7, 1)) * 10)
+    lo = hi * rng.standard_normal(hi.shape) * 2.0 ** -55
+    for x in ((hi, lo), (hi, None)):
+        for axis in (-1, -2):
+            got = ozaki._slices(ozaki._normalise(x, axis)[0], axis, 5, 30)
+            want = ozaki._slices_numpy(ozaki._normalise(x, axis)[0], axis, 5, 30)
+            for u, w in zip(got[0] + list(got[1]), want[0] + list(want[1])):
+                assert np.array_equal(np.asarray(u).view(np.int64), np.asarray(w).view(np.int64))
+    acc, c = (hi.copy(), lo.copy()), rng.standard_normal(hi.shape)
+    want = dd.dd_add_d(acc, c)
+    got = _native.dd_add_d_inplace(lib, acc, c)
+    for u, w in zip(got, want):
+        assert np.array_equal(u.view(np.int64), w.view(np.int64))

@@ -35,6 +35,8 @@ import math
 
 import numpy as np
 
+from . import _native
+
 __all__ = ["two_sum", "fast_two_sum", "two_prod", "dd", "dd_add", "dd_add_d", "dd_sub", "dd_mul", "dd_mul_d",
            "dd_div", "dd_div_d", "dd_sum", "dd_exp", "dd_log", "dd_tanh", "dd_where"]
 
@@ -204,7 +206,10 @@ def _exp_table():
     return p
 
 
-_TABLE = _exp_table()
+_TABLE = tuple(np.ascontiguousarray(t) for t in _exp_table())
+#: dd_exp's constants for the compiled loop: EXP_FLOOR, N / ln2, C1, C23, then 1/m! as dd for m = 0..8.
+_EXP_CONSTS = np.array([EXP_FLOOR, _N / _LN2[0], _C1, float(_C23[0]), float(_C23[1])]
+                       + [float(v) for m in range(9) for v in _INV_FACT[m]])
 
 
 def pow2(n):
@@ -220,6 +225,14 @@ def dd_exp(x):
     ``exp(x) = 2**(k // 1024) * 2**((k % 1024)/1024) * exp(r)``,
     the table entry and ``exp(r)`` as dd. Relative error about ``2**-101`` while the result is normal.
     """
+    lib = _native.kernels()
+    if lib is not None:                                    # the same operations, compiled (_kernels.c)
+        return _native.dd_exp(lib, x, _TABLE, _EXP_CONSTS)
+    return _dd_exp_numpy(x)
+
+
+def _dd_exp_numpy(x):
+    """:func:`dd_exp` in NumPy: the definition, and what runs without the compiled kernels."""
     inside = x[0] >= EXP_FLOOR
     hi = np.maximum(x[0], EXP_FLOOR)
     lo = x[1] * inside

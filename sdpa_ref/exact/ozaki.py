@@ -33,6 +33,7 @@ import math
 import numpy as np
 
 from ..engines._threads import run_all
+from ._native import dd_add_d_inplace, kernels, slice_rows
 from .dd import dd_add_d, fast_two_sum, pow2, two_sum
 
 __all__ = ["matmul", "n_slices"]
@@ -63,9 +64,10 @@ def n_slices(K, bits=104):
 
 
 def _as_dd(x):
+    """A dd pair; a plain float64 array has no low half (None), which spares the slicing its TwoSums."""
     if isinstance(x, tuple):
         return x
-    return x, np.zeros_like(x)
+    return x, None
 
 
 def _normalise(x, axis):
@@ -74,13 +76,26 @@ def _normalise(x, axis):
     _, e = np.frexp(mx)
     if e.min() >= -1022 and e.max() <= 1022:
         f = pow2(-e)
-        return (x[0] * f, x[1] * f), e
-    return (np.ldexp(x[0], -e), np.ldexp(x[1], -e)), e
+        return (x[0] * f, None if x[1] is None else x[1] * f), e
+    return (np.ldexp(x[0], -e), None if x[1] is None else np.ldexp(x[1], -e)), e
 
 
 def _slices(x, axis, n, rho):
     """``(slices, remainder)``: ``n`` slices of the dd ``x`` (normalised), each on its line's grid (see the
     module docstring), and what is left, a dd: ``x == sum(slices) + remainder`` exactly."""
+    hi, lo = x
+    lib = kernels()
+    if lib is not None and hi.ndim >= 2:                   # the compiled loop: the same operations, in cache
+        if axis == -1:
+            return slice_rows(lib, hi, lo, n, rho)
+        out, (h, l) = slice_rows(lib, np.swapaxes(hi, -1, -2), None if lo is None else np.swapaxes(lo, -1, -2),
+                                 n, rho)
+        return [np.swapaxes(o, -1, -2) for o in out], (np.swapaxes(h, -1, -2), np.swapaxes(l, -1, -2))
+    return _slices_numpy(x, axis, n, rho)
+
+
+def _slices_numpy(x, axis, n, rho):
+    """:func:`_slices` in NumPy: the definition, and what runs without the compiled kernels."""
     hi, lo = x
     out = []
     for _ in range(n):
@@ -89,8 +104,11 @@ def _slices(x, axis, n, rho):
         sigma = pow2(np.maximum(e + rho, -1022))           # e <= 0 after the normalisation: e + rho < 1023
         s = (hi + sigma) - sigma                           # exact: hi rounded to the grid 2**(rho + e - 53)
         out.append(s)
-        hi, lo = two_sum(hi - s, lo)                       # hi - s is exact; the remainder stays exact
-    return out, (hi, lo)
+        if lo is None:                                     # a float64 input: the remainder hi - s is exact
+            hi = hi - s
+        else:
+            hi, lo = two_sum(hi - s, lo)                   # hi - s is exact; the remainder stays exact
+    return out, (hi, np.zeros_like(hi) if lo is None else lo)
 
 
 def _line_max(x, axis):
@@ -104,13 +122,16 @@ def _products(a, b, n):
     float64 (their rounding is below ``2**(-53 - 3 beta)``), the rest into a dd.
     """
     acc = None
+    lib = kernels()
     for lev in range(n - 1, -1, -1):
         for p in range(lev + 1):
             c = np.matmul(a[p], b[lev - p])                # exact (see the module docstring)
             if acc is None:
                 acc = (c, np.zeros_like(c))
             elif lev >= 3:
-                acc = (acc[0] + c, acc[1])
+                np.add(acc[0], c, out=acc[0])
+            elif lib is not None:
+                acc = dd_add_d_inplace(lib, acc, c)
             else:
                 acc = dd_add_d(acc, c)
     return fast_two_sum(*acc)
@@ -177,14 +198,14 @@ def matmul(A, B, bits=104, final=False):
         rbq = np.broadcast_to(_line_max(rbq[0], -2) + _line_max(rbq[1], -2), shape[:-2] + (1, N)).reshape(-1, 1, N)
     sb = [np.broadcast_to(x, shape[:-2] + (K, N)).reshape(-1, K, N) for x in sb]
     eb = np.broadcast_to(eb, shape[:-2] + (1, N)).reshape(-1, 1, N)
-    Ah, Al = (np.broadcast_to(x, shape[:-2] + (M, K)).reshape(-1, M, K) for x in A)
+    Ah, Al = (None if x is None else np.broadcast_to(x, shape[:-2] + (M, K)).reshape(-1, M, K) for x in A)
     hi = np.empty((sb[0].shape[0], M, N))
     lo = np.empty_like(hi)
     mb = max(8, _BLOCK_ENTRIES // max(N, 1))               # rows per block: the sums stay in cache
 
     def block(item):
         b, m0 = item                                       # b: a range of batch entries
-        a, ea = _normalise((Ah[b, m0:m0 + mb], Al[b, m0:m0 + mb]), -1)
+        a, ea = _normalise((Ah[b, m0:m0 + mb], None if Al is None else Al[b, m0:m0 + mb]), -1)
         if quick:
             aq, raq = _slices(a, -1, t, rho)
             h, l = _products(aq, [x[b] for x in sb[:t]], t)
@@ -194,7 +215,8 @@ def matmul(A, B, bits=104, final=False):
             redo = ~np.all(bound <= 2.0 ** -55 * np.abs(h), axis=-1)            # (batch entries, rows)
             for i in np.flatnonzero(redo.any(axis=-1)):     # those rows take every level (rows are independent)
                 r = np.flatnonzero(redo[i])
-                h[i, r], l[i, r] = _products(_slices((a[0][i, r], a[1][i, r]), -1, n, rho)[0],
+                h[i, r], l[i, r] = _products(_slices((a[0][i, r], None if a[1] is None else a[1][i, r]), -1, n,
+                                                     rho)[0],
                                              [x[b][i] for x in sb], n)
         else:
             h, l = _products(_slices(a, -1, n, rho)[0], [x[b] for x in sb], n)
