@@ -298,3 +298,29 @@ def test_the_compiled_kernels_give_the_numpy_loops_bits():
     got = _native.dd_add_d_inplace(lib, acc, c)
     for u, w in zip(got, want):
         assert np.array_equal(u.view(np.int64), w.view(np.int64))
+
+
+def test_every_compiled_dd_kernel_gives_the_numpy_bits(monkeypatch):
+    from sdpa_ref.engines import reproducible
+    from sdpa_ref.exact import _native, dd
+    from sdpa_ref.exact.arith import DoubleDouble
+    lib = _native.kernels()
+    if lib is None:
+        pytest.skip("no C compiler here: the NumPy loops run, and the hashes above hold them")
+    rng = np.random.default_rng(4)
+    a = (rng.standard_normal((3, 5, 33)) * 4, rng.standard_normal((3, 5, 33)) * 2.0 ** -55)
+    b = (rng.random((3, 5, 1)) + 0.5, rng.standard_normal((3, 5, 1)) * 2.0 ** -56)
+    P = (rng.random((3, 5, 33)), rng.standard_normal((3, 5, 33)) * 2.0 ** -56)
+    P[0][0, 0, [3, 9]] = P[0][0, 0].max() + 1                       # a tie: the first largest is the pivot
+    X = DoubleDouble()
+
+    def run():
+        return [X.sum(a, keepdims=True), X.sum(a), X.div(a, b), X.mul_d(a, 0.3), X.exp_minus(a, b),
+                reproducible._softmax_vjp(X, P, a)]
+
+    got = run()
+    monkeypatch.setattr(_native, "kernels", lambda: None)
+    want = run()
+    for g, w in zip(got, want):
+        for u, v in zip(g, w):
+            assert np.array_equal(np.asarray(u).view(np.int64), np.asarray(v).view(np.int64))

@@ -100,7 +100,7 @@ def forward(prob, *, save_probs=True) -> Forward:
         if dist is not None:                                         # - slope * |i + off - j|
             T = X.sub(T, X.exact_product(block_of(prob.alibi, nd, lead), block_of(dist, nd, lead, r)))
         mx, em = X.row_max(T, excl)                                  # T - mx <= 0, however large T
-        e = X.exp(X.sub(T, mx))
+        e = X.exp_minus(T, mx)                                       # exp(T - mx)
         if excl is not None:
             e = X.where(excl, X.const(0.0), e)
         sm = X.where(em, X.const(1.0), X.sum(e, keepdims=True))
@@ -236,6 +236,10 @@ def _by_rows(full, fn):
 
 def _softmax_vjp(X, P, g):
     """``P * ((g - c) - rowsum(P * (g - c)))``, ``c = g`` at the row's largest ``P`` (the pivoted form)."""
+    fused = getattr(X, "softmax_vjp_rows", None)
+    out = None if fused is None else fused(P, g)           # the same operations compiled, where they are
+    if out is not None:
+        return out
     idx = np.argmax(X.value(P), axis=-1)[..., None]
     gc = X.sub(g, X.take(g, idx))
     return X.mul(P, X.sub(gc, X.sum(X.mul(P, gc), keepdims=True)))

@@ -4,13 +4,20 @@
 #include <math.h>
 #include <stddef.h>
 
-/* n slices of each row of (hi, lo) [rows x k, contiguous]; lo may be NULL (a float64 input). hi and lo are
- * overwritten by the remainder; slice p of row r goes to out[(p * rows + r) * k ...]. See ozaki._slices. */
-void sdpa_slice_rows(double *hi, double *lo, double *out, ptrdiff_t rows, ptrdiff_t k, int n, int rho)
+/* n slices of each row of (hi, lo) [rows x k, contiguous; lo may be NULL for a float64 input], as ozaki._slices:
+ * slice p of row r goes to out[(p * rows + r) * k ...]; the remainder to (rem_hi, rem_lo) when they are given.
+ * Optionally, per slice and row, the max and the sum of the absolute values (smax, ssum [n x rows]: the sum is
+ * exact, its entries lie on one grid with few bits) and the remainder's max|hi| + max|lo| (rmax [rows]).
+ * scratch: 2 k doubles. The inputs are not written. */
+void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t k, int n, int rho, double *out,
+                     double *rem_hi, double *rem_lo, double *smax, double *ssum, double *rmax, double *scratch)
 {
+    double *h = scratch, *l = scratch + k;
     for (ptrdiff_t r = 0; r < rows; r++) {
-        double *h = hi + r * k;
-        double *l = lo ? lo + r * k : NULL;
+        for (ptrdiff_t j = 0; j < k; j++) {
+            h[j] = hi[r * k + j];
+            l[j] = lo ? lo[r * k + j] : 0.0;
+        }
         for (int p = 0; p < n; p++) {
             double mx = 0.0;
             for (ptrdiff_t j = 0; j < k; j++) {
@@ -25,7 +32,8 @@ void sdpa_slice_rows(double *hi, double *lo, double *out, ptrdiff_t rows, ptrdif
                 ee = -1022;
             double sigma = ldexp(1.0, ee);
             double *s = out + ((ptrdiff_t)p * rows + r) * k;
-            if (l) {
+            double smx = 0.0, ssm = 0.0;
+            if (lo) {
                 for (ptrdiff_t j = 0; j < k; j++) {
                     double sj = (h[j] + sigma) - sigma;
                     double a = h[j] - sj, b = l[j];          /* two_sum(hi - s, lo) */
@@ -34,14 +42,39 @@ void sdpa_slice_rows(double *hi, double *lo, double *out, ptrdiff_t rows, ptrdif
                     s[j] = sj;
                     h[j] = t;
                     l[j] = (a - (t - bb)) + (b - bb);
+                    double as = fabs(sj);
+                    smx = as > smx ? as : smx;
+                    ssm += as;
                 }
             } else {
                 for (ptrdiff_t j = 0; j < k; j++) {
                     double sj = (h[j] + sigma) - sigma;
                     s[j] = sj;
                     h[j] = h[j] - sj;
+                    double as = fabs(sj);
+                    smx = as > smx ? as : smx;
+                    ssm += as;
                 }
             }
+            if (smax)
+                smax[(ptrdiff_t)p * rows + r] = smx;
+            if (ssum)
+                ssum[(ptrdiff_t)p * rows + r] = ssm;
+        }
+        if (rem_hi) {
+            for (ptrdiff_t j = 0; j < k; j++) {
+                rem_hi[r * k + j] = h[j];
+                rem_lo[r * k + j] = l[j];
+            }
+        }
+        if (rmax) {
+            double mh = 0.0, ml = 0.0;
+            for (ptrdiff_t j = 0; j < k; j++) {
+                double a = fabs(h[j]), b = fabs(l[j]);
+                mh = a > mh ? a : mh;
+                ml = b > ml ? b : ml;
+            }
+            rmax[r] = mh + ml;
         }
     }
 }
@@ -126,51 +159,187 @@ static inline int64_t k_floordiv2(int64_t a)
     return a >= 0 ? a / 2 : -((-a + 1) / 2);
 }
 
-/* c: [0] EXP_FLOOR, [1] N / ln2_hi, [2] C1, [3] C23 hi, [4] C23 lo, [5 + 2 m], [6 + 2 m]: 1/m! as dd, m = 0..8 */
-void sdpa_dd_exp(const double *x0, const double *x1, double *o0, double *o1, ptrdiff_t n,
-                 const double *t0, const double *t1, const double *c)
+/* round to the nearest integer, ties to even, as np.rint (|y| < 2**51 here): the sum with 1.5 * 2**52 rounds */
+static inline double k_rint(double y)
+{
+    double k = (y + 6755399441055744.0) - 6755399441055744.0;
+    return copysign(k, y);                                            /* rint keeps the sign of a zero */
+}
+
+static inline void k_exp(double x0, double x1, const double *t0, const double *t1, const double *c,
+                         double *o0, double *o1)
 {
     const double floor_ = c[0], inv = c[1], c1 = c[2], c23h = c[3], c23l = c[4];
     const double *f = c + 5;
+    if (isnan(x0)) {                                                  /* as _dd_exp_numpy */
+        *o0 = NAN;
+        *o1 = NAN;
+        return;
+    }
+    if (x0 >= 710.0) {                                                /* overflow, as _dd_exp_numpy */
+        *o0 = INFINITY;
+        *o1 = 0.0;
+        return;
+    }
+    double inside = x0 >= floor_ ? 1.0 : 0.0;
+    double hi = x0 < floor_ ? floor_ : x0;                            /* np.maximum */
+    double lo = x1 * inside;
+    double k = k_rint(hi * inv);
+    double r0, r1, s, e, m0, m1, p, q;
+    k_two_sum(hi, -(k * c1), &s, &e);                                 /* dd_add_d((hi, lo), -(k C1)) */
+    k_fast_two_sum(s, e + lo, &r0, &r1);
+    k_two_prod(c23h, k, &p, &q);                                      /* dd_mul_d(C23, k) */
+    k_fast_two_sum(p, q + c23l * k, &m0, &m1);
+    k_dd_add(r0, r1, -m0, -m1, &r0, &r1);                             /* dd_sub */
+    double t = f[2 * 8];                                              /* _exp_small(r) */
+    for (int m = 7; m > 3; m--)
+        t = t * r0 + f[2 * m];
+    double e0, e1;
+    k_two_prod(r0, t, &p, &q);                                        /* dd_mul_d(r, t) */
+    k_fast_two_sum(p, q + r1 * t, &e0, &e1);
+    for (int m = 3; m > 0; m--) {
+        double a0, a1;
+        k_dd_add(f[2 * m], f[2 * m + 1], e0, e1, &a0, &a1);
+        k_dd_mul(r0, r1, a0, a1, &e0, &e1);
+    }
+    k_two_sum(e0, 1.0, &s, &e);                                       /* dd_add_d(p, 1.0) */
+    k_fast_two_sum(s, e + e1, &e0, &e1);
+    int64_t ki = (int64_t)k;
+    int64_t j = ki & 1023;
+    double y0, y1;
+    k_dd_mul(t0[j], t1[j], e0, e1, &y0, &y1);
+    int64_t sh = (ki - j) >> 10;
+    int64_t h1 = k_floordiv2(sh);
+    double f1 = k_pow2(h1), f2 = k_pow2(sh - h1) * inside;
+    *o0 = y0 * f1 * f2;
+    *o1 = y1 * f1 * f2;
+}
+
+/* exp of x [rows x n] less the row's m (dd_exp(dd_sub(x, m))), or of x itself when m0 is NULL.
+ * c: [0] EXP_FLOOR, [1] N / ln2_hi, [2] C1, [3] C23 hi, [4] C23 lo, [5 + 2 m], [6 + 2 m]: 1/m! as dd, m = 0..8 */
+void sdpa_dd_exp_rows(const double *x0, const double *x1, const double *m0, const double *m1, ptrdiff_t rows,
+                      ptrdiff_t n, double *o0, double *o1, const double *t0, const double *t1, const double *c)
+{
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        for (ptrdiff_t j = 0; j < n; j++) {
+            ptrdiff_t i = r * n + j;
+            double a0 = x0[i], a1 = x1[i];
+            if (m0)
+                k_dd_add(a0, a1, -m0[r], -m1[r], &a0, &a1);
+            k_exp(a0, a1, t0, t1, c, &o0[i], &o1[i]);
+        }
+    }
+}
+
+/* dd.dd_div(a, b) of a [rows x n] by the row's b */
+void sdpa_dd_div_rows(const double *a0, const double *a1, const double *b0, const double *b1, ptrdiff_t rows,
+                      ptrdiff_t n, double *o0, double *o1)
+{
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        double B0 = b0[r], B1 = b1[r];
+        for (ptrdiff_t j = 0; j < n; j++) {
+            ptrdiff_t i = r * n + j;
+            double q1 = a0[i] / B0, p, e, m0, m1, r0, r1, q2, q3, s, t;
+            k_two_prod(B0, q1, &p, &e);                                /* dd_mul_d(b, q1) */
+            k_fast_two_sum(p, e + B1 * q1, &m0, &m1);
+            k_dd_add(a0[i], a1[i], -m0, -m1, &r0, &r1);                /* dd_sub */
+            q2 = r0 / B0;
+            k_two_prod(B0, q2, &p, &e);
+            k_fast_two_sum(p, e + B1 * q2, &m0, &m1);
+            k_dd_add(r0, r1, -m0, -m1, &r0, &r1);
+            q3 = r0 / B0;
+            k_fast_two_sum(q1, q2, &q1, &q2);
+            k_two_sum(q1, q3, &s, &t);                                 /* dd_add_d((q1, q2), q3) */
+            k_fast_two_sum(s, t + q2, &o0[i], &o1[i]);
+        }
+    }
+}
+
+/* dd.dd_mul_d(a, b) for a scalar b */
+void sdpa_dd_mul_d_scalar(const double *a0, const double *a1, double b, ptrdiff_t n, double *o0, double *o1)
+{
     for (ptrdiff_t i = 0; i < n; i++) {
-        double xh = x0[i];
-        if (isnan(xh) || xh == INFINITY) {                            /* NaN in NumPy too (inf - inf) */
-            o0[i] = NAN;
-            o1[i] = NAN;
+        double p, e;
+        k_two_prod(a0[i], b, &p, &e);
+        k_fast_two_sum(p, e + a1[i] * b, &o0[i], &o1[i]);
+    }
+}
+
+/* ------------------------------------------------------------ dd.dd_sum along a row, the same tree */
+
+/* The pairwise tree of dd_sum over x (hi, lo) [n], in place in the scratch (sh, sl): level by level the first
+ * half is added to the second half, an odd last entry waiting for the next level. */
+static void k_tree(double *sh, double *sl, ptrdiff_t n, double *r0, double *r1)
+{
+    if (n == 0) {
+        *r0 = 0.0;
+        *r1 = 0.0;
+        return;
+    }
+    while (n > 1) {
+        ptrdiff_t h = n / 2;
+        for (ptrdiff_t i = 0; i < h; i++)
+            k_dd_add(sh[i], sl[i], sh[h + i], sl[h + i], &sh[i], &sl[i]);
+        if (n % 2) {
+            sh[h] = sh[n - 1];
+            sl[h] = sl[n - 1];
+        }
+        n = h + n % 2;
+    }
+    *r0 = sh[0];
+    *r1 = sl[0];
+}
+
+void sdpa_dd_rowsum(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t n, double *o0, double *o1,
+                    double *scratch)
+{
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        for (ptrdiff_t j = 0; j < n; j++) {
+            scratch[j] = hi[r * n + j];
+            scratch[n + j] = lo[r * n + j];
+        }
+        k_tree(scratch, scratch + n, n, &o0[r], &o1[r]);
+    }
+}
+
+/* reproducible._softmax_vjp on rows of dd P and g [rows x n]: c = g at the first largest P.hi (NumPy's argmax:
+ * the first NaN if any), gc = g - c, out = P * (gc - tree_sum(P * gc)). scratch: 2 n doubles. */
+void sdpa_dd_softmax_vjp_rows(const double *p0, const double *p1, const double *g0, const double *g1,
+                              ptrdiff_t rows, ptrdiff_t n, double *o0, double *o1, double *scratch)
+{
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        const double *P0 = p0 + r * n, *P1 = p1 + r * n, *G0 = g0 + r * n, *G1 = g1 + r * n;
+        double *O0 = o0 + r * n, *O1 = o1 + r * n;
+        if (n == 0)
             continue;
+        ptrdiff_t idx = 0;
+        double best = P0[0];
+        if (!isnan(best)) {
+            for (ptrdiff_t j = 1; j < n; j++) {
+                if (isnan(P0[j])) {
+                    idx = j;
+                    break;
+                }
+                if (P0[j] > best) {
+                    best = P0[j];
+                    idx = j;
+                }
+            }
         }
-        double inside = xh >= floor_ ? 1.0 : 0.0;
-        double hi = xh < floor_ ? floor_ : xh;                        /* np.maximum */
-        double lo = x1[i] * inside;
-        double k = nearbyint(hi * inv);                               /* np.rint: half to even */
-        double r0, r1, s, e, m0, m1, p, q;
-        k_two_sum(hi, -(k * c1), &s, &e);                             /* dd_add_d((hi, lo), -(k C1)) */
-        k_fast_two_sum(s, e + lo, &r0, &r1);
-        k_two_prod(c23h, k, &p, &q);                                  /* dd_mul_d(C23, k) */
-        k_fast_two_sum(p, q + c23l * k, &m0, &m1);
-        k_dd_add(r0, r1, -m0, -m1, &r0, &r1);                         /* dd_sub */
-        /* _exp_small(r) */
-        double t = f[2 * 8];
-        for (int m = 7; m > 3; m--)
-            t = t * r0 + f[2 * m];
-        double e0, e1;
-        k_two_prod(r0, t, &p, &q);                                    /* dd_mul_d(r, t) */
-        k_fast_two_sum(p, q + r1 * t, &e0, &e1);
-        for (int m = 3; m > 0; m--) {
+        double c0 = -G0[idx], c1 = -G1[idx];
+        for (ptrdiff_t j = 0; j < n; j++) {
             double a0, a1;
-            k_dd_add(f[2 * m], f[2 * m + 1], e0, e1, &a0, &a1);
-            k_dd_mul(r0, r1, a0, a1, &e0, &e1);
+            k_dd_add(G0[j], G1[j], c0, c1, &a0, &a1);                 /* gc = g - c */
+            O0[j] = a0;                                                /* kept in the output for now */
+            O1[j] = a1;
+            k_dd_mul(P0[j], P1[j], a0, a1, &scratch[j], &scratch[n + j]);
         }
-        k_two_sum(e0, 1.0, &s, &e);                                   /* dd_add_d(p, 1.0) */
-        k_fast_two_sum(s, e + e1, &e0, &e1);
-        int64_t ki = (int64_t)k;
-        int64_t j = ki & 1023;
-        double y0, y1;
-        k_dd_mul(t0[j], t1[j], e0, e1, &y0, &y1);
-        int64_t sh = (ki - j) >> 10;
-        int64_t h1 = k_floordiv2(sh);
-        double f1 = k_pow2(h1), f2 = k_pow2(sh - h1) * inside;
-        o0[i] = y0 * f1 * f2;
-        o1[i] = y1 * f1 * f2;
+        double s0, s1;
+        k_tree(scratch, scratch + n, n, &s0, &s1);
+        for (ptrdiff_t j = 0; j < n; j++) {
+            double a0, a1;
+            k_dd_add(O0[j], O1[j], -s0, -s1, &a0, &a1);               /* gc - s */
+            k_dd_mul(P0[j], P1[j], a0, a1, &O0[j], &O1[j]);
+        }
     }
 }

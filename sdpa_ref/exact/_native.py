@@ -28,7 +28,8 @@ import tempfile
 
 import numpy as np
 
-__all__ = ["dd_add_d_inplace", "dd_exp", "kernels", "slice_rows"]
+__all__ = ["dd_add_d_inplace", "dd_div_rows", "dd_exp", "dd_mul_d_scalar", "dd_rowsum", "kernels", "slice_rows",
+           "softmax_vjp_rows"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernels.c")
 _FLAGS = ["-O2", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
@@ -66,12 +67,20 @@ def _build():
                 os.remove(tmp)
     lib = ctypes.CDLL(path)
     dp, n = ctypes.POINTER(ctypes.c_double), ctypes.c_ssize_t
-    lib.sdpa_slice_rows.argtypes = [dp, dp, dp, n, n, ctypes.c_int, ctypes.c_int]
+    lib.sdpa_slice_rows.argtypes = [dp, dp, n, n, ctypes.c_int, ctypes.c_int, dp, dp, dp, dp, dp, dp, dp]
     lib.sdpa_slice_rows.restype = None
     lib.sdpa_dd_add_d.argtypes = [dp, dp, dp, n]
     lib.sdpa_dd_add_d.restype = None
-    lib.sdpa_dd_exp.argtypes = [dp, dp, dp, dp, n, dp, dp, dp]
-    lib.sdpa_dd_exp.restype = None
+    lib.sdpa_dd_exp_rows.argtypes = [dp, dp, dp, dp, n, n, dp, dp, dp, dp, dp]
+    lib.sdpa_dd_exp_rows.restype = None
+    lib.sdpa_dd_div_rows.argtypes = [dp, dp, dp, dp, n, n, dp, dp]
+    lib.sdpa_dd_div_rows.restype = None
+    lib.sdpa_dd_mul_d_scalar.argtypes = [dp, dp, ctypes.c_double, n, dp, dp]
+    lib.sdpa_dd_mul_d_scalar.restype = None
+    lib.sdpa_dd_rowsum.argtypes = [dp, dp, n, n, dp, dp, dp]
+    lib.sdpa_dd_rowsum.restype = None
+    lib.sdpa_dd_softmax_vjp_rows.argtypes = [dp, dp, dp, dp, n, n, dp, dp, dp]
+    lib.sdpa_dd_softmax_vjp_rows.restype = None
     return lib
 
 
@@ -93,16 +102,31 @@ def _ptr(a):
     return a.ctypes.data_as(ctypes.POINTER(ctypes.c_double))
 
 
-def slice_rows(lib, hi, lo, n, rho):
-    """``(slices, (hi, lo))`` of :func:`.ozaki._slices` along the last axis, by the compiled loop."""
-    hi = np.array(hi, dtype=np.float64, order="C", copy=True)
-    lo = None if lo is None else np.array(lo, dtype=np.float64, order="C", copy=True)
-    k = hi.shape[-1] if hi.ndim else 1
+def slice_rows(lib, hi, lo, n, rho, stats=False):
+    """``(slices, (hi, lo))`` of :func:`.ozaki._slices` along the last axis, by the compiled loop; with
+    ``stats=True`` ``(slices, (slice maxima, slice sums), remainder max|hi| + max|lo|)``, each ``(..., 1)``, and no
+    remainder array."""
+    hi = np.ascontiguousarray(hi, dtype=np.float64)
+    lo = None if lo is None else np.ascontiguousarray(lo, dtype=np.float64)
+    k = hi.shape[-1]
     rows = hi.size // k if k else 0
     out = np.empty((n,) + hi.shape)
-    if hi.size:
-        lib.sdpa_slice_rows(_ptr(hi), None if lo is None else _ptr(lo), _ptr(out), rows, k, n, rho)
-    return list(out), (hi, np.zeros_like(hi) if lo is None else lo)
+    if stats:
+        smax, ssum = np.zeros((n,) + hi.shape[:-1] + (1,)), np.zeros((n,) + hi.shape[:-1] + (1,))
+        rmax = np.zeros(hi.shape[:-1] + (1,))
+        rh = rl = None
+    else:
+        smax = ssum = rmax = None
+        rh, rl = np.empty_like(hi), np.empty_like(hi)
+    if rows and k:
+        p = [None if x is None else _ptr(x) for x in (rh, rl, smax, ssum, rmax)]
+        lib.sdpa_slice_rows(_ptr(hi), None if lo is None else _ptr(lo), rows, k, n, rho, _ptr(out), *p,
+                            _ptr(np.empty(2 * k)))
+    elif not stats:
+        rh, rl = hi.copy(), np.zeros_like(hi) if lo is None else lo.copy()
+    if stats:
+        return list(out), (list(smax), list(ssum)), rmax
+    return list(out), (rh, rl)
 
 
 def dd_add_d_inplace(lib, acc, c):
@@ -112,12 +136,71 @@ def dd_add_d_inplace(lib, acc, c):
     return acc
 
 
-def dd_exp(lib, x, table, consts):
-    """:func:`.dd.dd_exp` of the dd ``x`` by the compiled loop (``table`` and ``consts`` from :mod:`.dd`)."""
-    x0, x1 = np.broadcast_arrays(np.asarray(x[0], dtype=np.float64), np.asarray(x[1], dtype=np.float64))
-    x0, x1 = np.ascontiguousarray(x0), np.ascontiguousarray(x1)
-    o0, o1 = np.empty_like(x0), np.empty_like(x0)
-    if x0.size:
-        lib.sdpa_dd_exp(_ptr(x0), _ptr(x1), _ptr(o0), _ptr(o1), x0.size, _ptr(table[0]), _ptr(table[1]),
-                        _ptr(consts))
+def dd_exp(lib, x, table, consts, m=None):
+    """:func:`.dd.dd_exp` of the dd ``x`` (less the row's dd ``m``, ``(..., 1)``, when given) by the compiled loop
+    (``table`` and ``consts`` from :mod:`.dd`)."""
+    shape = np.broadcast_shapes(np.shape(x[0]), np.shape(x[1]))
+    x0, x1 = _rows_of(x[0], shape), _rows_of(x[1], shape)
+    o0, o1 = np.empty(shape), np.empty(shape)
+    n = shape[-1] if shape else 1
+    rows = o0.size // n if n else 0
+    if m is not None:
+        m0, m1 = (_rows_of(y, shape[:-1] + (1,)) for y in m)
+    if rows and n:
+        lib.sdpa_dd_exp_rows(_ptr(x0), _ptr(x1), None if m is None else _ptr(m0), None if m is None else _ptr(m1),
+                             rows, n, _ptr(o0), _ptr(o1), _ptr(table[0]), _ptr(table[1]), _ptr(consts))
+    return o0, o1
+
+
+def dd_div_rows(lib, a, b):
+    """:func:`.dd.dd_div` of the dd ``a`` ``(..., n)`` by the dd ``b`` ``(..., 1)``, by the compiled loop."""
+    shape = np.broadcast_shapes(np.shape(a[0]), np.shape(a[1]), np.shape(b[0])[:-1] + (1,))
+    a0, a1 = _rows_of(a[0], shape), _rows_of(a[1], shape)
+    b0, b1 = (_rows_of(y, shape[:-1] + (1,)) for y in b)
+    o0, o1 = np.empty(shape), np.empty(shape)
+    n = shape[-1]
+    rows = o0.size // n if n else 0
+    if rows and n:
+        lib.sdpa_dd_div_rows(_ptr(a0), _ptr(a1), _ptr(b0), _ptr(b1), rows, n, _ptr(o0), _ptr(o1))
+    return o0, o1
+
+
+def dd_mul_d_scalar(lib, a, b):
+    """:func:`.dd.dd_mul_d` of the dd ``a`` by the float ``b``, by the compiled loop."""
+    shape = np.broadcast_shapes(np.shape(a[0]), np.shape(a[1]))
+    a0, a1 = _rows_of(a[0], shape), _rows_of(a[1], shape)
+    o0, o1 = np.empty(shape), np.empty(shape)
+    if o0.size:
+        lib.sdpa_dd_mul_d_scalar(_ptr(a0), _ptr(a1), float(b), o0.size, _ptr(o0), _ptr(o1))
+    return o0, o1
+
+
+def _rows_of(a, shape):
+    return np.ascontiguousarray(np.broadcast_to(np.asarray(a, dtype=np.float64), shape))
+
+
+def dd_rowsum(lib, a, keepdims=False):
+    """:func:`.dd.dd_sum` of the dd ``a`` along its last axis, the same tree, by the compiled loop."""
+    shape = np.broadcast_shapes(np.shape(a[0]), np.shape(a[1]))
+    n = shape[-1]
+    hi, lo = _rows_of(a[0], shape), _rows_of(a[1], shape)
+    o0, o1 = np.empty(shape[:-1]), np.empty(shape[:-1])
+    rows = o0.size
+    if rows:
+        lib.sdpa_dd_rowsum(_ptr(hi), _ptr(lo), rows, n, _ptr(o0), _ptr(o1), _ptr(np.empty(2 * max(n, 1))))
+    if keepdims:
+        return o0[..., None], o1[..., None]
+    return o0, o1
+
+
+def softmax_vjp_rows(lib, P, g):
+    """The pivoted softmax VJP of :mod:`sdpa_ref.engines.reproducible` on dd rows, by the compiled loop."""
+    shape = np.broadcast_shapes(*(np.shape(x) for x in (P[0], P[1], g[0], g[1])))
+    p0, p1, g0, g1 = (_rows_of(x, shape) for x in (P[0], P[1], g[0], g[1]))
+    o0, o1 = np.empty(shape), np.empty(shape)
+    n = shape[-1] if shape else 1
+    rows = o0.size // n if n else 0
+    if rows and n:
+        lib.sdpa_dd_softmax_vjp_rows(_ptr(p0), _ptr(p1), _ptr(g0), _ptr(g1), rows, n, _ptr(o0), _ptr(o1),
+                                     _ptr(np.empty(2 * n)))
     return o0, o1

@@ -23,9 +23,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..transforms import dropout_forward
-from . import ozaki
-from .dd import (dd, dd_add, dd_add_d, dd_div, dd_exp, dd_log, dd_mul, dd_mul_d, dd_sub, dd_sum, dd_tanh,
-                 two_prod, two_sum)
+from . import _native, ozaki
+from .dd import (_EXP_CONSTS, _TABLE, dd, dd_add, dd_add_d, dd_div, dd_exp, dd_log, dd_mul, dd_mul_d, dd_sub,
+                 dd_sum, dd_tanh, two_prod, two_sum)
 
 __all__ = ["DoubleDouble", "LowPrecision", "for_problem"]
 
@@ -60,10 +60,30 @@ class DoubleDouble:
         """The float64 value (``hi``): for comparisons, maxima, and the result."""
         return a[0]
 
-    # -- element-wise
-    add, sub, mul, div = staticmethod(dd_add), staticmethod(dd_sub), staticmethod(dd_mul), staticmethod(dd_div)
-    add_d, mul_d = staticmethod(dd_add_d), staticmethod(dd_mul_d)
+    # -- element-wise (the compiled loops of ._native where they apply: the same operations, the same bits)
+    add, sub, mul = staticmethod(dd_add), staticmethod(dd_sub), staticmethod(dd_mul)
+    add_d = staticmethod(dd_add_d)
     exp, log, tanh = staticmethod(dd_exp), staticmethod(dd_log), staticmethod(dd_tanh)
+
+    def div(self, a, b):
+        lib = _native.kernels()
+        if lib is not None and np.ndim(b[0]) >= 1 and np.shape(b[0])[-1] == 1 and np.ndim(a[0]) >= 1 \
+                and np.ndim(b[0]) <= np.ndim(a[0]):                 # by one divisor per row
+            return _native.dd_div_rows(lib, a, b)
+        return dd_div(a, b)
+
+    def mul_d(self, a, b):
+        lib = _native.kernels()
+        if lib is not None and np.ndim(b) == 0:
+            return _native.dd_mul_d_scalar(lib, a, b)
+        return dd_mul_d(a, b)
+
+    def exp_minus(self, a, m):
+        """``exp(a - m)`` for the row's ``m`` ``(..., 1)``."""
+        lib = _native.kernels()
+        if lib is not None and np.ndim(a[0]) >= 1:
+            return _native.dd_exp(lib, a, _TABLE, _EXP_CONSTS, m=m)
+        return dd_exp(dd_sub(a, m))
 
     def lift(self, x):
         return dd(np.asarray(x, dtype=np.float64))
@@ -99,7 +119,15 @@ class DoubleDouble:
 
     # -- reductions and products
     def sum(self, a, axis=-1, keepdims=False):
+        lib = _native.kernels()
+        if lib is not None and axis in (-1, np.ndim(a[0]) - 1) and np.ndim(a[0]) >= 1:
+            return _native.dd_rowsum(lib, a, keepdims=keepdims)    # the same tree, compiled
         return dd_sum(a, axis=axis, keepdims=keepdims)
+
+    def softmax_vjp_rows(self, P, g):
+        """The pivoted softmax VJP compiled (:mod:`._native`), or None: then the engine's own NumPy form runs."""
+        lib = _native.kernels()
+        return None if lib is None else _native.softmax_vjp_rows(lib, P, g)
 
     def matmul(self, A, B, final=False):
         return ozaki.matmul(A, B, final=final)
@@ -172,6 +200,10 @@ class LowPrecision:
 
     def exp(self, x):
         return self._rounded(dd_exp, x)
+
+    def exp_minus(self, a, m):
+        """``exp(a - m)`` for the row's ``m``."""
+        return self.exp(self.sub(a, m))
 
     def log(self, x):
         return self._rounded(dd_log, x)

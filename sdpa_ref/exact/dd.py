@@ -219,7 +219,7 @@ def pow2(n):
 
 
 def dd_exp(x):
-    """``exp(x)`` for a dd ``x`` of finite entries (clamped below at :data:`EXP_FLOOR`, where it is 0).
+    """``exp(x)`` for a dd ``x`` (clamped below at :data:`EXP_FLOOR`, where it is 0; ``inf`` from 710, NaN for NaN).
 
     ``x = k ln2 / 1024 + r`` with ``|r| <= ln2/2048``;
     ``exp(x) = 2**(k // 1024) * 2**((k % 1024)/1024) * exp(r)``,
@@ -234,7 +234,7 @@ def dd_exp(x):
 def _dd_exp_numpy(x):
     """:func:`dd_exp` in NumPy: the definition, and what runs without the compiled kernels."""
     inside = x[0] >= EXP_FLOOR
-    hi = np.maximum(x[0], EXP_FLOOR)
+    hi = np.minimum(np.maximum(x[0], EXP_FLOOR), 710.0)     # above 710 the result is inf (below)
     lo = x[1] * inside
     k = np.rint(hi * (_N / _LN2[0]))
     r = dd_add_d((hi, lo), -(k * _C1))                     # k * _C1 is exact
@@ -246,7 +246,11 @@ def _dd_exp_numpy(x):
     # two exact steps of 2**(sh/2): a deeply negative exponent never leaves the normal range in the first
     h1 = sh // 2
     f1, f2 = pow2(h1), pow2(sh - h1) * inside               # 0 below the floor
-    return e[0] * f1 * f2, e[1] * f1 * f2
+    hi, lo = e[0] * f1 * f2, e[1] * f1 * f2
+    over, nan = x[0] >= 710.0, np.isnan(x[0])
+    if over.any() or nan.any():                            # exp overflows from 709.79; NaN stays NaN
+        hi, lo = np.where(over, np.inf, np.where(nan, np.nan, hi)), np.where(over, 0.0, np.where(nan, np.nan, lo))
+    return hi, lo
 
 
 #: 1/d as dd for odd d = 1..45: the coefficients of 2 atanh(z) / z.

@@ -207,11 +207,16 @@ def matmul(A, B, bits=104, final=False):
         b, m0 = item                                       # b: a range of batch entries
         a, ea = _normalise((Ah[b, m0:m0 + mb], None if Al is None else Al[b, m0:m0 + mb]), -1)
         if quick:
-            aq, raq = _slices(a, -1, t, rho)
+            lib = kernels()
+            if lib is not None:                            # the slices with their maxima and sums, compiled
+                aq, (amax, asum), ra = slice_rows(lib, a[0], a[1], t, rho, stats=True)
+            else:
+                aq, raq = _slices(a, -1, t, rho)
+                ra = _line_max(raq[0], -1) + _line_max(raq[1], -1)
+                amax = [_line_max(x, -1) for x in aq]
+                asum = [np.sum(np.abs(x), axis=-1, keepdims=True) for x in aq]   # exact, in any order
             h, l = _products(aq, [x[b] for x in sb[:t]], t)
-            bound = _level_bound(_line_max(raq[0], -1) + _line_max(raq[1], -1), rbq[b],
-                                 [_line_max(x, -1) for x in aq], [x[b] for x in mbq],
-                                 [np.sum(np.abs(x), axis=-1, keepdims=True) for x in aq], [x[b] for x in sbq], K)
+            bound = _level_bound(ra, rbq[b], amax, [x[b] for x in mbq], asum, [x[b] for x in sbq], K)
             redo = ~np.all(bound <= 2.0 ** -55 * np.abs(h), axis=-1)            # (batch entries, rows)
             for i in np.flatnonzero(redo.any(axis=-1)):     # those rows take every level (rows are independent)
                 r = np.flatnonzero(redo[i])
