@@ -302,7 +302,7 @@ def test_the_compiled_kernels_give_the_numpy_loops_bits():
 
 def test_every_compiled_dd_kernel_gives_the_numpy_bits(monkeypatch):
     from sdpa_ref.engines import reproducible
-    from sdpa_ref.exact import _native, dd
+    from sdpa_ref.exact import _native
     from sdpa_ref.exact.arith import DoubleDouble
     lib = _native.kernels()
     if lib is None:
