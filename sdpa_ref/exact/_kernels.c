@@ -18,13 +18,12 @@ void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff
             h[j] = hi[r * k + j];
             l[j] = lo ? lo[r * k + j] : 0.0;
         }
+        double mx = 0.0;                                     /* max |hi| of what is left, kept as we cut */
+        for (ptrdiff_t j = 0; j < k; j++) {
+            double a = fabs(h[j]);
+            mx = a > mx ? a : mx;
+        }
         for (int p = 0; p < n; p++) {
-            double mx = 0.0;
-            for (ptrdiff_t j = 0; j < k; j++) {
-                double a = fabs(h[j]);
-                if (a > mx)
-                    mx = a;
-            }
             int e;
             frexp(mx, &e);
             int ee = e + rho;
@@ -32,7 +31,7 @@ void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff
                 ee = -1022;
             double sigma = ldexp(1.0, ee);
             double *s = out + ((ptrdiff_t)p * rows + r) * k;
-            double smx = 0.0, ssm = 0.0;
+            double smx = 0.0, ssm = 0.0, nmx = 0.0;
             if (lo) {
                 for (ptrdiff_t j = 0; j < k; j++) {
                     double sj = (h[j] + sigma) - sigma;
@@ -42,20 +41,24 @@ void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff
                     s[j] = sj;
                     h[j] = t;
                     l[j] = (a - (t - bb)) + (b - bb);
-                    double as = fabs(sj);
+                    double as = fabs(sj), at = fabs(t);
                     smx = as > smx ? as : smx;
                     ssm += as;
+                    nmx = at > nmx ? at : nmx;
                 }
             } else {
                 for (ptrdiff_t j = 0; j < k; j++) {
                     double sj = (h[j] + sigma) - sigma;
+                    double t = h[j] - sj;
                     s[j] = sj;
-                    h[j] = h[j] - sj;
-                    double as = fabs(sj);
+                    h[j] = t;
+                    double as = fabs(sj), at = fabs(t);
                     smx = as > smx ? as : smx;
                     ssm += as;
+                    nmx = at > nmx ? at : nmx;
                 }
             }
+            mx = nmx;
             if (smax)
                 smax[(ptrdiff_t)p * rows + r] = smx;
             if (ssum)

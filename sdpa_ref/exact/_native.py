@@ -66,7 +66,7 @@ def _build():
             if os.path.exists(tmp):
                 os.remove(tmp)
     lib = ctypes.CDLL(path)
-    dp, n = ctypes.POINTER(ctypes.c_double), ctypes.c_ssize_t
+    dp, n = ctypes.c_void_p, ctypes.c_ssize_t                 # addresses passed as ints: cheaper than data_as
     lib.sdpa_slice_rows.argtypes = [dp, dp, n, n, ctypes.c_int, ctypes.c_int, dp, dp, dp, dp, dp, dp, dp]
     lib.sdpa_slice_rows.restype = None
     lib.sdpa_dd_add_d.argtypes = [dp, dp, dp, n]
@@ -99,7 +99,8 @@ def kernels():
 
 
 def _ptr(a):
-    return a.ctypes.data_as(ctypes.POINTER(ctypes.c_double))
+    """The address of ``a``'s data; the caller must hold ``a`` until the C call returns."""
+    return a.ctypes.data
 
 
 def slice_rows(lib, hi, lo, n, rho, stats=False):
@@ -120,8 +121,9 @@ def slice_rows(lib, hi, lo, n, rho, stats=False):
         rh, rl = np.empty_like(hi), np.empty_like(hi)
     if rows and k:
         p = [None if x is None else _ptr(x) for x in (rh, rl, smax, ssum, rmax)]
+        scratch = np.empty(2 * k)                          # held here: the C code gets only its address
         lib.sdpa_slice_rows(_ptr(hi), None if lo is None else _ptr(lo), rows, k, n, rho, _ptr(out), *p,
-                            _ptr(np.empty(2 * k)))
+                            _ptr(scratch))
     elif not stats:
         rh, rl = hi.copy(), np.zeros_like(hi) if lo is None else lo.copy()
     if stats:
@@ -187,7 +189,8 @@ def dd_rowsum(lib, a, keepdims=False):
     o0, o1 = np.empty(shape[:-1]), np.empty(shape[:-1])
     rows = o0.size
     if rows:
-        lib.sdpa_dd_rowsum(_ptr(hi), _ptr(lo), rows, n, _ptr(o0), _ptr(o1), _ptr(np.empty(2 * max(n, 1))))
+        scratch = np.empty(2 * max(n, 1))
+        lib.sdpa_dd_rowsum(_ptr(hi), _ptr(lo), rows, n, _ptr(o0), _ptr(o1), _ptr(scratch))
     if keepdims:
         return o0[..., None], o1[..., None]
     return o0, o1
@@ -201,6 +204,7 @@ def softmax_vjp_rows(lib, P, g):
     n = shape[-1] if shape else 1
     rows = o0.size // n if n else 0
     if rows and n:
+        scratch = np.empty(2 * n)
         lib.sdpa_dd_softmax_vjp_rows(_ptr(p0), _ptr(p1), _ptr(g0), _ptr(g1), rows, n, _ptr(o0), _ptr(o1),
-                                     _ptr(np.empty(2 * n)))
+                                     _ptr(scratch))
     return o0, o1
