@@ -5,7 +5,9 @@ row, and adding a product into a double-double accumulator -- written with
 the same IEEE-754 operations in the same order. It is compiled on first use
 with the C compiler (``$CC``, else ``cc``) into a per-user cache
 (``$SDPA_REF_CACHE``, else ``$XDG_CACHE_HOME/sdpa_ref`` or
-``~/.cache/sdpa_ref``), with ``-ffp-contract=off`` and no fast-math, so the
+``~/.cache/sdpa_ref``; a private folder in the temporary directory when that
+cannot be written; never a folder that other users can write into), with
+``-ffp-contract=off`` and no fast-math, so the
 compiler may neither fuse a multiply-add nor reorder a sum, and loaded with
 ``ctypes`` (which releases the GIL, so the pool's threads run in parallel).
 
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 
 import numpy as np
 
@@ -35,6 +38,7 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernels.c")
 _FLAGS = ["-O2", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
 _lib = None
 _tried = False
+_lock = threading.Lock()
 
 
 def _cache_dir():
@@ -53,18 +57,21 @@ def _build():
         return None
     tag = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode() + sysconfig.get_platform().encode()
                          + sys.implementation.cache_tag.encode()).hexdigest()[:16]
-    d = _cache_dir()
-    path = os.path.join(d, f"kernels-{tag}.so")
-    if not os.path.exists(path):
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
-        os.close(fd)
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for d in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"sdpa_ref-{uid}")):
+        path = os.path.join(d, f"kernels-{tag}.so")
         try:
-            subprocess.run([cc, *_FLAGS, "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True, timeout=120)
-            os.replace(tmp, path)                          # atomic: a process racing us loads a whole file
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            st = os.stat(d)
+            if uid is not None and (st.st_uid != uid or st.st_mode & 0o022):
+                continue                                   # a folder others could write into: not loaded from
+            if not os.path.exists(path):
+                _compile(cc, d, path)
+            break
+        except OSError:                                    # a cache folder we may not write: the next one
+            continue
+    else:
+        return None
     lib = ctypes.CDLL(path)
     dp, n = ctypes.c_void_p, ctypes.c_ssize_t                 # addresses passed as ints: cheaper than data_as
     lib.sdpa_slice_rows.argtypes = [dp, dp, n, n, ctypes.c_int, ctypes.c_int, dp, dp, dp, dp, dp, dp, dp]
@@ -84,17 +91,30 @@ def _build():
     return lib
 
 
+def _compile(cc, d, path):
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *_FLAGS, "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, path)                              # atomic: a process racing us loads a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def kernels():
     """The loaded library, or None (no compiler, a failed build, or ``SDPA_REF_NATIVE=0``)."""
     global _lib, _tried
     if os.environ.get("SDPA_REF_NATIVE", "1") == "0":
         return None
     if not _tried:
-        _tried = True
-        try:
-            _lib = _build()
-        except Exception:                                  # no compiler, no cache folder, a broken toolchain
-            _lib = None
+        with _lock:                                        # the pool's threads may ask at once
+            if not _tried:
+                try:
+                    _lib = _build()
+                except Exception:                          # no compiler, a broken toolchain
+                    _lib = None
+                _tried = True
     return _lib
 
 
