@@ -169,67 +169,77 @@ static inline double k_rint(double y)
     return copysign(k, y);                                            /* rint keeps the sign of a zero */
 }
 
-static inline void k_exp(double x0, double x1, const double *t0, const double *t1, const double *c,
-                         double *o0, double *o1)
-{
-    const double floor_ = c[0], inv = c[1], c1 = c[2], c23h = c[3], c23l = c[4];
-    const double *f = c + 5;
-    if (isnan(x0)) {                                                  /* as _dd_exp_numpy */
-        *o0 = NAN;
-        *o1 = NAN;
-        return;
-    }
-    if (x0 >= 710.0) {                                                /* overflow, as _dd_exp_numpy */
-        *o0 = INFINITY;
-        *o1 = 0.0;
-        return;
-    }
-    double inside = x0 >= floor_ ? 1.0 : 0.0;
-    double hi = x0 < floor_ ? floor_ : x0;                            /* np.maximum */
-    double lo = x1 * inside;
-    double k = k_rint(hi * inv);
-    double r0, r1, s, e, m0, m1, p, q;
-    k_two_sum(hi, -(k * c1), &s, &e);                                 /* dd_add_d((hi, lo), -(k C1)) */
-    k_fast_two_sum(s, e + lo, &r0, &r1);
-    k_two_prod(c23h, k, &p, &q);                                      /* dd_mul_d(C23, k) */
-    k_fast_two_sum(p, q + c23l * k, &m0, &m1);
-    k_dd_add(r0, r1, -m0, -m1, &r0, &r1);                             /* dd_sub */
-    double t = f[2 * 8];                                              /* _exp_small(r) */
-    for (int m = 7; m > 3; m--)
-        t = t * r0 + f[2 * m];
-    double e0, e1;
-    k_two_prod(r0, t, &p, &q);                                        /* dd_mul_d(r, t) */
-    k_fast_two_sum(p, q + r1 * t, &e0, &e1);
-    for (int m = 3; m > 0; m--) {
-        double a0, a1;
-        k_dd_add(f[2 * m], f[2 * m + 1], e0, e1, &a0, &a1);
-        k_dd_mul(r0, r1, a0, a1, &e0, &e1);
-    }
-    k_two_sum(e0, 1.0, &s, &e);                                       /* dd_add_d(p, 1.0) */
-    k_fast_two_sum(s, e + e1, &e0, &e1);
-    int64_t ki = (int64_t)k;
-    int64_t j = ki & 1023;
-    double y0, y1;
-    k_dd_mul(t0[j], t1[j], e0, e1, &y0, &y1);
-    int64_t sh = (ki - j) >> 10;
-    int64_t h1 = k_floordiv2(sh);
-    double f1 = k_pow2(h1), f2 = k_pow2(sh - h1) * inside;
-    *o0 = y0 * f1 * f2;
-    *o1 = y1 * f1 * f2;
-}
-
 /* exp of x [rows x n] less the row's m (dd_exp(dd_sub(x, m))), or of x itself when m0 is NULL.
- * c: [0] EXP_FLOOR, [1] N / ln2_hi, [2] C1, [3] C23 hi, [4] C23 lo, [5 + 2 m], [6 + 2 m]: 1/m! as dd, m = 0..8 */
+ * c: [0] EXP_FLOOR, [1] N / ln2_hi, [2] C1, [3] C23 hi, [4] C23 lo, [5 + 2 m], [6 + 2 m]: 1/m! as dd, m = 0..8.
+ * The operations of dd._dd_exp_numpy, element by element, in three branch-free stages over chunks of entries, so that
+ * the chains of neighbouring entries overlap (and the first two vectorise). */
+#define EXP_CHUNK 64
 void sdpa_dd_exp_rows(const double *x0, const double *x1, const double *m0, const double *m1, ptrdiff_t rows,
                       ptrdiff_t n, double *o0, double *o1, const double *t0, const double *t1, const double *c)
 {
+    const double floor_ = c[0], inv = c[1], c1 = c[2], c23h = c[3], c23l = c[4];
+    const double *f = c + 5;
+    double K[EXP_CHUNK], R0[EXP_CHUNK], R1[EXP_CHUNK], IN[EXP_CHUNK], X0[EXP_CHUNK];
     for (ptrdiff_t r = 0; r < rows; r++) {
-        for (ptrdiff_t j = 0; j < n; j++) {
-            ptrdiff_t i = r * n + j;
-            double a0 = x0[i], a1 = x1[i];
-            if (m0)
-                k_dd_add(a0, a1, -m0[r], -m1[r], &a0, &a1);
-            k_exp(a0, a1, t0, t1, c, &o0[i], &o1[i]);
+        for (ptrdiff_t j0 = 0; j0 < n; j0 += EXP_CHUNK) {
+            ptrdiff_t len = n - j0 < EXP_CHUNK ? n - j0 : EXP_CHUNK;
+            const double *a0 = x0 + r * n + j0, *a1 = x1 + r * n + j0;
+            for (ptrdiff_t j = 0; j < len; j++) {                     /* the shift, the range reduction */
+                double u0 = a0[j], u1 = a1[j];
+                if (m0)
+                    k_dd_add(u0, u1, -m0[r], -m1[r], &u0, &u1);
+                X0[j] = u0;
+                double ok = (u0 == u0 && u0 < 710.0) ? u0 : 0.0;      /* NaN and overflow: fixed below */
+                double inside = ok >= floor_ ? 1.0 : 0.0;
+                double hi = ok < floor_ ? floor_ : ok;
+                double lo = u1 * inside;
+                double k = k_rint(hi * inv);
+                double s, e, q0, q1, p, q, w0, w1;
+                k_two_sum(hi, -(k * c1), &s, &e);
+                k_fast_two_sum(s, e + lo, &q0, &q1);
+                k_two_prod(c23h, k, &p, &q);
+                k_fast_two_sum(p, q + c23l * k, &w0, &w1);
+                k_dd_add(q0, q1, -w0, -w1, &R0[j], &R1[j]);
+                K[j] = k;
+                IN[j] = inside;
+            }
+            for (ptrdiff_t j = 0; j < len; j++) {                     /* _exp_small(r) */
+                double r0 = R0[j], r1 = R1[j];
+                double t = f[2 * 8];
+                for (int m = 7; m > 3; m--)
+                    t = t * r0 + f[2 * m];
+                double e0, e1, p, q, s, e;
+                k_two_prod(r0, t, &p, &q);
+                k_fast_two_sum(p, q + r1 * t, &e0, &e1);
+                for (int m = 3; m > 0; m--) {
+                    double b0, b1;
+                    k_dd_add(f[2 * m], f[2 * m + 1], e0, e1, &b0, &b1);
+                    k_dd_mul(r0, r1, b0, b1, &e0, &e1);
+                }
+                k_two_sum(e0, 1.0, &s, &e);
+                k_fast_two_sum(s, e + e1, &R0[j], &R1[j]);
+            }
+            double *b0 = o0 + r * n + j0, *b1 = o1 + r * n + j0;
+            for (ptrdiff_t j = 0; j < len; j++) {                     /* the table, the power of two */
+                int64_t ki = (int64_t)K[j];
+                int64_t jj = ki & 1023;
+                double y0, y1;
+                k_dd_mul(t0[jj], t1[jj], R0[j], R1[j], &y0, &y1);
+                int64_t sh = (ki - jj) >> 10;
+                int64_t h1 = k_floordiv2(sh);
+                double f1 = k_pow2(h1), f2 = k_pow2(sh - h1) * IN[j];
+                double u = X0[j];
+                if (u != u) {
+                    b0[j] = NAN;
+                    b1[j] = NAN;
+                } else if (u >= 710.0) {
+                    b0[j] = INFINITY;
+                    b1[j] = 0.0;
+                } else {
+                    b0[j] = y0 * f1 * f2;
+                    b1[j] = y1 * f1 * f2;
+                }
+            }
         }
     }
 }

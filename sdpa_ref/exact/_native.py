@@ -35,7 +35,7 @@ __all__ = ["dd_add_d_inplace", "dd_div_rows", "dd_exp", "dd_mul_d_scalar", "dd_r
            "softmax_vjp_rows"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernels.c")
-_FLAGS = ["-O2", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+_FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
 _lib = None
 _tried = False
 _lock = threading.Lock()

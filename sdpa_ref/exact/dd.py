@@ -234,7 +234,7 @@ def dd_exp(x):
 def _dd_exp_numpy(x):
     """:func:`dd_exp` in NumPy: the definition, and what runs without the compiled kernels."""
     inside = x[0] >= EXP_FLOOR
-    hi = np.minimum(np.maximum(x[0], EXP_FLOOR), 710.0)     # above 710 the result is inf (below)
+    hi = np.minimum(np.maximum(np.where(np.isnan(x[0]), 0.0, x[0]), EXP_FLOOR), 710.0)   # NaN, >= 710: below
     lo = x[1] * inside
     k = np.rint(hi * (_N / _LN2[0]))
     r = dd_add_d((hi, lo), -(k * _C1))                     # k * _C1 is exact
