@@ -1,6 +1,6 @@
 """How close sdpa_ref's float64 results are to the truth, next to PyTorch's float64 math backend.
 
-    python benchmarks/accuracy_study.py [--cases 300] [--seed 0] [--json FILE]
+    python benchmarks/accuracy_study.py [--cases 300] [--seed 0] [--seeds 1] [--json FILE]
 
 The truth is the defined formula evaluated in 50-digit mpmath on the very
 float64 inputs (the scale too is the float64 ``1/sqrt(E)`` both sides get).
@@ -195,22 +195,48 @@ def summary(result):
     return rows, verdicts
 
 
+def _pool(sets):
+    """The results of several sets as one (every per-case error list concatenated)."""
+    ours = {var: {qn: [e for one in sets for e in one["sdpa_ref"][var][qn]] for qn in QUANTITIES}
+            for var in sets[0]["sdpa_ref"]}
+    have = all(one["torch"] is not None for one in sets)
+    theirs = {qn: [e for one in sets for e in one["torch"][qn]] for qn in QUANTITIES} if have else None
+    return {"sdpa_ref": ours, "torch": theirs}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", type=int, default=300, help="random cases (default 300)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the cases (default 0)")
+    ap.add_argument("--seeds", type=int, default=1, metavar="N",
+                    help="run N independent sets (seeds SEED .. SEED+N-1) of --cases each: print each set's target "
+                         "values, then the summary over all the cases pooled (default 1)")
     ap.add_argument("--json", metavar="FILE", help="also write every per-case error to FILE")
     args = ap.parse_args(argv)
     if args.cases < 1:
         ap.error(f"--cases should be at least 1, but got {args.cases}")
+    if args.seeds < 1:
+        ap.error(f"--seeds should be at least 1, but got {args.seeds}")
 
     def progress(i, n):
         if i % 25 == 0 or i == n:
             print(f"  {i}/{n} cases", file=sys.stderr)
 
-    result = study(args.cases, args.seed, progress=progress)
+    sets = [study(args.cases, args.seed + j, progress=progress) for j in range(args.seeds)]
+    result = sets[0] if len(sets) == 1 else _pool(sets)
+    if len(sets) > 1 and result["torch"] is not None:
+        print(f"each set of {args.cases} cases, fast / torch ratio (median / p95):")
+        for j, one in enumerate(sets):
+            vals = []
+            for var, qn, stat, bound in TARGETS:
+                r = ratios(one["sdpa_ref"][var][qn], one["torch"][qn])
+                vals.append(f"{qn} {stat} {float(np.median(r) if stat == 'median' else np.percentile(r, 95)):.3f}")
+            print(f"  seed {args.seed + j}: " + ", ".join(vals))
+        print("pooled:")
     rows, verdicts = summary(result)
-    print(f"{args.cases} cases, seed {args.seed}; torch: {'yes' if result['torch'] is not None else 'not installed'}")
+    n_all = args.cases * args.seeds
+    print(f"{n_all} cases, seed {args.seed}{'' if args.seeds == 1 else f'..{args.seed + args.seeds - 1}'}; "
+          f"torch: {'yes' if result['torch'] is not None else 'not installed'}")
     print(f"{'what':<24} {'quantity':<8} {'median':>10} {'p95':>10}")
     for what, qn, med, p95 in rows:
         print(f"{what:<24} {qn:<8} {med:>10.3f} {p95:>10.3f}")
