@@ -106,7 +106,7 @@ def test_saturation_demo(capsys):
     assert len(res["raw_top5"]) == 5 and res["raw_top5"][0]["weight"] >= res["scaled_top5"][0]["weight"]
 
 
-def test_progress_only_on_a_terminal(capsys):
+def test_progress_on_a_terminal_and_every_few_seconds_when_piped(capsys):
     import io
 
     from sdpa_ref.cli.output import _Progress
@@ -120,11 +120,21 @@ def test_progress_only_on_a_terminal(capsys):
     p(0, 3, "d_k=4")
     p.done()
     assert "1/3" in tty.getvalue()
-    quiet = io.StringIO()
-    _Progress("diagnose", stream=quiet)(0, 3, "x")
-    assert quiet.getvalue() == ""
-    assert main(["diagnose", "--d-k", "4", "--trials", "2"]) == 0
-    assert capsys.readouterr().err == ""     # captured stderr is not a terminal
+    # piped (a CI log): the first call, then a line every `every` seconds, then how long the whole took
+    piped, clock = io.StringIO(), [0.0]
+    p = _Progress("conform", stream=piped, every=5.0)
+    p._time, p.start = (lambda: clock[0]), 0.0
+    for i, t in enumerate([0.0, 1.0, 6.0]):
+        clock[0] = t
+        p(i, 3, "case" + str(i))
+    clock[0] = 7.0
+    p.done()
+    assert piped.getvalue().splitlines() == ["conform: 1/3 case0 (0 s)", "conform: 3/3 case2 (6 s)",
+                                             "conform: 3/3 done in 7.0 s"]
+    assert main(["diagnose", "--d-k", "4", "--trials", "2", "--format", "json"]) == 0
+    cap = capsys.readouterr()
+    assert "diagnose: 1/" in cap.err and "diagnose:" not in cap.out       # progress never reaches stdout
+    json.loads(cap.out)
 
 
 def test_check_complex_rtol_is_used(capsys):

@@ -74,7 +74,7 @@ def test_quick_suite_is_fast():
 def test_the_reference_passes_at_every_dtype(dtype):
     rep = check_implementation(ref_forward, backward=ref_backward, dtypes=(dtype,))
     assert rep.ok, str(rep)
-    assert rep.counts()["skip"] == 0 and rep.counts()["pass"] > 100
+    assert rep.counts["skip"] == 0 and rep.counts["pass"] > 100
 
 
 def test_the_reference_passes_tight_fixed_and_ulp_rules():
@@ -117,7 +117,7 @@ _float32_other_order.supports = {"attn_mask", "is_causal", "scale"}
 
 def test_a_float32_reimplementation_with_another_summation_order_passes():
     rep = check_implementation(_float32_other_order, dtypes=("float32",))
-    c = rep.counts()
+    c = rep.counts
     assert rep.ok, str(rep)
     assert c["pass"] >= 8 and c["skip"] > 0          # unsupported cases are skipped, not failed
     # and it is not the same arithmetic as the reference: errors are non-zero

@@ -35,7 +35,7 @@ def test_torch_cpu_float64_at_1e12():
     fwd, bwd, _ = torch_sdpa()
     rep = check_implementation(fwd, backward=bwd, dtypes=("float64",), rule=FixedRule(rtol=1e-12, atol=1e-12))
     assert rep.ok, str(rep)
-    assert rep.counts()["pass"] > 60
+    assert rep.counts["pass"] > 60
 
 
 def test_torch_cpu_float32_under_the_relative_rule():
@@ -69,4 +69,4 @@ def test_jax_float32_under_the_relative_rule():
     fwd, bwd, _ = jax_dpa()
     rep = check_implementation(fwd, backward=bwd, dtypes=("float32",))
     assert _fail_set(rep) <= {("large-logits-L16-S16", "out")}, str(rep)
-    assert rep.counts()["pass"] > 50
+    assert rep.counts["pass"] > 50

@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", choices=("quick", "full"), default="quick", help="case suite (default: quick)")
     p.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float64",
                    help="dtype of the stored inputs (default: float64)")
+    p.add_argument("--format", choices=("table", "json", "csv"), default="table",
+                   help="what to print: a summary (table), or every file with its sha256 and size (json, csv)")
     p.set_defaults(func=_cmd_vectors)
 
     p = sub.add_parser(
@@ -176,15 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="test dtypes (default: float32)")
     p.add_argument("--rule", choices=("relative", "fixed", "ulp"), default="relative",
                    help="relative (default), fixed (--rtol/--atol) or ulp (--max-ulps)")
-    p.add_argument("--rtol", type=_tolerance, default=1e-12)
-    p.add_argument("--atol", type=_tolerance, default=1e-12)
-    p.add_argument("--max-ulps", type=_tolerance, default=4.0)
+    p.add_argument("--rtol", type=_tolerance, default=None, help="with --rule fixed (default: 1e-12)")
+    p.add_argument("--atol", type=_tolerance, default=None, help="with --rule fixed (default: 1e-12)")
+    p.add_argument("--max-ulps", type=_tolerance, default=None, help="with --rule ulp (default: 4)")
     p.add_argument("--supports", nargs="+", default=None, metavar="OPTION",
                    help="override the options the function understands")
     p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="time limit per case and dtype (forward and backward together); a case that runs past "
                         "it fails and the run goes on (default: none)")
-    p.add_argument("--format", choices=("table", "json"), default="table")
+    _add_format(p)
     p.set_defaults(func=_cmd_conform)
     return parser
 

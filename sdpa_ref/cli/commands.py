@@ -146,8 +146,17 @@ def _cmd_vectors(args) -> int:
         print(f"sdpa-ref: cannot write into OUT_DIR {args.out_dir!r}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     progress.done()
-    print(f"wrote {len(manifest['files'])} cases ({args.suite} suite v{manifest['suite_version']}, "
-          f"{args.dtype}) and manifest.json to {args.out_dir}")
+    if args.format == "table":
+        print(f"wrote {len(manifest['files'])} cases ({args.suite} suite v{manifest['suite_version']}, "
+              f"{args.dtype}) and manifest.json to {args.out_dir}")
+        return 0
+    rows = [{"file": e["file"], "sha256": e["sha256"], "bytes": os.path.getsize(os.path.join(args.out_dir, e["file"]))}
+            for e in manifest["files"]]
+    if args.format == "json":
+        print(json.dumps({"out_dir": args.out_dir, "suite": args.suite, "suite_version": manifest["suite_version"],
+                          "dtype": args.dtype, "files": rows}, indent=2))
+    else:
+        print(_dump(rows, "csv"))
     return 0
 
 
@@ -178,8 +187,17 @@ def _cmd_conform(args) -> int:
         what = f"SystemExit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
         print(f"sdpa-ref: cannot load the implementation {args.target!r}: {what}", file=sys.stderr)
         return 2
-    rule = {"relative": conformance.RelativeRule(), "fixed": conformance.FixedRule(args.rtol, args.atol),
-            "ulp": conformance.ULPRule(args.max_ulps)}[args.rule]
+    given = {"--rtol": args.rtol, "--atol": args.atol, "--max-ulps": args.max_ulps}
+    applies = {"relative": (), "fixed": ("--rtol", "--atol"), "ulp": ("--max-ulps",)}[args.rule]
+    stray = [f for f, v in given.items() if v is not None and f not in applies]
+    if stray:
+        print(f"sdpa-ref: {', '.join(stray)} does not apply to --rule {args.rule} "
+              f"({'it takes no tolerance' if not applies else 'it takes ' + ' and '.join(applies)})", file=sys.stderr)
+        return 2
+    rule = {"relative": lambda: conformance.RelativeRule(),
+            "fixed": lambda: conformance.FixedRule(1e-12 if args.rtol is None else args.rtol,
+                                                   1e-12 if args.atol is None else args.atol),
+            "ulp": lambda: conformance.ULPRule(4.0 if args.max_ulps is None else args.max_ulps)}[args.rule]()
     progress = _Progress("conform")
     try:
         rep = conformance.check_implementation(fwd, backward=bwd, supports=args.supports, suite=args.suite,
@@ -190,7 +208,12 @@ def _cmd_conform(args) -> int:
         print(f"sdpa-ref: {exc}", file=sys.stderr)
         return 2
     progress.done()
-    print(rep if args.format == "table" else rep.to_json(indent=2))
+    if args.format == "table":
+        print(rep)
+    elif args.format == "json":
+        print(rep.to_json(indent=2))
+    else:
+        print(rep.to_csv())
     return 0 if rep.ok else 1
 
 

@@ -100,19 +100,40 @@ def _dump(rows: List[dict], fmt: str) -> str:
 
 
 class _Progress:
-    """A one-line progress indicator on stderr, only when stderr is a terminal."""
+    """Progress on stderr: a one-line indicator on a terminal; when piped (CI logs), a line every few seconds.
 
-    def __init__(self, label: str, stream=None):
+    ``every`` is the interval of the piped lines (seconds); the first comes at once, the last says how long the
+    whole took. Nothing goes to stdout, so tables, JSON and CSV stay clean.
+    """
+
+    def __init__(self, label: str, stream=None, every: float = 5.0):
+        import time
+
+        self._time = time.monotonic
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
-        self.active = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every = every
+        self.start = self._time()
+        self.last = None
+        self.n = None
 
     def __call__(self, i: int, n: int, what: str = "") -> None:
-        if self.active:
+        self.n = n
+        if self.tty:
             self.stream.write(f"\r{self.label}: {i + 1}/{n} {what[:60]:<60}")
+            self.stream.flush()
+            return
+        now = self._time()
+        if self.last is None or now - self.last >= self.every:
+            self.last = now
+            self.stream.write(f"{self.label}: {i + 1}/{n} {what} ({now - self.start:.0f} s)\n")
             self.stream.flush()
 
     def done(self) -> None:
-        if self.active:
+        if self.tty:
             self.stream.write("\r" + " " * (len(self.label) + 80) + "\r")
+            self.stream.flush()
+        elif self.last is not None:
+            self.stream.write(f"{self.label}: {self.n}/{self.n} done in {self._time() - self.start:.1f} s\n")
             self.stream.flush()

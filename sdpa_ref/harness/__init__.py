@@ -4,7 +4,7 @@ Every part takes its problems from one :class:`~.cases.Case` type.
 """
 
 from .cases import SUITE_VERSION, Case, get_suite, gradcheck_grid
-from .conformance import FixedRule, RelativeRule, ULPRule, check_implementation
+from .conformance import FixedRule, RelativeRule, ULPRule, assert_conforms, check_implementation
 from .report import ConformanceReport, ConformanceRow
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "FixedRule",
     "RelativeRule",
     "ULPRule",
+    "assert_conforms",
     "check_implementation",
     "get_suite",
     "gradcheck_grid",

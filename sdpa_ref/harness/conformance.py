@@ -25,6 +25,9 @@ or :class:`ULPRule` instead.
 NaN must meet NaN: a NaN where the reference has a number (or the reverse)
 fails with an infinite error.
 
+A result of another dtype than the inputs' is a failure (a float32 result
+for float16 inputs is not a float16 kernel), and so is a complex one.
+
 An implementation that raises is a failed case (``SystemExit`` included;
 only ``KeyboardInterrupt``, the user's own Ctrl-C, stops the run). With
 ``timeout=SECONDS`` a case (its forward and backward together) that runs
@@ -33,96 +36,42 @@ past the limit is a failed case too, and the run goes on.
 
 from __future__ import annotations
 
-import functools
+import inspect
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from .._validate import check_tolerance
-from ..api import sdpa_backward, sdpa_forward
+from .._validate import check_choice, check_tolerance
 from ..options import OPTION_NAMES
-from ._limits import CaseTimeout, call_with_deadline as _limited
+from ._limits import CaseTimeout
 from .cases import Case, get_suite
+from .judge import Implementation, judge_case, reference_quantities
 from .report import ConformanceReport, ConformanceRow
+from .rules import FixedRule, RelativeRule, ULPRule, as_rule
 
 __all__ = ["RelativeRule", "FixedRule", "ULPRule", "ConformanceRow", "ConformanceReport", "CaseTimeout",
-           "check_implementation", "resolve_supports"]
+           "LAYOUTS", "assert_conforms", "check_implementation", "reference_quantities", "resolve_supports"]
+
+#: ``layout=``: ``"bhld"`` hands the implementation ``(..., H, L, E)`` arrays (PyTorch); ``"blhd"`` hands it
+#: ``(..., L, H, E)`` (FlashAttention, JAX, xformers) and reads its results the same way. Masks and biases keep
+#: the ``(..., H, L, S)`` layout of :func:`sdpa_ref.sdpa_forward` either way.
+LAYOUTS = ("bhld", "blhd")
 
 
-# -------------------------------------------------------------------- rules
-
-
-@dataclass(frozen=True)
-class RelativeRule:
-    """FlashAttention's rule: ``err <= k * err(naive same-dtype) + atol_dtype``."""
-
-    k_out: float = 2.0
-    k_grad: float = 3.0
-
-    name = "relative"
-
-    def __post_init__(self):
-        check_tolerance(self.k_out, "k_out")
-        check_tolerance(self.k_grad, "k_grad")
-
-    def bound(self, quantity, ref64, naive, dtype):
-        k = self.k_out if quantity == "out" else self.k_grad
-        return k * _max_abs_diff(naive, ref64) + _rounding_floor(ref64, dtype)
-
-    def describe(self):
-        return (f"relative: max|impl-ref64| <= {self.k_out:g} (out) / {self.k_grad:g} (grads) * "
-                "max|naive_same_dtype-ref64| + 2*max|fl(fl(ref64+0.3)-0.3)-ref64|")
-
-
-@dataclass(frozen=True)
-class FixedRule:
-    """Element-wise ``|impl - ref64| <= atol + rtol * |ref64|``."""
-
-    rtol: float = 1e-12
-    atol: float = 1e-12
-
-    name = "fixed"
-
-    def __post_init__(self):
-        check_tolerance(self.rtol, "rtol")
-        check_tolerance(self.atol, "atol")
-
-    def bound(self, quantity, ref64, naive, dtype):
-        return None                      # element-wise; see _judge
-
-    def describe(self):
-        return f"fixed: |impl-ref64| <= {self.atol:g} + {self.rtol:g}*|ref64| element-wise"
-
-
-@dataclass(frozen=True)
-class ULPRule:
-    """``|impl - ref64| <= max_ulps * spacing(ref64 in the test dtype)``, element-wise."""
-
-    max_ulps: float = 4.0
-
-    name = "ulp"
-
-    def __post_init__(self):
-        check_tolerance(self.max_ulps, "max_ulps")
-
-    def bound(self, quantity, ref64, naive, dtype):
-        return None
-
-    def describe(self):
-        return f"ulp: |impl-ref64| <= {self.max_ulps:g} ulp of ref64 in the test dtype, element-wise"
-
-
-# ------------------------------------------------------------------ judging
-
-
-def resolve_supports(forward, supports=None) -> frozenset:
-    """``supports`` if given, else ``forward.supports``, else every option."""
+def resolve_supports(forward, supports=None, backward=None) -> frozenset:
+    """The options to pass: ``supports`` if given, else ``forward.supports``, else the option names among the
+    keyword parameters of ``forward`` (and of ``backward``, when given), else -- a ``**kwargs`` -- every option."""
     if supports is None:
         supports = getattr(forward, "supports", None)
     if supports is None:
-        return frozenset(OPTION_NAMES)
+        found = [_from_signature(f) for f in (forward, backward) if f is not None]
+        found = [f for f in found if f is not None]
+        if not found:
+            return frozenset(OPTION_NAMES)
+        return frozenset.intersection(*found)
+    if isinstance(supports, str):
+        supports = (supports,)
     supports = frozenset(supports)
     unknown = supports - set(OPTION_NAMES)
     if unknown:
@@ -130,19 +79,50 @@ def resolve_supports(forward, supports=None) -> frozenset:
     return supports
 
 
+def _from_signature(fn):
+    """The option names ``fn`` takes as keywords, or None when it takes ``**kwargs`` or has no signature."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return None
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return frozenset(names & set(OPTION_NAMES))
+
+
+def _as_dtypes(dtypes):
+    """A tuple of dtype names from a name, a dtype, a scalar type, or a sequence of them."""
+    if isinstance(dtypes, (str, np.dtype, type)):
+        dtypes = (dtypes,)
+    out = []
+    for d in dtypes:
+        try:
+            out.append(np.dtype(d).name)
+        except TypeError:
+            raise TypeError(f"`dtypes` should be dtype names or types, like 'float32', but got {d!r}") from None
+    if not out:
+        raise ValueError("`dtypes` should name at least one dtype, but got none")
+    return tuple(out)
+
+
 def check_implementation(
     forward: Callable,
     *,
     backward: Optional[Callable] = None,
+    jvp: Optional[Callable] = None,
     supports: Optional[Iterable[str]] = None,
     suite: str = "quick",
-    dtypes: Sequence[str] = ("float32",),
+    dtypes="float32",
     rule=None,
+    layout: str = "bhld",
+    deterministic: bool = False,
+    poison: bool = False,
     cases: Optional[Sequence[Case]] = None,
     progress: Optional[Callable[[int, int, str], None]] = None,
     timeout: Optional[float] = None,
 ) -> ConformanceReport:
-    r"""Run ``forward`` (and ``backward``) over a case suite and judge them.
+    r"""Run ``forward`` (and ``backward``, ``jvp``) over a case suite and judge them.
 
     Parameters
     ----------
@@ -153,39 +133,64 @@ def check_implementation(
         ``fully_masked`` is passed only on cases where some row has no
         allowed key, so an implementation with one native policy can refuse
         the others. Raising ``NotImplementedError`` marks the case as
-        skipped.
+        skipped. It must return the inputs' dtype.
     backward : callable, optional
         ``backward(grad_out, query, key, value, **case_options)`` returning
         ``(dq, dk, dv)`` or, for a case with a bias, ``(dq, dk, dv, dbias)``.
+    jvp : callable, optional
+        ``jvp((query, key, value), (dquery, dkey, dvalue), **case_options)``
+        returning the output's tangent, judged like a gradient.
     supports : iterable of str, optional
         Option names the implementation understands (see
-        :data:`sdpa_ref.OPTION_NAMES`); default ``forward.supports`` or
-        all. A case needing another option is skipped, never called.
+        :data:`sdpa_ref.OPTION_NAMES`); by default ``forward.supports``, else
+        the option names among the keyword parameters of ``forward`` (and
+        ``backward``), else (a ``**kwargs``) every option. A case needing
+        another option is skipped, never called.
     suite : {"quick", "full"}
-    dtypes : sequence of str
-        Test dtypes, e.g. ``("float32", "float16")``.
-    rule : RelativeRule, FixedRule or ULPRule, optional
-        Default :class:`RelativeRule`.
+    dtypes : str, dtype or sequence of them
+        Test dtypes, e.g. ``"float32"`` or ``("float32", "float16")``.
+    rule : {"relative", "fixed", "ulp"} or a rule object, optional
+        Default :class:`RelativeRule`; a name takes that rule's defaults.
+    layout : {"bhld", "blhd"}
+        See :data:`LAYOUTS`.
+    deterministic : bool
+        Also run the forward a second time: other bits fail the case.
+    poison : bool
+        Also run the forward with NaN written into the keys and values that
+        no row attends to and into the padded query rows: the output must
+        still conform.
     cases : sequence of Case, optional
-        Overrides ``suite``.
+        Overrides ``suite`` (your own random problems, for instance).
+    progress : callable, optional
+        ``progress(i, n, case_name)`` before each case.
     timeout : float, optional
-        Seconds a case may take (forward and backward together, per dtype);
-        one that runs past it is a failed case, and the run goes on. Python
-        code is interrupted when the limit passes (by ``SIGALRM`` in the main
-        thread on POSIX, else by an exception raised asynchronously in the
-        calling thread); native code that never returns to Python cannot be
-        interrupted, but a call that comes back late still fails.
+        Seconds a case may take (forward, backward and the extra checks
+        together, per dtype); one that runs past it is a failed case, and the
+        run goes on. Python code is interrupted when the limit passes (by
+        ``SIGALRM`` in the main thread on POSIX, else by an exception raised
+        asynchronously in the calling thread); native code that never
+        returns to Python cannot be interrupted, but a call that comes back
+        late still fails.
 
     Returns
     -------
     ConformanceReport
+        ``.ok``, ``.failures``, ``.counts``, ``str()`` (the table),
+        ``.to_json()``, ``.to_csv()``.
     """
-    rule = RelativeRule() if rule is None else rule
+    rule = as_rule(rule)
+    check_choice(layout, "layout", LAYOUTS)
+    dtypes = _as_dtypes(dtypes)
+    for name, fn in (("forward", forward), ("backward", backward), ("jvp", jvp)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"`{name}` should be callable, but got {type(fn).__name__}")
     if timeout is not None:
         check_tolerance(timeout, "timeout")
         if timeout == 0:
             raise ValueError("`timeout` should be a finite number of seconds > 0, or None, but got 0")
-    sup = resolve_supports(forward, supports)
+    sup = resolve_supports(forward, supports, backward)
+    impl = Implementation(forward, backward, jvp, layout=layout, deterministic=bool(deterministic),
+                          poison=bool(poison))
     suite_name = suite if cases is None else "custom"
     cases = list(get_suite(suite) if cases is None else cases)
     rows: List[ConformanceRow] = []
@@ -195,167 +200,24 @@ def check_implementation(
             progress(i, len(cases), case.name)
         missing = case.option_names - sup
         for dt in dtypes:
-            dt = np.dtype(dt).name
             if missing:
                 rows.append(ConformanceRow(case.name, dt, "all", "skip", note=f"needs {', '.join(sorted(missing))}"))
                 continue
-            rows.extend(_judge_case(case, dt, forward, backward, rule, sup, timeout))
+            rows.extend(judge_case(case, dt, impl, rule, sup, timeout))
     return ConformanceReport(rows=rows, rule=rule.describe(), suite=suite_name,
-                             seconds=time.perf_counter() - t0, meta={"dtypes": list(dtypes)})
+                             seconds=time.perf_counter() - t0,
+                             meta={"dtypes": list(dtypes), "layout": layout, "supports": sorted(sup)})
 
 
-def reference_quantities(case: Case, dtype="float64", *, naive=False):
-    """See :func:`_reference_quantities`; each call gets its own copies of the (cached) arrays."""
-    return {n: a.copy() for n, a in _reference_quantities(case, np.dtype(dtype).name, naive).items()}
+def assert_conforms(forward: Callable, backward: Optional[Callable] = None, **kwargs) -> ConformanceReport:
+    """:func:`check_implementation`, raising ``AssertionError`` with the report's table when it does not conform.
 
+    For pytest::
 
-@functools.lru_cache(maxsize=256)
-def _reference_quantities(case: Case, dtype="float64", naive=False):
-    """The reference's out and grads for ``case``, on its inputs drawn in ``dtype``.
-
-    By default in float64 arithmetic with float64 results (``ref64``); with
-    ``naive=True`` computed in ``dtype`` itself (``upcast=False``), the plain
-    same-precision implementation of the relative rule. Both with
-    ``precision="reproducible"``: the same bits, so the same verdict, on
-    every machine. Returns a dict of
-    float64 arrays: ``out, dq, dk, dv`` and ``dbias`` with a bias.
+        def test_my_kernel():
+            sdpa_ref.assert_conforms(my_forward, my_backward, dtypes=("float32", "float16"))
     """
-    dt = np.dtype(dtype)
-    inp = case.make_inputs(dt)
-    q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
-    if naive:
-        out, res = sdpa_forward(q, k, v, upcast=False, precision="reproducible", **inp)
-        g = grad_out_for(case, out.shape, dt)
-    else:
-        q, k, v = (a.astype(np.float64) for a in (q, k, v))
-        for n in ("bias", "alibi_slopes"):
-            if n in inp:
-                inp[n] = np.asarray(inp[n], dtype=np.float64)
-        out, res = sdpa_forward(q, k, v, precision="reproducible", **inp)
-        g = grad_out_for(case, out.shape, dt).astype(np.float64)
-    gr = sdpa_backward(res, g)
-    quant = {"out": out, "dq": gr.query, "dk": gr.key, "dv": gr.value}
-    if gr.bias is not None:
-        quant["dbias"] = gr.bias
-    return {n: np.asarray(a, dtype=np.float64) for n, a in quant.items()}
-
-
-def grad_out_for(case: Case, shape, dtype):
-    """The seeded upstream gradient of a case (dtype-free: drawn in float64, then cast)."""
-    rng = np.random.default_rng([case.seed, 7, case.L, case.S])
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def _judge_case(case, dt, forward, backward, rule, sup, timeout=None):
-    ref64 = reference_quantities(case, dt)     # float64 arithmetic on the test-dtype inputs, kept in float64
-    naive = reference_quantities(case, dt, naive=True) if isinstance(rule, RelativeRule) else None
-    inp = case.make_inputs(dt)
-    q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
-    if case.has_fully_masked_rows(dt):
-        # the policy matters only where a row has no key: say it explicitly there
-        inp["fully_masked"] = case.opts.get("fully_masked", "zero")
-    else:
-        inp.pop("fully_masked", None)
-    if "fully_masked" in inp and "fully_masked" not in sup:
-        inp.pop("fully_masked")
-    rows = []
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        out = _limited(deadline, forward, q.copy(), k.copy(), v.copy(), **_copy_opts(inp))
-    except NotImplementedError as exc:
-        return [ConformanceRow(case.name, dt, "all", "skip", note=f"not implemented: {exc}")]
-    except KeyboardInterrupt:                              # the user's own Ctrl-C stops the run
-        raise
-    except BaseException as exc:  # a crash, SystemExit included, is a failure of the case, and the run goes on
-        return [ConformanceRow(case.name, dt, "out", "error", note=_what(exc, timeout))]
-    got = {"out": out}
-    if backward is not None:
-        g = grad_out_for(case, ref64["out"].shape, np.dtype(dt))
-        try:
-            grads = _limited(deadline, backward, g, q.copy(), k.copy(), v.copy(), **_copy_opts(inp))
-            names = ["dq", "dk", "dv"] + (["dbias"] if "dbias" in ref64 else [])
-            grads = list(grads)
-            for n, val in zip(names, grads):
-                got[n] = val
-            if len(grads) < len(names):
-                rows.append(ConformanceRow(case.name, dt, names[len(grads)], "error",
-                                           note=f"backward returned {len(grads)} gradients, expected {len(names)}"))
-        except NotImplementedError as exc:
-            rows.append(ConformanceRow(case.name, dt, "grads", "skip", note=f"not implemented: {exc}"))
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:
-            rows.append(ConformanceRow(case.name, dt, "grads", "error", note=_what(exc, timeout)))
-    for qty, val in got.items():
-        rows.append(_compare(case.name, dt, qty, val, ref64[qty], None if naive is None else naive[qty], rule))
-    return rows
-
-
-def _what(exc, timeout=None):
-    if isinstance(exc, CaseTimeout):
-        return f"ran past the time limit of {timeout:g} s"
-    if isinstance(exc, SystemExit):
-        return f"SystemExit({exc.code!r}) raised by the implementation"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _compare(case, dt, qty, val, ref64, naive, rule):
-    try:
-        got = np.asarray(val)
-    except Exception as exc:
-        return ConformanceRow(case, dt, qty, "error", note=f"could not read the result: {exc}")
-    if got.shape != ref64.shape:
-        return ConformanceRow(case, dt, qty, "error", note=f"shape {got.shape}, expected {ref64.shape}")
-    if got.dtype.kind not in "fiu":                        # a complex result would lose its imaginary part
-        return ConformanceRow(case, dt, qty, "FAIL", error=float("inf"), allowed=None, ratio=float("inf"),
-                              note=f"returned dtype {got.dtype}: attention of real inputs is real")
-    note = ""
-    if got.dtype != np.dtype(dt):
-        note = f"returned dtype {got.dtype}, expected {dt}"
-    got = got.astype(np.float64)
-    nan_ref, nan_got = np.isnan(ref64), np.isnan(got)
-    if not np.array_equal(nan_ref, nan_got):
-        idx = tuple(int(i) for i in np.argwhere(nan_ref != nan_got)[0])
-        return ConformanceRow(case, dt, qty, "FAIL", error=float("inf"), allowed=None, ratio=float("inf"),
-                              worst_index=idx, impl_value=float(got[idx]), ref_value=float(ref64[idx]),
-                              note=("NaN where the reference has a number" if nan_got[idx]
-                                    else "a number where the reference has NaN") + (f"; {note}" if note else ""))
-    fin = ~nan_ref
-    diff = np.where(fin, np.abs(got - ref64), 0.0)
-    if isinstance(rule, RelativeRule):
-        allowed = rule.bound(qty, np.where(fin, ref64, 0.0), np.where(fin, naive, 0.0), np.dtype(dt))
-        err = float(diff.max(initial=0.0))
-        ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else float("inf"))
-        flat = int(np.argmax(diff)) if diff.size else 0
-    else:
-        if isinstance(rule, FixedRule):
-            tol = rule.atol + rule.rtol * np.abs(ref64)
-        else:
-            tol = rule.max_ulps * np.spacing(np.abs(ref64).astype(np.dtype(dt))).astype(np.float64)
-        tol = np.where(fin, tol, 1.0)
-        r = diff / tol
-        flat = int(np.argmax(r)) if r.size else 0
-        ratio = float(r.flat[flat]) if r.size else 0.0
-        err = float(diff.flat[flat]) if diff.size else 0.0
-        allowed = float(tol.flat[flat]) if diff.size else 0.0
-    idx = tuple(int(i) for i in np.unravel_index(flat, diff.shape)) if diff.size else ()
-    status = "pass" if ratio <= 1.0 else "FAIL"
-    return ConformanceRow(case, dt, qty, status, error=err, allowed=allowed, ratio=ratio, worst_index=idx,
-                          impl_value=float(got.flat[flat]) if diff.size else None,
-                          ref_value=float(ref64.flat[flat]) if diff.size else None, note=note)
-
-
-def _max_abs_diff(a, b):
-    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0.0))
-
-
-def _rounding_floor(ref64, dtype):
-    """FlashAttention's floor: twice the rounding of ``|ref| + 0.3`` in the test dtype."""
-    r = np.asarray(ref64, dtype=np.float64).astype(dtype)
-    with np.errstate(over="ignore", invalid="ignore"):
-        back = ((r + dtype.type(0.3)) - dtype.type(0.3)).astype(np.float64)
-    return 2.0 * float(np.max(np.abs(back - r.astype(np.float64)), initial=0.0))
-
-
-def _copy_opts(inp):
-    return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inp.items()}
+    rep = check_implementation(forward, backward=backward, **kwargs)
+    if not rep.ok:
+        raise AssertionError("the implementation does not conform:\n" + str(rep))
+    return rep

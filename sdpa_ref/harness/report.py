@@ -26,6 +26,7 @@ class ConformanceRow:
     impl_value: Optional[float] = None
     ref_value: Optional[float] = None
     note: str = ""
+    naive_error: Optional[float] = None   # the honest same-dtype computation's error (relative rule), else None
 
 
 @dataclass
@@ -47,7 +48,9 @@ class ConformanceReport:
     def failures(self) -> List[ConformanceRow]:
         return [r for r in self.rows if r.status in ("FAIL", "error")]
 
+    @property
     def counts(self) -> Dict[str, int]:
+        """Rows by status: ``{"pass", "FAIL", "skip", "error"}`` (a property, like ``ok`` and ``failures``)."""
         out = {"pass": 0, "FAIL": 0, "skip": 0, "error": 0}
         for r in self.rows:
             out[r.status] += 1
@@ -55,31 +58,58 @@ class ConformanceReport:
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "rule": self.rule, "suite": self.suite, "suite_version": self.suite_version,
-                "counts": self.counts(), "seconds": self.seconds, "meta": self.meta,
+                "counts": self.counts, "seconds": self.seconds, "meta": self.meta,
                 "rows": [asdict(r) for r in self.rows]}
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), default=_json_default, **kw)
 
+    def to_csv(self) -> str:
+        """One line per row, with a header; the worst index as ``i;j;...``."""
+        import csv
+        import io
+
+        buf = io.StringIO()
+        names = list(ConformanceRow.__dataclass_fields__)
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(names)
+        for r in self.rows:
+            vals = []
+            for n in names:
+                v = getattr(r, n)
+                vals.append(";".join(map(str, v)) if isinstance(v, tuple) else ("" if v is None else v))
+            w.writerow(vals)
+        return buf.getvalue().rstrip("\n")
+
     def __str__(self) -> str:
-        head = f"{'case':<58} {'dtype':<8} {'qty':<5} {'status':<6} {'error':>10} {'allowed':>10} {'ratio':>7}"
+        wc = max([4] + [len(r.case) for r in self.rows])          # full case names
+        head = (f"{'case':<{wc}} {'dtype':<8} {'qty':<5} {'status':<6} {'error':>10} {'naive':>10} "
+                f"{'allowed':>10} {'ratio':>7}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             if r.status == "skip":
-                lines.append(f"{r.case[:58]:<58} {r.dtype:<8} {r.quantity:<5} {'skip':<6}  {r.note}")
+                lines.append(f"{r.case:<{wc}} {r.dtype:<8} {r.quantity:<5} {'skip':<6}  {r.note}")
                 continue
             err = "-" if r.error is None else f"{r.error:.3e}"
+            nav = "-" if r.naive_error is None else f"{r.naive_error:.3e}"
             alw = "-" if r.allowed is None else f"{r.allowed:.3e}"
             rat = "-" if r.ratio is None else f"{r.ratio:.3f}"
-            lines.append(f"{r.case[:58]:<58} {r.dtype:<8} {r.quantity:<5} {r.status:<6} {err:>10} {alw:>10} {rat:>7}")
+            lines.append(f"{r.case:<{wc}} {r.dtype:<8} {r.quantity:<5} {r.status:<6} {err:>10} {nav:>10} {alw:>10} "
+                         f"{rat:>7}")
             if r.status in ("FAIL", "error"):
                 where = f"worst at {r.worst_index}: impl {r.impl_value!r}, reference {r.ref_value!r}" \
                     if r.worst_index is not None else ""
                 lines.append(f"    {where} {r.note}".rstrip())
-        c = self.counts()
+            elif r.note:
+                lines.append(f"    {r.note}")
+        c = self.counts
         lines.append("")
+        lines.append("error: max |impl - ref64| (ref64: the reference in float64 on the same inputs); naive: the "
+                     "same for an honest computation in the test dtype; allowed: what the rule permits; ratio: "
+                     "error / allowed (at most 1 passes).")
+        lines.append(f"rule: {self.rule}")
         lines.append(f"{c['pass']} passed, {c['FAIL'] + c['error']} failed, {c['skip']} skipped "
-                     f"(suite {self.suite} v{self.suite_version}; rule {self.rule}; {self.seconds:.1f} s)")
+                     f"(suite {self.suite} v{self.suite_version}; {self.seconds:.1f} s)")
         lines.append("verdict: " + ("CONFORMS" if self.ok else "DOES NOT CONFORM"))
         return "\n".join(lines)
 

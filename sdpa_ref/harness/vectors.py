@@ -52,7 +52,7 @@ import numpy as np
 from ..api import sdpa_backward, sdpa_forward
 from ..options import ARRAY_OPTIONS
 from .cases import SUITE_VERSION, get_suite
-from .conformance import grad_out_for
+from .judge import grad_out_for
 
 __all__ = ["FORMAT_VERSION", "ManifestError", "write_vectors", "verify_vectors", "VerifyReport", "read_npz"]
 

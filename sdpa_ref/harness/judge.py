@@ -1,0 +1,301 @@
+"""Judging one case: the reference's quantities, calling the implementation, and comparing by the rule.
+
+:func:`judge_case` runs the implementation on one case at one dtype and
+returns its report rows; :mod:`.conformance` loops it over a suite. The
+optional checks a kernel author may ask for live here too: the same bits on
+a second run (``deterministic``), the JVP (``jvp``), and NaN written where
+no row reads (``poison``). ``layout="blhd"`` hands the implementation
+``(B, L, H, E)`` arrays and reads its results back the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+import time
+
+from ..api import sdpa_backward, sdpa_forward, sdpa_jvp
+from ._limits import CaseTimeout, call_with_deadline as _limited
+from .cases import Case
+from .report import ConformanceRow
+from .rules import FixedRule, RelativeRule
+
+__all__ = ["Implementation", "dead_positions", "grad_out_for", "judge_case", "reference_quantities", "tangents_for"]
+
+
+def reference_quantities(case: Case, dtype="float64", *, naive=False):
+    """See :func:`_reference_quantities`; each call gets its own copies of the (cached) arrays."""
+    return {n: a.copy() for n, a in _reference_quantities(case, np.dtype(dtype).name, naive).items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _reference_quantities(case: Case, dtype="float64", naive=False):
+    """The reference's out and grads for ``case``, on its inputs drawn in ``dtype``.
+
+    By default in float64 arithmetic with float64 results (``ref64``); with
+    ``naive=True`` computed in ``dtype`` itself (``upcast=False``), the plain
+    same-precision implementation of the relative rule. Both with
+    ``precision="reproducible"``: the same bits, so the same verdict, on
+    every machine. Returns a dict of
+    float64 arrays: ``out, dq, dk, dv`` and ``dbias`` with a bias.
+    """
+    dt = np.dtype(dtype)
+    inp = case.make_inputs(dt)
+    q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
+    if naive:
+        out, res = sdpa_forward(q, k, v, upcast=False, precision="reproducible", **inp)
+        g = grad_out_for(case, out.shape, dt)
+    else:
+        q, k, v = (a.astype(np.float64) for a in (q, k, v))
+        for n in ("bias", "alibi_slopes"):
+            if n in inp:
+                inp[n] = np.asarray(inp[n], dtype=np.float64)
+        out, res = sdpa_forward(q, k, v, precision="reproducible", **inp)
+        g = grad_out_for(case, out.shape, dt).astype(np.float64)
+    gr = sdpa_backward(res, g)
+    quant = {"out": out, "dq": gr.query, "dk": gr.key, "dv": gr.value}
+    if gr.bias is not None:
+        quant["dbias"] = gr.bias
+    return {n: np.asarray(a, dtype=np.float64) for n, a in quant.items()}
+
+
+@functools.lru_cache(maxsize=256)
+def reference_jvp(case: Case, dtype="float64", naive=False):
+    """The reference's JVP on the seeded tangents (:func:`tangents_for`, rounded to ``dtype``), float64 or, with
+    ``naive=True``, computed in ``dtype``; a read-only float64 array."""
+    dt = np.dtype(dtype)
+    inp = case.make_inputs(dt)
+    q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
+    ts = tuple(t.astype(dt) for t in tangents_for(case, q, k, v))
+    if naive:
+        tan = sdpa_jvp((q, k, v), ts, precision="reproducible", upcast=False, **inp)[1]
+    else:
+        for n in ("bias", "alibi_slopes"):
+            if n in inp:
+                inp[n] = np.asarray(inp[n], dtype=np.float64)
+        tan = sdpa_jvp(tuple(a.astype(np.float64) for a in (q, k, v)), tuple(t.astype(np.float64) for t in ts),
+                       precision="reproducible", **inp)[1]
+    tan = np.asarray(tan, dtype=np.float64)
+    tan.setflags(write=False)
+    return tan
+
+
+def grad_out_for(case: Case, shape, dtype):
+    """The seeded upstream gradient of a case (dtype-free: drawn in float64, then cast)."""
+    rng = np.random.default_rng([case.seed, 7, case.L, case.S])
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def tangents_for(case: Case, q, k, v):
+    """The seeded tangents ``(dq, dk, dv)`` of the JVP check, float64 (cast to the test dtype by the caller)."""
+    rng = np.random.default_rng([case.seed, 11, case.L, case.S])
+    return tuple(rng.standard_normal(a.shape) for a in (q, k, v))
+
+
+def judge_case(case, dt, impl, rule, sup, timeout=None):
+    """The report rows of ``impl`` (an :class:`Implementation`) on ``case`` at dtype ``dt``."""
+    ref64 = reference_quantities(case, dt)     # float64 arithmetic on the test-dtype inputs, kept in float64
+    naive = reference_quantities(case, dt, naive=True) if isinstance(rule, RelativeRule) else None
+    if impl.jvp is not None:
+        ref64["jvp"] = reference_jvp(case, dt)
+        if naive is not None:
+            naive["jvp"] = reference_jvp(case, dt, naive=True)
+    inp = case.make_inputs(dt)
+    q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
+    if case.has_fully_masked_rows(dt):
+        # the policy matters only where a row has no key: say it explicitly there
+        inp["fully_masked"] = case.opts.get("fully_masked", "zero")
+    else:
+        inp.pop("fully_masked", None)
+    if "fully_masked" in inp and "fully_masked" not in sup:
+        inp.pop("fully_masked")
+    rows = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        out = _limited(deadline, impl.call_forward, q, k, v, inp)
+    except NotImplementedError as exc:
+        return [ConformanceRow(case.name, dt, "all", "skip", note=f"not implemented: {exc}")]
+    except KeyboardInterrupt:                              # the user's own Ctrl-C stops the run
+        raise
+    except BaseException as exc:  # a crash, SystemExit included, is a failure of the case, and the run goes on
+        return [ConformanceRow(case.name, dt, "out", "error", note=_what(exc, timeout))]
+    got = {"out": out}
+    g = grad_out_for(case, ref64["out"].shape, np.dtype(dt))
+    extra = [("grads", impl.backward is not None, lambda: impl.call_backward(g, q, k, v, inp)),
+             ("jvp", impl.jvp is not None,
+              lambda: impl.call_jvp(tuple(t.astype(q.dtype) for t in tangents_for(case, q, k, v)), q, k, v, inp))]
+    for what, wanted, call in extra:
+        if not wanted:
+            continue
+        try:
+            res = _limited(deadline, call)
+            if what == "jvp":
+                got["jvp"] = res
+                continue
+            names = ["dq", "dk", "dv"] + (["dbias"] if "dbias" in ref64 else [])
+            res = list(res)
+            got.update(zip(names, res))
+            if len(res) < len(names):
+                rows.append(ConformanceRow(case.name, dt, names[len(res)], "error",
+                                           note=f"backward returned {len(res)} gradients, expected {len(names)}"))
+        except NotImplementedError as exc:
+            rows.append(ConformanceRow(case.name, dt, what, "skip", note=f"not implemented: {exc}"))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            rows.append(ConformanceRow(case.name, dt, what, "error", note=_what(exc, timeout)))
+    for qty, val in got.items():
+        rows.append(_compare(case.name, dt, qty, val, ref64[qty], None if naive is None else naive[qty], rule))
+    if impl.deterministic:
+        rows.append(_determinism(case.name, dt, impl, q, k, v, inp, out, deadline, timeout))
+    if impl.poison:
+        row = _poisoned(case, dt, impl, q, k, v, inp, ref64, naive, rule, deadline, timeout)
+        if row is not None:
+            rows.append(row)
+    return rows
+
+
+class Implementation:
+    """The functions under test and how to call them: the layout, and the optional checks asked for."""
+
+    def __init__(self, forward, backward=None, jvp=None, layout="bhld", deterministic=False, poison=False):
+        self.forward, self.backward, self.jvp = forward, backward, jvp
+        self.layout, self.deterministic, self.poison = layout, deterministic, poison
+
+    def _in(self, a):
+        """To the implementation's layout: ``(..., H, L, E)`` -> ``(..., L, H, E)`` for ``"blhd"``."""
+        a = a.copy()
+        return np.swapaxes(a, -3, -2).copy() if self.layout == "blhd" and a.ndim >= 3 else a
+
+    def _out(self, a):
+        a = np.asarray(a)
+        return np.swapaxes(a, -3, -2) if self.layout == "blhd" and a.ndim >= 3 else a
+
+    def call_forward(self, q, k, v, inp):
+        return self._out(self.forward(self._in(q), self._in(k), self._in(v), **_copy_opts(inp)))
+
+    def call_backward(self, g, q, k, v, inp):
+        res = list(self.backward(self._in(g), self._in(q), self._in(k), self._in(v), **_copy_opts(inp)))
+        return [self._out(x) if i < 3 else x for i, x in enumerate(res)]          # dbias keeps the mask's layout
+
+    def call_jvp(self, ts, q, k, v, inp):
+        return self._out(self.jvp((self._in(q), self._in(k), self._in(v)), tuple(self._in(t) for t in ts),
+                                  **_copy_opts(inp)))
+
+
+def _determinism(case, dt, impl, q, k, v, inp, out, deadline, timeout):
+    """A second forward on the same inputs must give the same bits."""
+    try:
+        again = _limited(deadline, impl.call_forward, q, k, v, inp)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        return ConformanceRow(case, dt, "determinism", "error", note=_what(exc, timeout))
+    a, b = np.asarray(out), np.asarray(again)
+    same = a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    return ConformanceRow(case, dt, "determinism", "pass" if same else "FAIL",
+                          note="" if same else "a second run on the same inputs gave other bits")
+
+
+def dead_positions(q, k, inp):
+    """``(dead keys (*batch, 1, S, 1), padded rows (*batch, 1, L, 1))`` bool, broadcastable to k and q: the keys no
+    row of any head reads and the query rows past ``q_lengths``, or None where there are none."""
+    _, res = sdpa_forward(np.zeros(q.shape), np.zeros(k.shape), np.zeros(k.shape[:-1] + (1,)),
+                          **{n: x for n, x in inp.items() if n not in ("fully_masked",)})
+    prob = res.problem
+    allowed = prob.allowed()
+    keys = None
+    if allowed is not None:
+        read = np.broadcast_to(allowed, prob.full_scores).any(axis=(-3, -2))       # (*batch, S)
+        keys = ~read[..., None, :, None] if not read.all() else None
+    pad = prob.padded_rows()
+    rows = None if pad is None or not pad.any() else pad
+    return keys, rows
+
+
+def _poisoned(case, dt, impl, q, k, v, inp, ref64, naive, rule, deadline, timeout):
+    """NaN written into the keys and values no row reads and the padded query rows must not reach the output."""
+    keys, rows = dead_positions(q, k, inp)
+    if keys is None and rows is None:
+        return None
+    q2, k2, v2 = q.copy(), k.copy(), v.copy()
+    if keys is not None:
+        k2[np.broadcast_to(keys, k2.shape[:-1] + (1,)).repeat(k2.shape[-1], -1)] = np.nan
+        v2[np.broadcast_to(keys, v2.shape[:-1] + (1,)).repeat(v2.shape[-1], -1)] = np.nan
+    if rows is not None:
+        q2[np.broadcast_to(rows, q2.shape[:-1] + (1,)).repeat(q2.shape[-1], -1)] = np.nan
+    try:
+        out = _limited(deadline, impl.call_forward, q2, k2, v2, inp)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        return ConformanceRow(case.name, dt, "poison", "error", note=_what(exc, timeout))
+    row = _compare(case.name, dt, "out", out, ref64["out"], None if naive is None else naive["out"], rule)
+    row.quantity = "poison"
+    if row.status != "pass":
+        row.note = ("NaN written where no row reads (keys and values no row attends to, padded query rows) "
+                    "reached the output; " + row.note).rstrip("; ")
+    return row
+
+
+def _what(exc, timeout=None):
+    if isinstance(exc, CaseTimeout):
+        return f"ran past the time limit of {timeout:g} s"
+    if isinstance(exc, SystemExit):
+        return f"SystemExit({exc.code!r}) raised by the implementation"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _compare(case, dt, qty, val, ref64, naive, rule):
+    try:
+        got = np.asarray(val)
+    except Exception as exc:
+        return ConformanceRow(case, dt, qty, "error", note=f"could not read the result: {exc}")
+    if got.shape != ref64.shape:
+        return ConformanceRow(case, dt, qty, "error", note=f"shape {got.shape}, expected {ref64.shape}")
+    if got.dtype.kind not in "fiu":                        # a complex result would lose its imaginary part
+        return ConformanceRow(case, dt, qty, "FAIL", error=float("inf"), allowed=None, ratio=float("inf"),
+                              note=f"returned dtype {got.dtype}: attention of real inputs is real")
+    if got.dtype != np.dtype(dt):                         # a float32 result for float16 inputs is not that kernel
+        return ConformanceRow(case, dt, qty, "FAIL", error=float("inf"), allowed=None, ratio=float("inf"),
+                              note=f"returned dtype {got.dtype}, expected {dt}")
+    note = ""
+    got = got.astype(np.float64)
+    nan_ref, nan_got = np.isnan(ref64), np.isnan(got)
+    if not np.array_equal(nan_ref, nan_got):
+        idx = tuple(int(i) for i in np.argwhere(nan_ref != nan_got)[0])
+        return ConformanceRow(case, dt, qty, "FAIL", error=float("inf"), allowed=None, ratio=float("inf"),
+                              worst_index=idx, impl_value=float(got[idx]), ref_value=float(ref64[idx]),
+                              note=("NaN where the reference has a number" if nan_got[idx]
+                                    else "a number where the reference has NaN") + (f"; {note}" if note else ""))
+    fin = ~nan_ref
+    diff = np.where(fin, np.abs(got - ref64), 0.0)
+    naive_err = None
+    if isinstance(rule, RelativeRule):
+        allowed = rule.bound(qty, np.where(fin, ref64, 0.0), np.where(fin, naive, 0.0), np.dtype(dt))
+        naive_err = float(np.max(np.abs(np.where(fin, naive - ref64, 0.0)), initial=0.0))
+        err = float(diff.max(initial=0.0))
+        ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else float("inf"))
+        flat = int(np.argmax(diff)) if diff.size else 0
+    else:
+        if isinstance(rule, FixedRule):
+            tol = rule.atol + rule.rtol * np.abs(ref64)
+        else:
+            tol = rule.max_ulps * np.spacing(np.abs(ref64).astype(np.dtype(dt))).astype(np.float64)
+        tol = np.where(fin, tol, 1.0)
+        r = diff / tol
+        flat = int(np.argmax(r)) if r.size else 0
+        ratio = float(r.flat[flat]) if r.size else 0.0
+        err = float(diff.flat[flat]) if diff.size else 0.0
+        allowed = float(tol.flat[flat]) if diff.size else 0.0
+    idx = tuple(int(i) for i in np.unravel_index(flat, diff.shape)) if diff.size else ()
+    status = "pass" if ratio <= 1.0 else "FAIL"
+    return ConformanceRow(case, dt, qty, status, error=err, allowed=allowed, ratio=ratio, worst_index=idx,
+                          impl_value=float(got.flat[flat]) if diff.size else None,
+                          ref_value=float(ref64.flat[flat]) if diff.size else None, note=note, naive_error=naive_err)
+
+
+def _copy_opts(inp):
+    return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inp.items()}
