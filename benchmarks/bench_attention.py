@@ -2,13 +2,17 @@
 
 Run: python benchmarks/bench_attention.py [--repeat 7] [--format table|json] [--skip-memory]
 
-All timings are forward + backward, float64 unless noted, measured in this
-process, interleaved (one run of every variant per round, the order rotated
-every round, 50 ms of rest before each run so that spinning BLAS / OpenMP
-threads of the previous run do not steal the cores) and reported as the
-median over rounds; every ratio is the median over rounds of the ratio of
-the two times measured in the same round, which cancels the slow drift of a
-shared machine. Absolute times vary between machines; compare the ratios.
+All timings are forward + backward, float64 unless noted. Every contender
+runs in a fresh process each round, with the same explicit thread count
+(``--threads``, default the CPUs: the BLAS through threadpoolctl,
+``SDPA_REF_NUM_THREADS``, ``torch.set_num_threads``), so none inherits or
+leaves behind a spinning thread pool; each process warms up once and
+reports the median of three calls. Rounds are interleaved, the order rotated
+every round; every ratio is the median over rounds of the ratio of the two
+times measured in the same round (which cancels the slow drift of a shared
+machine), printed with its min-max. The thread state each contender was
+measured under is printed. Absolute times vary between machines; compare
+the ratios.
 
 * dense: the default fast path; plain: method="plain" (the documented form);
   tiled: block_size=256;
@@ -85,34 +89,60 @@ def variants(shape):
     return out
 
 
-def time_shapes(repeat):
-    rows = []
-    for shape in SHAPES:
-        fns = variants(shape)
-        for f in fns.values():
-            f()                                   # warm up
-        times = {n: [] for n in fns}
-        names = list(fns)
-        for rnd in range(repeat):                 # interleaved rounds, order rotated every round
+ISOLATED = r"""
+import json, os, sys, time
+os.environ["SDPA_REF_NUM_THREADS"] = "{threads}"
+sys.path.insert(0, {here!r})
+sys.path.insert(0, {root!r})
+import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
+import bench_attention as B
+threadpool_limits({threads})                     # the BLAS (and any OpenMP) of this process: the same for everyone
+if B.torch is not None:
+    B.torch.set_num_threads({threads})
+fn = B.variants({shape})[{name!r}]
+fn()                                             # warm up
+ts = []
+for _ in range({inner}):
+    t0 = time.perf_counter()
+    fn()
+    ts.append(time.perf_counter() - t0)
+state = {{"blas": [dict(api=i.get("internal_api"), version=i.get("version"), threads=i.get("num_threads"))
+                   for i in threadpool_info()],
+          "torch_threads": None if B.torch is None else B.torch.get_num_threads(),
+          "sdpa_ref_threads": os.environ["SDPA_REF_NUM_THREADS"]}}
+print(json.dumps({{"seconds": float(np.median(ts)), "state": state}}))
+"""
+
+
+def time_shapes(repeat, threads, inner=3, shapes=SHAPES):
+    """Every contender in its own fresh process each round, all with the same thread setting, rounds interleaved
+    (the order rotated): none inherits or leaves behind a spinning thread pool."""
+    rows, states = [], {}
+    names = ["dense", "plain", "tiled", "gemm"] + (["torch64", "torch32"] if torch is not None else [])
+    for shape in shapes:
+        times = {n: [] for n in names}
+        for rnd in range(repeat):
             for n in names[rnd % len(names):] + names[:rnd % len(names)]:
-                time.sleep(0.05)                  # let BLAS / OpenMP worker threads stop spinning
-                t0 = time.perf_counter()
-                fns[n]()
-                times[n].append(time.perf_counter() - t0)
+                code = ISOLATED.format(threads=threads, here=HERE, root=os.path.dirname(HERE), shape=tuple(shape),
+                                       name=n, inner=inner)
+                out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                times[n].append(got["seconds"])
+                states[n] = got["state"]
         med = {n: float(np.median(t)) for n, t in times.items()}
 
-        def ratio(a, b):                          # median over rounds of the ratio within each round
-            return float(np.median(np.array(times[a]) / np.array(times[b])))
+        def ratio(a, b):                          # the median over rounds of the ratio within each round
+            r = np.array(times[a]) / np.array(times[b])
+            return float(np.median(r)), float(r.min()), float(r.max())
 
-        row = {"shape": "x".join(map(str, shape)), **{f"{n}_s": v for n, v in med.items()},
-               "gemm_over_dense": ratio("gemm", "dense"), "plain_over_dense": ratio("plain", "dense"),
-               "tiled_over_dense": ratio("tiled", "dense")}
-        if "torch64" in med:
-            row["dense_over_torch64"] = ratio("dense", "torch64")
-            row["dense_over_torch32"] = ratio("dense", "torch32")
+        row = {"shape": "x".join(map(str, shape)), **{f"{n}_s": v for n, v in med.items()}}
+        for a, b in [("gemm", "dense"), ("plain", "dense"), ("tiled", "dense")] + (
+                [("dense", "torch64"), ("dense", "torch32")] if torch is not None else []):
+            row[f"{a}_over_{b}"], row[f"{a}_over_{b}_min"], row[f"{a}_over_{b}_max"] = ratio(a, b)
         rows.append(row)
         print(f"  timed {row['shape']}", file=sys.stderr)
-    return rows
+    return rows, states
 
 
 MEMORY_CODE = r"""
@@ -198,33 +228,45 @@ def gradcheck_speed(repeat=7):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=7, help="interleaved rounds per shape (default: 7)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="the thread count every contender gets: BLAS, sdpa_ref's pool, torch (default: the CPUs)")
+    ap.add_argument("--shapes", type=str, nargs="+", default=None, metavar="BxHxLxE",
+                    help="shapes to time (default: " + " ".join("x".join(map(str, s)) for s in SHAPES) + ")")
     ap.add_argument("--format", choices=("table", "json"), default="table")
-    ap.add_argument("--skip-memory", action="store_true", help="skip the 4096 / 16384 memory runs")
+    ap.add_argument("--skip-memory", action="store_true", help="skip the memory runs")
+    ap.add_argument("--skip-gradcheck", action="store_true", help="skip the gradient-check timing")
     ap.add_argument("--memory-sizes", type=int, nargs="+", default=[4096, 16384])
     args = ap.parse_args()
-    if torch is not None:
-        torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    result = {
-        "numpy": np.__version__, "torch": None if torch is None else torch.__version__,
-        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-    }
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = args.threads or cpus
+    shapes = SHAPES if args.shapes is None else [tuple(int(x) for x in s.split("x")) for s in args.shapes]
+    result = {"numpy": np.__version__, "torch": None if torch is None else torch.__version__, "cpus": cpus,
+              "threads": threads,
+              "env": {n: os.environ.get(n) for n in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                                                     "SDPA_REF_NUM_THREADS")}}
     result["memory"] = [] if args.skip_memory else memory(args.memory_sizes)   # first, while this process is small
-    result["timing"] = time_shapes(args.repeat)
-    result["gradcheck"] = gradcheck_speed()
+    result["timing"], result["thread_state"] = time_shapes(args.repeat, threads, shapes=shapes)
+    result["gradcheck"] = {} if args.skip_gradcheck else gradcheck_speed()
     if args.format == "json":
         print(json.dumps(result, indent=2))
         return
-    print(f"numpy {result['numpy']}, torch {result['torch']}, {result['cpus']} CPUs; forward + backward, "
-          f"median of {args.repeat} interleaved rounds\n")
-    cols = ["shape", "dense_s", "plain_s", "tiled_s", "gemm_s"] + (["torch64_s", "torch32_s"] if torch else [])
-    cols += ["gemm_over_dense"] + (["dense_over_torch64", "dense_over_torch32"] if torch else [])
-    print("  ".join(f"{c:>18}" for c in cols))
+    print(f"numpy {result['numpy']}, torch {result['torch']}, {cpus} CPUs; every contender in a fresh process "
+          f"with {threads} thread(s) (BLAS, sdpa_ref's pool, torch); forward + backward, float64 unless named; "
+          f"medians over {args.repeat} interleaved rounds, ratios per round (median, min-max)")
+    print(f"environment: {result['env']}")
+    for n, st in result["thread_state"].items():
+        print(f"  measured under, {n}: {st}")
+    print()
     for r in result["timing"]:
-        print("  ".join(f"{r[c]:>18.4f}" if isinstance(r[c], float) else f"{r[c]:>18}" for c in cols))
+        times = ", ".join(f"{k[:-2]} {v * 1000:.1f} ms" for k, v in r.items() if k.endswith("_s"))
+        print(f"{r['shape']}: {times}")
+        for k in [k for k in r if "_over_" in k and not k.endswith(("_min", "_max"))]:
+            print(f"    {k:<22} {r[k]:.3f} ({r[k + '_min']:.3f}-{r[k + '_max']:.3f})")
     gc = result["gradcheck"]
-    print("\ngradient check, attention on (2, 2, 16, 8), full Jacobian, float64:")
-    for k, v in gc.items():
-        print(f"  {k:<30} {v:.4f}")
+    if gc:
+        print("\ngradient check, attention on (2, 2, 16, 8), full Jacobian, float64:")
+        for k, v in gc.items():
+            print(f"  {k:<30} {v:.4f}")
     if result["memory"]:
         print("\ntiled path, one head, E = 64, float64, block_size='auto' (peak RSS of the whole process):")
         for r in result["memory"]:

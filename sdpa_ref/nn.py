@@ -16,6 +16,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import numpy as np
 
 from .api import sdpa_backward, sdpa_forward
+from .engines._threads import threads_for
 from .softmax import log_softmax
 
 __all__ = [
@@ -33,8 +34,12 @@ __all__ = [
 
 
 def linear(x, w, b=None):
-    r"""``y = x W + b``.  x : (..., D_in), w : (D_in, D_out), b : (D_out,)."""
-    y = x @ w
+    r"""``y = x W + b``.  x : (..., D_in), w : (D_in, D_out), b : (D_out,).
+
+    A small product runs on one BLAS thread (``engines._threads.SMALL_WORK``), as every layer here does.
+    """
+    with threads_for(x.size * w.shape[-1]):
+        y = x @ w
     if b is not None:
         y = y + b
     return y, (x, w, b is not None)
@@ -46,8 +51,9 @@ def linear_backward(cache, g):
     Returns ``(dx, dw, db)``; ``db`` is ``None`` without a bias.
     """
     x, w, has_b = cache
-    dx = g @ w.T
-    dw = x.reshape(-1, x.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+    with threads_for(x.size * w.shape[-1]):
+        dx = g @ w.T
+        dw = x.reshape(-1, x.shape[-1]).T @ g.reshape(-1, g.shape[-1])
     db = g.reshape(-1, g.shape[-1]).sum(axis=0) if has_b else None
     return dx, dw, db
 
@@ -177,10 +183,12 @@ def multi_head_attention(x, wq, wk, wv, wo, n_heads, *, is_causal=True, scale=No
     def heads(y):       # (B, T, D) -> (B, H, T, dh)
         return y.reshape(B, T, n_heads, dh).transpose(0, 2, 1, 3)
 
-    q, k, v = heads(x @ wq), heads(x @ wk), heads(x @ wv)
-    o, res = sdpa_forward(q, k, v, is_causal=is_causal, scale=scale)
-    merged = o.transpose(0, 2, 1, 3).reshape(B, T, D)
-    return merged @ wo, _MHACache(x, wq, wk, wv, wo, merged, res, n_heads)
+    with threads_for(x.size * D):
+        q, k, v = heads(x @ wq), heads(x @ wk), heads(x @ wv)
+        o, res = sdpa_forward(q, k, v, is_causal=is_causal, scale=scale)
+        merged = o.transpose(0, 2, 1, 3).reshape(B, T, D)
+        y = merged @ wo
+    return y, _MHACache(x, wq, wk, wv, wo, merged, res, n_heads)
 
 
 def multi_head_attention_backward(cache, g):
@@ -188,18 +196,19 @@ def multi_head_attention_backward(cache, g):
     x, wq, wk, wv, wo, merged, res, H = cache
     B, T, D = x.shape
     dh = D // H
-    dwo = merged.reshape(-1, D).T @ g.reshape(-1, D)
-    dmerged = g @ wo.T
-    do = dmerged.reshape(B, T, H, dh).transpose(0, 2, 1, 3)
-    grads = sdpa_backward(res, do)
 
     def unheads(y):     # (B, H, T, dh) -> (B, T, D)
         return y.transpose(0, 2, 1, 3).reshape(B, T, D)
 
-    dq, dk, dv = unheads(grads.query), unheads(grads.key), unheads(grads.value)
-    x2 = x.reshape(-1, D)
-    dx = dq @ wq.T + dk @ wk.T + dv @ wv.T
-    return (dx, x2.T @ dq.reshape(-1, D), x2.T @ dk.reshape(-1, D), x2.T @ dv.reshape(-1, D), dwo)
+    with threads_for(x.size * D):
+        dwo = merged.reshape(-1, D).T @ g.reshape(-1, D)
+        dmerged = g @ wo.T
+        do = dmerged.reshape(B, T, H, dh).transpose(0, 2, 1, 3)
+        grads = sdpa_backward(res, do)
+        dq, dk, dv = unheads(grads.query), unheads(grads.key), unheads(grads.value)
+        x2 = x.reshape(-1, D)
+        dx = dq @ wq.T + dk @ wk.T + dv @ wv.T
+        return (dx, x2.T @ dq.reshape(-1, D), x2.T @ dk.reshape(-1, D), x2.T @ dv.reshape(-1, D), dwo)
 
 
 # ------------------------------------------------------------------- adam

@@ -25,6 +25,7 @@ pool and fresh locks (``os.register_at_fork``), and its BLAS back.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -124,6 +125,17 @@ class single_threaded_blas:
                     c.set_num_threads(n)
                 st["saved"] = None
         return False
+
+
+#: Multiply-adds below which a matrix product runs on one thread: waking the BLAS's threads costs more than they
+#: save, and on a loaded machine their spinning slows everything else (``sdpa_ref.nn``'s small layers).
+SMALL_WORK = 1 << 25
+
+
+def threads_for(work):
+    """:class:`single_threaded_blas` for a product of ``work`` multiply-adds below :data:`SMALL_WORK`, else a
+    context that changes nothing."""
+    return single_threaded_blas() if work < SMALL_WORK else contextlib.nullcontext()
 
 
 def blas_is_held() -> bool:
