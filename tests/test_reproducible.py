@@ -35,8 +35,9 @@ def _faithful(x, truth, what):
             if not np.isnan(xi):
                 bad.append((idx, xi, t))
             continue
-        t = mpmath.mpf(t)
-        a = float(t)                                              # nearest
+        with mpmath.workdps(80):                                 # the global context's 53 bits would round the
+            t = mpmath.mpf(t)                                    # truth first: a truth next to the midpoint of
+        a = float(t)                                              # two floats then looked like a float itself
         if mpmath.mpf(a) == t:
             ok = xi == a
         else:
@@ -205,6 +206,13 @@ def test_a_wrong_rounding_is_caught():
     _faithful(np.array([1 / 3]), t, "ok")
     with pytest.raises(AssertionError):
         _faithful(np.array([np.nextafter(np.nextafter(1 / 3, 1), 1)]), t, "two ulps")
+    # a truth a hair past the midpoint of two floats: both are faithful (the check once rounded the truth to
+    # 53 bits first and then wanted the upper one only -- hypothesis found a JVP entry there)
+    a, b = 1 / 3, float(np.nextafter(1 / 3, 1))
+    with mpmath.workdps(60):
+        mid = (mpmath.mpf(a) + mpmath.mpf(b)) / 2 + mpmath.mpf(10) ** -40
+    for x in (a, b):
+        _faithful(np.array([x]), np.array([mid], dtype=object), "a neighbour of a truth past the midpoint")
 
 
 # ---------------------------------------------------------------- the API
