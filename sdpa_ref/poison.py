@@ -48,6 +48,9 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .masks import slice_ls
+from .transforms import unbroadcast
+
 __all__ = ["Poison", "Taint", "backward_taint", "clean", "forward_taint", "jvp_taint", "nan_where", "scrub"]
 
 _BLOCK_CELLS = 1 << 22          # read-set blocks of at most this many (batch x head x row x key) cells
@@ -123,13 +126,8 @@ def _read_sets(prob, empty, rows):
         pad = prob.padded_rows(rows)
         rv = rk | (e if pad is None else (e & ~pad))
     if prob.keep is not None:                                  # a dropped entry reads no value
-        rv = rv & _rows_of(prob.keep, rows)
+        rv = rv & slice_ls(prob.keep, rows[0], rows[1], 0, None)
     return _grouped(rk, prob), _grouped(np.broadcast_to(rv, full), prob)
-
-
-def _rows_of(a, rows):
-    """The row block of ``a``, an array broadcastable to ``(..., L, S)``."""
-    return a[..., rows[0]:rows[1], :] if a.ndim >= 2 and a.shape[-2] != 1 else a
 
 
 def _additive_bad(p, prob, rows):
@@ -138,7 +136,7 @@ def _additive_bad(p, prob, rows):
     out = None
     for bad in (p.mask, p.bias):
         if bad is not None:
-            b = np.broadcast_to(_rows_of(bad, rows), prob.batch + (prob.Hq, i1 - i0, prob.S))
+            b = np.broadcast_to(slice_ls(bad, i0, i1, 0, None), prob.batch + (prob.Hq, i1 - i0, prob.S))
             out = b if out is None else (out | b)
     return None if out is None else _grouped(out, prob)
 
@@ -175,7 +173,8 @@ def _to_full_rows(x, prob):
     return x.reshape(prob.batch + (prob.Hq,) + x.shape[len(prob.batch) + 2:])
 
 
-def _nan_where(x, bad):
+def nan_where(x, bad):
+    """``x`` with NaN where ``bad`` (a new array), or ``x`` itself when ``bad`` is None."""
     return x if bad is None else np.where(bad, x.dtype.type(np.nan), x)
 
 
@@ -206,11 +205,6 @@ def forward_taint(prob, empty):
             ob = ob | _any_cols(rv, p.v)
         out_bad[..., rows[0]:rows[1], :] = ob
     return Taint(_to_full_rows(out_bad, prob), _to_full_rows(lse_bad, prob))
-
-
-def nan_where(x, bad):
-    """``x`` with NaN where ``bad`` (a new array), or ``x`` itself when ``bad`` is None."""
-    return _nan_where(x, bad)
 
 
 def backward_taint(prob, empty, grads, do_bad):
@@ -249,10 +243,10 @@ def backward_taint(prob, empty, grads, do_bad):
             cell = _to_full_rows(rk & g[..., None], prob)
             for acc in add_bad.values():
                 _or_into(acc, cell, rows)
-    out = grads._replace(dq=_nan_where(grads.dq, _to_full_rows(dq_bad, prob)[..., None]),
-                         dk=_nan_where(grads.dk, dk_bad[..., None]), dv=_nan_where(grads.dv, dv_bad))
+    out = grads._replace(dq=nan_where(grads.dq, _to_full_rows(dq_bad, prob)[..., None]),
+                         dk=nan_where(grads.dk, dk_bad[..., None]), dv=nan_where(grads.dv, dv_bad))
     for n, acc in add_bad.items():
-        out = out._replace(**{"d" + n: _nan_where(getattr(grads, "d" + n), acc)})
+        out = out._replace(**{"d" + n: nan_where(getattr(grads, "d" + n), acc)})
     return out
 
 
@@ -288,15 +282,7 @@ def _or(a, b):
 
 
 def _or_into(acc, cell, rows):
-    """OR the block ``cell`` ``(*batch, Hq, Lb, S)`` into ``acc``, an array broadcastable to ``(*batch, Hq, L, S)``."""
-    i0, i1 = rows
-    extra = cell.ndim - acc.ndim
-    if extra > 0:
-        cell = cell.any(axis=tuple(range(extra)))
-    axes = tuple(ax for ax in range(acc.ndim) if acc.shape[ax] == 1 and cell.shape[ax] != 1)
-    if axes:
-        cell = cell.any(axis=axes, keepdims=True)
-    if acc.ndim < 2 or acc.shape[-2] == 1:
-        acc |= cell
-    else:
-        acc[..., i0:i1, :] |= cell
+    """OR the block ``cell`` ``(*batch, Hq, Lb, S)`` into ``acc``, an array broadcastable to ``(*batch, Hq, L, S)``
+    (summed down to its shape as its gradient is: :func:`~sdpa_ref.transforms.unbroadcast`)."""
+    view = slice_ls(acc, rows[0], rows[1], 0, None)
+    view |= unbroadcast(cell.astype(np.int64), view.shape) > 0

@@ -122,7 +122,8 @@ class Problem:
         dead_q = _dead(q_lengths, L, batch, qh.shape[:-3])          # rows and keys past the lengths: never read
         dead_kv = _dead(kv_lengths, S, batch, kh.shape[:-3])
         dead_v = None if opts.fully_masked == "uniform" else _dead(kv_lengths, S, batch, vh.shape[:-3])
-        own = {"q": _own(qh, ct, dead_q, True), "k": _own(kh, ct, dead_kv, True), "v": _own(vh, ct, dead_v, True),
+        own = {"q": _own(qh, ct, dead_q, writable=True), "k": _own(kh, ct, dead_kv, writable=True),
+               "v": _own(vh, ct, dead_v, writable=True),
                "mask": _own(mask_float, ct, writable=True), "bias": _own(bias, ct, writable=True),
                "alibi": _own(alibi, rt, writable=True)}
         bad = {"q": scrub(own["q"], rows=True), "k": scrub(own["k"], rows=True), "v": scrub(own["v"]),

@@ -215,18 +215,24 @@ def _attn_problem_small():
     return tuple(r.standard_normal(s) for s in [(2, 2, 5, 3), (2, 2, 6, 3), (2, 2, 6, 2)])
 
 
-@pytest.mark.parametrize("method", ["central", "complex"])
-def test_vectorized_full_check_agrees_with_the_scalar_one(method):
+def _causal_fun_and_tols(method):
+    """Causal attention (complex for the complex step) and the tolerances of ``method``."""
     from sdpa_ref import sdpa_forward_complex
 
     fun = (lambda q, k, v: sdpa_forward_complex(q, k, v, is_causal=True)) if method == "complex" else \
         (lambda q, k, v: sdpa_forward(q, k, v, is_causal=True)[0])
+    return fun, dict(method=method, rtol=1e-12 if method == "complex" else RTOL,
+                     atol=1e-14 if method == "complex" else 1e-9)
+
+
+@pytest.mark.parametrize("method", ["central", "complex"])
+def test_vectorized_full_check_agrees_with_the_scalar_one(method):
+    fun, kw = _causal_fun_and_tols(method)
 
     def vjp(g, q, k, v):
         gr = sdpa_backward(sdpa_forward(q, k, v, is_causal=True)[1], g)
         return gr.query, gr.key, gr.value
 
-    kw = dict(method=method, rtol=1e-12 if method == "complex" else RTOL, atol=1e-14 if method == "complex" else 1e-9)
     a = check_vjp(fun, vjp, _attn_problem_small(), **kw)
     b = check_vjp(fun, vjp, _attn_problem_small(), vectorized=True, **kw)
     assert a.ok and b.ok and b.mode.endswith("vectorized")
@@ -264,10 +270,9 @@ def test_vectorized_check_catches_a_wrong_vjp_and_bad_broadcasting():
 
 @pytest.mark.parametrize("method", ["central", "complex"])
 def test_vectorized_jvp_check_agrees_with_the_scalar_one_and_catches_a_wrong_jvp(method):
-    from sdpa_ref import sdpa_forward_complex, sdpa_jvp
+    from sdpa_ref import sdpa_jvp
 
-    fun = (lambda q, k, v: sdpa_forward_complex(q, k, v, is_causal=True)) if method == "complex" else \
-        (lambda q, k, v: sdpa_forward(q, k, v, is_causal=True)[0])
+    fun, kw = _causal_fun_and_tols(method)
 
     def jvp(ts, q, k, v):
         return sdpa_jvp((q, k, v), ts, is_causal=True)[1]
@@ -275,7 +280,6 @@ def test_vectorized_jvp_check_agrees_with_the_scalar_one_and_catches_a_wrong_jvp
     def wrong(ts, q, k, v):                                         # forgets the key's tangent
         return sdpa_jvp((q, k, v), (ts[0], None, ts[2]), is_causal=True)[1]
 
-    kw = dict(method=method, rtol=1e-12 if method == "complex" else RTOL, atol=1e-14 if method == "complex" else 1e-9)
     a = check_jvp(fun, jvp, _attn_problem_small(), **kw)
     b = check_jvp(fun, jvp, _attn_problem_small(), vectorized=True, **kw)
     assert a.ok and b.ok and b.mode.endswith("vectorized")

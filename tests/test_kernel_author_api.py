@@ -173,3 +173,16 @@ def test_a_tolerance_that_does_not_apply_to_the_rule_is_an_error(argv, flag, cap
     assert main(["conform", "sdpa_ref:scaled_dot_product_attention"] + argv) == 2
     err = capsys.readouterr().err
     assert flag in err and "does not apply" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kw, exc, words", [
+    (dict(deterministic="yes"), TypeError, "deterministic"),
+    (dict(poison=1), TypeError, "poison"),
+    (dict(dtypes=()), ValueError, "dtypes"),
+    (dict(dtypes="floatx"), TypeError, "dtypes"),
+    (dict(rule=3), TypeError, "rule"),
+    (dict(backward="not a function"), TypeError, "backward"),
+])
+def test_bad_settings_are_clear_errors_naming_the_argument(kw, exc, words):
+    with pytest.raises(exc, match=words):
+        sdpa_ref.check_implementation(ref, cases=_cases("plain-L8-S8"), **kw)

@@ -23,6 +23,8 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+from ..poison import nan_where
+
 __all__ = ["AttentionGrads", "AttentionResiduals", "Forward", "Grads"]
 
 
@@ -91,14 +93,14 @@ class AttentionResiduals:
     @property
     def out(self):
         """The output in the compute dtype, in the user's rank."""
-        out = self.forward.out if self.taint is None else np.where(self.taint.out, np.nan, self.forward.out)
-        return out.reshape(self.problem.out_shape)
+        return nan_where(self.forward.out, None if self.taint is None else self.taint.out).reshape(
+            self.problem.out_shape)
 
     @property
     def lse(self):
         """The log-sum-exp of the allowed scores ``(..., Hq, L)``; ``-inf`` on rows with no key."""
-        lse = self.forward.lse if self.taint is None else np.where(self.taint.lse, np.nan, self.forward.lse)
-        return lse.reshape(self.problem.out_shape[:-1])
+        return nan_where(self.forward.lse, None if self.taint is None else self.taint.lse).reshape(
+            self.problem.out_shape[:-1])
 
     @property
     def tanh(self):

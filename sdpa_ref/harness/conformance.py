@@ -43,7 +43,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 import numpy as np
 
 from .._validate import check_choice, check_tolerance
-from ..options import OPTION_NAMES
+from ..options import OPTION_NAMES, check_bool
 from ._limits import CaseTimeout
 from .cases import Case, get_suite
 from .judge import Implementation, judge_case, reference_quantities
@@ -189,8 +189,8 @@ def check_implementation(
         if timeout == 0:
             raise ValueError("`timeout` should be a finite number of seconds > 0, or None, but got 0")
     sup = resolve_supports(forward, supports, backward)
-    impl = Implementation(forward, backward, jvp, layout=layout, deterministic=bool(deterministic),
-                          poison=bool(poison))
+    impl = Implementation(forward, backward, jvp, layout=layout,
+                          deterministic=check_bool(deterministic, "deterministic"), poison=check_bool(poison, "poison"))
     suite_name = suite if cases is None else "custom"
     cases = list(get_suite(suite) if cases is None else cases)
     rows: List[ConformanceRow] = []

@@ -17,6 +17,9 @@ import numpy as np
 import time
 
 from ..api import sdpa_backward, sdpa_forward, sdpa_jvp
+from ..options import AttentionOptions
+from ..problem import Problem
+from ..transforms import unbroadcast
 from ._limits import CaseTimeout, call_with_deadline as _limited
 from .cases import Case
 from .report import ConformanceRow
@@ -166,8 +169,7 @@ class Implementation:
 
     def _in(self, a):
         """To the implementation's layout: ``(..., H, L, E)`` -> ``(..., L, H, E)`` for ``"blhd"``."""
-        a = a.copy()
-        return np.swapaxes(a, -3, -2).copy() if self.layout == "blhd" and a.ndim >= 3 else a
+        return np.swapaxes(a, -3, -2).copy() if self.layout == "blhd" and a.ndim >= 3 else a.copy()
 
     def _out(self, a):
         a = np.asarray(a)
@@ -200,19 +202,30 @@ def _determinism(case, dt, impl, q, k, v, inp, out, deadline, timeout):
 
 
 def dead_positions(q, k, inp):
-    """``(dead keys (*batch, 1, S, 1), padded rows (*batch, 1, L, 1))`` bool, broadcastable to k and q: the keys no
-    row of any head reads and the query rows past ``q_lengths``, or None where there are none."""
-    _, res = sdpa_forward(np.zeros(q.shape), np.zeros(k.shape), np.zeros(k.shape[:-1] + (1,)),
-                          **{n: x for n, x in inp.items() if n not in ("fully_masked",)})
-    prob = res.problem
+    """``(dead keys, padded rows)``: bool masks broadcastable to ``k`` and ``q`` of the keys that no row of any head
+    reads and of the query rows past ``q_lengths`` (an entry shared by broadcast batch entries counts only when it
+    is dead for all of them), each None where there is none."""
+    opts = AttentionOptions.from_kwargs("check_implementation", **{n: x for n, x in inp.items() if n != "fully_masked"})
+    prob = Problem.build(q, k, np.zeros(k.shape[:-1] + (1,)), opts)
     allowed = prob.allowed()
     keys = None
     if allowed is not None:
         read = np.broadcast_to(allowed, prob.full_scores).any(axis=(-3, -2))       # (*batch, S)
-        keys = ~read[..., None, :, None] if not read.all() else None
+        keys = _dead_in(read, k.shape, prob.S)
     pad = prob.padded_rows()
-    rows = None if pad is None or not pad.any() else pad
+    rows = None if pad is None else _dead_in(~np.broadcast_to(pad, prob.batch + (1, prob.L, 1))[..., 0, :, 0],
+                                             q.shape, prob.L)
     return keys, rows
+
+
+def _dead_in(live, shape, n):
+    """The positions of an input of ``shape`` (``(..., [H,] n, E)``) that no batch entry sharing them reads, as a
+    mask broadcastable to it, or None; ``live`` is ``(*batch, n)``, summed down to the input's batch dims."""
+    lead = shape[:-3]
+    live = unbroadcast(live.astype(np.int64), lead + (n,)) > 0
+    if live.all():
+        return None
+    return ~live.reshape(lead + ((1,) if len(shape) >= 3 else ()) + (n, 1))
 
 
 def _poisoned(case, dt, impl, q, k, v, inp, ref64, naive, rule, deadline, timeout):
@@ -220,12 +233,9 @@ def _poisoned(case, dt, impl, q, k, v, inp, ref64, naive, rule, deadline, timeou
     keys, rows = dead_positions(q, k, inp)
     if keys is None and rows is None:
         return None
-    q2, k2, v2 = q.copy(), k.copy(), v.copy()
-    if keys is not None:
-        k2[np.broadcast_to(keys, k2.shape[:-1] + (1,)).repeat(k2.shape[-1], -1)] = np.nan
-        v2[np.broadcast_to(keys, v2.shape[:-1] + (1,)).repeat(v2.shape[-1], -1)] = np.nan
-    if rows is not None:
-        q2[np.broadcast_to(rows, q2.shape[:-1] + (1,)).repeat(q2.shape[-1], -1)] = np.nan
+    nan = q.dtype.type(np.nan)
+    k2, v2 = (x if keys is None else np.where(keys, nan, x) for x in (k, v))
+    q2 = q if rows is None else np.where(rows, nan, q)
     try:
         out = _limited(deadline, impl.call_forward, q2, k2, v2, inp)
     except KeyboardInterrupt:
