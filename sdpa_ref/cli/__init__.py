@@ -12,6 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 from .commands import _cmd_check, _cmd_conform, _cmd_diagnose, _cmd_saturation, _cmd_vectors, _cmd_verify
+from ..harness.lowp import TEST_DTYPES
 from .output import _add_format, format_rows
 
 __all__ = ["main", "build_parser", "format_rows"]
@@ -163,8 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Run MODULE:FUNCTION (called as f(query, key, value, **options) on NumPy arrays) over the case "
             "suite at each dtype and judge it against the float64 reference. The default rule is "
-            "FlashAttention's: max|impl-ref64| <= 2 (3 for gradients) * max|naive_same_dtype-ref64| + the "
-            "dtype's rounding of the output. Options the function does not list in a `supports` attribute "
+            "FlashAttention's form with a fair baseline: max|impl-ref64| <= 3 * max|honest-ref64| + the "
+            "dtype's rounding of the output, where honest is the worst of an ensemble of honest kernels in the "
+            "test dtype (computed in a fixed order: the same on every machine). bfloat16 and float8 need the "
+            "lowp extra (ml_dtypes). Options the function does not list in a `supports` attribute "
             "are never passed; such cases are skipped. Exit 1 if anything fails."
         ),
         epilog="Example: sdpa-ref conform sdpa_ref.adapters.pytorch:forward "
@@ -174,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", metavar="MODULE:FUNCTION", default=None,
                    help="f(grad_out, query, key, value, **options) -> (dq, dk, dv[, dbias])")
     p.add_argument("--suite", choices=("quick", "full"), default="quick")
-    p.add_argument("--dtype", nargs="+", default=["float32"], choices=("float16", "float32", "float64"),
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=TEST_DTYPES,
                    help="test dtypes (default: float32)")
     p.add_argument("--rule", choices=("relative", "fixed", "ulp"), default="relative",
                    help="relative (default), fixed (--rtol/--atol) or ulp (--max-ulps)")

@@ -33,7 +33,8 @@ import numpy as np
 from ..api import sdpa_forward
 from ..options import ARRAY_OPTIONS, OPTION_NAMES, AttentionOptions
 
-__all__ = ["ARRAY_KINDS", "SUITE_VERSION", "SUITES", "Case", "get_suite", "gradcheck_grid"]
+__all__ = ["ARRAY_KINDS", "SUITE_VERSION", "SUITES", "Case", "get_suite", "grad_out_for", "gradcheck_grid",
+           "tangents_for"]
 
 #: Bumped whenever the cases or their inputs change.
 SUITE_VERSION = "1"
@@ -153,7 +154,8 @@ def _option_names(case: Case) -> frozenset:
 
 @functools.lru_cache(maxsize=None)
 def _has_fully_masked_rows(case: Case, dtype: str) -> bool:
-    inp = case.make_inputs(dtype)
+    inp = {n: (a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind not in "biu" else a)
+           for n, a in case.make_inputs(dtype).items()}            # (bfloat16 and fp8 values: exact in float64)
     _, res = sdpa_forward(inp.pop("query"), inp.pop("key"), inp.pop("value"), save_probs=False, **inp)
     empty = res.empty
     if res.padded is not None:
@@ -361,3 +363,15 @@ def gradcheck_grid(quick: bool = False) -> List[Case]:
                 keep.append(c)
         cases = keep
     return cases
+
+
+def grad_out_for(case: Case, shape, dtype):
+    """The seeded upstream gradient of a case (dtype-free: drawn in float64, then cast)."""
+    rng = np.random.default_rng([case.seed, 7, case.L, case.S])
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def tangents_for(case: Case, q, k, v):
+    """The seeded tangents ``(dq, dk, dv)`` of the JVP check, float64 (cast to the test dtype by the caller)."""
+    rng = np.random.default_rng([case.seed, 11, case.L, case.S])
+    return tuple(rng.standard_normal(a.shape) for a in (q, k, v))

@@ -21,7 +21,9 @@ from ..options import AttentionOptions
 from ..problem import Problem
 from ..transforms import unbroadcast
 from ._limits import CaseTimeout, call_with_deadline as _limited
-from .cases import Case
+from .cases import Case, grad_out_for, tangents_for
+from .ensemble import ensemble_errors
+from .lowp import is_low, ulp
 from .report import ConformanceRow
 from .rules import FixedRule, RelativeRule
 
@@ -52,9 +54,7 @@ def _reference_quantities(case: Case, dtype="float64", naive=False):
         g = grad_out_for(case, out.shape, dt)
     else:
         q, k, v = (a.astype(np.float64) for a in (q, k, v))
-        for n in ("bias", "alibi_slopes"):
-            if n in inp:
-                inp[n] = np.asarray(inp[n], dtype=np.float64)
+        inp = _as_float64(inp)
         out, res = sdpa_forward(q, k, v, precision="reproducible", **inp)
         g = grad_out_for(case, out.shape, dt).astype(np.float64)
     gr = sdpa_backward(res, g)
@@ -67,17 +67,19 @@ def _reference_quantities(case: Case, dtype="float64", naive=False):
 @functools.lru_cache(maxsize=256)
 def reference_jvp(case: Case, dtype="float64", naive=False):
     """The reference's JVP on the seeded tangents (:func:`tangents_for`, rounded to ``dtype``), float64 or, with
-    ``naive=True``, computed in ``dtype``; a read-only float64 array."""
+    ``naive=True``, computed in ``dtype`` (bfloat16 and fp8: in float32 on their values, rounded to them); a
+    read-only float64 array."""
     dt = np.dtype(dtype)
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
     ts = tuple(t.astype(dt) for t in tangents_for(case, q, k, v))
     if naive:
-        tan = sdpa_jvp((q, k, v), ts, precision="reproducible", upcast=False, **inp)[1]
+        c = np.dtype(np.float32) if is_low(dt) else dt
+        inp = _as_float64(inp, c) if is_low(dt) else inp
+        tan = sdpa_jvp(tuple(a.astype(c) for a in (q, k, v)), tuple(t.astype(c) for t in ts),
+                       precision="reproducible", upcast=False, **inp)[1].astype(dt)
     else:
-        for n in ("bias", "alibi_slopes"):
-            if n in inp:
-                inp[n] = np.asarray(inp[n], dtype=np.float64)
+        inp = _as_float64(inp)
         tan = sdpa_jvp(tuple(a.astype(np.float64) for a in (q, k, v)), tuple(t.astype(np.float64) for t in ts),
                        precision="reproducible", **inp)[1]
     tan = np.asarray(tan, dtype=np.float64)
@@ -85,26 +87,22 @@ def reference_jvp(case: Case, dtype="float64", naive=False):
     return tan
 
 
-def grad_out_for(case: Case, shape, dtype):
-    """The seeded upstream gradient of a case (dtype-free: drawn in float64, then cast)."""
-    rng = np.random.default_rng([case.seed, 7, case.L, case.S])
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def tangents_for(case: Case, q, k, v):
-    """The seeded tangents ``(dq, dk, dv)`` of the JVP check, float64 (cast to the test dtype by the caller)."""
-    rng = np.random.default_rng([case.seed, 11, case.L, case.S])
-    return tuple(rng.standard_normal(a.shape) for a in (q, k, v))
+def _as_float64(inp, dtype=np.float64):
+    """The case's float arrays (masks, bias, slopes) in ``dtype`` (their values are exact there)."""
+    return {n: (a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype.kind not in "biu" else a)
+            for n, a in inp.items()}
 
 
 def judge_case(case, dt, impl, rule, sup, timeout=None):
     """The report rows of ``impl`` (an :class:`Implementation`) on ``case`` at dtype ``dt``."""
     ref64 = reference_quantities(case, dt)     # float64 arithmetic on the test-dtype inputs, kept in float64
-    naive = reference_quantities(case, dt, naive=True) if isinstance(rule, RelativeRule) else None
+    naive = ensemble_errors(case, dt, ref64) if isinstance(rule, RelativeRule) else None
     if impl.jvp is not None:
         ref64["jvp"] = reference_jvp(case, dt)
         if naive is not None:
-            naive["jvp"] = reference_jvp(case, dt, naive=True)
+            fin = ~np.isnan(ref64["jvp"])
+            naive["jvp"] = float(np.max(np.abs(np.where(fin, reference_jvp(case, dt, naive=True) - ref64["jvp"], 0)),
+                                        initial=0.0))
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
     if case.has_fully_masked_rows(dt):
@@ -265,7 +263,7 @@ def _compare(case, dt, qty, val, ref64, naive, rule):
         return ConformanceRow(case, dt, qty, "error", note=f"could not read the result: {exc}")
     if got.shape != ref64.shape:
         return ConformanceRow(case, dt, qty, "error", note=f"shape {got.shape}, expected {ref64.shape}")
-    if got.dtype.kind not in "fiu":                        # a complex result would lose its imaginary part
+    if got.dtype.kind not in "fiu" and not is_low(got.dtype):   # a complex result would lose its imaginary part
         return ConformanceRow(case, dt, qty, "FAIL", error=float("inf"), allowed=None, ratio=float("inf"),
                               note=f"returned dtype {got.dtype}: attention of real inputs is real")
     if got.dtype != np.dtype(dt):                         # a float32 result for float16 inputs is not that kernel
@@ -284,8 +282,8 @@ def _compare(case, dt, qty, val, ref64, naive, rule):
     diff = np.where(fin, np.abs(got - ref64), 0.0)
     naive_err = None
     if isinstance(rule, RelativeRule):
-        allowed = rule.bound(qty, np.where(fin, ref64, 0.0), np.where(fin, naive, 0.0), np.dtype(dt))
-        naive_err = float(np.max(np.abs(np.where(fin, naive - ref64, 0.0)), initial=0.0))
+        naive_err = naive
+        allowed = rule.bound(qty, np.where(fin, ref64, 0.0), naive_err, np.dtype(dt))
         err = float(diff.max(initial=0.0))
         ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else float("inf"))
         flat = int(np.argmax(diff)) if diff.size else 0
@@ -293,7 +291,7 @@ def _compare(case, dt, qty, val, ref64, naive, rule):
         if isinstance(rule, FixedRule):
             tol = rule.atol + rule.rtol * np.abs(ref64)
         else:
-            tol = rule.max_ulps * np.spacing(np.abs(ref64).astype(np.dtype(dt))).astype(np.float64)
+            tol = rule.max_ulps * ulp(ref64, dt)
         tol = np.where(fin, tol, 1.0)
         r = diff / tol
         flat = int(np.argmax(r)) if r.size else 0
@@ -304,7 +302,7 @@ def _compare(case, dt, qty, val, ref64, naive, rule):
     status = "pass" if ratio <= 1.0 else "FAIL"
     return ConformanceRow(case, dt, qty, status, error=err, allowed=allowed, ratio=ratio, worst_index=idx,
                           impl_value=float(got.flat[flat]) if diff.size else None,
-                          ref_value=float(ref64.flat[flat]) if diff.size else None, note=note, naive_error=naive_err)
+                          ref_value=float(ref64.flat[flat]) if diff.size else None, note=note, honest_error=naive_err)
 
 
 def _copy_opts(inp):

@@ -26,7 +26,7 @@ class ConformanceRow:
     impl_value: Optional[float] = None
     ref_value: Optional[float] = None
     note: str = ""
-    naive_error: Optional[float] = None   # the honest same-dtype computation's error (relative rule), else None
+    honest_error: Optional[float] = None   # the honest ensemble's error (relative rule), else None
 
 
 @dataclass
@@ -83,7 +83,7 @@ class ConformanceReport:
 
     def __str__(self) -> str:
         wc = max([4] + [len(r.case) for r in self.rows])          # full case names
-        head = (f"{'case':<{wc}} {'dtype':<8} {'qty':<5} {'status':<6} {'error':>10} {'naive':>10} "
+        head = (f"{'case':<{wc}} {'dtype':<8} {'qty':<5} {'status':<6} {'error':>10} {'honest':>10} "
                 f"{'allowed':>10} {'ratio':>7}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
@@ -91,7 +91,7 @@ class ConformanceReport:
                 lines.append(f"{r.case:<{wc}} {r.dtype:<8} {r.quantity:<5} {'skip':<6}  {r.note}")
                 continue
             err = "-" if r.error is None else f"{r.error:.3e}"
-            nav = "-" if r.naive_error is None else f"{r.naive_error:.3e}"
+            nav = "-" if r.honest_error is None else f"{r.honest_error:.3e}"
             alw = "-" if r.allowed is None else f"{r.allowed:.3e}"
             rat = "-" if r.ratio is None else f"{r.ratio:.3f}"
             lines.append(f"{r.case:<{wc}} {r.dtype:<8} {r.quantity:<5} {r.status:<6} {err:>10} {nav:>10} {alw:>10} "
@@ -104,9 +104,10 @@ class ConformanceReport:
                 lines.append(f"    {r.note}")
         c = self.counts
         lines.append("")
-        lines.append("error: max |impl - ref64| (ref64: the reference in float64 on the same inputs); naive: the "
-                     "same for an honest computation in the test dtype; allowed: what the rule permits; ratio: "
-                     "error / allowed (at most 1 passes).")
+        lines.append("error: max |impl - ref64| (ref64: the reference in float64 on the same inputs); honest: the "
+                     "largest of the same for the honest ensemble, kernels computing in the test dtype (the "
+                     "relative rule's baseline); allowed: what the rule permits; ratio: error / allowed (at most 1 "
+                     "passes).")
         lines.append(f"rule: {self.rule}")
         lines.append(f"{c['pass']} passed, {c['FAIL'] + c['error']} failed, {c['skip']} skipped "
                      f"(suite {self.suite} v{self.suite_version}; {self.seconds:.1f} s)")

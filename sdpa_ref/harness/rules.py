@@ -16,9 +16,26 @@ __all__ = ["FixedRule", "RelativeRule", "ULPRule", "as_rule", "max_abs_diff", "r
 
 @dataclass(frozen=True)
 class RelativeRule:
-    """FlashAttention's rule: ``err <= k * err(naive same-dtype) + atol_dtype``."""
+    """``err <= k * err(honest ensemble) + atol_dtype``: FlashAttention's form, with a fair baseline.
 
-    k_out: float = 2.0
+    ``err(honest ensemble)`` is the largest ``max|member - ref64|`` over the
+    honest same-precision computations of :mod:`.ensemble` (dense with the
+    scale on the scores, on q, on k or its square root on both, the plain
+    path, online softmax in blocks of 16 and 64, an exp off by 32 ulp), computed in a fixed order without the
+    BLAS: the same bits on every machine. ``atol_dtype`` is FlashAttention's
+    floor, twice the rounding of ``|ref| + 0.3`` in the test dtype.
+
+    The factors come from ``benchmarks/calibrate_rule.py``: over 200 random
+    problems with scores of about +-50, the largest ``err / err(ensemble)``
+    of ten honest NumPy kernels was 1.93 for the output and 2.28 for the
+    gradients in float32 (the exp off by 20 ulp; 1.89 / 2.03 without it), and
+    3.26 in bfloat16 (the scale on k, before the ensemble had a member with
+    the scale on k: the figures with it are in the docs). ``k = 3`` leaves a
+    margin over the worst of them, while the mutants of :mod:`.specimens` land at 2
+    to 10^6 times the allowance where their bug is visible in the dtype.
+    """
+
+    k_out: float = 3.0
     k_grad: float = 3.0
 
     name = "relative"
@@ -27,13 +44,13 @@ class RelativeRule:
         check_tolerance(self.k_out, "k_out")
         check_tolerance(self.k_grad, "k_grad")
 
-    def bound(self, quantity, ref64, naive, dtype):
+    def bound(self, quantity, ref64, honest_err, dtype):
         k = self.k_out if quantity == "out" else self.k_grad
-        return k * max_abs_diff(naive, ref64) + rounding_floor(ref64, dtype)
+        return k * honest_err + rounding_floor(ref64, dtype)
 
     def describe(self):
         return (f"relative: max|impl-ref64| <= {self.k_out:g} (out) / {self.k_grad:g} (grads) * "
-                "max|naive_same_dtype-ref64| + 2*max|fl(fl(ref64+0.3)-0.3)-ref64|")
+                "max|honest_ensemble-ref64| + 2*max|fl(fl(ref64+0.3)-0.3)-ref64|")
 
 
 @dataclass(frozen=True)
@@ -49,7 +66,7 @@ class FixedRule:
         check_tolerance(self.rtol, "rtol")
         check_tolerance(self.atol, "atol")
 
-    def bound(self, quantity, ref64, naive, dtype):
+    def bound(self, quantity, ref64, honest_err, dtype):
         return None                      # element-wise; see _judge
 
     def describe(self):
@@ -67,7 +84,7 @@ class ULPRule:
     def __post_init__(self):
         check_tolerance(self.max_ulps, "max_ulps")
 
-    def bound(self, quantity, ref64, naive, dtype):
+    def bound(self, quantity, ref64, honest_err, dtype):
         return None
 
     def describe(self):

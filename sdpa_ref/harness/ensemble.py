@@ -1,0 +1,355 @@
+r"""The honest ensemble: how far from the truth an honest kernel at a dtype lands, the same bits everywhere.
+
+The relative rule (:mod:`.rules`) allows an implementation ``k`` times the
+error of honest same-precision computations. One honest computation is not
+enough: a kernel that puts the scale on ``q`` instead of the scores, or
+walks the keys in blocks with an online softmax, rounds differently and
+lands up to several times further from the truth on some problems, and a
+rule calibrated on one of them fails honest kernels. So the allowance comes
+from the worst of an ensemble (:data:`MEMBERS`), each computed the way
+kernels compute:
+
+* inputs in the test dtype; every matrix product accumulated in the work
+  dtype (float32 below float64, float64 in float64), by a fixed pairwise
+  tree or one fused multiply-add after another, and kept in the work dtype
+  (scores, ``dP``) or rounded to the test dtype (the output, the gradients);
+* softmax statistics (row max, row sum, ``lse``) in the work dtype;
+* ``P`` rounded to the test dtype before ``P V``, unnormalised with the
+  division at the end (FlashAttention) or normalised first (the plain path);
+  ``dS`` rounded to the test dtype before ``dS K`` and ``dS^T Q``;
+* the scale on the scores, on ``q`` or on ``k`` (rounded to the test dtype
+  there);
+* dense, or an online softmax over blocks of keys (rescaling the running
+  sum and output by ``exp(m_old - m_new)``);
+* an ``exp`` correctly rounded, or off by up to 32 ulp in a fixed
+  pseudo-random pattern (vectorised kernels' ``exp`` are not correctly
+  rounded: PyTorch CPU's ``exp_u20`` is documented at 20 ulp).
+
+Every operation is an IEEE-754 operation in NumPy (element-wise, fixed to
+the bit on every machine and SIMD level) or a loop in a fixed order;
+``exp``, ``log`` and ``tanh`` are the package's double-double ones rounded
+to the work dtype (:class:`sdpa_ref.exact.arith.LowPrecision`). No BLAS
+call is made, so the allowance is the same bits on every machine, thread
+count and BLAS.
+
+The members compute what the reference computes on every option (masks,
+causal, windows, lengths, GQA, bias, ALiBi, softcap, dropout, the
+fully-masked policy). Where the reference's value is NaN (the ``"nan"``
+policy, poisoned inputs) their value is not used.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import numpy as np
+
+from ..exact.arith import LowPrecision
+from ..options import AttentionOptions
+from ..problem import Problem
+from ..transforms import alibi_distance, dropout_forward
+from .cases import grad_out_for
+from .lowp import work_dtype
+
+__all__ = ["MEMBERS", "Member", "ensemble_errors", "member_quantities"]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One honest way to compute attention at a dtype (see the module docstring)."""
+
+    name: str
+    scale_on: str = "scores"           # "scores" (after Q K^T), "q" or "k" (rounded to the dtype there)
+    block: Optional[int] = None        # None: dense softmax; else an online softmax over blocks of keys
+    normalize: str = "late"            # "late": O = (P~ V) / l; "early": P = e / l rounded, O = P V
+    order: str = "tree"                # accumulation: "tree" (fixed pairwise) or "fma" (one after another)
+    delta: str = "out"                 # backward D = rowsum(dO * O) ("out") or rowsum(P * dP) ("probs")
+    # -- what only the specimens (:mod:`.specimens`) set: the ensemble's members keep these defaults
+    arith: str = "exact"               # "exact": fixed-order IEEE emulation; "blas": np.matmul, np.sum, np.exp
+    recip: bool = False                # divide by the row sum (False) or multiply by its reciprocal
+    exp_ulps: float = 0.0              # an exp that is off by up to this many ulp (like PyTorch CPU's exp_u20)
+    scale_factor: float = 1.0          # a wrong scale (mutants)
+    tf32: bool = False                 # matmul inputs rounded to TF32's 10-bit fraction (a mutant in float32)
+    softcap_grad: bool = True          # False: the softcap derivative forgotten (a mutant)
+
+
+#: The ensemble. Calibrated against honest NumPy kernels by ``benchmarks/calibrate_rule.py``.
+MEMBERS = (
+    Member("dense, scale on the scores"),
+    Member("dense, scale on q, fma order", scale_on="q", order="fma"),
+    Member("plain, P normalised first", normalize="early", delta="probs"),
+    Member("online softmax, blocks of 16, scale on q", scale_on="q", block=16, order="fma"),
+    Member("online softmax, blocks of 64, sqrt(scale) on q and k", scale_on="sqrt", block=64),
+    Member("dense, scale on k", scale_on="k"),
+    Member("dense, an exp off by up to 32 ulp", exp_ulps=32.0),
+)
+
+
+def ensemble_errors(case, dtype, ref64) -> Dict[str, float]:
+    """Per quantity (``out, dq, dk, dv``, ``dbias``), the largest ``max|member - ref64|`` over :data:`MEMBERS`,
+    over the entries where ``ref64`` is a number."""
+    worst: Dict[str, float] = {}
+    for m in MEMBERS:
+        got = member_quantities(case, np.dtype(dtype).name, m)
+        for q, ref in ref64.items():
+            if q not in got:
+                continue
+            fin = ~np.isnan(ref)
+            with np.errstate(invalid="ignore"):
+                d = np.abs(np.where(fin, got[q].astype(np.float64) - ref, 0.0))
+            d = np.where(np.isnan(d), np.inf, d)            # a member NaN where the truth is a number: unbounded
+            worst[q] = max(worst.get(q, 0.0), float(d.max(initial=0.0)))
+    return worst
+
+
+@functools.lru_cache(maxsize=512)
+def member_quantities(case, dtype, member: Member):
+    """``member``'s ``out, dq, dk, dv`` (and ``dbias``) on ``case``'s inputs drawn in ``dtype``, in that dtype;
+    read-only (cached)."""
+    dt = np.dtype(dtype)
+    inp = case.make_inputs(dt)
+    arrays = {n: (np.asarray(a).astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind not in "biu" else a)
+              for n, a in inp.items()}
+    q, k, v = arrays.pop("query"), arrays.pop("key"), arrays.pop("value")
+    prob = Problem.build(q, k, v, AttentionOptions.from_kwargs("ensemble", **arrays))
+    dO = grad_out_for(case, prob.out_shape, dt)
+    res = run_member(prob, dt, member, np.asarray(dO).astype(np.float64))
+    for a in res.values():
+        a.setflags(write=False)
+    return res
+
+
+def run_member(prob, dtype, member: Member, dO=None):
+    """``member`` on a validated float64 :class:`~sdpa_ref.problem.Problem` whose values are ``dtype``'s: ``out``
+    and, given ``dO`` (float64 holding ``dtype`` values), ``dq, dk, dv`` (and ``dbias``), in ``dtype``."""
+    with np.errstate(all="ignore"):
+        return _Kernel(prob, dtype, member).run(dO)
+
+
+class _Kernel:
+    """One member on one problem: the forward, then the backward, in full ``(*batch, Hq, L, n)`` layout."""
+
+    def __init__(self, prob, dt, member):
+        self.p, self.dt, self.m = prob, np.dtype(dt), member
+        self.w = work_dtype(dt)
+        self.X = LowPrecision(self.w)
+        self.s = self.w.type(prob.scale * member.scale_factor)
+
+    # -- arithmetic
+    def rd(self, x):
+        """Rounded to the test dtype, returned in the work dtype (exact there)."""
+        return np.asarray(x).astype(self.dt).astype(self.w)
+
+    def W(self, x):
+        return np.asarray(x).astype(self.w)
+
+    def mm(self, a, b):
+        """``a @ b`` accumulated in the work dtype, in the member's order; the result in the work dtype."""
+        a, b = self.W(a), self.W(b)
+        if self.m.tf32:
+            a, b = _tf32(a), _tf32(b)
+        if self.m.arith == "blas":
+            return np.matmul(a, b)
+        if self.m.order == "tree" or a.shape[-1] == 0:
+            return self.X.matmul(a, b)
+        a2, b2 = a.astype(np.float64), b.astype(np.float64)     # float32 products exact in float64
+        acc = np.zeros(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), self.w)
+        for i in range(a.shape[-1]):                       # one multiply-add after another: a fixed order
+            acc = (acc + a2[..., :, i, None] * b2[..., None, i, :]).astype(self.w)
+        return acc
+
+    def rowsum(self, x):
+        if self.m.arith == "blas":
+            return np.sum(self.W(x), axis=-1, keepdims=True) if self.m.order == "tree" else \
+                np.cumsum(self.W(x), axis=-1)[..., -1:] if x.shape[-1] else np.zeros(x.shape[:-1] + (1,), self.w)
+        if self.m.order == "tree":
+            return self.X.sum(self.W(x), keepdims=True)
+        acc = np.zeros(x.shape[:-1] + (1,), self.w)
+        for j in range(x.shape[-1]):
+            acc = acc + self.W(x[..., j:j + 1])
+        return acc
+
+    def exp(self, x):
+        e = np.exp(self.W(x)) if self.m.arith == "blas" else self.X.exp(self.W(x))
+        if self.m.exp_ulps:                   # a deterministic error of up to exp_ulps ulp, from the bits of x
+            bits = np.asarray(self.W(x)).view(np.uint32 if self.w == np.float32 else np.uint64).astype(np.uint64)
+            salt = np.uint64(sum(map(ord, self.m.name)) * 2 + 1)         # each kernel its own pattern of errors
+            u = ((bits * np.uint64(2654435761) * salt) % np.uint64(65536)).astype(np.float64) / 32768.0 - 1.0
+            e = self.W(e * (1.0 + self.m.exp_ulps * np.finfo(self.w).eps * u))
+        return e
+
+    def div(self, a, b):
+        return self.W(a * self.W(self.w.type(1) / b)) if self.m.recip else self.W(a / b)
+
+    # -- layouts
+    def full(self, a, heads_of_kv):
+        """``q`` ``(..., Hkv, G, L, n)`` or ``k``/``v`` ``(..., Hkv, S, n)`` as ``(*batch, Hq, ., n)``."""
+        p = self.p
+        if heads_of_kv:
+            a = np.broadcast_to(a[..., :, None, :, :], a.shape[:-2] + (p.G,) + a.shape[-2:])
+        a = a.reshape(a.shape[:-4] + (p.Hq,) + a.shape[-2:])
+        return np.broadcast_to(a, p.batch + a.shape[-3:])
+
+    def to_input(self, g, which):
+        """A full-layout gradient summed over each GQA group (keys, values) and the broadcast batch dims."""
+        p = self.p
+        if which != "query":
+            g = g.reshape(g.shape[:-3] + (p.Hkv, p.G) + g.shape[-2:])
+            g = self.X.sum(np.moveaxis(g, -3, -1), axis=-1)            # (..., Hkv, S, n) by a fixed tree
+        shape = tuple(p.shapes[which])
+        return self.sum_to(g, shape if len(shape) > 2 else (1,) + shape).reshape(shape)
+
+    def sum_to(self, g, shape):
+        """``g`` summed down to the broadcastable ``shape`` by fixed trees, one axis at a time."""
+        while g.ndim > len(shape):
+            g = self.X.sum(g, axis=0)
+        for ax, n in enumerate(shape):
+            if n == 1 and g.shape[ax] != 1:
+                g = self.X.sum(g, axis=ax, keepdims=True)
+        return g
+
+    # -- the two passes
+    def run(self, dO):
+        fw = self.forward()
+        out = {"out": fw["O"].astype(self.dt).reshape(self.p.out_shape)}
+        if dO is not None:
+            out.update(self.backward(fw, np.asarray(dO).reshape(fw["O"].shape)))
+        return out
+
+    def scores(self):
+        p, m = self.p, self.m
+        q, k = self.W(self.full(p.q, False)), self.W(self.full(p.k, True))
+        if m.scale_on in ("q", "k", "sqrt"):
+            q, k = self.scaled(q, k)
+            return self.mm(q, np.swapaxes(k, -1, -2))
+        return self.W(self.mm(q, np.swapaxes(k, -1, -2)) * self.s)
+
+    def scaled(self, q, k):
+        """``(q, k)`` with the scale on ``q``, on ``k`` or its square root on both, rounded to the dtype."""
+        on = self.m.scale_on
+        r = self.w.type(np.sqrt(self.s)) if on == "sqrt" else self.s
+        return (self.rd(q * r) if on in ("q", "sqrt") else q), (self.rd(k * r) if on in ("k", "sqrt") else k)
+
+    def forward(self):
+        p, m, o = self.p, self.m, self.p.options
+        T, th = self.scores(), None
+        if o.softcap is not None:
+            c = self.w.type(o.softcap)
+            th = self.X.tanh(self.W(T / c))
+            T = self.W(th * c)
+        excl = np.zeros(p.full_scores, bool)
+        if p.allowed() is not None:
+            excl |= ~np.broadcast_to(p.allowed(), p.full_scores)
+        for b in (p.mask_float, p.bias):
+            if b is not None:
+                neg = np.broadcast_to(b == -np.inf, p.full_scores)
+                T = self.W(T + np.where(neg, 0, self.W(b)))
+                excl = excl | neg
+        if p.alibi is not None:
+            dist = alibi_distance(p.L, p.S, o.causal_alignment, p.q_lengths, p.kv_lengths)
+            T = self.W(T - self.W(self.W(p.alibi) * self.W(dist)))
+        empty = excl.all(axis=-1, keepdims=True) if p.S else np.ones(p.full_scores[:-1] + (1,), bool)
+        if o.fully_masked == "uniform":                 # every key alike: a row of equal scores
+            excl = excl & ~empty
+            T = np.where(empty, self.w.type(0), T)
+        T = np.where(excl, -np.inf, T).astype(self.w)
+        keep, rdrop = self.dropout()
+        v = self.W(self.full(p.v, True))
+        if m.block is None:
+            mx = T.max(axis=-1, keepdims=True, initial=-np.inf)
+            mx = np.where(np.isfinite(mx), mx, 0).astype(self.w)
+            e = self.exp(T - mx)
+            lsum = self.rowsum(e)
+            if m.normalize == "early":
+                P = self.div(e, lsum)
+                O = self.mm(self.drop(self.rd(P), keep, rdrop), v)
+            else:
+                O = self.div(self.mm(self.drop(self.rd(e), keep, rdrop), v), lsum)
+        else:
+            mx = np.full(T.shape[:-1] + (1,), -np.inf, self.w)
+            lsum = np.zeros(T.shape[:-1] + (1,), self.w)
+            acc = np.zeros(T.shape[:-1] + (v.shape[-1],), self.w)
+            for j0 in range(0, p.S, m.block):             # the online softmax: one block of keys at a time
+                Tj = T[..., j0:j0 + m.block]
+                new = np.maximum(mx, Tj.max(axis=-1, keepdims=True))
+                safe = np.where(np.isfinite(new), new, 0).astype(self.w)
+                alpha = self.exp(np.where(np.isfinite(mx), mx - safe, -np.inf))
+                ej = self.exp(Tj - safe)
+                lsum = self.W(self.W(alpha * lsum) + self.rowsum(ej))
+                kj = None if keep is None else keep[..., j0:j0 + m.block]
+                acc = self.W(self.W(alpha * acc) + self.mm(self.drop(self.rd(ej), kj, rdrop), v[..., j0:j0 + m.block, :]))
+                mx = new
+            mx = np.where(np.isfinite(mx), mx, 0).astype(self.w)
+            O = self.div(acc, lsum)
+        lse = self.W(mx + self.X.log(lsum))
+        O = self.fill_rows(O, empty)
+        return {"O": self.rd(O), "T": T, "th": th, "lse": lse, "empty": empty,
+                "P": P if m.normalize == "early" and m.block is None else None}
+
+    def dropout(self):
+        p = self.p
+        return (None, None) if p.keep is None else (np.broadcast_to(p.keep, p.full_scores), p.options.dropout_p)
+
+    def drop(self, x, keep, rate, dt=True):
+        """``x * Z / (1 - p)`` in the work dtype, rounded to the test dtype (the kernel's P before P V) unless
+        ``dt=False``."""
+        y = dropout_forward(self.W(x), keep, rate)
+        return self.rd(y) if dt else self.W(y)
+
+    def row_kinds(self, empty):
+        """``(zero, nan)``: the rows whose ``P`` is 0 (fully masked under ``"zero"``, padded) and NaN (fully
+        masked under ``"nan"``, which a kernel spreads as the formula does)."""
+        p, policy = self.p, self.p.options.fully_masked
+        zero = empty if policy == "zero" else np.zeros_like(empty)
+        nan = empty if policy == "nan" else np.zeros_like(empty)
+        pad = p.padded_rows()
+        if pad is not None:
+            pad = np.broadcast_to(pad, empty.shape)
+            zero, nan = zero | pad, nan & ~pad
+        return zero, nan
+
+    def fill_rows(self, O, empty):
+        zero, nan = self.row_kinds(empty)
+        return np.where(nan, self.w.type(np.nan), np.where(zero, self.w.type(0), O))
+
+    def backward(self, fw, dO):
+        p, m = self.p, self.m
+        dO = self.rd(dO)
+        keep, rdrop = self.dropout()
+        q, k, v = (self.W(self.full(x, h)) for x, h in ((p.q, False), (p.k, True), (p.v, True)))
+        P = fw["P"] if fw["P"] is not None else self.exp(self.W(fw["T"] - fw["lse"]))
+        zero, nan = self.row_kinds(fw["empty"])
+        P = np.where(nan, self.w.type(np.nan), np.where(zero, self.w.type(0), P))
+        Pd = self.drop(P, keep, rdrop, dt=False)
+        dv = self.mm(np.swapaxes(self.rd(Pd), -1, -2), dO)
+        dP = self.mm(dO, np.swapaxes(v, -1, -2))
+        dPd = self.drop(dP, keep, rdrop, dt=False)
+        D = self.rowsum(self.W(dO * fw["O"])) if m.delta == "out" else self.rowsum(self.W(P * dPd))
+        dS = self.W(P * self.W(dPd - D))
+        dS = np.where(zero | (fw["empty"] & ~nan), self.w.type(0), dS)     # P is a constant there
+        res = {}
+        if p.bias is not None:
+            res["dbias"] = self.sum_to(dS, p.shapes["bias"]).reshape(p.shapes["bias"])
+        if fw["th"] is not None and m.softcap_grad:
+            dS = self.W(dS * self.W(self.w.type(1) - self.W(fw["th"] * fw["th"])))
+        dSt = self.rd(dS)
+        if m.scale_on == "scores":
+            dq = self.W(self.mm(dSt, k) * self.s)
+            dk = self.W(self.mm(np.swapaxes(dSt, -1, -2), q) * self.s)
+        else:                                # d(q' k'^T): dq' = dS k', dk' = dS^T q', then through q' = q * r
+            qs, ks = self.scaled(q, k)
+            rq = self.w.type(np.sqrt(self.s)) if m.scale_on == "sqrt" else self.s if m.scale_on == "q" else None
+            rk = self.w.type(np.sqrt(self.s)) if m.scale_on == "sqrt" else self.s if m.scale_on == "k" else None
+            dq, dk = self.mm(dSt, ks), self.mm(np.swapaxes(dSt, -1, -2), qs)
+            dq = dq if rq is None else self.W(dq * rq)
+            dk = dk if rk is None else self.W(dk * rk)
+        res.update(dq=self.to_input(dq, "query"), dk=self.to_input(dk, "key"), dv=self.to_input(dv, "value"))
+        return {n: a.astype(self.dt) for n, a in res.items()}
+
+
+def _tf32(x):
+    """float32 values rounded (to nearest, ties away) to TF32's 10-bit fraction."""
+    b = np.asarray(x, np.float32).view(np.uint32)
+    return ((b + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
