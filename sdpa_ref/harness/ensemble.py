@@ -48,6 +48,7 @@ import numpy as np
 
 from ..exact.arith import LowPrecision
 from ..options import AttentionOptions
+from ..engines.reproducible import _unbroadcast
 from ..problem import Problem
 from ..transforms import alibi_distance, dropout_forward
 from .cases import grad_out_for
@@ -203,12 +204,7 @@ class _Kernel:
 
     def sum_to(self, g, shape):
         """``g`` summed down to the broadcastable ``shape`` by fixed trees, one axis at a time."""
-        while g.ndim > len(shape):
-            g = self.X.sum(g, axis=0)
-        for ax, n in enumerate(shape):
-            if n == 1 and g.shape[ax] != 1:
-                g = self.X.sum(g, axis=ax, keepdims=True)
-        return g
+        return _unbroadcast(self.X, g, tuple(shape))
 
     # -- the two passes
     def run(self, dO):
