@@ -119,3 +119,69 @@ def test_the_allowance_is_the_same_bits_on_every_call():
     member_quantities.cache_clear()
     b = ensemble_errors(case, "bfloat16", ref)
     assert a == b and set(a) == {"out", "dq", "dk", "dv", "dbias"}
+
+
+# ------------------------------------------------------------------ the pieces
+
+
+def test_every_knob_of_a_member_changes_the_result():
+    """An option a member accepts and ignores would leave the ensemble narrower than it says."""
+    import dataclasses
+
+    from sdpa_ref.harness.ensemble import Member
+    every = next(c for c in get_suite("quick") if c.name.startswith("all-"))      # every option at once ...
+    case = dataclasses.replace(every, name="knobs-E8", E=8, Ev=8)     # ... with a scale that is not a power of 2
+    base = member_quantities(case, "float32", Member("base"))
+    knobs = dict(scale_on=("q", "k", "sqrt"), block=(4,), normalize=("early",), order=("fma",), delta=("probs",),
+                 arith=("blas",), recip=(True,), exp_ulps=(32.0,), scale_factor=(1.01,), tf32=(True,),
+                 softcap_grad=(False,))
+    for name, values in knobs.items():
+        for value in values:
+            got = member_quantities(case, "float32", Member("base", **{name: value}))
+            assert any(not np.array_equal(got[q], base[q], equal_nan=True) for q in base), (name, value)
+
+
+@pytest.mark.parametrize("bad, match", [(dict(scale_on="v"), "scale_on"), (dict(order="random"), "order"),
+                                        (dict(block=0), "block"), (dict(block=True), "block"),
+                                        (dict(exp_ulps=-1.0), "exp_ulps"), (dict(normalize=None), "normalize")])
+def test_a_member_refuses_bad_settings(bad, match):
+    from sdpa_ref.harness.ensemble import Member
+    with pytest.raises((ValueError, TypeError), match=match):
+        Member("bad", **bad)
+
+
+def test_ulp_is_numpys_spacing_for_numpys_floats_and_the_format_s_for_the_others():
+    from sdpa_ref.harness.lowp import ulp
+    x = np.array([0.0, 1e-30, 1e-6, 0.3, 1.0, 1.5, -2.0, 3e4])
+    for dt in (np.float16, np.float32, np.float64):
+        want = np.spacing(np.abs(x).astype(dt)).astype(np.float64)
+        assert np.array_equal(ulp(x, dt), want), dt
+    np.testing.assert_array_equal(ulp([1.0, 1.9, 2.0, 0.0], "bfloat16"), [2.0 ** -7, 2.0 ** -7, 2.0 ** -6, 2.0 ** -133])
+    np.testing.assert_array_equal(ulp([1.0, 448.0], "float8_e4m3fn"), [2.0 ** -3, 32.0])
+
+
+def test_the_ulp_rule_judges_bfloat16():
+    sp = HONEST[0]
+    rep = sdpa_ref.check_implementation(sp.forward, dtypes="bfloat16", rule="ulp",
+                                        cases=[c for c in get_suite("quick") if c.name == "plain-L8-S8"])
+    assert [r.quantity for r in rep.rows] == ["out"] and rep.rows[0].allowed > 0
+
+
+def test_a_low_dtype_without_ml_dtypes_is_a_one_line_error(monkeypatch, capsys):
+    import sys
+
+    from sdpa_ref.cli import main
+    from sdpa_ref.harness.lowp import as_test_dtype
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)            # import ml_dtypes now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install \"sdpa_ref\[lowp\]\""):
+        as_test_dtype("bfloat16")
+    assert as_test_dtype("float16") == np.float16                   # NumPy's own need nothing
+    assert main(["conform", "tests.impls:ref_forward", "--dtype", "float32", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--dtype" in err and "ml_dtypes" in err
+
+
+@pytest.mark.parametrize("bad", ["bfloat17", "int32", 3])
+def test_an_unknown_test_dtype_names_the_argument(bad):
+    with pytest.raises(TypeError, match="`dtypes` should name dtypes of"):
+        sdpa_ref.check_implementation(lambda q, k, v: q, dtypes=bad)

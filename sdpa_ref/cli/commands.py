@@ -177,7 +177,14 @@ def _cmd_verify(args) -> int:
 
 def _cmd_conform(args) -> int:
     from ..harness import conformance
+    from ..harness.lowp import as_test_dtype
 
+    try:                                                   # bfloat16 and fp8 need ml_dtypes: say so, no traceback
+        for d in args.dtype:
+            as_test_dtype(d, "--dtype")
+    except ImportError as exc:
+        print(f"sdpa-ref: {exc}", file=sys.stderr)
+        return 2
     try:
         fwd = _load(args.target)
         bwd = _load(args.backward) if args.backward else None

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..api import sdpa_forward
 from ..options import ARRAY_OPTIONS, OPTION_NAMES, AttentionOptions
+from .lowp import widen
 
 __all__ = ["ARRAY_KINDS", "SUITE_VERSION", "SUITES", "Case", "get_suite", "grad_out_for", "gradcheck_grid",
            "tangents_for"]
@@ -154,8 +155,7 @@ def _option_names(case: Case) -> frozenset:
 
 @functools.lru_cache(maxsize=None)
 def _has_fully_masked_rows(case: Case, dtype: str) -> bool:
-    inp = {n: (a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind not in "biu" else a)
-           for n, a in case.make_inputs(dtype).items()}            # (bfloat16 and fp8 values: exact in float64)
+    inp = widen(case.make_inputs(dtype))                      # (bfloat16 and fp8: the engines take float64)
     _, res = sdpa_forward(inp.pop("query"), inp.pop("key"), inp.pop("value"), save_probs=False, **inp)
     empty = res.empty
     if res.padded is not None:

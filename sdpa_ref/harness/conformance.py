@@ -102,7 +102,7 @@ def _from_signature(fn):
 
 def _as_dtypes(dtypes):
     """A tuple of dtype names from a name, a dtype, a scalar type, or a sequence of them."""
-    if isinstance(dtypes, (str, np.dtype, type)):
+    if isinstance(dtypes, (str, np.dtype, type)) or not isinstance(dtypes, Iterable):
         dtypes = (dtypes,)
     out = []
     for d in dtypes:

@@ -48,11 +48,12 @@ import numpy as np
 
 from ..exact.arith import LowPrecision
 from ..options import AttentionOptions
+from .._validate import check_choice, check_tolerance
 from ..engines.reproducible import _unbroadcast
 from ..problem import Problem
 from ..transforms import alibi_distance, dropout_forward
 from .cases import grad_out_for
-from .lowp import work_dtype
+from .lowp import widen, work_dtype
 
 __all__ = ["MEMBERS", "Member", "ensemble_errors", "member_quantities"]
 
@@ -74,6 +75,15 @@ class Member:
     scale_factor: float = 1.0          # a wrong scale (mutants)
     tf32: bool = False                 # matmul inputs rounded to TF32's 10-bit fraction (a mutant in float32)
     softcap_grad: bool = True          # False: the softcap derivative forgotten (a mutant)
+
+    def __post_init__(self):
+        for name, choices in (("scale_on", ("scores", "q", "k", "sqrt")), ("normalize", ("late", "early")),
+                              ("order", ("tree", "fma")), ("delta", ("out", "probs")), ("arith", ("exact", "blas"))):
+            check_choice(getattr(self, name), name, choices)
+        if self.block is not None and (isinstance(self.block, bool) or not isinstance(self.block, int)
+                                       or self.block < 1):
+            raise ValueError(f"`block` should be None or an int >= 1, but got {self.block!r}")
+        check_tolerance(self.exp_ulps, "exp_ulps")
 
 
 #: The ensemble. Calibrated against honest NumPy kernels by ``benchmarks/calibrate_rule.py``.
@@ -110,9 +120,7 @@ def member_quantities(case, dtype, member: Member):
     """``member``'s ``out, dq, dk, dv`` (and ``dbias``) on ``case``'s inputs drawn in ``dtype``, in that dtype;
     read-only (cached)."""
     dt = np.dtype(dtype)
-    inp = case.make_inputs(dt)
-    arrays = {n: (np.asarray(a).astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind not in "biu" else a)
-              for n, a in inp.items()}
+    arrays = widen(case.make_inputs(dt))
     q, k, v = arrays.pop("query"), arrays.pop("key"), arrays.pop("value")
     prob = Problem.build(q, k, v, AttentionOptions.from_kwargs("ensemble", **arrays))
     dO = grad_out_for(case, prob.out_shape, dt)
@@ -162,15 +170,14 @@ class _Kernel:
         return acc
 
     def rowsum(self, x):
-        if self.m.arith == "blas":
-            return np.sum(self.W(x), axis=-1, keepdims=True) if self.m.order == "tree" else \
-                np.cumsum(self.W(x), axis=-1)[..., -1:] if x.shape[-1] else np.zeros(x.shape[:-1] + (1,), self.w)
-        if self.m.order == "tree":
-            return self.X.sum(self.W(x), keepdims=True)
-        acc = np.zeros(x.shape[:-1] + (1,), self.w)
-        for j in range(x.shape[-1]):
-            acc = acc + self.W(x[..., j:j + 1])
-        return acc
+        """The sum over the last axis, kept: one add after another (``np.cumsum``, sequential by definition)
+        in the "fma" order; else NumPy's own (``"blas"``) or the fixed pairwise tree."""
+        x = self.W(x)
+        if x.shape[-1] == 0:
+            return np.zeros(x.shape[:-1] + (1,), self.w)
+        if self.m.order == "fma":
+            return np.cumsum(x, axis=-1)[..., -1:]
+        return np.sum(x, axis=-1, keepdims=True) if self.m.arith == "blas" else self.X.sum(x, keepdims=True)
 
     def exp(self, x):
         e = np.exp(self.W(x)) if self.m.arith == "blas" else self.X.exp(self.W(x))
@@ -217,16 +224,21 @@ class _Kernel:
     def scores(self):
         p, m = self.p, self.m
         q, k = self.W(self.full(p.q, False)), self.W(self.full(p.k, True))
-        if m.scale_on in ("q", "k", "sqrt"):
-            q, k = self.scaled(q, k)
-            return self.mm(q, np.swapaxes(k, -1, -2))
-        return self.W(self.mm(q, np.swapaxes(k, -1, -2)) * self.s)
+        if m.scale_on == "scores":
+            return self.W(self.mm(q, np.swapaxes(k, -1, -2)) * self.s)
+        q, k = self.scaled(q, k)
+        return self.mm(q, np.swapaxes(k, -1, -2))
+
+    def factors(self):
+        """``(r_q, r_k)``: what ``q`` and ``k`` are multiplied by before ``Q K^T`` (None: nothing)."""
+        root = self.w.type(np.sqrt(self.s))
+        return {"q": (self.s, None), "k": (None, self.s), "sqrt": (root, root), "scores": (None, None)}[
+            self.m.scale_on]
 
     def scaled(self, q, k):
         """``(q, k)`` with the scale on ``q``, on ``k`` or its square root on both, rounded to the dtype."""
-        on = self.m.scale_on
-        r = self.w.type(np.sqrt(self.s)) if on == "sqrt" else self.s
-        return (self.rd(q * r) if on in ("q", "sqrt") else q), (self.rd(k * r) if on in ("k", "sqrt") else k)
+        rq, rk = self.factors()
+        return (q if rq is None else self.rd(q * rq)), (k if rk is None else self.rd(k * rk))
 
     def forward(self):
         p, m, o = self.p, self.m, self.p.options
@@ -275,7 +287,8 @@ class _Kernel:
                 ej = self.exp(Tj - safe)
                 lsum = self.W(self.W(alpha * lsum) + self.rowsum(ej))
                 kj = None if keep is None else keep[..., j0:j0 + m.block]
-                acc = self.W(self.W(alpha * acc) + self.mm(self.drop(self.rd(ej), kj, rdrop), v[..., j0:j0 + m.block, :]))
+                pv = self.mm(self.drop(self.rd(ej), kj, rdrop), v[..., j0:j0 + m.block, :])
+                acc = self.W(self.W(alpha * acc) + pv)
                 mx = new
             mx = np.where(np.isfinite(mx), mx, 0).astype(self.w)
             O = self.div(acc, lsum)
@@ -335,9 +348,7 @@ class _Kernel:
             dq = self.W(self.mm(dSt, k) * self.s)
             dk = self.W(self.mm(np.swapaxes(dSt, -1, -2), q) * self.s)
         else:                                # d(q' k'^T): dq' = dS k', dk' = dS^T q', then through q' = q * r
-            qs, ks = self.scaled(q, k)
-            rq = self.w.type(np.sqrt(self.s)) if m.scale_on == "sqrt" else self.s if m.scale_on == "q" else None
-            rk = self.w.type(np.sqrt(self.s)) if m.scale_on == "sqrt" else self.s if m.scale_on == "k" else None
+            (rq, rk), (qs, ks) = self.factors(), self.scaled(q, k)
             dq, dk = self.mm(dSt, ks), self.mm(np.swapaxes(dSt, -1, -2), qs)
             dq = dq if rq is None else self.W(dq * rq)
             dk = dk if rk is None else self.W(dk * rk)

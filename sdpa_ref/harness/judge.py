@@ -23,7 +23,7 @@ from ..transforms import unbroadcast
 from ._limits import CaseTimeout, call_with_deadline as _limited
 from .cases import Case, grad_out_for, tangents_for
 from .ensemble import ensemble_errors
-from .lowp import is_low, ulp
+from .lowp import is_low, ulp, widen
 from .report import ConformanceRow
 from .rules import FixedRule, RelativeRule
 
@@ -54,7 +54,7 @@ def _reference_quantities(case: Case, dtype="float64", naive=False):
         g = grad_out_for(case, out.shape, dt)
     else:
         q, k, v = (a.astype(np.float64) for a in (q, k, v))
-        inp = _as_float64(inp)
+        inp = widen(inp)
         out, res = sdpa_forward(q, k, v, precision="reproducible", **inp)
         g = grad_out_for(case, out.shape, dt).astype(np.float64)
     gr = sdpa_backward(res, g)
@@ -75,11 +75,11 @@ def reference_jvp(case: Case, dtype="float64", naive=False):
     ts = tuple(t.astype(dt) for t in tangents_for(case, q, k, v))
     if naive:
         c = np.dtype(np.float32) if is_low(dt) else dt
-        inp = _as_float64(inp, c) if is_low(dt) else inp
+        inp = widen(inp, c) if is_low(dt) else inp
         tan = sdpa_jvp(tuple(a.astype(c) for a in (q, k, v)), tuple(t.astype(c) for t in ts),
                        precision="reproducible", upcast=False, **inp)[1].astype(dt)
     else:
-        inp = _as_float64(inp)
+        inp = widen(inp)
         tan = sdpa_jvp(tuple(a.astype(np.float64) for a in (q, k, v)), tuple(t.astype(np.float64) for t in ts),
                        precision="reproducible", **inp)[1]
     tan = np.asarray(tan, dtype=np.float64)
@@ -87,21 +87,15 @@ def reference_jvp(case: Case, dtype="float64", naive=False):
     return tan
 
 
-def _as_float64(inp, dtype=np.float64):
-    """The case's float arrays (masks, bias, slopes) in ``dtype`` (their values are exact there)."""
-    return {n: (a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype.kind not in "biu" else a)
-            for n, a in inp.items()}
-
-
 def judge_case(case, dt, impl, rule, sup, timeout=None):
     """The report rows of ``impl`` (an :class:`Implementation`) on ``case`` at dtype ``dt``."""
     ref64 = reference_quantities(case, dt)     # float64 arithmetic on the test-dtype inputs, kept in float64
-    naive = ensemble_errors(case, dt, ref64) if isinstance(rule, RelativeRule) else None
+    honest = ensemble_errors(case, dt, ref64) if isinstance(rule, RelativeRule) else None
     if impl.jvp is not None:
         ref64["jvp"] = reference_jvp(case, dt)
-        if naive is not None:
+        if honest is not None:                    # the tangent's baseline: the plain same-dtype JVP
             fin = ~np.isnan(ref64["jvp"])
-            naive["jvp"] = float(np.max(np.abs(np.where(fin, reference_jvp(case, dt, naive=True) - ref64["jvp"], 0)),
+            honest["jvp"] = float(np.max(np.abs(np.where(fin, reference_jvp(case, dt, naive=True) - ref64["jvp"], 0)),
                                         initial=0.0))
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
@@ -148,11 +142,11 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
         except BaseException as exc:
             rows.append(ConformanceRow(case.name, dt, what, "error", note=_what(exc, timeout)))
     for qty, val in got.items():
-        rows.append(_compare(case.name, dt, qty, val, ref64[qty], None if naive is None else naive[qty], rule))
+        rows.append(_compare(case.name, dt, qty, val, ref64[qty], None if honest is None else honest[qty], rule))
     if impl.deterministic:
         rows.append(_determinism(case.name, dt, impl, q, k, v, inp, out, deadline, timeout))
     if impl.poison:
-        row = _poisoned(case, dt, impl, q, k, v, inp, ref64, naive, rule, deadline, timeout)
+        row = _poisoned(case, dt, impl, q, k, v, inp, ref64, honest, rule, deadline, timeout)
         if row is not None:
             rows.append(row)
     return rows
@@ -226,7 +220,7 @@ def _dead_in(live, shape, n):
     return ~live.reshape(lead + ((1,) if len(shape) >= 3 else ()) + (n, 1))
 
 
-def _poisoned(case, dt, impl, q, k, v, inp, ref64, naive, rule, deadline, timeout):
+def _poisoned(case, dt, impl, q, k, v, inp, ref64, honest, rule, deadline, timeout):
     """NaN written into the keys and values no row reads and the padded query rows must not reach the output."""
     keys, rows = dead_positions(q, k, inp)
     if keys is None and rows is None:
@@ -240,7 +234,7 @@ def _poisoned(case, dt, impl, q, k, v, inp, ref64, naive, rule, deadline, timeou
         raise
     except BaseException as exc:
         return ConformanceRow(case.name, dt, "poison", "error", note=_what(exc, timeout))
-    row = _compare(case.name, dt, "out", out, ref64["out"], None if naive is None else naive["out"], rule)
+    row = _compare(case.name, dt, "out", out, ref64["out"], None if honest is None else honest["out"], rule)
     row.quantity = "poison"
     if row.status != "pass":
         row.note = ("NaN written where no row reads (keys and values no row attends to, padded query rows) "
@@ -256,7 +250,9 @@ def _what(exc, timeout=None):
     return f"{type(exc).__name__}: {exc}"
 
 
-def _compare(case, dt, qty, val, ref64, naive, rule):
+def _compare(case, dt, qty, val, ref64, honest, rule):
+    """One row: ``val`` against ``ref64`` by ``rule``; ``honest`` is the honest ensemble's error (relative
+    rule), else None."""
     try:
         got = np.asarray(val)
     except Exception as exc:
@@ -280,10 +276,8 @@ def _compare(case, dt, qty, val, ref64, naive, rule):
                                     else "a number where the reference has NaN") + (f"; {note}" if note else ""))
     fin = ~nan_ref
     diff = np.where(fin, np.abs(got - ref64), 0.0)
-    naive_err = None
     if isinstance(rule, RelativeRule):
-        naive_err = naive
-        allowed = rule.bound(qty, np.where(fin, ref64, 0.0), naive_err, np.dtype(dt))
+        allowed = rule.bound(qty, np.where(fin, ref64, 0.0), honest, np.dtype(dt))
         err = float(diff.max(initial=0.0))
         ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else float("inf"))
         flat = int(np.argmax(diff)) if diff.size else 0
@@ -302,7 +296,7 @@ def _compare(case, dt, qty, val, ref64, naive, rule):
     status = "pass" if ratio <= 1.0 else "FAIL"
     return ConformanceRow(case, dt, qty, status, error=err, allowed=allowed, ratio=ratio, worst_index=idx,
                           impl_value=float(got.flat[flat]) if diff.size else None,
-                          ref_value=float(ref64.flat[flat]) if diff.size else None, note=note, honest_error=naive_err)
+                          ref_value=float(ref64.flat[flat]) if diff.size else None, note=note, honest_error=honest)
 
 
 def _copy_opts(inp):

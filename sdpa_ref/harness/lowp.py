@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["LOW_DTYPES", "TEST_DTYPES", "as_test_dtype", "finfo", "is_low", "ulp", "work_dtype"]
+__all__ = ["LOW_DTYPES", "TEST_DTYPES", "as_test_dtype", "finfo", "is_low", "ulp", "widen", "work_dtype"]
 
 #: The dtypes that need ``ml_dtypes``.
 LOW_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
@@ -68,6 +68,14 @@ def ulp(x, dt):
     fi = finfo(dt)
     a = np.abs(np.asarray(x, np.float64))
     with np.errstate(divide="ignore", invalid="ignore"):
-        e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
-    e = np.maximum(np.where(np.isfinite(e), e, 0.0), float(fi.minexp))
+        e = np.floor(np.log2(a))                              # -inf at 0: the subnormal spacing below
+    e = np.maximum(np.where(np.isnan(e) | (e == np.inf), 0.0, e), float(fi.minexp))
     return np.ldexp(1.0, (e - fi.nmant).astype(int))
+
+
+def widen(inputs, dtype=np.float64):
+    """``inputs`` (a dict of keyword arguments) with every float array in ``dtype``; bool and integer arrays
+    (masks, lengths) and other values as they are. The values of every test dtype are exact in float64 (and
+    those of bfloat16 and fp8 in float32), so this changes the type the engines accept, not the problem."""
+    return {n: (a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype.kind not in "biu" else a)
+            for n, a in inputs.items()}

@@ -22,6 +22,7 @@ from ..masks import alignment_offset
 from ..options import AttentionOptions
 from ..problem import Problem
 from .ensemble import Member, run_member
+from .lowp import widen
 
 __all__ = ["HONEST", "MUTANTS", "Specimen"]
 
@@ -50,8 +51,7 @@ class Specimen:
             tri = np.tri(L, S, k=off + 1, dtype=bool)                  # one key too many
             m = opts.get("attn_mask")
             opts["attn_mask"] = tri if m is None else (np.asarray(m) & tri)
-        x64 = {n: (np.asarray(a).astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind not in "biu"
-                   else a) for n, a in opts.items()}
+        x64 = widen(opts)
         q64, k64, v64 = (np.asarray(a).astype(inner).astype(np.float64) for a in (q, k, v))
         prob = Problem.build(q64, k64, v64, AttentionOptions.from_kwargs(self.name, **x64))
         g = None if dO is None else np.asarray(dO).astype(inner).astype(np.float64)
