@@ -1,7 +1,8 @@
 """Golden vectors that really are golden: the files ``sdpa-ref vectors`` writes have the committed hashes.
 
 ``tests/data/vector_hashes.json`` holds the sha256 of every file of
-``sdpa-ref vectors --suite full`` for float64, float32 and float16, written
+``sdpa-ref vectors --suite full`` for float64, float32, float16, bfloat16,
+float8_e4m3fn and float8_e5m2, written
 on the machine that committed it. Every reference array is computed with
 ``precision="reproducible"``, so any other machine must write the same
 bytes. The default suite regenerates the quick suite's files (a subset of the
@@ -26,7 +27,7 @@ from sdpa_ref.harness.vectors import _npz_bytes, read_npz, verify_vectors, write
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HASHES = os.path.join(HERE, "data", "vector_hashes.json")
-DTYPES = ("float64", "float32", "float16")
+DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 def _hashes(d):

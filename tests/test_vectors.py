@@ -79,12 +79,34 @@ def test_tampered_file_is_detected(tmp_path):
         verify_vectors(str(tmp_path))
 
 
-def test_low_precision_vectors_carry_the_naive_results(tmp_path):
+def test_low_precision_vectors_carry_the_honest_errors(tmp_path):
+    """Below float64 each file holds the honest ensemble's error per quantity, the harness's own baseline."""
+    from sdpa_ref.harness.cases import get_suite
+    from sdpa_ref.harness.ensemble import ensemble_errors
+    from sdpa_ref.harness.judge import reference_quantities
     write_vectors(str(tmp_path), suite="quick", dtype="float16")
     z = np.load(tmp_path / "plain-L8-S8.npz")
-    assert z["query"].dtype == np.float16 and z["out"].dtype == np.float64 and z["naive_out"].dtype == np.float16
-    err_naive = np.abs(z["naive_out"] - z["out"]).max()
-    assert 0 < err_naive < 1e-2
+    assert z["query"].dtype == np.float16 and z["out"].dtype == np.float64 and "naive_out" not in z
+    case = next(c for c in get_suite("quick") if c.name == "plain-L8-S8")
+    want = ensemble_errors(case, "float16", reference_quantities(case, "float16"))
+    assert {n: float(z[f"honest_{n}"][0]) for n in want} == want and 0 < want["out"] < 1e-2
+
+
+def test_bfloat16_and_fp8_vectors_store_bit_patterns_that_decode_to_the_inputs(tmp_path):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from sdpa_ref.harness.cases import get_suite
+    from sdpa_ref.harness.vectors import decoded, read_npz
+    for name, bits in (("bfloat16", np.uint16), ("float8_e4m3fn", np.uint8)):
+        d = tmp_path / name
+        write_vectors(str(d), suite="quick", dtype=name)
+        assert verify_vectors(str(d)).ok
+        stored = read_npz((d / "bias-L7-S9.npz").read_bytes())
+        assert stored["query"].dtype == bits and stored["bias"].dtype == bits and stored["out"].dtype == np.float64
+        got = decoded(stored, name)
+        want = next(c for c in get_suite("quick") if c.name == "bias-L7-S9").make_inputs(getattr(ml_dtypes, name))
+        for n in ("query", "key", "value", "bias"):
+            assert got[n].dtype == np.dtype(getattr(ml_dtypes, name))
+            assert np.array_equal(got[n].view(bits), np.asarray(want[n]).view(bits)), n
 
 
 def test_cli_vectors_and_verify(tmp_path, capsys):

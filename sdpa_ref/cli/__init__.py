@@ -133,14 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="write golden test vectors (.npz per case + manifest.json) for implementations outside Python",
         description=(
             "Write one .npz per case of the suite (inputs, options as JSON bytes, the reference's output, "
-            "LSE, a seeded grad_out and every gradient, in float64; below float64 also the naive same-dtype "
-            "results for FlashAttention's relative rule) and manifest.json with the suite and package "
-            "versions, each file's sha256 and the tolerance rule. The files are byte-deterministic."
+            "LSE, a seeded grad_out and every gradient, in float64; below float64 also the honest ensemble's "
+            "error per quantity, for the relative rule) and manifest.json with the suite and package "
+            "versions, each file's sha256 and the tolerance rule. The files are byte-deterministic. bfloat16 "
+            "and float8 need the lowp extra (ml_dtypes); their arrays are stored as uint16/uint8 bit patterns."
         ),
     )
     p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write into (created if missing)")
     p.add_argument("--suite", choices=("quick", "full"), default="quick", help="case suite (default: quick)")
-    p.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float64",
+    p.add_argument("--dtype", choices=TEST_DTYPES, default="float64",
                    help="dtype of the stored inputs (default: float64)")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table",
                    help="what to print: a summary (table), or every file with its sha256 and size (json, csv)")

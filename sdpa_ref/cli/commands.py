@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from ..harness.lowp import as_test_dtype
 from .output import DIAGNOSE_COLUMNS, _dump, _import_pyplot, _plot_sweep, _Progress, format_rows
 
 def _cmd_check(args) -> int:
@@ -138,6 +139,11 @@ def _cmd_vectors(args) -> int:
     if err:
         print(f"sdpa-ref: OUT_DIR {err}", file=sys.stderr)
         return 2
+    try:
+        as_test_dtype(args.dtype, "--dtype")
+    except ImportError as exc:
+        print(f"sdpa-ref: {exc}", file=sys.stderr)
+        return 2
     progress = _Progress("vectors")
     try:
         manifest = vectors.write_vectors(args.out_dir, suite=args.suite, dtype=args.dtype, progress=progress)
@@ -177,7 +183,6 @@ def _cmd_verify(args) -> int:
 
 def _cmd_conform(args) -> int:
     from ..harness import conformance
-    from ..harness.lowp import as_test_dtype
 
     try:                                                   # bfloat16 and fp8 need ml_dtypes: say so, no traceback
         for d in args.dtype:

@@ -55,7 +55,7 @@ from ..transforms import alibi_distance, dropout_forward
 from .cases import grad_out_for
 from .lowp import widen, work_dtype
 
-__all__ = ["MEMBERS", "Member", "ensemble_errors", "member_quantities"]
+__all__ = ["MEMBERS", "Member", "ensemble_errors", "honest_errors", "member_quantities", "run_member"]
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,25 @@ MEMBERS = (
 
 
 def ensemble_errors(case, dtype, ref64) -> Dict[str, float]:
-    """Per quantity (``out, dq, dk, dv``, ``dbias``), the largest ``max|member - ref64|`` over :data:`MEMBERS`,
-    over the entries where ``ref64`` is a number."""
+    """Per quantity (``out, dq, dk, dv``, ``dbias``), the largest ``max|member - ref64|`` over :data:`MEMBERS` on
+    ``case``'s inputs in ``dtype``, over the entries where ``ref64`` is a number (members cached per case)."""
+    return _worst((member_quantities(case, np.dtype(dtype).name, m) for m in MEMBERS), ref64)
+
+
+def honest_errors(inputs, grad_out, dtype, ref64) -> Dict[str, float]:
+    """:func:`ensemble_errors` for any problem: ``inputs`` are the keyword arguments of :func:`sdpa_forward`
+    (``query``, ``key``, ``value`` and the options, arrays in ``dtype``), ``grad_out`` the cotangent in
+    ``dtype``."""
+    arrays = widen(dict(inputs))
+    q, k, v = arrays.pop("query"), arrays.pop("key"), arrays.pop("value")
+    prob = Problem.build(q, k, v, AttentionOptions.from_kwargs("honest_errors", **arrays))
+    dO = np.asarray(grad_out).astype(np.float64)
+    return _worst((run_member(prob, dtype, m, dO) for m in MEMBERS), ref64)
+
+
+def _worst(results, ref64):
     worst: Dict[str, float] = {}
-    for m in MEMBERS:
-        got = member_quantities(case, np.dtype(dtype).name, m)
+    for got in results:
         for q, ref in ref64.items():
             if q not in got:
                 continue
