@@ -4,6 +4,8 @@ The expectations are what was measured (torch 2.13 CPU, JAX 0.10.2 CPU), not
 what one might hope: see the README's conformance section.
 """
 
+import importlib.util
+
 import pytest
 
 from sdpa_ref.harness.conformance import FixedRule, check_implementation
@@ -22,9 +24,10 @@ def test_importing_sdpa_ref_imports_neither_torch_nor_jax():
     assert out.split() == ["False", "False"]
 
 
-# The default CPU kernel exceeds FlashAttention's 2x/3x budget on some cases, and which
-# ones depends on the machine's BLAS kernels (2 to 4 rows seen on three machines), so no
-# set is pinned here: only that the misses stay within one order of magnitude of the budget.
+# The default CPU kernel exceeded FlashAttention's old 2x/3x budget over one plain baseline on 2 to 4 rows
+# (which ones moved with the machine's BLAS kernels). Under the ensemble rule it conformed on the one machine
+# measured (largest ratio 0.41 in float32, 0.31 in float16, 0.26 in bfloat16), which is not pinned here: only
+# that any miss stays within one order of magnitude of the allowance.
 TORCH_CPU_MAX_RATIO = 10.0
 
 
@@ -42,10 +45,12 @@ def test_torch_cpu_float32_under_the_relative_rule():
     pytest.importorskip("torch")
     from sdpa_ref.adapters import torch_sdpa
 
+    low = ("bfloat16",) if importlib.util.find_spec("ml_dtypes") else ()     # the adapter passes bfloat16's bits
     fwd, bwd, _ = torch_sdpa(backend="math")
-    assert check_implementation(fwd, backward=bwd, dtypes=("float32", "float16")).ok
+    rep = check_implementation(fwd, backward=bwd, dtypes=("float32", "float16") + low)
+    assert rep.ok and rep.counts["pass"] > 100, str(rep)
     fwd, bwd, _ = torch_sdpa()
-    rep = check_implementation(fwd, backward=bwd, dtypes=("float32",))
+    rep = check_implementation(fwd, backward=bwd, dtypes=("float32",) + low)
     assert all(r.status == "FAIL" and r.ratio <= TORCH_CPU_MAX_RATIO for r in rep.failures), str(rep)
 
 

@@ -52,8 +52,22 @@ def torch_sdpa(device="cpu", backend=None):
         return sdpa_kernel(names[backend] if isinstance(backend, str) else backend)
 
     def tensor(x, grad=False):
-        t = torch.from_numpy(np.ascontiguousarray(x)).to(device)
+        x = np.ascontiguousarray(x)
+        if x.dtype.name == "bfloat16":                 # ml_dtypes' bfloat16: torch takes its bits
+            t = torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+        elif x.dtype.name.startswith("float8"):
+            raise NotImplementedError(f"PyTorch's SDPA does not compute in {x.dtype.name}")
+        else:
+            t = torch.from_numpy(x)
+        t = t.to(device)
         return t.requires_grad_(True) if grad else t
+
+    def array(t):
+        t = t.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+            return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
 
     def prepare(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, bias=None,
                 causal_alignment="top_left", fully_masked=None, grad=False):
@@ -93,7 +107,7 @@ def torch_sdpa(device="cpu", backend=None):
         q, k, v, _, kw = prepare(query, key, value, **opts)
         with torch.no_grad(), ctx():
             out = F.scaled_dot_product_attention(q, k, v, **kw)
-        return out.detach().cpu().numpy()
+        return array(out)
 
     def backward(grad_out, query, key, value, **opts):
         q, k, v, b, kw = prepare(query, key, value, grad=True, **opts)
@@ -101,7 +115,7 @@ def torch_sdpa(device="cpu", backend=None):
             out = F.scaled_dot_product_attention(q, k, v, **kw)
         out.backward(tensor(grad_out))
         grads = [q.grad, k.grad, v.grad] + ([b.grad] if b is not None else [])
-        return tuple(g.detach().cpu().numpy() for g in grads)
+        return tuple(array(g) for g in grads)
 
     forward.supports = SUPPORTS
     backward.supports = SUPPORTS
