@@ -64,6 +64,7 @@ EXPECTED = {
                            "bfloat16": "float16 is finer than bfloat16"},
     "TF32 matmuls": {"float32": "FAIL", "float16": "TF32 is as fine as float16",
                      "bfloat16": "TF32 is finer than bfloat16"},
+    "fp8 descales ignored": {d: "only fp8 inputs have descales (test_fp8_with_descales)" for d in DTYPES},
 }
 
 
@@ -185,3 +186,26 @@ def test_a_low_dtype_without_ml_dtypes_is_a_one_line_error(monkeypatch, capsys):
 def test_an_unknown_test_dtype_names_the_argument(bad):
     with pytest.raises(TypeError, match="`dtypes` should name dtypes of"):
         sdpa_ref.check_implementation(lambda q, k, v: q, dtypes=bad)
+
+
+@pytest.mark.parametrize("dt", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_with_descales(dt):
+    """fp8 inputs come quantized per (batch, kv-head) with FlashAttention 3's descales; a kernel returns
+    bfloat16. Honest kernels pass; one that ignores the descales, or returns fp8, fails."""
+    import ml_dtypes
+    quick = get_suite("quick")
+    for sp in HONEST[:2]:
+        rep = _judge(sp, dt)
+        assert rep.ok and rep.counts["pass"] > 100, f"{sp.name}:\n{rep}"
+    sp, case = BY_NAME["fp8 descales ignored"]
+    assert not _judge(sp, dt, cases=[c for c in quick if case in c.name]).ok
+    seen = {}
+
+    def forward(query, key, value, **opts):
+        seen.update({n: np.asarray(opts[n]) for n in ("q_descale", "k_descale", "v_descale")})
+        return HONEST[0].forward(query, key, value, **opts).astype(query.dtype)       # fp8 out: not the kernel
+
+    rep = sdpa_ref.check_implementation(forward, dtypes=dt, cases=[c for c in quick if c.name == "gqa-L6-S9"])
+    assert not rep.ok and "expected bfloat16" in rep.rows[0].note
+    assert seen["q_descale"].dtype == np.float32 and seen["q_descale"].shape == (2, 2)      # (batch, Hkv)
+    assert np.dtype(getattr(ml_dtypes, dt)).name == dt

@@ -26,7 +26,10 @@
  * leading (batch) dims broadcast as in NumPy. It computes in double and
  * rounds the output to the vectors' dtype: float64, float32, float16, and
  * bfloat16, float8_e4m3fn and float8_e5m2, whose arrays the files store as
- * uint16 / uint8 bit patterns (decoded by at() below).
+ * uint16 / uint8 bit patterns (decoded by at() below). fp8 inputs come with
+ * per-(batch, kv-head) q_descale, k_descale and v_descale (FlashAttention 3's):
+ * dequantize() multiplies them in, and an fp8 kernel's output is bfloat16
+ * (the manifest's "output_dtype").
  */
 #include <math.h>
 #include <stdio.h>
@@ -459,6 +462,32 @@ static int judge(const char *name, const double *got, const Arr *ref, const Arr 
     return err > allowed;
 }
 
+/* fp8: q, k, v times their per-(batch, kv-head) descale, into doubles (the problem's values); 0 or -1 */
+static int dequantize(Npz *z, double **bufs)
+{
+    static const char *names[3][2] = {{"query", "q_descale"}, {"key", "k_descale"}, {"value", "v_descale"}};
+    for (int t = 0; t < 3; t++) {
+        Arr *a = (Arr *)get(z, names[t][0]);
+        const Arr *d = get(z, names[t][1]);
+        if (!d) return 0;                              /* no descales: the values are the problem's */
+        if (!a || a->ndim < 3 || d->ndim < 1) return -1;
+        long n = count(a), H = a->shape[a->ndim - 3], per = a->shape[a->ndim - 2] * a->shape[a->ndim - 1];
+        long Hkv = d->shape[d->ndim - 1];
+        if (Hkv <= 0 || H % Hkv != 0 || count(d) * (H / Hkv) * per != n) return -1;
+        double *b = malloc((n + 1) * sizeof(double));
+        if (!b) return -1;
+        for (long i = 0; i < n; i++) {
+            long h = (i / per) % H, bi = i / (per * H);
+            b[i] = at(a, i) * at(d, bi * Hkv + h / (H / Hkv));
+        }
+        a->kind = 'f';
+        a->size = 8;
+        a->data = (const unsigned char *)b;
+        bufs[t] = b;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -481,6 +510,12 @@ int main(int argc, char **argv)
                 "float8_e4m3fn, float8_e5m2\n", path);
         return 2;
     }
+    const Fmt *ofmt = fmt;                             /* what the kernel returns: bfloat16 for fp8 */
+    const char *od = strstr(man, "\"output_dtype\": \"");
+    for (size_t i = 0; od && i < sizeof FORMATS / sizeof FORMATS[0]; i++) {
+        size_t nl = strlen(FORMATS[i].name);
+        if (strncmp(od + 17, FORMATS[i].name, nl) == 0 && od[17 + nl] == '"') ofmt = &FORMATS[i];
+    }
     const char *kp = strstr(man, "\"k_out\": ");
     double k = kp ? strtod(kp + 9, NULL) : 0;
     if (fmt->bits != 64 && !(k > 0)) { fprintf(stderr, "sdpa_check: %s: no relative_rule k_out\n", path); return 2; }
@@ -502,8 +537,11 @@ int main(int argc, char **argv)
             static const char *in_dtype[] = {"query", "key", "value", "attn_mask", "bias", "alibi_slopes", "grad_out"};
             for (int j = 0; j < z.n; j++)
                 for (size_t t = 0; t < sizeof in_dtype / sizeof in_dtype[0]; t++)
-                    if (strcmp(z.a[j].name, in_dtype[t]) == 0 && z.a[j].kind == 'u') z.a[j].kind = fmt->code;
+                    if (strcmp(z.a[j].name, in_dtype[t]) == 0 && z.a[j].kind == 'u')
+                        z.a[j].kind = z.a[j].size == 2 ? 'B' : fmt->code;     /* 2 bytes: bfloat16 */
         }
+        double *deq[3] = {NULL, NULL, NULL};
+        if (dequantize(&z, deq) != 0) { fprintf(stderr, "sdpa_check: %s: bad descales\n", path); return 2; }
         Opts o;
         parse_options(get(&z, "options_json"), &o);
         const Arr *ref = get(&z, "out");
@@ -521,8 +559,9 @@ int main(int argc, char **argv)
                 fprintf(stderr, "sdpa_check: %s has no honest_out (vectors of format 1?)\n", path);
                 return 2;
             }
-            failed += judge(name, out, ref, honest, k, fmt);
+            failed += judge(name, out, ref, honest, k, ofmt);
         }
+        for (int t = 0; t < 3; t++) free(deq[t]);
         free(out);
         free(z.buf);
     }

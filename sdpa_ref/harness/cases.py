@@ -32,7 +32,7 @@ import numpy as np
 
 from ..api import sdpa_forward
 from ..options import ARRAY_OPTIONS, OPTION_NAMES, AttentionOptions
-from .lowp import widen
+from .lowp import dequantized, is_fp8, quantize
 
 __all__ = ["ARRAY_KINDS", "SUITE_VERSION", "SUITES", "Case", "get_suite", "grad_out_for", "gradcheck_grid",
            "tangents_for"]
@@ -93,14 +93,24 @@ class Case:
         return _has_fully_masked_rows(self, np.dtype(dtype).name)
 
     def make_inputs(self, dtype="float64") -> Dict[str, object]:
-        """``query``, ``key``, ``value`` in ``dtype`` plus every option of the case, as keyword arguments."""
+        """``query``, ``key``, ``value`` in ``dtype`` plus every option of the case, as keyword arguments.
+
+        At an fp8 dtype ``query``, ``key`` and ``value`` are quantized per (batch, kv-head) and come with
+        ``q_descale``, ``k_descale`` and ``v_descale`` (float32, ``batch + (Hkv,)``), as FlashAttention 3 takes
+        them; the problem's values are their products (:func:`~sdpa_ref.harness.lowp.dequantized`).
+        """
         dt = np.dtype(dtype)
         rng = np.random.default_rng([self.seed, self.L, self.S, self.E])
         batch = np.broadcast_shapes(self.batch_q, self.batch_kv)
         q = rng.standard_normal(self.batch_q + (self.Hq, self.L, self.E)) * self.logit_scale
         k = rng.standard_normal(self.batch_kv + (self.Hkv, self.S, self.E))
         v = rng.standard_normal(self.batch_kv + (self.Hkv, self.S, self.Ev))
-        out: Dict[str, object] = {"query": q.astype(dt), "key": k.astype(dt), "value": v.astype(dt)}
+        if is_fp8(dt):                           # fp8: quantized per (batch, kv-head), with the descales
+            (q8, qd), (k8, kd), (v8, vd) = (quantize(x, dt, self.Hkv) for x in (q, k, v))
+            out: Dict[str, object] = {"query": q8, "key": k8, "value": v8, "q_descale": qd, "k_descale": kd,
+                                      "v_descale": vd}
+        else:
+            out = {"query": q.astype(dt), "key": k.astype(dt), "value": v.astype(dt)}
         out.update(self.opts)
         if self.Hq != self.Hkv:
             out["enable_gqa"] = True
@@ -155,7 +165,7 @@ def _option_names(case: Case) -> frozenset:
 
 @functools.lru_cache(maxsize=None)
 def _has_fully_masked_rows(case: Case, dtype: str) -> bool:
-    inp = widen(case.make_inputs(dtype))                      # (bfloat16 and fp8: the engines take float64)
+    inp = dequantized(case.make_inputs(dtype))                # (bfloat16 and fp8: the engines take float64)
     _, res = sdpa_forward(inp.pop("query"), inp.pop("key"), inp.pop("value"), save_probs=False, **inp)
     empty = res.empty
     if res.padded is not None:

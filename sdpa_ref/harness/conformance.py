@@ -28,7 +28,12 @@ allowance is a few float64 roundings; :class:`FixedRule` or
 :class:`ULPRule` state a float64 tolerance directly.
 
 The test dtypes are float64, float32, float16 and, with the ``lowp`` extra
-(``ml_dtypes``), bfloat16, float8_e4m3fn and float8_e5m2.
+(``ml_dtypes``), bfloat16, float8_e4m3fn and float8_e5m2. At fp8, as
+FlashAttention 3 takes them, ``query``, ``key`` and ``value`` are quantized
+per (batch, kv-head) and the implementation also receives ``q_descale``,
+``k_descale`` and ``v_descale`` (float32, ``batch + (Hkv,)``): the problem's
+values are the products. It returns bfloat16 there, and its gradients are
+those of the descaled problem (there is no JVP check at fp8).
 
 NaN must meet NaN: a NaN where the reference has a number (or the reverse)
 fails with an infinite error.
@@ -139,7 +144,9 @@ def check_implementation(
         ``fully_masked`` is passed only on cases where some row has no
         allowed key, so an implementation with one native policy can refuse
         the others. Raising ``NotImplementedError`` marks the case as
-        skipped. It must return the inputs' dtype.
+        skipped. It must return the inputs' dtype (bfloat16 for fp8 inputs, which
+        come with ``q_descale``, ``k_descale`` and ``v_descale`` keywords: see
+        the module docstring).
     backward : callable, optional
         ``backward(grad_out, query, key, value, **case_options)`` returning
         ``(dq, dk, dv)`` or, for a case with a bias, ``(dq, dk, dv, dbias)``.

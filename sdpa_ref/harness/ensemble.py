@@ -51,9 +51,9 @@ from ..options import AttentionOptions
 from .._validate import check_choice, check_tolerance
 from ..engines.reproducible import _unbroadcast
 from ..problem import Problem
-from ..transforms import alibi_distance, dropout_forward
+from ..transforms import alibi_distance, dropout_forward, softcap_forward
 from .cases import grad_out_for
-from .lowp import widen, work_dtype
+from .lowp import DESCALES, output_dtype, widen, work_dtype
 
 __all__ = ["MEMBERS", "Member", "ensemble_errors", "honest_errors", "member_quantities", "run_member"]
 
@@ -69,7 +69,8 @@ class Member:
     order: str = "tree"                # accumulation: "tree" (fixed pairwise) or "fma" (one after another)
     delta: str = "out"                 # backward D = rowsum(dO * O) ("out") or rowsum(P * dP) ("probs")
     # -- what only the specimens (:mod:`.specimens`) set: the ensemble's members keep these defaults
-    arith: str = "exact"               # "exact": fixed-order IEEE emulation; "blas": np.matmul, np.sum, np.exp
+    arith: str = "exact"               # "exact": fixed-order IEEE emulation; "blas": np.matmul, np.sum, np.exp,
+    #                                    np.log, np.tanh
     recip: bool = False                # divide by the row sum (False) or multiply by its reciprocal
     exp_ulps: float = 0.0              # an exp that is off by up to this many ulp (like PyTorch CPU's exp_u20)
     scale_factor: float = 1.0          # a wrong scale (mutants)
@@ -108,11 +109,18 @@ def honest_errors(inputs, grad_out, dtype, ref64) -> Dict[str, float]:
     """:func:`ensemble_errors` for any problem: ``inputs`` are the keyword arguments of :func:`sdpa_forward`
     (``query``, ``key``, ``value`` and the options, arrays in ``dtype``), ``grad_out`` the cotangent in
     ``dtype``."""
-    arrays = widen(dict(inputs))
-    q, k, v = arrays.pop("query"), arrays.pop("key"), arrays.pop("value")
-    prob = Problem.build(q, k, v, AttentionOptions.from_kwargs("honest_errors", **arrays))
+    prob, desc = _problem(inputs, "honest_errors")
     dO = np.asarray(grad_out).astype(np.float64)
-    return _worst((run_member(prob, dtype, m, dO) for m in MEMBERS), ref64)
+    return _worst((run_member(prob, dtype, m, dO, desc) for m in MEMBERS), ref64)
+
+
+def _problem(inputs, who):
+    """``(Problem, descales)``: the validated problem on the inputs' own values (fp8 ones not yet descaled) and
+    the fp8 descales ``(q, k, v)`` (None without)."""
+    arrays = widen(dict(inputs))
+    desc = tuple(arrays.pop(n) for n in DESCALES) if all(n in arrays for n in DESCALES) else None
+    q, k, v = arrays.pop("query"), arrays.pop("key"), arrays.pop("value")
+    return Problem.build(q, k, v, AttentionOptions.from_kwargs(who, **arrays)), desc
 
 
 def _worst(results, ref64):
@@ -129,41 +137,49 @@ def _worst(results, ref64):
     return worst
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=4096)
 def member_quantities(case, dtype, member: Member):
     """``member``'s ``out, dq, dk, dv`` (and ``dbias``) on ``case``'s inputs drawn in ``dtype``, in that dtype;
     read-only (cached)."""
     dt = np.dtype(dtype)
-    arrays = widen(case.make_inputs(dt))
-    q, k, v = arrays.pop("query"), arrays.pop("key"), arrays.pop("value")
-    prob = Problem.build(q, k, v, AttentionOptions.from_kwargs("ensemble", **arrays))
-    dO = grad_out_for(case, prob.out_shape, dt)
-    res = run_member(prob, dt, member, np.asarray(dO).astype(np.float64))
+    prob, desc = _problem(case.make_inputs(dt), "ensemble")
+    dO = grad_out_for(case, prob.out_shape, output_dtype(dt))
+    res = run_member(prob, dt, member, np.asarray(dO).astype(np.float64), desc)
     for a in res.values():
         a.setflags(write=False)
     return res
 
 
-def run_member(prob, dtype, member: Member, dO=None):
+def run_member(prob, dtype, member: Member, dO=None, descales=None):
     """``member`` on a validated float64 :class:`~sdpa_ref.problem.Problem` whose values are ``dtype``'s: ``out``
-    and, given ``dO`` (float64 holding ``dtype`` values), ``dq, dk, dv`` (and ``dbias``), in ``dtype``."""
+    and, given ``dO`` (float64 holding values of the output dtype), ``dq, dk, dv`` (and ``dbias``), in the
+    output dtype (:func:`~.lowp.output_dtype`: bfloat16 for fp8). ``descales``: fp8's ``(q, k, v)`` factors,
+    ``batch + (Hkv,)``; the gradients are then those of the descaled problem."""
     with np.errstate(all="ignore"):
-        return _Kernel(prob, dtype, member).run(dO)
+        return _Kernel(prob, dtype, member, descales).run(dO)
 
 
 class _Kernel:
     """One member on one problem: the forward, then the backward, in full ``(*batch, Hq, L, n)`` layout."""
 
-    def __init__(self, prob, dt, member):
+    def __init__(self, prob, dt, member, descales=None):
         self.p, self.dt, self.m = prob, np.dtype(dt), member
+        self.out_dt = output_dtype(dt)
         self.w = work_dtype(dt)
         self.X = LowPrecision(self.w)
         self.s = self.w.type(prob.scale * member.scale_factor)
+        # fp8: (*batch, Hq, 1, 1) factors of q, k, v (a GQA group shares its kv-head's)
+        self.desc = None if descales is None else tuple(
+            self.W(np.repeat(np.asarray(d), prob.G, axis=-1)[..., None, None]) for d in descales)
 
     # -- arithmetic
     def rd(self, x):
         """Rounded to the test dtype, returned in the work dtype (exact there)."""
         return np.asarray(x).astype(self.dt).astype(self.w)
+
+    def rd_out(self, x):
+        """Rounded to the output dtype (bfloat16 for fp8: what an fp8 kernel returns and its backward reads)."""
+        return np.asarray(x).astype(self.out_dt).astype(self.w)
 
     def W(self, x):
         return np.asarray(x).astype(self.w)
@@ -202,6 +218,9 @@ class _Kernel:
             e = self.W(e * (1.0 + self.m.exp_ulps * np.finfo(self.w).eps * u))
         return e
 
+    def log(self, x):
+        return self.W(np.log(self.W(x))) if self.m.arith == "blas" else self.X.log(self.W(x))
+
     def div(self, a, b):
         return self.W(a * self.W(self.w.type(1) / b)) if self.m.recip else self.W(a / b)
 
@@ -230,7 +249,7 @@ class _Kernel:
     # -- the two passes
     def run(self, dO):
         fw = self.forward()
-        out = {"out": fw["O"].astype(self.dt).reshape(self.p.out_shape)}
+        out = {"out": fw["O"].astype(self.out_dt).reshape(self.p.out_shape)}
         if dO is not None:
             out.update(self.backward(fw, np.asarray(dO).reshape(fw["O"].shape)))
         return out
@@ -238,6 +257,9 @@ class _Kernel:
     def scores(self):
         p, m = self.p, self.m
         q, k = self.W(self.full(p.q, False)), self.W(self.full(p.k, True))
+        if self.desc is not None:            # fp8: the scale rides with the descales, in float32, after the GEMM
+            qd, kd, _ = self.desc
+            return self.W(self.mm(q, np.swapaxes(k, -1, -2)) * self.W(self.W(qd * kd) * self.s))
         if m.scale_on == "scores":
             return self.W(self.mm(q, np.swapaxes(k, -1, -2)) * self.s)
         q, k = self.scaled(q, k)
@@ -259,8 +281,11 @@ class _Kernel:
         T, th = self.scores(), None
         if o.softcap is not None:
             c = self.w.type(o.softcap)
-            th = self.X.tanh(self.W(T / c))
-            T = self.W(th * c)
+            if self.m.arith == "blas":                   # NumPy's tanh, as the package's own softcap
+                T, th = softcap_forward(self.W(T), c)
+            else:
+                th = self.X.tanh(self.W(T / c))
+                T = self.W(th * c)
         excl = np.zeros(p.full_scores, bool)
         if p.allowed() is not None:
             excl |= ~np.broadcast_to(p.allowed(), p.full_scores)
@@ -279,6 +304,7 @@ class _Kernel:
         T = np.where(excl, -np.inf, T).astype(self.w)
         keep, rdrop = self.dropout()
         v = self.W(self.full(p.v, True))
+        vd = None if self.desc is None else self.desc[2]
         if m.block is None:
             mx = T.max(axis=-1, keepdims=True, initial=-np.inf)
             mx = np.where(np.isfinite(mx), mx, 0).astype(self.w)
@@ -286,9 +312,9 @@ class _Kernel:
             lsum = self.rowsum(e)
             if m.normalize == "early":
                 P = self.div(e, lsum)
-                O = self.mm(self.drop(self.rd(P), keep, rdrop), v)
+                O = self.descale(self.mm(self.drop(self.rd(P), keep, rdrop), v), vd)
             else:
-                O = self.div(self.mm(self.drop(self.rd(e), keep, rdrop), v), lsum)
+                O = self.div(self.descale(self.mm(self.drop(self.rd(e), keep, rdrop), v), vd), lsum)
         else:
             mx = np.full(T.shape[:-1] + (1,), -np.inf, self.w)
             lsum = np.zeros(T.shape[:-1] + (1,), self.w)
@@ -305,11 +331,14 @@ class _Kernel:
                 acc = self.W(self.W(alpha * acc) + pv)
                 mx = new
             mx = np.where(np.isfinite(mx), mx, 0).astype(self.w)
-            O = self.div(acc, lsum)
-        lse = self.W(mx + self.X.log(lsum))
+            O = self.div(self.descale(acc, vd), lsum)
+        lse = self.W(mx + self.log(lsum))
         O = self.fill_rows(O, empty)
-        return {"O": self.rd(O), "T": T, "th": th, "lse": lse, "empty": empty,
+        return {"O": self.rd_out(O), "T": T, "th": th, "lse": lse, "empty": empty,
                 "P": P if m.normalize == "early" and m.block is None else None}
+
+    def descale(self, x, d):
+        return x if d is None else self.W(x * d)
 
     def dropout(self):
         p = self.p
@@ -339,15 +368,16 @@ class _Kernel:
 
     def backward(self, fw, dO):
         p, m = self.p, self.m
-        dO = self.rd(dO)
+        dO = self.rd_out(dO)
         keep, rdrop = self.dropout()
+        rd = self.rd if self.desc is None else self.rd_out        # fp8: the backward's operands in bfloat16
         q, k, v = (self.W(self.full(x, h)) for x, h in ((p.q, False), (p.k, True), (p.v, True)))
         P = fw["P"] if fw["P"] is not None else self.exp(self.W(fw["T"] - fw["lse"]))
         zero, nan = self.row_kinds(fw["empty"])
         P = np.where(nan, self.w.type(np.nan), np.where(zero, self.w.type(0), P))
         Pd = self.drop(P, keep, rdrop, dt=False)
-        dv = self.mm(np.swapaxes(self.rd(Pd), -1, -2), dO)
-        dP = self.mm(dO, np.swapaxes(v, -1, -2))
+        dv = self.mm(np.swapaxes(rd(Pd), -1, -2), dO)
+        dP = self.descale(self.mm(dO, np.swapaxes(v, -1, -2)), None if self.desc is None else self.desc[2])
         dPd = self.drop(dP, keep, rdrop, dt=False)
         D = self.rowsum(self.W(dO * fw["O"])) if m.delta == "out" else self.rowsum(self.W(P * dPd))
         dS = self.W(P * self.W(dPd - D))
@@ -357,8 +387,12 @@ class _Kernel:
             res["dbias"] = self.sum_to(dS, p.shapes["bias"]).reshape(p.shapes["bias"])
         if fw["th"] is not None and m.softcap_grad:
             dS = self.W(dS * self.W(self.w.type(1) - self.W(fw["th"] * fw["th"])))
-        dSt = self.rd(dS)
-        if m.scale_on == "scores":
+        dSt = rd(dS)
+        if self.desc is not None:            # d(S) = dS through (q8 qd)(k8 kd)^T * scale
+            qd, kd, _ = self.desc
+            dq = self.W(self.mm(dSt, k) * self.W(kd * self.s))
+            dk = self.W(self.mm(np.swapaxes(dSt, -1, -2), q) * self.W(qd * self.s))
+        elif m.scale_on == "scores":
             dq = self.W(self.mm(dSt, k) * self.s)
             dk = self.W(self.mm(np.swapaxes(dSt, -1, -2), q) * self.s)
         else:                                # d(q' k'^T): dq' = dS k', dk' = dS^T q', then through q' = q * r
@@ -367,7 +401,7 @@ class _Kernel:
             dq = dq if rq is None else self.W(dq * rq)
             dk = dk if rk is None else self.W(dk * rk)
         res.update(dq=self.to_input(dq, "query"), dk=self.to_input(dk, "key"), dv=self.to_input(dv, "value"))
-        return {n: a.astype(self.dt) for n, a in res.items()}
+        return {n: a.astype(self.out_dt) for n, a in res.items()}
 
 
 def _tf32(x):

@@ -23,7 +23,7 @@ from ..transforms import unbroadcast
 from ._limits import CaseTimeout, call_with_deadline as _limited
 from .cases import Case, grad_out_for, tangents_for
 from .ensemble import ensemble_errors
-from .lowp import is_low, ulp, widen
+from .lowp import DESCALES, dequantized, is_fp8, is_low, output_dtype, ulp, widen
 from .report import ConformanceRow
 from .rules import FixedRule, RelativeRule
 
@@ -35,7 +35,7 @@ def reference_quantities(case: Case, dtype="float64", *, naive=False):
     return {n: a.copy() for n, a in _reference_quantities(case, np.dtype(dtype).name, naive).items()}
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=1024)
 def _reference_quantities(case: Case, dtype="float64", naive=False):
     """The reference's out and grads for ``case``, on its inputs drawn in ``dtype``.
 
@@ -53,10 +53,10 @@ def _reference_quantities(case: Case, dtype="float64", naive=False):
         out, res = sdpa_forward(q, k, v, upcast=False, precision="reproducible", **inp)
         g = grad_out_for(case, out.shape, dt)
     else:
-        q, k, v = (a.astype(np.float64) for a in (q, k, v))
-        inp = widen(inp)
+        inp = dequantized(dict(inp, query=q, key=k, value=v))
+        q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
         out, res = sdpa_forward(q, k, v, precision="reproducible", **inp)
-        g = grad_out_for(case, out.shape, dt).astype(np.float64)
+        g = grad_out_for(case, out.shape, output_dtype(dt)).astype(np.float64)
     gr = sdpa_backward(res, g)
     quant = {"out": out, "dq": gr.query, "dk": gr.key, "dv": gr.value}
     if gr.bias is not None:
@@ -67,8 +67,8 @@ def _reference_quantities(case: Case, dtype="float64", naive=False):
 @functools.lru_cache(maxsize=256)
 def reference_jvp(case: Case, dtype="float64", naive=False):
     """The reference's JVP on the seeded tangents (:func:`tangents_for`, rounded to ``dtype``), float64 or, with
-    ``naive=True``, computed in ``dtype`` (bfloat16 and fp8: in float32 on their values, rounded to them); a
-    read-only float64 array."""
+    ``naive=True``, computed in ``dtype`` (bfloat16: in float32 on its values, rounded to it); a read-only
+    float64 array. Not at fp8 (no JVP check there)."""
     dt = np.dtype(dtype)
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
@@ -91,7 +91,8 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
     """The report rows of ``impl`` (an :class:`Implementation`) on ``case`` at dtype ``dt``."""
     ref64 = reference_quantities(case, dt)     # float64 arithmetic on the test-dtype inputs, kept in float64
     honest = ensemble_errors(case, dt, ref64) if isinstance(rule, RelativeRule) else None
-    if impl.jvp is not None:
+    want_jvp = impl.jvp is not None and not is_fp8(dt)      # fp8 kernels have no JVP (nor FlashAttention 3)
+    if want_jvp:
         ref64["jvp"] = reference_jvp(case, dt)
         if honest is not None:                    # the tangent's baseline: the plain same-dtype JVP
             fin = ~np.isnan(ref64["jvp"])
@@ -117,9 +118,9 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
     except BaseException as exc:  # a crash, SystemExit included, is a failure of the case, and the run goes on
         return [ConformanceRow(case.name, dt, "out", "error", note=_what(exc, timeout))]
     got = {"out": out}
-    g = grad_out_for(case, ref64["out"].shape, np.dtype(dt))
+    g = grad_out_for(case, ref64["out"].shape, output_dtype(dt))
     extra = [("grads", impl.backward is not None, lambda: impl.call_backward(g, q, k, v, inp)),
-             ("jvp", impl.jvp is not None,
+             ("jvp", want_jvp,
               lambda: impl.call_jvp(tuple(t.astype(q.dtype) for t in tangents_for(case, q, k, v)), q, k, v, inp))]
     for what, wanted, call in extra:
         if not wanted:
@@ -141,6 +142,8 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
             raise
         except BaseException as exc:
             rows.append(ConformanceRow(case.name, dt, what, "error", note=_what(exc, timeout)))
+    if impl.jvp is not None and not want_jvp:
+        rows.append(ConformanceRow(case.name, dt, "jvp", "skip", note="no JVP check at fp8"))
     for qty, val in got.items():
         rows.append(_compare(case.name, dt, qty, val, ref64[qty], None if honest is None else honest[qty], rule))
     if impl.deterministic:
@@ -197,7 +200,8 @@ def dead_positions(q, k, inp):
     """``(dead keys, padded rows)``: bool masks broadcastable to ``k`` and ``q`` of the keys that no row of any head
     reads and of the query rows past ``q_lengths`` (an entry shared by broadcast batch entries counts only when it
     is dead for all of them), each None where there is none."""
-    opts = AttentionOptions.from_kwargs("check_implementation", **{n: x for n, x in inp.items() if n != "fully_masked"})
+    opts = AttentionOptions.from_kwargs("check_implementation", **{n: x for n, x in inp.items()
+                                                                    if n != "fully_masked" and n not in DESCALES})
     prob = Problem.build(q, k, np.zeros(k.shape[:-1] + (1,)), opts)
     allowed = prob.allowed()
     keys = None
@@ -262,9 +266,10 @@ def _compare(case, dt, qty, val, ref64, honest, rule):
     if got.dtype.kind not in "fiu" and not is_low(got.dtype):   # a complex result would lose its imaginary part
         return ConformanceRow(case, dt, qty, "FAIL", error=float("inf"), allowed=None, ratio=float("inf"),
                               note=f"returned dtype {got.dtype}: attention of real inputs is real")
-    if got.dtype != np.dtype(dt):                         # a float32 result for float16 inputs is not that kernel
+    want = output_dtype(dt)                               # the inputs' dtype; bfloat16 for fp8 inputs
+    if got.dtype != want:                                 # a float32 result for float16 inputs is not that kernel
         return ConformanceRow(case, dt, qty, "FAIL", error=float("inf"), allowed=None, ratio=float("inf"),
-                              note=f"returned dtype {got.dtype}, expected {dt}")
+                              note=f"returned dtype {got.dtype}, expected {want.name}")
     note = ""
     got = got.astype(np.float64)
     nan_ref, nan_got = np.isnan(ref64), np.isnan(got)
@@ -277,7 +282,7 @@ def _compare(case, dt, qty, val, ref64, honest, rule):
     fin = ~nan_ref
     diff = np.where(fin, np.abs(got - ref64), 0.0)
     if isinstance(rule, RelativeRule):
-        allowed = rule.bound(qty, np.where(fin, ref64, 0.0), honest, np.dtype(dt))
+        allowed = rule.bound(qty, np.where(fin, ref64, 0.0), honest, want)
         err = float(diff.max(initial=0.0))
         ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else float("inf"))
         flat = int(np.argmax(diff)) if diff.size else 0
@@ -285,7 +290,7 @@ def _compare(case, dt, qty, val, ref64, honest, rule):
         if isinstance(rule, FixedRule):
             tol = rule.atol + rule.rtol * np.abs(ref64)
         else:
-            tol = rule.max_ulps * ulp(ref64, dt)
+            tol = rule.max_ulps * ulp(ref64, want)
         tol = np.where(fin, tol, 1.0)
         r = diff / tol
         flat = int(np.argmax(r)) if r.size else 0

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["LOW_DTYPES", "TEST_DTYPES", "as_test_dtype", "finfo", "is_low", "ulp", "widen", "work_dtype"]
+__all__ = ["DESCALES", "LOW_DTYPES", "TEST_DTYPES", "as_test_dtype", "dequantized", "finfo", "is_fp8", "is_low",
+           "output_dtype", "quantize", "ulp", "widen", "work_dtype"]
 
 #: The dtypes that need ``ml_dtypes``.
 LOW_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
@@ -79,3 +80,46 @@ def widen(inputs, dtype=np.float64):
     those of bfloat16 and fp8 in float32), so this changes the type the engines accept, not the problem."""
     return {n: (a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype.kind not in "biu" else a)
             for n, a in inputs.items()}
+
+
+# ------------------------------------------------------------------ fp8: descales and the output dtype
+
+#: The per-(batch, kv-head) factors an fp8 kernel takes, as FlashAttention 3's ``q_descale`` and friends.
+DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def is_fp8(dt):
+    return np.dtype(dt).name.startswith("float8")
+
+
+def output_dtype(dt):
+    """What a kernel at ``dt`` returns: ``dt`` itself, bfloat16 for fp8 (FlashAttention 3's fp8 forward)."""
+    dt = np.dtype(dt)
+    return np.dtype(_ml_dtypes("fp8").bfloat16) if is_fp8(dt) else dt
+
+
+def quantize(x, dt, hkv):
+    """``(x8, descale)``: ``x`` ``(*batch, H, n, d)`` in float64 quantized to the fp8 ``dt`` with one float32 factor
+    per ``(*batch, kv-head)`` (``H`` is a multiple of ``hkv``: a GQA group shares its factor), so that the group's
+    largest entry lands on the format's largest value; ``x8 * descale`` is the problem's value."""
+    fmax = float(finfo(dt).max)
+    g = x.reshape(x.shape[:-3] + (hkv, x.shape[-3] // hkv) + x.shape[-2:])
+    d = (np.abs(g).max(axis=(-3, -2, -1), initial=0.0) / fmax).astype(np.float32)
+    d = np.where(d > 0, d, np.float32(1.0))
+    x8 = (g / d[..., None, None, None].astype(np.float64)).reshape(x.shape).astype(dt)
+    return x8, d
+
+
+def dequantized(inputs):
+    """The keyword arguments of the problem itself, in float64: ``widen(inputs)`` with ``query``, ``key`` and
+    ``value`` multiplied by their descales (exact: 4 by 24 bits), which are dropped; without descales just
+    :func:`widen`."""
+    x = widen(inputs)
+    if not any(n in x for n in DESCALES):
+        return x
+    hkv = np.shape(x["key"])[-3]
+    for name, d in (("query", "q_descale"), ("key", "k_descale"), ("value", "v_descale")):
+        a, s = x[name], np.asarray(x.pop(d), np.float64)
+        g = a.reshape(a.shape[:-3] + (hkv, a.shape[-3] // hkv) + a.shape[-2:])
+        x[name] = (g * s[..., None, None, None]).reshape(a.shape)
+    return x

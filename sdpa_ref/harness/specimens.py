@@ -22,15 +22,16 @@ from ..masks import alignment_offset
 from ..options import AttentionOptions
 from ..problem import Problem
 from .ensemble import Member, run_member
-from .lowp import widen
+from .lowp import DESCALES, output_dtype, widen
 
 __all__ = ["HONEST", "MUTANTS", "Specimen"]
 
 
 class Specimen:
     """A kernel: ``member`` (its arithmetic) at the test dtype, or at ``inner`` claiming the test dtype, with
-    an optional bug in what it is told (``bug``: ``"causal_off_by_one"``, ``"top_left"``) or returns
-    (``"nan_rows"``, ``"zero_rows"``, ``"constant"``, ``"shuffled_rows"``)."""
+    an optional bug in what it is told (``bug``: ``"causal_off_by_one"``, ``"top_left"``, ``"no_descale"``:
+    fp8's descales ignored) or returns (``"nan_rows"``, ``"zero_rows"``, ``"constant"``, ``"shuffled_rows"``).
+    At fp8 it takes ``q_descale``, ``k_descale``, ``v_descale`` and returns bfloat16."""
 
     def __init__(self, name, member, inner=None, bug=None):
         self.name, self.member, self.inner, self.bug = name, member, inner, bug
@@ -51,12 +52,15 @@ class Specimen:
             tri = np.tri(L, S, k=off + 1, dtype=bool)                  # one key too many
             m = opts.get("attn_mask")
             opts["attn_mask"] = tri if m is None else (np.asarray(m) & tri)
+        desc = tuple(opts.pop(n) for n in DESCALES) if all(n in opts for n in DESCALES) else None
+        if self.bug == "no_descale" and desc is not None:
+            desc = tuple(np.ones_like(d) for d in desc)                # the fp8 values taken as they are
         x64 = widen(opts)
         q64, k64, v64 = (np.asarray(a).astype(inner).astype(np.float64) for a in (q, k, v))
         prob = Problem.build(q64, k64, v64, AttentionOptions.from_kwargs(self.name, **x64))
-        g = None if dO is None else np.asarray(dO).astype(inner).astype(np.float64)
-        res = run_member(prob, inner, self.member, g)
-        return {n: a.astype(dt) for n, a in res.items()}, prob
+        g = None if dO is None else np.asarray(dO).astype(output_dtype(inner)).astype(np.float64)
+        res = run_member(prob, inner, self.member, g, desc)
+        return {n: a.astype(output_dtype(dt)) for n, a in res.items()}, prob
 
     def forward(self, q, k, v, **opts):
         res, prob = self._run(q, k, v, opts)
@@ -113,4 +117,5 @@ MUTANTS = (
     (Specimen("softcap derivative missing", Member("", softcap_grad=False, **_B)), "softcap5"),
     (Specimen("constant output", Member("", **_B), bug="constant"), "plain-L8-S8"),
     (Specimen("output rows shuffled", Member("", **_B), bug="shuffled_rows"), "plain-L8-S8"),
+    (Specimen("fp8 descales ignored", Member("", **_B), bug="no_descale"), "plain-L8-S8"),
 )

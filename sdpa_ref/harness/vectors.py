@@ -20,6 +20,11 @@ give the same hashes:
     ``ml_dtypes`` type, or decode them as the C client does. Every array in
     the vectors' dtype (``grad_out``, a float mask, ``bias``,
     ``alibi_slopes``) is stored the same way; :func:`decoded` undoes it.
+``q_descale``, ``k_descale``, ``v_descale``
+    fp8 only (float32, ``batch + (Hkv,)``): the inputs are quantized per
+    (batch, kv-head) as FlashAttention 3 takes them, and the problem's values
+    are ``query * q_descale`` and so on. An fp8 kernel returns bfloat16 (the
+    manifest's ``output_dtype``), and ``grad_out`` is bfloat16 too.
 ``attn_mask`` (bool), ``bias``, ``alibi_slopes``, ``dropout_mask`` (bool), ``q_lengths``, ``kv_lengths`` (int64)
     Present when the case uses them.
 ``options_json``
@@ -60,7 +65,7 @@ from ..api import sdpa_backward, sdpa_forward
 from ..options import ARRAY_OPTIONS
 from .cases import SUITE_VERSION, get_suite, grad_out_for
 from .ensemble import ensemble_errors, honest_errors
-from .lowp import LOW_DTYPES, TEST_DTYPES, as_test_dtype, is_low, widen
+from .lowp import DESCALES, LOW_DTYPES, TEST_DTYPES, as_test_dtype, dequantized, is_low, output_dtype
 from .rules import RelativeRule
 
 __all__ = ["FORMAT_VERSION", "ManifestError", "write_vectors", "verify_vectors", "VerifyReport", "read_npz", "decoded"]
@@ -101,6 +106,7 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
         "package": "sdpa_ref", "package_version": __version__,
         "suite": suite, "suite_version": SUITE_VERSION, "dtype": dt.name,
         "storage": _STORAGE.get(dt.name, "every array in its own dtype"),
+        "output_dtype": output_dtype(dt).name,
         "reference": ("precision='reproducible': every float64 array faithfully rounded, every honest_* error "
                       "that of the honest ensemble computed in the vectors' dtype in a fixed order; the same bits "
                       "on every machine"),
@@ -132,7 +138,7 @@ def _case_arrays(case, dt):
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
     arrays: Dict[str, np.ndarray] = {"query": q, "key": k, "value": v}
-    for name in ARRAY_OPTIONS:
+    for name in ARRAY_OPTIONS + DESCALES:
         if name in inp:
             arrays[name] = np.asarray(inp.pop(name))
     opts = case.options_json()
@@ -143,7 +149,10 @@ def _case_arrays(case, dt):
 
 
 _STORAGE = {n: (f"arrays in {n} ({', '.join(IN_DTYPE)}) are stored as their uint{16 if n == 'bfloat16' else 8} "
-                f"bit patterns: view them as ml_dtypes.{n}") for n in LOW_DTYPES}
+                f"bit patterns: view them as ml_dtypes.{n}" + ("" if n == "bfloat16" else
+                "; grad_out is in the output dtype, bfloat16 (uint16 bits); q_descale, k_descale and v_descale "
+                "(float32, batch + (Hkv,)) multiply query, key and value per (batch, kv-head)"))
+            for n in LOW_DTYPES}
 
 
 def _bits(a):
@@ -158,7 +167,9 @@ def decoded(arrays, dtype):
     dt = as_test_dtype(dtype, "dtype")
     if not is_low(dt):
         return dict(arrays)
-    return {n: (a.view(dt) if n in IN_DTYPE and a.dtype.kind == "u" else a) for n, a in arrays.items()}
+    by_width = {dt.itemsize: dt, 2: output_dtype(dt)}          # fp8 sets: grad_out is bfloat16
+    return {n: (a.view(by_width[a.itemsize]) if n in IN_DTYPE and a.dtype.kind == "u" else a)
+            for n, a in arrays.items()}
 
 
 def expected(arrays, opts, dt, case=None, grad_out=None) -> Dict[str, np.ndarray]:
@@ -169,9 +180,10 @@ def expected(arrays, opts, dt, case=None, grad_out=None) -> Dict[str, np.ndarray
     dt = np.dtype(dt)
     kw = _options_kwargs(arrays, opts)
     q, k, v = arrays["query"], arrays["key"], arrays["value"]
-    out, res = sdpa_forward(*(np.asarray(a).astype(np.float64) for a in (q, k, v)), precision="reproducible",
-                            **widen(kw))
-    g = grad_out if grad_out is not None else grad_out_for(case, out.shape, dt)
+    problem = dequantized(dict(kw, query=q, key=k, value=v))          # fp8: times the descales
+    out, res = sdpa_forward(problem.pop("query"), problem.pop("key"), problem.pop("value"),
+                            precision="reproducible", **problem)
+    g = grad_out if grad_out is not None else grad_out_for(case, out.shape, output_dtype(dt))
     gr = sdpa_backward(res, np.asarray(g).astype(np.float64))
     result = {"out": out, "lse": res.lse, "grad_out": g, "dq": gr.query, "dk": gr.key, "dv": gr.value}
     if gr.bias is not None:
@@ -186,7 +198,7 @@ def expected(arrays, opts, dt, case=None, grad_out=None) -> Dict[str, np.ndarray
 
 def _options_kwargs(arrays, opts):
     kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in opts.items() if k != "arrays"}
-    for name in ARRAY_OPTIONS:
+    for name in ARRAY_OPTIONS + DESCALES:
         if name in arrays:
             kw[name] = arrays[name]
     return kw
