@@ -15,11 +15,20 @@ measured under is printed. Absolute times vary between machines; compare
 the ratios.
 
 * dense: the default fast path; plain: method="plain" (the documented form);
-  tiled: block_size=256;
+  tiled: block_size=256; dense32: the fast path on float32 inputs with
+  ``upcast=False`` (computed in float32);
 * torch64 / torch32: torch.nn.functional.scaled_dot_product_attention forward
   and autograd backward, when torch is installed (same thread count);
-* gemm: the six bare matmuls any attention forward + backward must do
-  (Q K^T, P V, P^T dO, dO V^T, dS K, dS^T Q): the GEMM bound.
+* gemm / gemm32: the six bare matmuls any attention forward + backward must
+  do (Q K^T, P V, P^T dO, dO V^T, dS K, dS^T Q), float64 / float32: the GEMM
+  bound.
+
+At the end a table gives every target of the speed issue with the figure
+measured and whether it is met: gemm / dense >= 0.85 and dense / torch <=
+0.8 at (1, 8, 1024, 64) and (4, 16, 512, 128) in float64 and float32;
+``--copy-task`` times ``examples/copy_task.py`` in the default environment
+(target 60 s); ``--memory-sizes 65536`` runs the long-sequence target (768
+MiB; about 8 minutes).
 
 Also, in subprocesses (VmHWM from /proc/self/status), the peak resident memory of the whole process for the
 tiled path at L = S = 4096 and 16384 (one head, E = 64, float64), and the
@@ -41,7 +50,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from sdpa_ref import sdpa_backward, sdpa_forward  # noqa: E402
 
-SHAPES = [(1, 8, 1024, 64), (2, 4, 256, 64), (4, 8, 128, 64)]
+#: The issue's two target shapes, then two small ones.
+SHAPES = [(1, 8, 1024, 64), (4, 16, 512, 128), (2, 4, 256, 64), (4, 8, 128, 64)]
+TARGET_SHAPES = ("1x8x1024x64", "4x16x512x128")
 
 try:
     import torch
@@ -65,7 +76,13 @@ def variants(shape):
         _, r = sdpa_forward(q, k, v, block_size=256)
         sdpa_backward(r, g)
 
-    def gemm():
+    q32, k32, v32, g32 = (a.astype(np.float32) for a in (q, k, v, g))
+
+    def dense32():
+        _, r = sdpa_forward(q32, k32, v32, upcast=False)
+        sdpa_backward(r, g32)
+
+    def gemms(q, k, v, g):
         s = q @ np.swapaxes(k, -1, -2)
         s @ v
         np.swapaxes(s, -1, -2) @ g
@@ -73,7 +90,8 @@ def variants(shape):
         d @ k
         np.swapaxes(d, -1, -2) @ q
 
-    out = {"dense": dense, "plain": plain, "tiled": tiled, "gemm": gemm}
+    out = {"dense": dense, "plain": plain, "tiled": tiled, "gemm": lambda: gemms(q, k, v, g), "dense32": dense32,
+           "gemm32": lambda: gemms(q32, k32, v32, g32)}
     if torch is not None:
         for name, dt in (("torch64", torch.float64), ("torch32", torch.float32)):
             tq, tk, tv = (torch.tensor(a, dtype=dt, requires_grad=True) for a in (q, k, v))
@@ -119,7 +137,8 @@ def time_shapes(repeat, threads, inner=3, shapes=SHAPES):
     """Every contender in its own fresh process each round, all with the same thread setting, rounds interleaved
     (the order rotated): none inherits or leaves behind a spinning thread pool."""
     rows, states = [], {}
-    names = ["dense", "plain", "tiled", "gemm"] + (["torch64", "torch32"] if torch is not None else [])
+    names = ["dense", "plain", "tiled", "gemm", "dense32", "gemm32"] + (
+        ["torch64", "torch32"] if torch is not None else [])
     for shape in shapes:
         times = {n: [] for n in names}
         for rnd in range(repeat):
@@ -137,8 +156,8 @@ def time_shapes(repeat, threads, inner=3, shapes=SHAPES):
             return float(np.median(r)), float(r.min()), float(r.max())
 
         row = {"shape": "x".join(map(str, shape)), **{f"{n}_s": v for n, v in med.items()}}
-        for a, b in [("gemm", "dense"), ("plain", "dense"), ("tiled", "dense")] + (
-                [("dense", "torch64"), ("dense", "torch32")] if torch is not None else []):
+        for a, b in [("gemm", "dense"), ("gemm32", "dense32"), ("plain", "dense"), ("tiled", "dense")] + (
+                [("dense", "torch64"), ("dense32", "torch32")] if torch is not None else []):
             row[f"{a}_over_{b}"], row[f"{a}_over_{b}_min"], row[f"{a}_over_{b}_max"] = ratio(a, b)
         rows.append(row)
         print(f"  timed {row['shape']}", file=sys.stderr)
@@ -182,6 +201,42 @@ def memory(Ls):
         rows.append({"L=S": L, "peak_rss_MiB": float(rss), "seconds": float(secs), "block_size": int(block),
                      "dense_P_alone_MiB": L * L * 8 / 2**20})
         print(f"  memory L=S={L}: {float(rss):.0f} MiB", file=sys.stderr)
+    return rows
+
+
+COPY_TASK = os.path.join(os.path.dirname(HERE), "examples", "copy_task.py")
+
+
+def copy_task():
+    """Seconds of ``examples/copy_task.py`` in a fresh process under the default environment (no thread settings)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                                            "MKL_NUM_THREADS", "SDPA_REF_NUM_THREADS")}
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, COPY_TASK], capture_output=True, text=True, check=True, env=env)
+    return time.perf_counter() - t0
+
+
+def targets(result):
+    """Rows ``(target, measured, met)`` for every target of the speed issue that this run measured."""
+    rows = []
+    for r in result["timing"]:
+        if r["shape"] not in TARGET_SHAPES:
+            continue
+        for dt, (g, d, t) in (("float64", ("gemm", "dense", "torch64")), ("float32", ("gemm32", "dense32", "torch32"))):
+            v = r[f"{g}_over_{d}"]
+            rows.append((f"{r['shape']} {dt}: gemm / dense >= 0.85", f"{v:.3f} ({r[f'{g}_over_{d}_min']:.3f}-"
+                         f"{r[f'{g}_over_{d}_max']:.3f})", v >= 0.85))
+            if f"{d}_over_{t}" in r:
+                v = r[f"{d}_over_{t}"]
+                rows.append((f"{r['shape']} {dt}: dense / {t} <= 0.8", f"{v:.3f} ({r[f'{d}_over_{t}_min']:.3f}-"
+                             f"{r[f'{d}_over_{t}_max']:.3f})", v <= 0.8))
+    if result.get("copy_task_s") is not None:
+        rows.append(("copy task (default environment) <= 60 s", f"{result['copy_task_s']:.1f} s",
+                     result["copy_task_s"] <= 60))
+    for m in result["memory"]:
+        if m["L=S"] >= 65536:
+            rows.append((f"tiled L = S = {m['L=S']}, E = 64: peak RSS <= 768 MiB",
+                         f"{m['peak_rss_MiB']:.0f} MiB, {m['seconds']:.0f} s", m["peak_rss_MiB"] <= 768))
     return rows
 
 
@@ -235,7 +290,9 @@ def main():
     ap.add_argument("--format", choices=("table", "json"), default="table")
     ap.add_argument("--skip-memory", action="store_true", help="skip the memory runs")
     ap.add_argument("--skip-gradcheck", action="store_true", help="skip the gradient-check timing")
-    ap.add_argument("--memory-sizes", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--memory-sizes", type=int, nargs="+", default=[4096, 16384],
+                    help="L = S of the tiled memory runs (default: 4096 16384; the target is 65536)")
+    ap.add_argument("--copy-task", action="store_true", help="also time examples/copy_task.py (about a minute)")
     args = ap.parse_args()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = args.threads or cpus
@@ -247,6 +304,8 @@ def main():
     result["memory"] = [] if args.skip_memory else memory(args.memory_sizes)   # first, while this process is small
     result["timing"], result["thread_state"] = time_shapes(args.repeat, threads, shapes=shapes)
     result["gradcheck"] = {} if args.skip_gradcheck else gradcheck_speed()
+    result["copy_task_s"] = copy_task() if args.copy_task else None
+    result["targets"] = [dict(target=t, measured=m, met=ok) for t, m, ok in targets(result)]
     if args.format == "json":
         print(json.dumps(result, indent=2))
         return
@@ -272,6 +331,10 @@ def main():
         for r in result["memory"]:
             print(f"  L = S = {r['L=S']:>6}: {r['peak_rss_MiB']:8.1f} MiB peak, {r['seconds']:7.2f} s, block "
                   f"{r['block_size']} (a dense P alone would be {r['dense_P_alone_MiB']:.0f} MiB)")
+    if result["targets"]:
+        print("\ntargets (this run, the thread state above):")
+        for t in result["targets"]:
+            print(f"  {'met    ' if t['met'] else 'NOT met'}  {t['target']:<48} {t['measured']}")
 
 
 if __name__ == "__main__":

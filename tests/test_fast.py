@@ -295,3 +295,67 @@ def test_head_chunked_path_never_writes_into_the_inputs(problem):
     assert (g == 1).all()
     for n, a in arrays.items():
         np.testing.assert_array_equal(a, before[n], err_msg=n)
+
+
+# ------------------------------------------------------------ the compiled row passes
+
+
+def _both_paths(monkeypatch, fn):
+    """``fn()`` with the compiled row passes and with NumPy's (``SDPA_REF_NATIVE=0``)."""
+    from sdpa_ref.exact import _native
+    if _native.kernels() is None:
+        pytest.skip("no C compiler: only the NumPy row passes exist here")
+    native = fn()
+    monkeypatch.setenv("SDPA_REF_NATIVE", "0")
+    numpy_ = fn()
+    monkeypatch.delenv("SDPA_REF_NATIVE")
+    return native, numpy_
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-13), (np.float32, 3e-5)])
+@pytest.mark.parametrize("opts", [dict(), dict(is_causal=True, causal_alignment="bottom_right"),
+                                  dict(softcap=5.0, window=(3, 1)), dict(dropout_p=0.3, rng=0),
+                                  dict(fully_masked="nan"), dict(fully_masked="uniform")])
+def test_compiled_row_passes_agree_with_numpys(monkeypatch, dtype, tol, opts):
+    """The fused C softmax and softmax VJP against the NumPy passes they replace: the same values to rounding,
+    the same NaN, the same empty rows (a fully masked row, every third)."""
+    rng = np.random.default_rng(5)
+    q, k, v, g = (rng.standard_normal((2, 3, 37, 16)).astype(dtype) * s for s in (3.0, 1.0, 1.0, 1.0))
+    mask = rng.random((2, 3, 37, 37)) < 0.7
+    mask[..., ::3, :] = False if "fully_masked" in opts else mask[..., ::3, :]
+    kw = dict(opts, attn_mask=mask, upcast=dtype == np.float64)
+
+    def run():
+        out, res = sdpa_forward(q, k, v, **kw)
+        gr = sdpa_backward(res, g)
+        return out, res.lse, gr.query, gr.key, gr.value
+
+    native, numpy_ = _both_paths(monkeypatch, run)
+    for a, b in zip(native, numpy_):
+        assert np.array_equal(np.isnan(a), np.isnan(b))
+        fin = np.isfinite(b)
+        assert np.array_equal(np.isinf(a), np.isinf(b))
+        scale = np.abs(b[fin]).max(initial=1.0)
+        assert np.abs(a[fin] - b[fin]).max(initial=0.0) <= tol * scale
+
+
+def test_the_compiled_exp_is_within_two_ulp_down_to_the_subnormals():
+    """Rows ``[0, x]``: their second softmax entry is exp(x) / (1 + exp(x)), which is exp(x) itself once
+    1 + exp(x) rounds to 1 (x < -37); compared with the package's double-double exp."""
+    from sdpa_ref.exact import _native
+    from sdpa_ref.exact.dd import FAST_EXP, dd, dd_exp
+    lib = _native.kernels()
+    if lib is None:
+        pytest.skip("no C compiler")
+    x = np.concatenate([-np.linspace(37.5, 707, 20001), -np.linspace(708, 760, 3001), [-np.inf, -1e300]])
+    t = np.stack([np.zeros_like(x), x], 1)
+    m, s, lse = (np.empty((len(x), 1)) for _ in range(3))
+    empty = np.empty((len(x), 1), bool)
+    _native.fast_softmax_rows(lib, t, m, s, lse, empty, FAST_EXP)
+    want = dd_exp(dd(np.where(np.isfinite(x), x, -800.0)))[0]
+    got = t[:, 1]
+    normal = want >= np.finfo(float).tiny
+    ulp = np.abs(got[normal] - want[normal]) / np.spacing(want[normal])
+    assert ulp.max() <= 2.0
+    assert np.all(np.abs(got[~normal] - want[~normal]) <= 2 * 2.0 ** -1074)        # subnormals: absolute
+    assert got[-2] == 0.0 and got[-1] == 0.0 and not empty.any() and np.all(s == 1.0)

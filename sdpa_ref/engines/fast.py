@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..exact import _native
+from ..exact.dd import FAST_EXP
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from ..softmax import row_pivot
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_vjp, transform_scores, \
@@ -72,6 +74,8 @@ def forward(prob, *, save_probs=True) -> Forward:
     sub = max(1, _CACHE_ENTRIES // max(S, 1))          # rows per cache-sized block
 
     def softmax_rows(t, lse_c, empty_c, m_c, s_c):
+        if _fused(t, lse_c, empty_c, m_c, s_c):        # compiled: the passes fused, row by row
+            return _native.fast_softmax_rows(_native.kernels(), t, m_c, s_c, lse_c, empty_c, FAST_EXP)
         # five passes (max, shift, exp, sum, scale) over blocks that stay in cache
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             for r0 in range(0, t.shape[0], sub):
@@ -141,6 +145,8 @@ def backward(prob, fwd: Forward, dO) -> Grads:
 
     def score_grad_rows(d, p):
         # dT = P * ((dP - c) - rowsum(P * (dP - c))), c = dP at the row's largest P (softmax.row_pivot)
+        if _fused(d, p):
+            return _native.fast_softmax_vjp_rows(_native.kernels(), d, p)
         for r0 in range(0, d.shape[0], sub):
             db, pb = d[r0:r0 + sub], p[r0:r0 + sub]
             np.subtract(db, row_pivot(pb, db), out=db)
@@ -178,6 +184,14 @@ def backward(prob, fwd: Forward, dO) -> Grads:
 
 
 # ------------------------------------------------------------- chunking
+
+
+def _fused(*arrays):
+    """Whether the compiled row passes (:mod:`sdpa_ref.exact._native`) take these arrays: the library is there and
+    they are C-contiguous float64 or float32 of one dtype (bool flags aside)."""
+    t = arrays[0]
+    return (t.dtype in (np.float64, np.float32) and all(a.flags.c_contiguous for a in arrays)
+            and all(a.dtype in (t.dtype, np.bool_) for a in arrays) and _native.kernels() is not None)
 
 
 def _chunk_entries(width):

@@ -356,3 +356,134 @@ void sdpa_dd_softmax_vjp_rows(const double *p0, const double *p1, const double *
         }
     }
 }
+
+/* ------------------------------------------------------------------------------------------------------------
+ * The fast path's row passes (engines/fast.py), fused: one call runs a block of rows, each row in cache.
+ * Not bit-compatible with NumPy's (its exp and sum order are its own), but the same bits on every machine and
+ * SIMD level: IEEE operations in a fixed order, no libm but log (one per row).
+ * ------------------------------------------------------------------------------------------------------------ */
+
+/* exp(x) to about 1 ulp for x <= 709 (-inf and x < -760 give 0): x = k ln2/1024 + r, |r| <= ln2/2048;
+ * 2**(j/1024) from the correctly rounded table t (the dd table's high parts), exp(r) by its degree-4 Taylor
+ * polynomial (truncation below 2**-60), the power of two in two exact steps (subnormal results round once).
+ * c: [0] EXP_FLOOR, [1] 1024 / ln2, [2] C1 (ln2/1024 with 31 bits: k * C1 is exact), [3] the rest of ln2/1024. */
+static inline double fx_exp(double x, const double *t, const double *c)
+{
+    if (x != x) return x;                              /* NaN stays NaN, as NumPy's */
+    double inside = x >= c[0] ? 1.0 : 0.0;
+    double hi = x >= c[0] ? x : c[0];
+    double k = k_rint(hi * c[1]);
+    double r = (hi - k * c[2]) - k * c[3];
+    double p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0))));
+    int64_t ki = (int64_t)k;
+    int64_t jj = ki & 1023;
+    int64_t sh = (ki - jj) >> 10;
+    int64_t h1 = k_floordiv2(sh);
+    return t[jj] * p * k_pow2(h1) * (k_pow2(sh - h1) * inside);
+}
+
+#define FX_LANES 8
+
+/* softmax of each row of t [rows x n] in place, with its max m, sum s and lse = m + log(s) per row, and
+ * empty = (the row has no finite score): m is 0 there, s 0 and P 0/0 (NaN: the engine fills such rows) */
+void sdpa_fast_softmax_rows(double *t, ptrdiff_t rows, ptrdiff_t n, double *m_out, double *s_out, double *lse_out,
+                            unsigned char *empty_out, const double *tab, const double *c)
+{
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        double *x = t + r * n;
+        double m = -INFINITY;
+        for (ptrdiff_t j = 0; j < n; j++)
+            m = x[j] > m ? x[j] : m;
+        unsigned char empty = m == -INFINITY;
+        if (empty) m = 0.0;
+        double acc[FX_LANES] = {0};
+        ptrdiff_t j = 0;
+        for (; j + FX_LANES <= n; j += FX_LANES)
+            for (int l = 0; l < FX_LANES; l++) {
+                double e = fx_exp(x[j + l] - m, tab, c);
+                x[j + l] = e;
+                acc[l] += e;
+            }
+        for (; j < n; j++) {
+            double e = fx_exp(x[j] - m, tab, c);
+            x[j] = e;
+            acc[j % FX_LANES] += e;
+        }
+        double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        for (j = 0; j < n; j++)
+            x[j] = x[j] / s;
+        m_out[r] = m;
+        s_out[r] = s;
+        lse_out[r] = log(s) + m;
+        empty_out[r] = empty;
+    }
+}
+
+/* float32: the subtraction and the result in float32, exp through double (one rounding to float) */
+void sdpa_fast_softmax_rows_f32(float *t, ptrdiff_t rows, ptrdiff_t n, float *m_out, float *s_out, float *lse_out,
+                                unsigned char *empty_out, const double *tab, const double *c)
+{
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        float *x = t + r * n;
+        float m = -INFINITY;
+        for (ptrdiff_t j = 0; j < n; j++)
+            m = x[j] > m ? x[j] : m;
+        unsigned char empty = m == -INFINITY;
+        if (empty) m = 0.0f;
+        float acc[FX_LANES] = {0};
+        ptrdiff_t j = 0;
+        for (; j + FX_LANES <= n; j += FX_LANES)
+            for (int l = 0; l < FX_LANES; l++) {
+                float d = x[j + l] - m;
+                float e = (float)fx_exp((double)d, tab, c);
+                x[j + l] = e;
+                acc[l] += e;
+            }
+        for (; j < n; j++) {
+            float d = x[j] - m;
+            float e = (float)fx_exp((double)d, tab, c);
+            x[j] = e;
+            acc[j % FX_LANES] += e;
+        }
+        float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        for (j = 0; j < n; j++)
+            x[j] = x[j] / s;
+        m_out[r] = m;
+        s_out[r] = s;
+        lse_out[r] = (float)(log((double)s) + (double)m);
+        empty_out[r] = empty;
+    }
+}
+
+/* the softmax VJP of each row in place, pivoted (softmax.row_pivot): d <- p * ((d - c) - sum(p * (d - c))),
+ * c = d at the row's first largest p */
+#define FX_VJP(NAME, T)                                                                                          \
+void NAME(T *d, const T *p, ptrdiff_t rows, ptrdiff_t n)                                                         \
+{                                                                                                                \
+    for (ptrdiff_t r = 0; r < rows; r++) {                                                                       \
+        T *g = d + r * n;                                                                                        \
+        const T *q = p + r * n;                                                                                  \
+        ptrdiff_t at = 0;                                                                                        \
+        for (ptrdiff_t j = 1; j < n; j++)                                                                        \
+            if (q[j] > q[at]) at = j;                                                                            \
+        T c = n ? g[at] : (T)0;                                                                                  \
+        T acc[FX_LANES] = {0};                                                                                   \
+        ptrdiff_t j = 0;                                                                                         \
+        for (; j + FX_LANES <= n; j += FX_LANES)                                                                 \
+            for (int l = 0; l < FX_LANES; l++) {                                                                 \
+                T v = g[j + l] - c;                                                                              \
+                g[j + l] = v;                                                                                    \
+                acc[l] += q[j + l] * v;                                                                          \
+            }                                                                                                    \
+        for (; j < n; j++) {                                                                                     \
+            T v = g[j] - c;                                                                                      \
+            g[j] = v;                                                                                            \
+            acc[j % FX_LANES] += q[j] * v;                                                                       \
+        }                                                                                                        \
+        T D = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));                 \
+        for (j = 0; j < n; j++)                                                                                  \
+            g[j] = (g[j] - D) * q[j];                                                                            \
+    }                                                                                                            \
+}
+FX_VJP(sdpa_fast_softmax_vjp_rows, double)
+FX_VJP(sdpa_fast_softmax_vjp_rows_f32, float)

@@ -31,8 +31,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["dd_add_d_inplace", "dd_div_rows", "dd_exp", "dd_mul_d_scalar", "dd_rowsum", "kernels", "slice_rows",
-           "softmax_vjp_rows"]
+__all__ = ["dd_add_d_inplace", "dd_div_rows", "dd_exp", "dd_mul_d_scalar", "dd_rowsum", "fast_softmax_rows",
+           "fast_softmax_vjp_rows", "kernels", "slice_rows", "softmax_vjp_rows"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernels.c")
 _FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
@@ -88,6 +88,12 @@ def _build():
     lib.sdpa_dd_rowsum.restype = None
     lib.sdpa_dd_softmax_vjp_rows.argtypes = [dp, dp, dp, dp, n, n, dp, dp, dp]
     lib.sdpa_dd_softmax_vjp_rows.restype = None
+    for name in ("sdpa_fast_softmax_rows", "sdpa_fast_softmax_rows_f32"):
+        getattr(lib, name).argtypes = [dp, n, n, dp, dp, dp, dp, dp, dp]
+        getattr(lib, name).restype = None
+    for name in ("sdpa_fast_softmax_vjp_rows", "sdpa_fast_softmax_vjp_rows_f32"):
+        getattr(lib, name).argtypes = [dp, dp, n, n]
+        getattr(lib, name).restype = None
     return lib
 
 
@@ -228,3 +234,21 @@ def softmax_vjp_rows(lib, P, g):
         lib.sdpa_dd_softmax_vjp_rows(_ptr(p0), _ptr(p1), _ptr(g0), _ptr(g1), rows, n, _ptr(o0), _ptr(o1),
                                      _ptr(scratch))
     return o0, o1
+
+
+# ------------------------------------------------------------------ the fast path's fused row passes
+
+def fast_softmax_rows(lib, t, m, s, lse, empty, exp_consts):
+    """Softmax of each row of the C-contiguous ``t`` ``(rows, n)`` (float64 or float32) in place, with the rows'
+    max, sum, lse and emptiness written into the ``(rows, 1)`` arrays (``empty`` bool); ``exp_consts`` is
+    :data:`sdpa_ref.exact.dd.FAST_EXP` (the table and the constants of the compiled exp)."""
+    tab, c = exp_consts
+    fn = lib.sdpa_fast_softmax_rows if t.dtype == np.float64 else lib.sdpa_fast_softmax_rows_f32
+    fn(_ptr(t), t.shape[0], t.shape[1], _ptr(m), _ptr(s), _ptr(lse), _ptr(empty), _ptr(tab), _ptr(c))
+
+
+def fast_softmax_vjp_rows(lib, d, p):
+    """``d <- p * ((d - c) - rowsum(p * (d - c)))``, ``c`` at each row's first largest ``p``, in place (C-contiguous
+    ``(rows, n)``, float64 or float32)."""
+    fn = lib.sdpa_fast_softmax_vjp_rows if d.dtype == np.float64 else lib.sdpa_fast_softmax_vjp_rows_f32
+    fn(_ptr(d), _ptr(p), d.shape[0], d.shape[1])
