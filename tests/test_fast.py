@@ -339,23 +339,99 @@ def test_compiled_row_passes_agree_with_numpys(monkeypatch, dtype, tol, opts):
         assert np.abs(a[fin] - b[fin]).max(initial=0.0) <= tol * scale
 
 
-def test_the_compiled_exp_is_within_two_ulp_down_to_the_subnormals():
-    """Rows ``[0, x]``: their second softmax entry is exp(x) / (1 + exp(x)), which is exp(x) itself once
-    1 + exp(x) rounds to 1 (x < -37); compared with the package's double-double exp."""
+def _lib():
     from sdpa_ref.exact import _native
-    from sdpa_ref.exact.dd import FAST_EXP, dd, dd_exp
     lib = _native.kernels()
     if lib is None:
         pytest.skip("no C compiler")
-    x = np.concatenate([-np.linspace(37.5, 707, 20001), -np.linspace(708, 760, 3001), [-np.inf, -1e300]])
+    return lib
+
+
+def test_the_compiled_exp_is_within_one_ulp_down_to_the_subnormals():
+    """The row passes' vectorised exp against the package's double-double exp (error about 2**-101) over its
+    whole range, and its special values; also through the softmax rows ``[0, x]``, whose second entry is exp(x)
+    itself once 1 + exp(x) rounds to 1 (x < -37)."""
+    from sdpa_ref.exact import _native
+    from sdpa_ref.exact.dd import dd, dd_exp
+    lib = _lib()
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.uniform(-760, 709.7, 200_000), rng.uniform(-1, 1, 100_000),
+                        -np.linspace(0, 760, 20_001), np.linspace(0, 709.78, 2001)])
+    got = _native.fast_exp(lib, x)
+    want = dd_exp(dd(x))[0]
+    normal = want >= np.finfo(float).tiny
+    assert (np.abs(got[normal] - want[normal]) / np.spacing(want[normal])).max() <= 1.0
+    assert np.all(np.abs(got[~normal] - want[~normal]) <= 2.0 ** -1074)            # subnormals: absolute
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 709.79, 710.0, 1e300, -1e300, -760.0001, -745.2])
+    with np.errstate(over="ignore"):
+        assert np.array_equal(_native.fast_exp(lib, special), np.exp(special), equal_nan=True)
+
+    x = np.concatenate([-np.linspace(37.5, 707, 2001), -np.linspace(708, 760, 301), [-np.inf, -1e300]])
     t = np.stack([np.zeros_like(x), x], 1)
     m, s, lse = (np.empty((len(x), 1)) for _ in range(3))
     empty = np.empty((len(x), 1), bool)
-    _native.fast_softmax_rows(lib, t, m, s, lse, empty, FAST_EXP)
-    want = dd_exp(dd(np.where(np.isfinite(x), x, -800.0)))[0]
-    got = t[:, 1]
-    normal = want >= np.finfo(float).tiny
-    ulp = np.abs(got[normal] - want[normal]) / np.spacing(want[normal])
-    assert ulp.max() <= 2.0
-    assert np.all(np.abs(got[~normal] - want[~normal]) <= 2 * 2.0 ** -1074)        # subnormals: absolute
-    assert got[-2] == 0.0 and got[-1] == 0.0 and not empty.any() and np.all(s == 1.0)
+    _native.fast_softmax_rows(lib, t, m, s, lse, empty)
+    assert np.array_equal(t[:, 1], _native.fast_exp(lib, x))
+    assert not empty.any() and np.all(s == 1.0) and np.all(m == 0.0)
+
+
+@pytest.fixture
+def simd_levels():
+    """Every SIMD build of the row passes this CPU runs (the best one restored afterwards)."""
+    from sdpa_ref.exact import _native
+    lib = _lib()
+    have = [lv for lv in _native.SIMD_LEVELS if _native.simd_level(lib, lv) == lv]
+    yield lib, have
+    _native.simd_level(lib, "best")
+
+
+def test_every_simd_build_of_the_row_passes_gives_the_same_bits(simd_levels):
+    """The baseline and the AVX2 build of the compiled row passes, on rows of every length class (shorter than
+    the eight lanes, a multiple of them, with a tail), with NaN, -inf and fully masked rows, in float64 and
+    float32, and the whole fast path on top of them."""
+    from sdpa_ref.exact import _native
+    lib, have = simd_levels
+    if len(have) < 2:
+        pytest.skip(f"this CPU runs only the {have[0]} build")
+
+    def passes(level):
+        _native.simd_level(lib, level)
+        rng = np.random.default_rng(11)
+        out = []
+        for dtype in (np.float64, np.float32):
+            for n in (1, 5, 8, 37, 256):
+                t = rng.standard_normal((9, n)).astype(dtype) * 20
+                t[1] = -np.inf
+                t[2, ::2] = -np.inf
+                t[3, -1] = np.nan
+                g = rng.standard_normal((9, n)).astype(dtype)
+                m, s, lse = (np.empty((9, 1), dtype) for _ in range(3))
+                empty = np.empty((9, 1), bool)
+                _native.fast_softmax_rows(lib, t, m, s, lse, empty)
+                t[1] = 0.0                                     # the engine fills empty rows; the VJP reads P
+                _native.fast_softmax_vjp_rows(lib, g, t)
+                out += [t, m, s, lse, empty, g]
+        out.append(_native.fast_exp(lib, rng.uniform(-800, 720, 1001)))
+        q, k, v, do = (rng.standard_normal((2, 3, 45, 16)) for _ in range(4))
+        o, res = sdpa_forward(q, k, v, is_causal=True, softcap=20.0)
+        gr = sdpa_backward(res, do)
+        o32, res32 = sdpa_forward(*(a.astype(np.float32) for a in (q, k, v)), upcast=False)
+        gr32 = sdpa_backward(res32, do.astype(np.float32))
+        return out + [o, res.lse, gr.query, gr.key, gr.value, o32, gr32.query, gr32.key, gr32.value]
+
+    results = {level: passes(level) for level in have}
+    first = results[have[0]]
+    for level in have[1:]:
+        assert len(results[level]) == len(first)
+        for a, b in zip(first, results[level]):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), level
+
+
+def test_a_bad_simd_level_is_refused(monkeypatch):
+    from sdpa_ref.exact import _native
+    lib = _lib()
+    with pytest.raises(ValueError, match="level must be"):
+        _native.simd_level(lib, "avx9")
+    monkeypatch.setenv("SDPA_REF_SIMD", "sse9")
+    with pytest.raises(ValueError, match="SDPA_REF_SIMD must be one of baseline, avx2.*'sse9'"):
+        _native.kernels()

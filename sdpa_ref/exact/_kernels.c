@@ -3,6 +3,7 @@
  * -ffp-contract=off and no fast-math: no FMA contraction, no reassociation. C99, libc and libm only. */
 #include <math.h>
 #include <stddef.h>
+#include <string.h>
 
 /* n slices of each row of (hi, lo) [rows x k, contiguous; lo may be NULL for a float64 input], as ozaki._slices:
  * slice p of row r goes to out[(p * rows + r) * k ...]; the remainder to (rem_hi, rem_lo) when they are given.
@@ -358,132 +359,98 @@ void sdpa_dd_softmax_vjp_rows(const double *p0, const double *p1, const double *
 }
 
 /* ------------------------------------------------------------------------------------------------------------
- * The fast path's row passes (engines/fast.py), fused: one call runs a block of rows, each row in cache.
- * Not bit-compatible with NumPy's (its exp and sum order are its own), but the same bits on every machine and
- * SIMD level: IEEE operations in a fixed order, no libm but log (one per row).
+ * The fast path's row passes (engines/fast.py), fused: _fast_rows.h, compiled for the baseline (two doubles per
+ * vector) and, on x86-64, for AVX2 (four per vector) through a function attribute, chosen at run time by the
+ * CPU. Both builds give the same bits (see _fast_rows.h). Not bit-compatible with NumPy's passes (its exp and
+ * sum order are its own), but the same bits on every machine and SIMD level. No libm but log (one per row).
  * ------------------------------------------------------------------------------------------------------------ */
 
-/* exp(x) to about 1 ulp for x <= 709 (-inf and x < -760 give 0): x = k ln2/1024 + r, |r| <= ln2/2048;
- * 2**(j/1024) from the correctly rounded table t (the dd table's high parts), exp(r) by its degree-4 Taylor
- * polynomial (truncation below 2**-60), the power of two in two exact steps (subnormal results round once).
- * c: [0] EXP_FLOOR, [1] 1024 / ln2, [2] C1 (ln2/1024 with 31 bits: k * C1 is exact), [3] the rest of ln2/1024. */
-static inline double fx_exp(double x, const double *t, const double *c)
+#pragma GCC diagnostic ignored "-Wpsabi"             /* the vector helpers are always inlined: no ABI to keep */
+#define FX_EXP_FLOOR (-760.0)                        /* below this exp is 0 in float64 (as dd.EXP_FLOOR) */
+
+#define FX_W 2
+#define FX_SFX base
+#define FX_ATTR
+#include "_fast_rows.h"
+#undef FX_W
+#undef FX_SFX
+#undef FX_ATTR
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define FX_HAVE_AVX2 1
+#define FX_W 4
+#define FX_SFX avx2
+#define FX_ATTR __attribute__((target("avx2")))
+#include "_fast_rows.h"
+#undef FX_W
+#undef FX_SFX
+#undef FX_ATTR
+#endif
+
+static int fx_level = -1;
+
+/* The build the row passes use from now on: 1 = AVX2, 0 = the baseline; the best one this CPU runs when level
+ * is negative or beyond it. Returns the level chosen. */
+int sdpa_fast_set_level(int level)
 {
-    if (x != x) return x;                              /* NaN stays NaN, as NumPy's */
-    double inside = x >= c[0] ? 1.0 : 0.0;
-    double hi = x >= c[0] ? x : c[0];
-    double k = k_rint(hi * c[1]);
-    double r = (hi - k * c[2]) - k * c[3];
-    double p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0))));
-    int64_t ki = (int64_t)k;
-    int64_t jj = ki & 1023;
-    int64_t sh = (ki - jj) >> 10;
-    int64_t h1 = k_floordiv2(sh);
-    return t[jj] * p * k_pow2(h1) * (k_pow2(sh - h1) * inside);
+    int best = 0;
+#ifdef FX_HAVE_AVX2
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2"))
+        best = 1;
+#endif
+    fx_level = level < 0 || level > best ? best : level;
+    return fx_level;
 }
 
-#define FX_LANES 8
-
-/* softmax of each row of t [rows x n] in place, with its max m, sum s and lse = m + log(s) per row, and
- * empty = (the row has no finite score): m is 0 there, s 0 and P 0/0 (NaN: the engine fills such rows) */
-void sdpa_fast_softmax_rows(double *t, ptrdiff_t rows, ptrdiff_t n, double *m_out, double *s_out, double *lse_out,
-                            unsigned char *empty_out, const double *tab, const double *c)
+/* The level in use (the best one this CPU runs until set). */
+int sdpa_fast_get_level(void)
 {
-    for (ptrdiff_t r = 0; r < rows; r++) {
-        double *x = t + r * n;
-        double m = -INFINITY;
-        for (ptrdiff_t j = 0; j < n; j++)
-            m = x[j] > m ? x[j] : m;
-        unsigned char empty = m == -INFINITY;
-        if (empty) m = 0.0;
-        double acc[FX_LANES] = {0};
-        ptrdiff_t j = 0;
-        for (; j + FX_LANES <= n; j += FX_LANES)
-            for (int l = 0; l < FX_LANES; l++) {
-                double e = fx_exp(x[j + l] - m, tab, c);
-                x[j + l] = e;
-                acc[l] += e;
-            }
-        for (; j < n; j++) {
-            double e = fx_exp(x[j] - m, tab, c);
-            x[j] = e;
-            acc[j % FX_LANES] += e;
-        }
-        double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        for (j = 0; j < n; j++)
-            x[j] = x[j] / s;
-        m_out[r] = m;
-        s_out[r] = s;
-        lse_out[r] = log(s) + m;
-        empty_out[r] = empty;
-    }
+    if (fx_level < 0)
+        sdpa_fast_set_level(-1);
+    return fx_level;
 }
 
-/* float32: the subtraction and the result in float32, exp through double (one rounding to float) */
-void sdpa_fast_softmax_rows_f32(float *t, ptrdiff_t rows, ptrdiff_t n, float *m_out, float *s_out, float *lse_out,
-                                unsigned char *empty_out, const double *tab, const double *c)
+#ifdef FX_HAVE_AVX2
+#define FX_DISPATCH(NAME, ...)                                                                                   \
+    do {                                                                                                         \
+        if (fx_level < 0)                                                                                        \
+            sdpa_fast_set_level(-1);                                                                             \
+        if (fx_level == 1)                                                                                       \
+            NAME##_avx2(__VA_ARGS__);                                                                            \
+        else                                                                                                     \
+            NAME##_base(__VA_ARGS__);                                                                            \
+    } while (0)
+#else
+#define FX_DISPATCH(NAME, ...) NAME##_base(__VA_ARGS__)
+#endif
+
+/* softmax of each row of t [rows x n] in place, with the rows' max, sum, lse and emptiness (_fast_rows.h) */
+void sdpa_fast_softmax_rows(double *t, ptrdiff_t rows, ptrdiff_t n, double *m, double *s, double *lse,
+                            unsigned char *empty)
 {
-    for (ptrdiff_t r = 0; r < rows; r++) {
-        float *x = t + r * n;
-        float m = -INFINITY;
-        for (ptrdiff_t j = 0; j < n; j++)
-            m = x[j] > m ? x[j] : m;
-        unsigned char empty = m == -INFINITY;
-        if (empty) m = 0.0f;
-        float acc[FX_LANES] = {0};
-        ptrdiff_t j = 0;
-        for (; j + FX_LANES <= n; j += FX_LANES)
-            for (int l = 0; l < FX_LANES; l++) {
-                float d = x[j + l] - m;
-                float e = (float)fx_exp((double)d, tab, c);
-                x[j + l] = e;
-                acc[l] += e;
-            }
-        for (; j < n; j++) {
-            float d = x[j] - m;
-            float e = (float)fx_exp((double)d, tab, c);
-            x[j] = e;
-            acc[j % FX_LANES] += e;
-        }
-        float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        for (j = 0; j < n; j++)
-            x[j] = x[j] / s;
-        m_out[r] = m;
-        s_out[r] = s;
-        lse_out[r] = (float)(log((double)s) + (double)m);
-        empty_out[r] = empty;
-    }
+    FX_DISPATCH(softmax_rows_entry, t, rows, n, m, s, lse, empty);
 }
 
-/* the softmax VJP of each row in place, pivoted (softmax.row_pivot): d <- p * ((d - c) - sum(p * (d - c))),
- * c = d at the row's first largest p */
-#define FX_VJP(NAME, T)                                                                                          \
-void NAME(T *d, const T *p, ptrdiff_t rows, ptrdiff_t n)                                                         \
-{                                                                                                                \
-    for (ptrdiff_t r = 0; r < rows; r++) {                                                                       \
-        T *g = d + r * n;                                                                                        \
-        const T *q = p + r * n;                                                                                  \
-        ptrdiff_t at = 0;                                                                                        \
-        for (ptrdiff_t j = 1; j < n; j++)                                                                        \
-            if (q[j] > q[at]) at = j;                                                                            \
-        T c = n ? g[at] : (T)0;                                                                                  \
-        T acc[FX_LANES] = {0};                                                                                   \
-        ptrdiff_t j = 0;                                                                                         \
-        for (; j + FX_LANES <= n; j += FX_LANES)                                                                 \
-            for (int l = 0; l < FX_LANES; l++) {                                                                 \
-                T v = g[j + l] - c;                                                                              \
-                g[j + l] = v;                                                                                    \
-                acc[l] += q[j + l] * v;                                                                          \
-            }                                                                                                    \
-        for (; j < n; j++) {                                                                                     \
-            T v = g[j] - c;                                                                                      \
-            g[j] = v;                                                                                            \
-            acc[j % FX_LANES] += q[j] * v;                                                                       \
-        }                                                                                                        \
-        T D = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));                 \
-        for (j = 0; j < n; j++)                                                                                  \
-            g[j] = (g[j] - D) * q[j];                                                                            \
-    }                                                                                                            \
+void sdpa_fast_softmax_rows_f32(float *t, ptrdiff_t rows, ptrdiff_t n, float *m, float *s, float *lse,
+                                unsigned char *empty)
+{
+    FX_DISPATCH(softmax_rows_f32_entry, t, rows, n, m, s, lse, empty);
 }
-FX_VJP(sdpa_fast_softmax_vjp_rows, double)
-FX_VJP(sdpa_fast_softmax_vjp_rows_f32, float)
+
+/* the pivoted softmax VJP of each row of d [rows x n] in place, p the probabilities (_fast_rows.h) */
+void sdpa_fast_softmax_vjp_rows(double *d, const double *p, ptrdiff_t rows, ptrdiff_t n)
+{
+    FX_DISPATCH(vjp_rows_entry, d, p, rows, n);
+}
+
+void sdpa_fast_softmax_vjp_rows_f32(float *d, const float *p, ptrdiff_t rows, ptrdiff_t n)
+{
+    FX_DISPATCH(vjp_rows_f32_entry, d, p, rows, n);
+}
+
+/* exp of x[0:n] into out by the row passes' exp (for the tests) */
+void sdpa_fast_exp(const double *x, ptrdiff_t n, double *out)
+{
+    FX_DISPATCH(exp_entry, x, n, out);
+}

@@ -1,20 +1,28 @@
-"""Optional compiled element-wise kernels for the Ozaki products, with the same bits as the NumPy code.
+"""Optional compiled element-wise kernels: the Ozaki products' loops, and the fast path's row passes.
 
-``_kernels.c`` holds two loops of :mod:`.ozaki` -- cutting the slices of a
-row, and adding a product into a double-double accumulator -- written with
-the same IEEE-754 operations in the same order. It is compiled on first use
-with the C compiler (``$CC``, else ``cc``) into a per-user cache
-(``$SDPA_REF_CACHE``, else ``$XDG_CACHE_HOME/sdpa_ref`` or
-``~/.cache/sdpa_ref``; a private folder in the temporary directory when that
-cannot be written; never a folder that other users can write into), with
-``-ffp-contract=off`` and no fast-math, so the
-compiler may neither fuse a multiply-add nor reorder a sum, and loaded with
-``ctypes`` (which releases the GIL, so the pool's threads run in parallel).
+``_kernels.c`` holds the loops of :mod:`.ozaki` and :mod:`.dd` (cutting the
+slices of a row, double-double accumulation, exp, division, row sums),
+written with the same IEEE-754 operations in the same order as the NumPy
+code, so they give the same bits; and ``_fast_rows.h``, the fast path's
+fused softmax and softmax-VJP rows (:mod:`sdpa_ref.engines.fast`), which
+have no NumPy twin of the same bits but the same bits on every machine: they
+are built for the baseline and, on x86-64, for AVX2, chosen at run time
+(``SDPA_REF_SIMD=baseline`` or ``avx2`` forces one; :func:`simd_level`), and
+every build gives the same bits.
+
+The library is compiled on first use with the C compiler (``$CC``, else
+``cc``) into a per-user cache (``$SDPA_REF_CACHE``, else
+``$XDG_CACHE_HOME/sdpa_ref`` or ``~/.cache/sdpa_ref``; a private folder in
+the temporary directory when that cannot be written; never a folder that
+other users can write into), with ``-ffp-contract=off`` and no fast-math, so
+the compiler may neither fuse a multiply-add nor reorder a sum, and loaded
+with ``ctypes`` (which releases the GIL, so the pool's threads run in
+parallel).
 
 Nothing depends on it: without a compiler, when the build fails, or with
-``SDPA_REF_NATIVE=0``, :mod:`.ozaki` runs the NumPy loops, and the results
-are the same bits (``tests/test_reproducible.py`` hashes both). It only makes
-``precision="reproducible"`` faster.
+``SDPA_REF_NATIVE=0``, the NumPy code runs: the same bits for
+``precision="reproducible"`` (``tests/test_reproducible.py`` hashes both),
+and equal to rounding on the fast path. It only makes things faster.
 """
 
 from __future__ import annotations
@@ -31,10 +39,11 @@ import threading
 
 import numpy as np
 
-__all__ = ["dd_add_d_inplace", "dd_div_rows", "dd_exp", "dd_mul_d_scalar", "dd_rowsum", "fast_softmax_rows",
-           "fast_softmax_vjp_rows", "kernels", "slice_rows", "softmax_vjp_rows"]
+__all__ = ["SIMD_LEVELS", "dd_add_d_inplace", "dd_div_rows", "dd_exp", "dd_mul_d_scalar", "dd_rowsum", "fast_exp",
+           "fast_softmax_rows", "fast_softmax_vjp_rows", "simd_level", "kernels", "slice_rows", "softmax_vjp_rows"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernels.c")
+_HEADERS = [os.path.join(os.path.dirname(_SOURCE), "_fast_rows.h")]    # included by _kernels.c
 _FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
 _lib = None
 _tried = False
@@ -50,8 +59,10 @@ def _cache_dir():
 
 
 def _build():
-    with open(_SOURCE, "rb") as fh:
-        src = fh.read()
+    src = b""
+    for f in [_SOURCE] + _HEADERS:                         # the cache tag covers every file the build reads
+        with open(f, "rb") as fh:
+            src += fh.read()
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         return None
@@ -89,8 +100,14 @@ def _build():
     lib.sdpa_dd_softmax_vjp_rows.argtypes = [dp, dp, dp, dp, n, n, dp, dp, dp]
     lib.sdpa_dd_softmax_vjp_rows.restype = None
     for name in ("sdpa_fast_softmax_rows", "sdpa_fast_softmax_rows_f32"):
-        getattr(lib, name).argtypes = [dp, n, n, dp, dp, dp, dp, dp, dp]
+        getattr(lib, name).argtypes = [dp, n, n, dp, dp, dp, dp]
         getattr(lib, name).restype = None
+    lib.sdpa_fast_exp.argtypes = [dp, n, dp]
+    lib.sdpa_fast_exp.restype = None
+    lib.sdpa_fast_set_level.argtypes = [ctypes.c_int]
+    lib.sdpa_fast_set_level.restype = ctypes.c_int
+    lib.sdpa_fast_get_level.argtypes = []
+    lib.sdpa_fast_get_level.restype = ctypes.c_int
     for name in ("sdpa_fast_softmax_vjp_rows", "sdpa_fast_softmax_vjp_rows_f32"):
         getattr(lib, name).argtypes = [dp, dp, n, n]
         getattr(lib, name).restype = None
@@ -113,6 +130,7 @@ def kernels():
     global _lib, _tried
     if os.environ.get("SDPA_REF_NATIVE", "1") == "0":
         return None
+    level = _simd_level()                                  # a bad SDPA_REF_SIMD is the user's error: raised
     if not _tried:
         with _lock:                                        # the pool's threads may ask at once
             if not _tried:
@@ -121,6 +139,8 @@ def kernels():
                 except Exception:                          # no compiler, a broken toolchain
                     _lib = None
                 _tried = True
+                if _lib is not None:
+                    _lib.sdpa_fast_set_level(level)
     return _lib
 
 
@@ -238,13 +258,11 @@ def softmax_vjp_rows(lib, P, g):
 
 # ------------------------------------------------------------------ the fast path's fused row passes
 
-def fast_softmax_rows(lib, t, m, s, lse, empty, exp_consts):
+def fast_softmax_rows(lib, t, m, s, lse, empty):
     """Softmax of each row of the C-contiguous ``t`` ``(rows, n)`` (float64 or float32) in place, with the rows'
-    max, sum, lse and emptiness written into the ``(rows, 1)`` arrays (``empty`` bool); ``exp_consts`` is
-    :data:`sdpa_ref.exact.dd.FAST_EXP` (the table and the constants of the compiled exp)."""
-    tab, c = exp_consts
+    max, sum, lse and emptiness written into the ``(rows, 1)`` arrays (``empty`` bool)."""
     fn = lib.sdpa_fast_softmax_rows if t.dtype == np.float64 else lib.sdpa_fast_softmax_rows_f32
-    fn(_ptr(t), t.shape[0], t.shape[1], _ptr(m), _ptr(s), _ptr(lse), _ptr(empty), _ptr(tab), _ptr(c))
+    fn(_ptr(t), t.shape[0], t.shape[1], _ptr(m), _ptr(s), _ptr(lse), _ptr(empty))
 
 
 def fast_softmax_vjp_rows(lib, d, p):
@@ -252,3 +270,38 @@ def fast_softmax_vjp_rows(lib, d, p):
     ``(rows, n)``, float64 or float32)."""
     fn = lib.sdpa_fast_softmax_vjp_rows if d.dtype == np.float64 else lib.sdpa_fast_softmax_vjp_rows_f32
     fn(_ptr(d), _ptr(p), d.shape[0], d.shape[1])
+
+
+def fast_exp(lib, x):
+    """``exp`` of the float64 array ``x`` by the row passes' compiled exp (within 1 ulp; for tests and study)."""
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    out = np.empty_like(x)
+    if x.size:
+        lib.sdpa_fast_exp(_ptr(x), x.size, _ptr(out))
+    return out
+
+
+#: The SIMD builds of the row passes, by level (``_kernels.c``: ``sdpa_fast_set_level``).
+SIMD_LEVELS = ("baseline", "avx2")
+
+
+def _simd_level():
+    """The level asked for by ``SDPA_REF_SIMD`` (a name of :data:`SIMD_LEVELS`), or -1: the best the CPU runs.
+    An unknown name is an error, not a silent default."""
+    name = os.environ.get("SDPA_REF_SIMD", "").strip().lower()
+    if not name:
+        return -1
+    if name not in SIMD_LEVELS:
+        raise ValueError(f"SDPA_REF_SIMD must be one of {', '.join(SIMD_LEVELS)} (or unset); got {name!r}")
+    return SIMD_LEVELS.index(name)
+
+
+def simd_level(lib, level=None):
+    """The name of the build the fast row passes run (:data:`SIMD_LEVELS`). With ``level`` set it first: a name
+    (a level the CPU lacks gives the best one it has), or ``"best"``. Every level gives the same bits; only the
+    speed changes."""
+    if level is not None:
+        if level != "best" and level not in SIMD_LEVELS:
+            raise ValueError(f"level must be 'best' or one of {', '.join(SIMD_LEVELS)}; got {level!r}")
+        lib.sdpa_fast_set_level(-1 if level == "best" else SIMD_LEVELS.index(level))
+    return SIMD_LEVELS[lib.sdpa_fast_get_level()]

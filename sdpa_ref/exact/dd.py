@@ -212,11 +212,6 @@ _EXP_CONSTS = np.array([EXP_FLOOR, _N / _LN2[0], _C1, float(_C23[0]), float(_C23
                        + [float(v) for m in range(9) for v in _INV_FACT[m]])
 
 
-#: The fast path's compiled exp (``_kernels.c``, ``fx_exp``): the table's high parts (``2**(j/1024)`` correctly
-#: rounded), then EXP_FLOOR, N / ln2, C1 and the rest of ln2 / N to double precision.
-FAST_EXP = (np.ascontiguousarray(_TABLE[0]), np.array([EXP_FLOOR, _N / _LN2[0], _C1, float(_C23[0])]))
-
-
 def pow2(n):
     """``2.0 ** n`` for integer arrays ``n`` in ``[-1022, 1023]``, built from the exponent bits (exact, and
     cheaper than ``np.ldexp``; multiplying by it is ``ldexp`` with the same rounding)."""

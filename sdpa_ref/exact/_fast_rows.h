@@ -1,0 +1,235 @@
+/* The fast path's row passes (engines/fast.py), fused: one call runs a block of rows, each row in cache.
+ *
+ * Included by _kernels.c once per build: FX_W (doubles per vector), FX_SFX (the names' suffix) and FX_ATTR (the
+ * functions' target attribute) say which. Every build works on eight lanes, as 8 / FX_W vectors: lane l is
+ * element l of every block of eight entries. Every operation is an IEEE add, subtract, multiply, divide or
+ * compare on a lane, or an integer operation on its bits, and the eight lanes' sums meet in one fixed tree, so
+ * every build gives the same bits (-ffp-contract=off: no FMA is formed, and no build enables it).
+ */
+
+#define FX_CAT_(a, b) a##_##b
+#define FX_CAT(a, b) FX_CAT_(a, b)
+#define FX(name) FX_CAT(name, FX_SFX)
+#define FX_U (8 / FX_W)                                        /* vectors per block of eight lanes */
+#define FX_INLINE static inline __attribute__((always_inline)) FX_ATTR
+
+typedef double FX(vd) __attribute__((vector_size(8 * FX_W)));
+typedef long long FX(vi) __attribute__((vector_size(8 * FX_W)));
+typedef unsigned long long FX(vu) __attribute__((vector_size(8 * FX_W)));
+
+FX_INLINE FX(vd) FX(splat)(double a)
+{
+    FX(vd) v;
+    for (int i = 0; i < FX_W; i++)
+        v[i] = a;
+    return v;
+}
+
+FX_INLINE FX(vd) FX(sel)(FX(vi) mask, FX(vd) a, FX(vd) b) { return (FX(vd))(((FX(vi))a & mask) | ((FX(vi))b & ~mask)); }
+FX_INLINE FX(vd) FX(load)(const double *p) { FX(vd) v; memcpy(&v, p, sizeof v); return v; }
+FX_INLINE void FX(store)(double *p, FX(vd) v) { memcpy(p, &v, sizeof v); }
+
+/* exp(x) lane by lane, within 1 ulp (tests/test_fast.py measures it against the double-double exp):
+ * x = k ln2 + r with k = rint(x / ln2) (the sum with 1.5 * 2**52 rounds it, and its low bits are k) and
+ * |r| <= ln2/2 + tiny, by Cody and Waite (LN2_HI has 32 bits, so k * LN2_HI is exact for |k| < 2**21);
+ * exp(r) = 1 + (r + r^2 q(r)), q the Taylor series of (exp(r) - 1 - r) / r^2 to degree 11 (truncation below
+ * 2**-57, 1/i! correctly rounded); 2**k in two exact halves, so that subnormal results round once. NaN gives NaN, -inf and x < -760
+ * give 0, x >= 710 gives inf. */
+FX_INLINE FX(vd) FX(exp)(FX(vd) x)
+{
+    const double LN2_HI = 0x1.62e42feep-1, LN2_LO = 0x1.a39ef35793c76p-33, SHIFT = 0x1.8p52;
+    FX(vi) nan = x != x;
+    FX(vi) inside = x >= FX(splat)(FX_EXP_FLOOR);                      /* false for NaN */
+    FX(vd) h = FX(sel)(inside, x, FX(splat)(FX_EXP_FLOOR));
+    h = FX(sel)(h < FX(splat)(710.0), h, FX(splat)(710.0));
+    FX(vd) ks = h * FX(splat)(0x1.71547652b82fep0) + FX(splat)(SHIFT);  /* x / ln2, rounded to an integer */
+    FX(vi) k = (FX(vi))ks - (FX(vi))FX(splat)(SHIFT);
+    FX(vd) kd = ks - FX(splat)(SHIFT);
+    FX(vd) r = (h - kd * FX(splat)(LN2_HI)) - kd * FX(splat)(LN2_LO);
+    /* q(r) = sum_{i=2..13} r^(i-2) / i! by Estrin's scheme: short dependency chains, so that the lanes of
+     * neighbouring vectors overlap in the pipeline (Horner's twelve steps would wait on one another) */
+    FX(vd) r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
+    FX(vd) a0 = FX(splat)(1.0 / 2.0) + r * FX(splat)(1.0 / 6.0);
+    FX(vd) a1 = FX(splat)(1.0 / 24.0) + r * FX(splat)(1.0 / 120.0);
+    FX(vd) a2 = FX(splat)(1.0 / 720.0) + r * FX(splat)(1.0 / 5040.0);
+    FX(vd) a3 = FX(splat)(1.0 / 40320.0) + r * FX(splat)(1.0 / 362880.0);
+    FX(vd) a4 = FX(splat)(1.0 / 3628800.0) + r * FX(splat)(1.0 / 39916800.0);
+    FX(vd) a5 = FX(splat)(1.0 / 479001600.0) + r * FX(splat)(1.0 / 6227020800.0);
+    FX(vd) q = ((a0 + r2 * a1) + r4 * (a2 + r2 * a3)) + r8 * (a4 + r2 * a5);
+    FX(vd) p = FX(splat)(1.0) + (r + r2 * q);
+    /* k = h1 + h2, h1 = floor(k / 2) by a logical shift of k + 4096 (k > -1200) */
+    FX(vi) h1 = (FX(vi))((FX(vu))(k + 4096) >> 1) - 2048, h2 = k - h1;
+    FX(vd) s1 = (FX(vd))((h1 + 1023) << 52), s2 = (FX(vd))((h2 + 1023) << 52);
+    FX(vd) e = (p * s1) * s2;
+    e = (FX(vd))((FX(vi))e & inside);
+    return FX(sel)(nan, x, e);
+}
+
+/* float32 vectors of the same lane count, their masks, and exp through double (one rounding to float) */
+typedef float FX(vf) __attribute__((vector_size(4 * FX_W)));
+typedef int FX(vw) __attribute__((vector_size(4 * FX_W)));
+
+FX_INLINE FX(vf) FX(splatf)(float a)
+{
+    FX(vf) v;
+    for (int i = 0; i < FX_W; i++)
+        v[i] = a;
+    return v;
+}
+
+FX_INLINE FX(vf) FX(self)(FX(vw) mask, FX(vf) a, FX(vf) b) { return (FX(vf))(((FX(vw))a & mask) | ((FX(vw))b & ~mask)); }
+FX_INLINE FX(vf) FX(loadf)(const float *p) { FX(vf) v; memcpy(&v, p, sizeof v); return v; }
+FX_INLINE void FX(storef)(float *p, FX(vf) v) { memcpy(p, &v, sizeof v); }
+FX_INLINE FX(vf) FX(expf)(FX(vf) x) { return __builtin_convertvector(FX(exp)(__builtin_convertvector(x, FX(vd))), FX(vf)); }
+
+/* The kernels, once for float64 (T double, V FX(vd)) and once for float32 (float, FX(vf)). A block of eight
+ * entries is FX_U vectors; lane l of a block is element l % FX_W of its vector l / FX_W; the eight lanes' sums
+ * meet as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). A row's last, short block is padded (with -inf before exp:
+ * its exp is 0; with 0 in the VJP's sum), so that the lanes hold the same entries in every build. */
+#define FX_SUM8(acc) ((((acc)[0 / FX_W][0 % FX_W] + (acc)[1 / FX_W][1 % FX_W])                                   \
+                       + ((acc)[2 / FX_W][2 % FX_W] + (acc)[3 / FX_W][3 % FX_W]))                                \
+                      + (((acc)[4 / FX_W][4 % FX_W] + (acc)[5 / FX_W][5 % FX_W])                                 \
+                         + ((acc)[6 / FX_W][6 % FX_W] + (acc)[7 / FX_W][7 % FX_W])))
+
+#define FX_ROW_KERNELS(TS, T, V, M, LD, ST, SPLAT, SEL, EXP)                                                    \
+                                                                                                               \
+/* the largest of x[0:n] (NaN skipped; -inf for a row of -inf or none): x[j] > m ? x[j] : m in eight lanes,     \
+ * the rest in order, then the lanes */                                                                        \
+FX_INLINE T FX(rowmax##TS)(const T *x, ptrdiff_t n)                                                            \
+{                                                                                                              \
+    V m[FX_U];                                                                                                 \
+    for (int u = 0; u < FX_U; u++)                                                                             \
+        m[u] = SPLAT(-INFINITY);                                                                               \
+    ptrdiff_t j = 0;                                                                                           \
+    for (; j + 8 <= n; j += 8)                                                                                 \
+        for (int u = 0; u < FX_U; u++) {                                                                       \
+            V v = LD(x + j + u * FX_W);                                                                        \
+            m[u] = SEL((M)(v > m[u]), v, m[u]);                                                                \
+        }                                                                                                      \
+    T r = -INFINITY;                                                                                           \
+    for (; j < n; j++)                                                                                         \
+        r = x[j] > r ? x[j] : r;                                                                               \
+    for (int l = 0; l < 8; l++)                                                                                \
+        r = m[l / FX_W][l % FX_W] > r ? m[l / FX_W][l % FX_W] : r;                                             \
+    return r;                                                                                                  \
+}                                                                                                              \
+                                                                                                               \
+/* softmax of each row of t [rows x n] in place, with its max m, sum s and lse = m + log(s) per row, and       \
+ * empty = (the row has no finite score): m is 0 there, s 0 and P 0/0 (NaN: the engine fills such rows) */     \
+FX_INLINE void FX(softmax_rows##TS)(T *t, ptrdiff_t rows, ptrdiff_t n, T *m_out, T *s_out, T *lse_out,         \
+                                    unsigned char *empty_out)                                                  \
+{                                                                                                              \
+    for (ptrdiff_t r = 0; r < rows; r++) {                                                                     \
+        T *x = t + r * n;                                                                                      \
+        T m = FX(rowmax##TS)(x, n);                                                                            \
+        unsigned char empty = m == -INFINITY;                                                                  \
+        if (empty) m = 0;                                                                                      \
+        V acc[FX_U], mv = SPLAT(m);                                                                            \
+        for (int u = 0; u < FX_U; u++)                                                                         \
+            acc[u] = SPLAT(0);                                                                                 \
+        ptrdiff_t j = 0;                                                                                       \
+        for (; j + 8 <= n; j += 8)                                                                             \
+            for (int u = 0; u < FX_U; u++) {                                                                   \
+                V e = EXP(LD(x + j + u * FX_W) - mv);                                                          \
+                ST(x + j + u * FX_W, e);                                                                       \
+                acc[u] += e;                                                                                   \
+            }                                                                                                  \
+        if (j < n) {                                                                                           \
+            T b[8];                                                                                            \
+            for (int l = 0; l < 8; l++)                                                                        \
+                b[l] = j + l < n ? x[j + l] : (T)-INFINITY;                                                    \
+            for (int u = 0; u < FX_U; u++) {                                                                   \
+                V e = EXP(LD(b + u * FX_W) - mv);                                                              \
+                ST(b + u * FX_W, e);                                                                           \
+                acc[u] += e;                                                                                   \
+            }                                                                                                  \
+            for (int l = 0; j + l < n; l++)                                                                    \
+                x[j + l] = b[l];                                                                               \
+        }                                                                                                      \
+        T s = FX_SUM8(acc);                                                                                    \
+        V sv = SPLAT(s);                                                                                       \
+        for (j = 0; j + FX_W <= n; j += FX_W)                                                                  \
+            ST(x + j, LD(x + j) / sv);                                                                         \
+        for (; j < n; j++)                                                                                     \
+            x[j] = x[j] / s;                                                                                   \
+        m_out[r] = m;                                                                                          \
+        s_out[r] = s;                                                                                          \
+        lse_out[r] = (T)(log((double)s) + (double)m);                                                          \
+        empty_out[r] = empty;                                                                                  \
+    }                                                                                                          \
+}                                                                                                              \
+                                                                                                               \
+/* the softmax VJP of each row in place, pivoted (softmax.row_pivot): d <- p * ((d - c) - sum(p * (d - c))),   \
+ * c = d at the row's first largest p (NaN is never the largest; a NaN in p makes the row NaN whatever c is) */ \
+FX_INLINE void FX(softmax_vjp_rows##TS)(T *d, const T *p, ptrdiff_t rows, ptrdiff_t n)                         \
+{                                                                                                              \
+    for (ptrdiff_t r = 0; r < rows; r++) {                                                                     \
+        T *g = d + r * n;                                                                                      \
+        const T *q = p + r * n;                                                                                \
+        T top = FX(rowmax##TS)(q, n);                                                                          \
+        ptrdiff_t at = 0;                                                                                      \
+        while (at < n && !(q[at] == top))                                                                      \
+            at++;                                                                                              \
+        T c = at < n ? g[at] : (T)0;                                                                           \
+        V acc[FX_U], cv = SPLAT(c);                                                                            \
+        for (int u = 0; u < FX_U; u++)                                                                         \
+            acc[u] = SPLAT(0);                                                                                 \
+        ptrdiff_t j = 0;                                                                                       \
+        for (; j + 8 <= n; j += 8)                                                                             \
+            for (int u = 0; u < FX_U; u++) {                                                                   \
+                V v = LD(g + j + u * FX_W) - cv;                                                               \
+                ST(g + j + u * FX_W, v);                                                                       \
+                acc[u] += LD(q + j + u * FX_W) * v;                                                            \
+            }                                                                                                  \
+        if (j < n) {                                                                                           \
+            T bg[8], bq[8];                                                                                    \
+            for (int l = 0; l < 8; l++) {                                                                      \
+                bg[l] = j + l < n ? g[j + l] - c : (T)0;                                                       \
+                bq[l] = j + l < n ? q[j + l] : (T)0;                                                           \
+            }                                                                                                  \
+            for (int u = 0; u < FX_U; u++)                                                                     \
+                acc[u] += LD(bq + u * FX_W) * LD(bg + u * FX_W);                                               \
+            for (int l = 0; j + l < n; l++)                                                                    \
+                g[j + l] = bg[l];                                                                              \
+        }                                                                                                      \
+        T D = FX_SUM8(acc);                                                                                    \
+        V Dv = SPLAT(D);                                                                                       \
+        for (j = 0; j + FX_W <= n; j += FX_W)                                                                  \
+            ST(g + j, (LD(g + j) - Dv) * LD(q + j));                                                           \
+        for (; j < n; j++)                                                                                     \
+            g[j] = (g[j] - D) * q[j];                                                                          \
+    }                                                                                                          \
+}
+
+FX_ROW_KERNELS(, double, FX(vd), FX(vi), FX(load), FX(store), FX(splat), FX(sel), FX(exp))
+FX_ROW_KERNELS(_f32, float, FX(vf), FX(vw), FX(loadf), FX(storef), FX(splatf), FX(self), FX(expf))
+
+/* The entry points of this build: the kernels, not inlined into one another. */
+FX_ATTR static void FX(softmax_rows_entry)(double *t, ptrdiff_t rows, ptrdiff_t n, double *m, double *s, double *l,
+                                           unsigned char *e) { FX(softmax_rows)(t, rows, n, m, s, l, e); }
+FX_ATTR static void FX(softmax_rows_f32_entry)(float *t, ptrdiff_t rows, ptrdiff_t n, float *m, float *s, float *l,
+                                               unsigned char *e) { FX(softmax_rows_f32)(t, rows, n, m, s, l, e); }
+FX_ATTR static void FX(vjp_rows_entry)(double *d, const double *p, ptrdiff_t rows, ptrdiff_t n)
+    { FX(softmax_vjp_rows)(d, p, rows, n); }
+FX_ATTR static void FX(vjp_rows_f32_entry)(float *d, const float *p, ptrdiff_t rows, ptrdiff_t n)
+    { FX(softmax_vjp_rows_f32)(d, p, rows, n); }
+FX_ATTR static void FX(exp_entry)(const double *x, ptrdiff_t n, double *out)
+{
+    ptrdiff_t j = 0;
+    for (; j + FX_W <= n; j += FX_W)
+        FX(store)(out + j, FX(exp)(FX(load)(x + j)));
+    for (; j < n; j++) {                                      /* the last few, one lane each */
+        double e[FX_W] = {0};
+        e[0] = x[j];
+        FX(store)(e, FX(exp)(FX(load)(e)));
+        out[j] = e[0];
+    }
+}
+
+#undef FX_ROW_KERNELS
+#undef FX_SUM8
+#undef FX_INLINE
+#undef FX_U
+#undef FX
+#undef FX_CAT
+#undef FX_CAT_
