@@ -133,12 +133,14 @@ print(json.dumps({{"seconds": float(np.median(ts)), "state": state}}))
 """
 
 
-def time_shapes(repeat, threads, inner=3, shapes=SHAPES):
+CONTENDERS = ("dense", "plain", "tiled", "gemm", "dense32", "gemm32", "torch64", "torch32")
+
+
+def time_shapes(repeat, threads, inner=3, shapes=SHAPES, contenders=CONTENDERS):
     """Every contender in its own fresh process each round, all with the same thread setting, rounds interleaved
     (the order rotated): none inherits or leaves behind a spinning thread pool."""
     rows, states = [], {}
-    names = ["dense", "plain", "tiled", "gemm", "dense32", "gemm32"] + (
-        ["torch64", "torch32"] if torch is not None else [])
+    names = [n for n in contenders if torch is not None or not n.startswith("torch")]
     for shape in shapes:
         times = {n: [] for n in names}
         for rnd in range(repeat):
@@ -156,8 +158,10 @@ def time_shapes(repeat, threads, inner=3, shapes=SHAPES):
             return float(np.median(r)), float(r.min()), float(r.max())
 
         row = {"shape": "x".join(map(str, shape)), **{f"{n}_s": v for n, v in med.items()}}
-        for a, b in [("gemm", "dense"), ("gemm32", "dense32"), ("plain", "dense"), ("tiled", "dense")] + (
-                [("dense", "torch64"), ("dense32", "torch32")] if torch is not None else []):
+        for a, b in [("gemm", "dense"), ("gemm32", "dense32"), ("plain", "dense"), ("tiled", "dense"),
+                     ("dense", "torch64"), ("dense32", "torch32"), ("gemm", "torch64"), ("gemm32", "torch32")]:
+            if a not in names or b not in names:
+                continue
             row[f"{a}_over_{b}"], row[f"{a}_over_{b}_min"], row[f"{a}_over_{b}_max"] = ratio(a, b)
         rows.append(row)
         print(f"  timed {row['shape']}", file=sys.stderr)
@@ -217,19 +221,25 @@ def copy_task():
 
 
 def targets(result):
-    """Rows ``(target, measured, met)`` for every target of the speed issue that this run measured."""
+    """Rows ``(target, measured, met)`` for every target of the speed issue that this run measured; ``met`` is None
+    for a torch target that is missed where the bare GEMMs alone already take more than 0.8 of torch's time
+    (the issue asks for 0.8 "where the GEMM bound allows it")."""
     rows = []
     for r in result["timing"]:
         if r["shape"] not in TARGET_SHAPES:
             continue
         for dt, (g, d, t) in (("float64", ("gemm", "dense", "torch64")), ("float32", ("gemm32", "dense32", "torch32"))):
-            v = r[f"{g}_over_{d}"]
-            rows.append((f"{r['shape']} {dt}: gemm / dense >= 0.85", f"{v:.3f} ({r[f'{g}_over_{d}_min']:.3f}-"
-                         f"{r[f'{g}_over_{d}_max']:.3f})", v >= 0.85))
+            if f"{g}_over_{d}" in r:
+                v = r[f"{g}_over_{d}"]
+                rows.append((f"{r['shape']} {dt}: gemm / dense >= 0.85", f"{v:.3f} ({r[f'{g}_over_{d}_min']:.3f}-"
+                             f"{r[f'{g}_over_{d}_max']:.3f})", v >= 0.85))
             if f"{d}_over_{t}" in r:
                 v = r[f"{d}_over_{t}"]
+                bound = r.get(f"{g}_over_{t}")             # the bare GEMMs against torch: what the bound allows
+                ok = True if v <= 0.8 else (None if bound is not None and bound > 0.8 else False)
                 rows.append((f"{r['shape']} {dt}: dense / {t} <= 0.8", f"{v:.3f} ({r[f'{d}_over_{t}_min']:.3f}-"
-                             f"{r[f'{d}_over_{t}_max']:.3f})", v <= 0.8))
+                             f"{r[f'{d}_over_{t}_max']:.3f})" + ("" if bound is None else
+                                                                 f"; the GEMMs alone {bound:.3f}"), ok))
     if result.get("copy_task_s") is not None:
         rows.append(("copy task (default environment) <= 60 s", f"{result['copy_task_s']:.1f} s",
                      result["copy_task_s"] <= 60))
@@ -293,6 +303,9 @@ def main():
     ap.add_argument("--memory-sizes", type=int, nargs="+", default=[4096, 16384],
                     help="L = S of the tiled memory runs (default: 4096 16384; the target is 65536)")
     ap.add_argument("--copy-task", action="store_true", help="also time examples/copy_task.py (about a minute)")
+    ap.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS), metavar="NAME",
+                    help="the contenders to time (default: all of " + ", ".join(CONTENDERS) + "; torch's only when "
+                         "torch is installed); a ratio or target is reported where both of its contenders ran")
     args = ap.parse_args()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = args.threads or cpus
@@ -302,7 +315,8 @@ def main():
               "env": {n: os.environ.get(n) for n in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                                                      "SDPA_REF_NUM_THREADS")}}
     result["memory"] = [] if args.skip_memory else memory(args.memory_sizes)   # first, while this process is small
-    result["timing"], result["thread_state"] = time_shapes(args.repeat, threads, shapes=shapes)
+    result["timing"], result["thread_state"] = time_shapes(args.repeat, threads, shapes=shapes,
+                                                          contenders=args.contenders)
     result["gradcheck"] = {} if args.skip_gradcheck else gradcheck_speed()
     result["copy_task_s"] = copy_task() if args.copy_task else None
     result["targets"] = [dict(target=t, measured=m, met=ok) for t, m, ok in targets(result)]
@@ -334,7 +348,11 @@ def main():
     if result["targets"]:
         print("\ntargets (this run, the thread state above):")
         for t in result["targets"]:
-            print(f"  {'met    ' if t['met'] else 'NOT met'}  {t['target']:<48} {t['measured']}")
+            verdict = {True: "met    ", False: "NOT met", None: "bound  "}[t["met"]]
+            print(f"  {verdict}  {t['target']:<48} {t['measured']}")
+        if any(t["met"] is None for t in result["targets"]):
+            print("  (bound: not met, and out of reach here: the six bare GEMMs of this BLAS alone take more than "
+                  "0.8 times torch's whole forward + backward)")
 
 
 if __name__ == "__main__":

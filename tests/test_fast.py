@@ -375,6 +375,26 @@ def test_the_compiled_exp_is_within_one_ulp_down_to_the_subnormals():
     assert not empty.any() and np.all(s == 1.0) and np.all(m == 0.0)
 
 
+def test_the_compiled_float32_exp_is_within_one_ulp():
+    """The float32 row passes' exp (computed in float32) against exp in float64, over its whole range and its
+    special values: within 1 ulp of the float32 grid, and within 2**-149 (one subnormal step) below it."""
+    from sdpa_ref.exact import _native
+    lib = _lib()
+    rng = np.random.default_rng(4)
+    x = np.concatenate([rng.uniform(-104, 88.7, 300_000), rng.uniform(-1, 1, 100_000),
+                        -np.linspace(0, 104, 20_001), np.linspace(0, 88.72, 2001)]).astype(np.float32)
+    got = _native.fast_exp(lib, x)
+    assert got.dtype == np.float32
+    exact = np.exp(x.astype(np.float64))
+    grid = exact.astype(np.float32)
+    normal = grid >= np.finfo(np.float32).tiny
+    assert (np.abs(got[normal] - exact[normal]) / np.spacing(grid[normal])).max() <= 1.0
+    assert np.all(np.abs(got[~normal] - exact[~normal]) <= 2.0 ** -149)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 88.73, 89.0, 1e30, -1e30, -104.01], np.float32)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(_native.fast_exp(lib, special), np.exp(special), equal_nan=True)
+
+
 @pytest.fixture
 def simd_levels():
     """Every SIMD build of the row passes this CPU runs (the best one restored afterwards)."""

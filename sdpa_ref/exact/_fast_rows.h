@@ -65,14 +65,16 @@ FX_INLINE FX(vd) FX(exp)(FX(vd) x)
     return FX(sel)(nan, x, e);
 }
 
-/* float32 vectors of the same lane count, their masks, and exp through double (one rounding to float) */
-typedef float FX(vf) __attribute__((vector_size(4 * FX_W)));
-typedef int FX(vw) __attribute__((vector_size(4 * FX_W)));
+/* float32 vectors of the same width (twice the lanes), their masks, and exp in float32 */
+#define FX_WF (2 * FX_W)
+typedef float FX(vf) __attribute__((vector_size(8 * FX_W)));
+typedef int FX(vw) __attribute__((vector_size(8 * FX_W)));
+typedef unsigned FX(vwu) __attribute__((vector_size(8 * FX_W)));
 
 FX_INLINE FX(vf) FX(splatf)(float a)
 {
     FX(vf) v;
-    for (int i = 0; i < FX_W; i++)
+    for (int i = 0; i < FX_WF; i++)
         v[i] = a;
     return v;
 }
@@ -80,129 +82,156 @@ FX_INLINE FX(vf) FX(splatf)(float a)
 FX_INLINE FX(vf) FX(self)(FX(vw) mask, FX(vf) a, FX(vf) b) { return (FX(vf))(((FX(vw))a & mask) | ((FX(vw))b & ~mask)); }
 FX_INLINE FX(vf) FX(loadf)(const float *p) { FX(vf) v; memcpy(&v, p, sizeof v); return v; }
 FX_INLINE void FX(storef)(float *p, FX(vf) v) { memcpy(p, &v, sizeof v); }
-FX_INLINE FX(vf) FX(expf)(FX(vf) x) { return __builtin_convertvector(FX(exp)(__builtin_convertvector(x, FX(vd))), FX(vf)); }
 
-/* The kernels, once for float64 (T double, V FX(vd)) and once for float32 (float, FX(vf)). A block of eight
- * entries is FX_U vectors; lane l of a block is element l % FX_W of its vector l / FX_W; the eight lanes' sums
- * meet as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). A row's last, short block is padded (with -inf before exp:
- * its exp is 0; with 0 in the VJP's sum), so that the lanes hold the same entries in every build. */
-#define FX_SUM8(acc) ((((acc)[0 / FX_W][0 % FX_W] + (acc)[1 / FX_W][1 % FX_W])                                   \
-                       + ((acc)[2 / FX_W][2 % FX_W] + (acc)[3 / FX_W][3 % FX_W]))                                \
-                      + (((acc)[4 / FX_W][4 % FX_W] + (acc)[5 / FX_W][5 % FX_W])                                 \
-                         + ((acc)[6 / FX_W][6 % FX_W] + (acc)[7 / FX_W][7 % FX_W])))
-
-#define FX_ROW_KERNELS(TS, T, V, M, LD, ST, SPLAT, SEL, EXP)                                                    \
-                                                                                                               \
-/* the largest of x[0:n] (NaN skipped; -inf for a row of -inf or none): x[j] > m ? x[j] : m in eight lanes,     \
- * the rest in order, then the lanes */                                                                        \
-FX_INLINE T FX(rowmax##TS)(const T *x, ptrdiff_t n)                                                            \
-{                                                                                                              \
-    V m[FX_U];                                                                                                 \
-    for (int u = 0; u < FX_U; u++)                                                                             \
-        m[u] = SPLAT(-INFINITY);                                                                               \
-    ptrdiff_t j = 0;                                                                                           \
-    for (; j + 8 <= n; j += 8)                                                                                 \
-        for (int u = 0; u < FX_U; u++) {                                                                       \
-            V v = LD(x + j + u * FX_W);                                                                        \
-            m[u] = SEL((M)(v > m[u]), v, m[u]);                                                                \
-        }                                                                                                      \
-    T r = -INFINITY;                                                                                           \
-    for (; j < n; j++)                                                                                         \
-        r = x[j] > r ? x[j] : r;                                                                               \
-    for (int l = 0; l < 8; l++)                                                                                \
-        r = m[l / FX_W][l % FX_W] > r ? m[l / FX_W][l % FX_W] : r;                                             \
-    return r;                                                                                                  \
-}                                                                                                              \
-                                                                                                               \
-/* softmax of each row of t [rows x n] in place, with its max m, sum s and lse = m + log(s) per row, and       \
- * empty = (the row has no finite score): m is 0 there, s 0 and P 0/0 (NaN: the engine fills such rows) */     \
-FX_INLINE void FX(softmax_rows##TS)(T *t, ptrdiff_t rows, ptrdiff_t n, T *m_out, T *s_out, T *lse_out,         \
-                                    unsigned char *empty_out)                                                  \
-{                                                                                                              \
-    for (ptrdiff_t r = 0; r < rows; r++) {                                                                     \
-        T *x = t + r * n;                                                                                      \
-        T m = FX(rowmax##TS)(x, n);                                                                            \
-        unsigned char empty = m == -INFINITY;                                                                  \
-        if (empty) m = 0;                                                                                      \
-        V acc[FX_U], mv = SPLAT(m);                                                                            \
-        for (int u = 0; u < FX_U; u++)                                                                         \
-            acc[u] = SPLAT(0);                                                                                 \
-        ptrdiff_t j = 0;                                                                                       \
-        for (; j + 8 <= n; j += 8)                                                                             \
-            for (int u = 0; u < FX_U; u++) {                                                                   \
-                V e = EXP(LD(x + j + u * FX_W) - mv);                                                          \
-                ST(x + j + u * FX_W, e);                                                                       \
-                acc[u] += e;                                                                                   \
-            }                                                                                                  \
-        if (j < n) {                                                                                           \
-            T b[8];                                                                                            \
-            for (int l = 0; l < 8; l++)                                                                        \
-                b[l] = j + l < n ? x[j + l] : (T)-INFINITY;                                                    \
-            for (int u = 0; u < FX_U; u++) {                                                                   \
-                V e = EXP(LD(b + u * FX_W) - mv);                                                              \
-                ST(b + u * FX_W, e);                                                                           \
-                acc[u] += e;                                                                                   \
-            }                                                                                                  \
-            for (int l = 0; j + l < n; l++)                                                                    \
-                x[j + l] = b[l];                                                                               \
-        }                                                                                                      \
-        T s = FX_SUM8(acc);                                                                                    \
-        V sv = SPLAT(s);                                                                                       \
-        for (j = 0; j + FX_W <= n; j += FX_W)                                                                  \
-            ST(x + j, LD(x + j) / sv);                                                                         \
-        for (; j < n; j++)                                                                                     \
-            x[j] = x[j] / s;                                                                                   \
-        m_out[r] = m;                                                                                          \
-        s_out[r] = s;                                                                                          \
-        lse_out[r] = (T)(log((double)s) + (double)m);                                                          \
-        empty_out[r] = empty;                                                                                  \
-    }                                                                                                          \
-}                                                                                                              \
-                                                                                                               \
-/* the softmax VJP of each row in place, pivoted (softmax.row_pivot): d <- p * ((d - c) - sum(p * (d - c))),   \
- * c = d at the row's first largest p (NaN is never the largest; a NaN in p makes the row NaN whatever c is) */ \
-FX_INLINE void FX(softmax_vjp_rows##TS)(T *d, const T *p, ptrdiff_t rows, ptrdiff_t n)                         \
-{                                                                                                              \
-    for (ptrdiff_t r = 0; r < rows; r++) {                                                                     \
-        T *g = d + r * n;                                                                                      \
-        const T *q = p + r * n;                                                                                \
-        T top = FX(rowmax##TS)(q, n);                                                                          \
-        ptrdiff_t at = 0;                                                                                      \
-        while (at < n && !(q[at] == top))                                                                      \
-            at++;                                                                                              \
-        T c = at < n ? g[at] : (T)0;                                                                           \
-        V acc[FX_U], cv = SPLAT(c);                                                                            \
-        for (int u = 0; u < FX_U; u++)                                                                         \
-            acc[u] = SPLAT(0);                                                                                 \
-        ptrdiff_t j = 0;                                                                                       \
-        for (; j + 8 <= n; j += 8)                                                                             \
-            for (int u = 0; u < FX_U; u++) {                                                                   \
-                V v = LD(g + j + u * FX_W) - cv;                                                               \
-                ST(g + j + u * FX_W, v);                                                                       \
-                acc[u] += LD(q + j + u * FX_W) * v;                                                            \
-            }                                                                                                  \
-        if (j < n) {                                                                                           \
-            T bg[8], bq[8];                                                                                    \
-            for (int l = 0; l < 8; l++) {                                                                      \
-                bg[l] = j + l < n ? g[j + l] - c : (T)0;                                                       \
-                bq[l] = j + l < n ? q[j + l] : (T)0;                                                           \
-            }                                                                                                  \
-            for (int u = 0; u < FX_U; u++)                                                                     \
-                acc[u] += LD(bq + u * FX_W) * LD(bg + u * FX_W);                                               \
-            for (int l = 0; j + l < n; l++)                                                                    \
-                g[j + l] = bg[l];                                                                              \
-        }                                                                                                      \
-        T D = FX_SUM8(acc);                                                                                    \
-        V Dv = SPLAT(D);                                                                                       \
-        for (j = 0; j + FX_W <= n; j += FX_W)                                                                  \
-            ST(g + j, (LD(g + j) - Dv) * LD(q + j));                                                           \
-        for (; j < n; j++)                                                                                     \
-            g[j] = (g[j] - D) * q[j];                                                                          \
-    }                                                                                                          \
+/* exp(x) in float32, lane by lane, within 1 ulp of float (tests/test_fast.py): FX(exp)'s method with float
+ * constants: Cody and Waite with LN2_HI of 15 bits (k * LN2_HI exact for |k| < 2**9), q to degree 5 (truncation
+ * below 2**-27). NaN gives NaN, -inf and x < -104 give 0, x >= 89 gives inf. */
+FX_INLINE FX(vf) FX(expf)(FX(vf) x)
+{
+    const float LN2_HI = 0x1.62e4p-1f, LN2_LO = 0x1.7f7d1cp-20f, SHIFT = 0x1.8p23f;
+    FX(vw) nan = x != x;
+    FX(vw) inside = x >= FX(splatf)(-104.0f);
+    FX(vf) h = FX(self)(inside, x, FX(splatf)(-104.0f));
+    h = FX(self)(h < FX(splatf)(89.0f), h, FX(splatf)(89.0f));
+    FX(vf) ks = h * FX(splatf)(0x1.715476p0f) + FX(splatf)(SHIFT);
+    FX(vw) k = (FX(vw))ks - (FX(vw))FX(splatf)(SHIFT);
+    FX(vf) kd = ks - FX(splatf)(SHIFT);
+    FX(vf) r = (h - kd * FX(splatf)(LN2_HI)) - kd * FX(splatf)(LN2_LO);
+    FX(vf) r2 = r * r;
+    FX(vf) a0 = FX(splatf)(1.0f / 2.0f) + r * FX(splatf)(1.0f / 6.0f);
+    FX(vf) a1 = FX(splatf)(1.0f / 24.0f) + r * FX(splatf)(1.0f / 120.0f);
+    FX(vf) a2 = FX(splatf)(1.0f / 720.0f) + r * FX(splatf)(1.0f / 5040.0f);
+    FX(vf) q = a0 + r2 * (a1 + r2 * a2);
+    FX(vf) p = FX(splatf)(1.0f) + (r + r2 * q);
+    FX(vw) h1 = (FX(vw))((FX(vwu))(k + 4096) >> 1) - 2048, h2 = k - h1;
+    FX(vf) s1 = (FX(vf))((h1 + 127) << 23), s2 = (FX(vf))((h2 + 127) << 23);
+    FX(vf) e = (p * s1) * s2;
+    e = (FX(vf))((FX(vw))e & inside);
+    return FX(self)(nan, x, e);
 }
 
-FX_ROW_KERNELS(, double, FX(vd), FX(vi), FX(load), FX(store), FX(splat), FX(sel), FX(exp))
-FX_ROW_KERNELS(_f32, float, FX(vf), FX(vw), FX(loadf), FX(storef), FX(splatf), FX(self), FX(expf))
+/* The kernels, once for float64 (T double, V FX(vd), LW = FX_W lanes) and once for float32 (float, FX(vf),
+ * FX_WF lanes; everything in float32 but the log). A block of eight entries is 8 / LW vectors; lane l of a block is element l % LW of its vector
+ * l / LW; the eight lanes' sums meet as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). A row's last, short block is
+ * padded (with -inf before exp: its exp is 0; with 0 in the VJP's sum), so that the lanes hold the same entries
+ * in every build. */
+#define FX_SUM8(acc, LW) ((((acc)[0 / LW][0 % LW] + (acc)[1 / LW][1 % LW])                                             \
+                           + ((acc)[2 / LW][2 % LW] + (acc)[3 / LW][3 % LW]))                                          \
+                          + (((acc)[4 / LW][4 % LW] + (acc)[5 / LW][5 % LW])                                           \
+                             + ((acc)[6 / LW][6 % LW] + (acc)[7 / LW][7 % LW])))
+
+#define FX_ROW_KERNELS(TS, T, LW, V, M, LD, ST, SPLAT, SEL, EXP)                                                       \
+                                                                                                                       \
+/* the largest of x[0:n] (NaN skipped; -inf for a row of -inf or none): x[j] > m ? x[j] : m in eight lanes,            \
+ * the rest in order, then the lanes */                                                                                \
+FX_INLINE T FX(rowmax##TS)(const T *x, ptrdiff_t n)                                                                    \
+{                                                                                                                      \
+    V m[(8 / LW)];                                                                                                     \
+    for (int u = 0; u < (8 / LW); u++)                                                                                 \
+        m[u] = SPLAT(-INFINITY);                                                                                       \
+    ptrdiff_t j = 0;                                                                                                   \
+    for (; j + 8 <= n; j += 8)                                                                                         \
+        for (int u = 0; u < (8 / LW); u++) {                                                                           \
+            V v = LD(x + j + u * LW);                                                                                  \
+            m[u] = SEL((M)(v > m[u]), v, m[u]);                                                                        \
+        }                                                                                                              \
+    T r = -INFINITY;                                                                                                   \
+    for (; j < n; j++)                                                                                                 \
+        r = x[j] > r ? x[j] : r;                                                                                       \
+    for (int l = 0; l < 8; l++)                                                                                        \
+        r = m[l / LW][l % LW] > r ? m[l / LW][l % LW] : r;                                                             \
+    return r;                                                                                                          \
+}                                                                                                                      \
+                                                                                                                       \
+/* softmax of each row of t [rows x n] in place, with its max m, sum s and lse = m + log(s) per row, and               \
+ * empty = (the row has no finite score): m is 0 there, s 0 and P 0/0 (NaN: the engine fills such rows) */             \
+FX_INLINE void FX(softmax_rows##TS)(T *t, ptrdiff_t rows, ptrdiff_t n, T *m_out, T *s_out, T *lse_out,                 \
+                                    unsigned char *empty_out)                                                          \
+{                                                                                                                      \
+    for (ptrdiff_t r = 0; r < rows; r++) {                                                                             \
+        T *x = t + r * n;                                                                                              \
+        T m = FX(rowmax##TS)(x, n);                                                                                    \
+        unsigned char empty = m == -INFINITY;                                                                          \
+        if (empty) m = 0;                                                                                              \
+        V acc[(8 / LW)], mv = SPLAT(m);                                                                                \
+        for (int u = 0; u < (8 / LW); u++)                                                                             \
+            acc[u] = SPLAT(0);                                                                                         \
+        ptrdiff_t j = 0;                                                                                               \
+        for (; j + 8 <= n; j += 8)                                                                                     \
+            for (int u = 0; u < (8 / LW); u++) {                                                                       \
+                V e = EXP(LD(x + j + u * LW) - mv);                                                                    \
+                ST(x + j + u * LW, e);                                                                                 \
+                acc[u] += e;                                                                                           \
+            }                                                                                                          \
+        if (j < n) {                                                                                                   \
+            T b[8];                                                                                                    \
+            for (int l = 0; l < 8; l++)                                                                                \
+                b[l] = j + l < n ? x[j + l] : (T)-INFINITY;                                                            \
+            for (int u = 0; u < (8 / LW); u++) {                                                                       \
+                V e = EXP(LD(b + u * LW) - mv);                                                                        \
+                ST(b + u * LW, e);                                                                                     \
+                acc[u] += e;                                                                                           \
+            }                                                                                                          \
+            for (int l = 0; j + l < n; l++)                                                                            \
+                x[j + l] = b[l];                                                                                       \
+        }                                                                                                              \
+        T s = FX_SUM8(acc, LW);                                                                                        \
+        V sv = SPLAT(s);                                                                                               \
+        for (j = 0; j + LW <= n; j += LW)                                                                              \
+            ST(x + j, LD(x + j) / sv);                                                                                 \
+        for (; j < n; j++)                                                                                             \
+            x[j] = x[j] / s;                                                                                           \
+        m_out[r] = m;                                                                                                  \
+        s_out[r] = s;                                                                                                  \
+        lse_out[r] = (T)(log((double)s) + (double)m);                                                                  \
+        empty_out[r] = empty;                                                                                          \
+    }                                                                                                                  \
+}                                                                                                                      \
+                                                                                                                       \
+/* the softmax VJP of each row in place, pivoted (softmax.row_pivot): d <- p * ((d - c) - sum(p * (d - c))),           \
+ * c = d at the row's first largest p (NaN is never the largest; a NaN in p makes the row NaN whatever c is) */        \
+FX_INLINE void FX(softmax_vjp_rows##TS)(T *d, const T *p, ptrdiff_t rows, ptrdiff_t n)                                 \
+{                                                                                                                      \
+    for (ptrdiff_t r = 0; r < rows; r++) {                                                                             \
+        T *g = d + r * n;                                                                                              \
+        const T *q = p + r * n;                                                                                        \
+        T top = FX(rowmax##TS)(q, n);                                                                                  \
+        ptrdiff_t at = 0;                                                                                              \
+        while (at < n && !(q[at] == top))                                                                              \
+            at++;                                                                                                      \
+        T c = at < n ? g[at] : (T)0;                                                                                   \
+        V acc[(8 / LW)], cv = SPLAT(c);                                                                                \
+        for (int u = 0; u < (8 / LW); u++)                                                                             \
+            acc[u] = SPLAT(0);                                                                                         \
+        ptrdiff_t j = 0;                                                                                               \
+        for (; j + 8 <= n; j += 8)                                                                                     \
+            for (int u = 0; u < (8 / LW); u++) {                                                                       \
+                V v = LD(g + j + u * LW) - cv;                                                                         \
+                ST(g + j + u * LW, v);                                                                                 \
+                acc[u] += LD(q + j + u * LW) * v;                                                                      \
+            }                                                                                                          \
+        if (j < n) {                                                                                                   \
+            T bg[8], bq[8];                                                                                            \
+            for (int l = 0; l < 8; l++) {                                                                              \
+                bg[l] = j + l < n ? g[j + l] - c : (T)0;                                                               \
+                bq[l] = j + l < n ? q[j + l] : (T)0;                                                                   \
+            }                                                                                                          \
+            for (int u = 0; u < (8 / LW); u++)                                                                         \
+                acc[u] += LD(bq + u * LW) * LD(bg + u * LW);                                                           \
+            for (int l = 0; j + l < n; l++)                                                                            \
+                g[j + l] = bg[l];                                                                                      \
+        }                                                                                                              \
+        T D = FX_SUM8(acc, LW);                                                                                        \
+        V Dv = SPLAT(D);                                                                                               \
+        for (j = 0; j + LW <= n; j += LW)                                                                              \
+            ST(g + j, (LD(g + j) - Dv) * LD(q + j));                                                                   \
+        for (; j < n; j++)                                                                                             \
+            g[j] = (g[j] - D) * q[j];                                                                                  \
+    }                                                                                                                  \
+}
+
+FX_ROW_KERNELS(, double, FX_W, FX(vd), FX(vi), FX(load), FX(store), FX(splat), FX(sel), FX(exp))
+FX_ROW_KERNELS(_f32, float, FX_WF, FX(vf), FX(vw), FX(loadf), FX(storef), FX(splatf), FX(self), FX(expf))
 
 /* The entry points of this build: the kernels, not inlined into one another. */
 FX_ATTR static void FX(softmax_rows_entry)(double *t, ptrdiff_t rows, ptrdiff_t n, double *m, double *s, double *l,
@@ -226,8 +255,22 @@ FX_ATTR static void FX(exp_entry)(const double *x, ptrdiff_t n, double *out)
     }
 }
 
+FX_ATTR static void FX(expf_entry)(const float *x, ptrdiff_t n, float *out)
+{
+    ptrdiff_t j = 0;
+    for (; j + FX_WF <= n; j += FX_WF)
+        FX(storef)(out + j, FX(expf)(FX(loadf)(x + j)));
+    for (; j < n; j++) {
+        float e[FX_WF] = {0};
+        e[0] = x[j];
+        FX(storef)(e, FX(expf)(FX(loadf)(e)));
+        out[j] = e[0];
+    }
+}
+
 #undef FX_ROW_KERNELS
 #undef FX_SUM8
+#undef FX_WF
 #undef FX_INLINE
 #undef FX_U
 #undef FX

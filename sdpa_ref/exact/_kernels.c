@@ -449,8 +449,13 @@ void sdpa_fast_softmax_vjp_rows_f32(float *d, const float *p, ptrdiff_t rows, pt
     FX_DISPATCH(vjp_rows_f32_entry, d, p, rows, n);
 }
 
-/* exp of x[0:n] into out by the row passes' exp (for the tests) */
+/* exp of x[0:n] into out by the row passes' exp, float64 and float32 (for the tests) */
 void sdpa_fast_exp(const double *x, ptrdiff_t n, double *out)
 {
     FX_DISPATCH(exp_entry, x, n, out);
+}
+
+void sdpa_fast_expf(const float *x, ptrdiff_t n, float *out)
+{
+    FX_DISPATCH(expf_entry, x, n, out);
 }

@@ -102,8 +102,9 @@ def _build():
     for name in ("sdpa_fast_softmax_rows", "sdpa_fast_softmax_rows_f32"):
         getattr(lib, name).argtypes = [dp, n, n, dp, dp, dp, dp]
         getattr(lib, name).restype = None
-    lib.sdpa_fast_exp.argtypes = [dp, n, dp]
-    lib.sdpa_fast_exp.restype = None
+    for name in ("sdpa_fast_exp", "sdpa_fast_expf"):
+        getattr(lib, name).argtypes = [dp, n, dp]
+        getattr(lib, name).restype = None
     lib.sdpa_fast_set_level.argtypes = [ctypes.c_int]
     lib.sdpa_fast_set_level.restype = ctypes.c_int
     lib.sdpa_fast_get_level.argtypes = []
@@ -273,11 +274,13 @@ def fast_softmax_vjp_rows(lib, d, p):
 
 
 def fast_exp(lib, x):
-    """``exp`` of the float64 array ``x`` by the row passes' compiled exp (within 1 ulp; for tests and study)."""
-    x = np.ascontiguousarray(x, dtype=np.float64)
+    """``exp`` of the float64 or float32 array ``x`` (others as float64) by the row passes' compiled exp of that
+    dtype (within 1 ulp; for tests and study)."""
+    x = np.asarray(x)
+    x = np.ascontiguousarray(x, dtype=np.float32 if x.dtype == np.float32 else np.float64)
     out = np.empty_like(x)
     if x.size:
-        lib.sdpa_fast_exp(_ptr(x), x.size, _ptr(out))
+        (lib.sdpa_fast_expf if x.dtype == np.float32 else lib.sdpa_fast_exp)(_ptr(x), x.size, _ptr(out))
     return out
 
 
