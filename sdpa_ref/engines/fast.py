@@ -10,7 +10,7 @@ is how:
   scores, and the backward's ``P_drop^T dO`` and ``dT^T Q`` contract the
   group's rows: that *is* the sum over the group;
 * one ``L x S`` buffer holds the scores, becomes ``exp(T - m)`` in place and
-  then ``P`` (normalised by multiplying with ``1/sum``); the backward turns
+  then ``P`` (divided by the row sum); the backward turns
   ``dO V^T`` into ``dT`` in place; the row passes work on blocks of rows
   small enough to stay in cache;
 * the softmax VJP in the pivoted form of :func:`sdpa_ref.softmax.row_pivot`
