@@ -455,3 +455,19 @@ def test_a_bad_simd_level_is_refused(monkeypatch):
     monkeypatch.setenv("SDPA_REF_SIMD", "sse9")
     with pytest.raises(ValueError, match="SDPA_REF_SIMD must be one of baseline, avx2.*'sse9'"):
         _native.kernels()
+
+
+def test_the_compiled_kernels_build_wherever_a_compiler_is():
+    """With a C compiler on PATH the library must build from the installed files (``_kernels.c`` and the
+    ``_fast_rows.h`` it includes): a file left out of the package would otherwise make every compiled-path test
+    above skip as if there were no compiler."""
+    import shutil
+
+    from sdpa_ref.exact import _native
+    if os.environ.get("SDPA_REF_NATIVE", "1") == "0":
+        pytest.skip("SDPA_REF_NATIVE=0")
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler")
+    for f in [_native._SOURCE] + _native._HEADERS:
+        assert os.path.exists(f), f
+    assert _native.kernels() is not None
