@@ -273,12 +273,16 @@ def fast_softmax_vjp_rows(lib, d, p):
     fn(_ptr(d), _ptr(p), d.shape[0], d.shape[1])
 
 
-def fast_exp(lib, x):
+def fast_exp(lib, x, out=None):
     """``exp`` of the float64 or float32 array ``x`` (others as float64) by the row passes' compiled exp of that
-    dtype (within 1 ulp; for tests and study)."""
+    dtype (within 1 ulp), into ``out`` when given (C-contiguous, of ``x``'s shape and dtype; ``x`` itself is
+    allowed)."""
     x = np.asarray(x)
     x = np.ascontiguousarray(x, dtype=np.float32 if x.dtype == np.float32 else np.float64)
-    out = np.empty_like(x)
+    if out is None:
+        out = np.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous {x.dtype} of shape {x.shape}; got {out.dtype} {out.shape}")
     if x.size:
         (lib.sdpa_fast_expf if x.dtype == np.float32 else lib.sdpa_fast_exp)(_ptr(x), x.size, _ptr(out))
     return out
