@@ -458,8 +458,8 @@ def test_a_bad_simd_level_is_refused(monkeypatch):
 
 
 def test_the_compiled_kernels_build_wherever_a_compiler_is():
-    """With a C compiler on PATH the library must build from the installed files (``_kernels.c`` and the
-    ``_fast_rows.h`` it includes): a file left out of the package would otherwise make every compiled-path test
+    """With a C compiler on PATH the library must build from the installed files (``_kernels.c``,
+    ``_fast_rows.c`` and the ``_fast_rows.h`` it includes): a file left out of the package would otherwise make every compiled-path test
     above skip as if there were no compiler."""
     import shutil
 
@@ -468,6 +468,6 @@ def test_the_compiled_kernels_build_wherever_a_compiler_is():
         pytest.skip("SDPA_REF_NATIVE=0")
     if shutil.which(os.environ.get("CC") or "cc") is None:
         pytest.skip("no C compiler")
-    for f in [_native._SOURCE] + _native._HEADERS:
+    for f in _native._SOURCES + _native._HEADERS:
         assert os.path.exists(f), f
     assert _native.kernels() is not None

@@ -3,7 +3,8 @@
 ``_kernels.c`` holds the loops of :mod:`.ozaki` and :mod:`.dd` (cutting the
 slices of a row, double-double accumulation, exp, division, row sums),
 written with the same IEEE-754 operations in the same order as the NumPy
-code, so they give the same bits; and ``_fast_rows.h``, the fast path's
+code, so they give the same bits; ``_fast_rows.c`` (with the
+``_fast_rows.h`` it includes once per SIMD build) the fast path's
 fused softmax and softmax-VJP rows (:mod:`sdpa_ref.engines.fast`), which
 have no NumPy twin of the same bits but the same bits on every machine: they
 are built for the baseline and, on x86-64, for AVX2, chosen at run time
@@ -42,8 +43,10 @@ import numpy as np
 __all__ = ["SIMD_LEVELS", "dd_add_d_inplace", "dd_div_rows", "dd_exp", "dd_mul_d_scalar", "dd_rowsum", "fast_exp",
            "fast_softmax_rows", "fast_softmax_vjp_rows", "simd_level", "kernels", "slice_rows", "softmax_vjp_rows"]
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernels.c")
-_HEADERS = [os.path.join(os.path.dirname(_SOURCE), "_fast_rows.h")]    # included by _kernels.c
+_HERE = os.path.dirname(os.path.abspath(__file__))
+#: The library's sources (compiled together) and the header they include (twice: once per SIMD build).
+_SOURCES = [os.path.join(_HERE, "_kernels.c"), os.path.join(_HERE, "_fast_rows.c")]
+_HEADERS = [os.path.join(_HERE, "_fast_rows.h")]
 _FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
 _lib = None
 _tried = False
@@ -60,7 +63,7 @@ def _cache_dir():
 
 def _build():
     src = b""
-    for f in [_SOURCE] + _HEADERS:                         # the cache tag covers every file the build reads
+    for f in _SOURCES + _HEADERS:                         # the cache tag covers every file the build reads
         with open(f, "rb") as fh:
             src += fh.read()
     cc = os.environ.get("CC") or "cc"
@@ -119,7 +122,7 @@ def _compile(cc, d, path):
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *_FLAGS, "-o", tmp, *_SOURCES, "-lm"], check=True, capture_output=True, timeout=120)
         os.replace(tmp, path)                              # atomic: a process racing us loads a whole file
     finally:
         if os.path.exists(tmp):

@@ -1,0 +1,103 @@
+/* The fast path's row passes (engines/fast.py), fused: _fast_rows.h compiled for the baseline (two doubles per
+ * vector) and, on x86-64, for AVX2 (four per vector) through a function attribute, chosen at run time by the
+ * CPU. Both builds give the same bits (see _fast_rows.h). Not bit-compatible with NumPy's passes (its exp and
+ * sum order are its own), but the same bits on every machine and SIMD level. No libm but log (one per row).
+ * Built by _native.py into one library with _kernels.c, with -ffp-contract=off and no fast-math. */
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+
+#pragma GCC diagnostic ignored "-Wpsabi"             /* the vector helpers are always inlined: no ABI to keep */
+#define FX_EXP_FLOOR (-760.0)                        /* below this exp is 0 in float64 (as dd.EXP_FLOOR) */
+
+#define FX_W 2
+#define FX_SFX base
+#define FX_ATTR
+#include "_fast_rows.h"
+#undef FX_W
+#undef FX_SFX
+#undef FX_ATTR
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define FX_HAVE_AVX2 1
+#define FX_W 4
+#define FX_SFX avx2
+#define FX_ATTR __attribute__((target("avx2")))
+#include "_fast_rows.h"
+#undef FX_W
+#undef FX_SFX
+#undef FX_ATTR
+#endif
+
+static int fx_level = -1;
+
+/* The build the row passes use from now on: 1 = AVX2, 0 = the baseline; the best one this CPU runs when level
+ * is negative or beyond it. Returns the level chosen. */
+int sdpa_fast_set_level(int level)
+{
+    int best = 0;
+#ifdef FX_HAVE_AVX2
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2"))
+        best = 1;
+#endif
+    fx_level = level < 0 || level > best ? best : level;
+    return fx_level;
+}
+
+/* The level in use (the best one this CPU runs until set). */
+int sdpa_fast_get_level(void)
+{
+    if (fx_level < 0)
+        sdpa_fast_set_level(-1);
+    return fx_level;
+}
+
+#ifdef FX_HAVE_AVX2
+#define FX_DISPATCH(NAME, ...)                                                                                   \
+    do {                                                                                                         \
+        if (fx_level < 0)                                                                                        \
+            sdpa_fast_set_level(-1);                                                                             \
+        if (fx_level == 1)                                                                                       \
+            NAME##_avx2(__VA_ARGS__);                                                                            \
+        else                                                                                                     \
+            NAME##_base(__VA_ARGS__);                                                                            \
+    } while (0)
+#else
+#define FX_DISPATCH(NAME, ...) NAME##_base(__VA_ARGS__)
+#endif
+
+/* softmax of each row of t [rows x n] in place, with the rows' max, sum, lse and emptiness (_fast_rows.h) */
+void sdpa_fast_softmax_rows(double *t, ptrdiff_t rows, ptrdiff_t n, double *m, double *s, double *lse,
+                            unsigned char *empty)
+{
+    FX_DISPATCH(softmax_rows_entry, t, rows, n, m, s, lse, empty);
+}
+
+void sdpa_fast_softmax_rows_f32(float *t, ptrdiff_t rows, ptrdiff_t n, float *m, float *s, float *lse,
+                                unsigned char *empty)
+{
+    FX_DISPATCH(softmax_rows_f32_entry, t, rows, n, m, s, lse, empty);
+}
+
+/* the pivoted softmax VJP of each row of d [rows x n] in place, p the probabilities (_fast_rows.h) */
+void sdpa_fast_softmax_vjp_rows(double *d, const double *p, ptrdiff_t rows, ptrdiff_t n)
+{
+    FX_DISPATCH(vjp_rows_entry, d, p, rows, n);
+}
+
+void sdpa_fast_softmax_vjp_rows_f32(float *d, const float *p, ptrdiff_t rows, ptrdiff_t n)
+{
+    FX_DISPATCH(vjp_rows_f32_entry, d, p, rows, n);
+}
+
+/* exp of x[0:n] into out by the row passes' exp, float64 and float32 (for the tests) */
+void sdpa_fast_exp(const double *x, ptrdiff_t n, double *out)
+{
+    FX_DISPATCH(exp_entry, x, n, out);
+}
+
+void sdpa_fast_expf(const float *x, ptrdiff_t n, float *out)
+{
+    FX_DISPATCH(expf_entry, x, n, out);
+}
