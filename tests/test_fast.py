@@ -395,6 +395,16 @@ def test_the_compiled_float32_exp_is_within_one_ulp():
         assert np.array_equal(_native.fast_exp(lib, special), np.exp(special), equal_nan=True)
 
 
+def test_fast_exp_writes_in_place_or_refuses_a_wrong_out():
+    from sdpa_ref.exact import _native
+    lib = _lib()
+    x = np.array([0.0, -1.0, -np.inf])
+    assert _native.fast_exp(lib, x, out=x) is x and x[0] == 1.0 and x[2] == 0.0
+    for bad in (np.zeros(4), np.zeros(3, np.float32), np.zeros((3, 2))[:, 0]):
+        with pytest.raises(ValueError, match="out must be C-contiguous float64 of shape"):
+            _native.fast_exp(lib, np.zeros(3), out=bad)
+
+
 @pytest.fixture
 def simd_levels():
     """Every SIMD build of the row passes this CPU runs (the best one restored afterwards)."""
