@@ -8,8 +8,9 @@ code, so they give the same bits; ``_fast_rows.c`` (with the
 fused softmax and softmax-VJP rows (:mod:`sdpa_ref.engines.fast`), which
 have no NumPy twin of the same bits but the same bits on every machine: they
 are built for the baseline and, on x86-64, for AVX2, chosen at run time
-(``SDPA_REF_SIMD=baseline`` or ``avx2`` forces one; :func:`simd_level`), and
-every build gives the same bits.
+(``SDPA_REF_SIMD=baseline`` or ``avx2`` forces one, read when the library
+loads; a level the CPU lacks gives the best one it has; :func:`simd_level`
+switches at run time), and every build gives the same bits.
 
 The library is compiled on first use with the C compiler (``$CC``, else
 ``cc``) into a per-user cache (``$SDPA_REF_CACHE``, else
