@@ -132,7 +132,8 @@ def main(argv=None):
     total = sum(t for _, _, t in rows)
     gemm = sum(t for _, kind, t in rows if kind == "GEMM")
     print(f"shape {tuple(args.shape)} {args.dtype}, one thread (BLAS and pool), median of {args.rounds}; row passes: "
-          + (f"compiled ({_native.simd_level(_native.kernels())}), less the copy that feeds them ({copies * 1e3:.1f} ms)"
+          + (f"compiled ({_native.simd_level(_native.kernels())}), less the copy that feeds them "
+             f"({copies * 1e3:.1f} ms)"
              if _native.kernels() is not None else "NumPy's"))
     print(f"{'operation':<26} {'kind':<13} {'ms':>9} {'share':>7}")
     for name, kind, t in rows:

@@ -469,8 +469,8 @@ def test_a_bad_simd_level_is_refused(monkeypatch):
 
 def test_the_compiled_kernels_build_wherever_a_compiler_is():
     """With a C compiler on PATH the library must build from the installed files (``_kernels.c``,
-    ``_fast_rows.c`` and the ``_fast_rows.h`` it includes): a file left out of the package would otherwise make every compiled-path test
-    above skip as if there were no compiler."""
+    ``_fast_rows.c`` and the ``_fast_rows.h`` it includes): a file left out of the package would otherwise
+    make every compiled-path test above skip as if there were no compiler."""
     import shutil
 
     from sdpa_ref.exact import _native

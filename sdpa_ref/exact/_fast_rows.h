@@ -1,6 +1,6 @@
 /* The fast path's row passes (engines/fast.py), fused: one call runs a block of rows, each row in cache.
  *
- * Included by _kernels.c once per build: FX_W (doubles per vector), FX_SFX (the names' suffix) and FX_ATTR (the
+ * Included by _fast_rows.c once per build: FX_W (doubles per vector), FX_SFX (the names' suffix) and FX_ATTR (the
  * functions' target attribute) say which. Every build works on eight lanes, as 8 / FX_W vectors: lane l is
  * element l of every block of eight entries. Every operation is an IEEE add, subtract, multiply, divide or
  * compare on a lane, or an integer operation on its bits, and the eight lanes' sums meet in one fixed tree, so
@@ -10,7 +10,6 @@
 #define FX_CAT_(a, b) a##_##b
 #define FX_CAT(a, b) FX_CAT_(a, b)
 #define FX(name) FX_CAT(name, FX_SFX)
-#define FX_U (8 / FX_W)                                        /* vectors per block of eight lanes */
 #define FX_INLINE static inline __attribute__((always_inline)) FX_ATTR
 
 typedef double FX(vd) __attribute__((vector_size(8 * FX_W)));
@@ -33,8 +32,8 @@ FX_INLINE void FX(store)(double *p, FX(vd) v) { memcpy(p, &v, sizeof v); }
  * x = k ln2 + r with k = rint(x / ln2) (the sum with 1.5 * 2**52 rounds it, and its low bits are k) and
  * |r| <= ln2/2 + tiny, by Cody and Waite (LN2_HI has 32 bits, so k * LN2_HI is exact for |k| < 2**21);
  * exp(r) = 1 + (r + r^2 q(r)), q the Taylor series of (exp(r) - 1 - r) / r^2 to degree 11 (truncation below
- * 2**-57, 1/i! correctly rounded); 2**k in two exact halves, so that subnormal results round once. NaN gives NaN, -inf and x < -760
- * give 0, x >= 710 gives inf. */
+ * 2**-57, 1/i! correctly rounded); 2**k in two exact halves, so that subnormal results round once. NaN gives
+ * NaN, -inf and x < -760 give 0, x >= 710 gives inf. */
 FX_INLINE FX(vd) FX(exp)(FX(vd) x)
 {
     const double LN2_HI = 0x1.62e42feep-1, LN2_LO = 0x1.a39ef35793c76p-33, SHIFT = 0x1.8p52;
@@ -79,7 +78,10 @@ FX_INLINE FX(vf) FX(splatf)(float a)
     return v;
 }
 
-FX_INLINE FX(vf) FX(self)(FX(vw) mask, FX(vf) a, FX(vf) b) { return (FX(vf))(((FX(vw))a & mask) | ((FX(vw))b & ~mask)); }
+FX_INLINE FX(vf) FX(self)(FX(vw) mask, FX(vf) a, FX(vf) b)
+{
+    return (FX(vf))(((FX(vw))a & mask) | ((FX(vw))b & ~mask));
+}
 FX_INLINE FX(vf) FX(loadf)(const float *p) { FX(vf) v; memcpy(&v, p, sizeof v); return v; }
 FX_INLINE void FX(storef)(float *p, FX(vf) v) { memcpy(p, &v, sizeof v); }
 
@@ -111,10 +113,10 @@ FX_INLINE FX(vf) FX(expf)(FX(vf) x)
 }
 
 /* The kernels, once for float64 (T double, V FX(vd), LW = FX_W lanes) and once for float32 (float, FX(vf),
- * FX_WF lanes; everything in float32 but the log). A block of eight entries is 8 / LW vectors; lane l of a block is element l % LW of its vector
- * l / LW; the eight lanes' sums meet as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). A row's last, short block is
- * padded (with -inf before exp: its exp is 0; with 0 in the VJP's sum), so that the lanes hold the same entries
- * in every build. */
+ * FX_WF lanes; everything in float32 but the log). A block of eight entries is 8 / LW vectors; lane l of a
+ * block is element l % LW of its vector l / LW; the eight lanes' sums meet as ((0 + 1) + (2 + 3)) + ((4 + 5) +
+ * (6 + 7)). A row's last, short block is padded (with -inf before exp: its exp is 0; with 0 in the VJP's sum),
+ * so that the lanes hold the same entries in every build. */
 #define FX_SUM8(acc, LW) ((((acc)[0 / LW][0 % LW] + (acc)[1 / LW][1 % LW])                                             \
                            + ((acc)[2 / LW][2 % LW] + (acc)[3 / LW][3 % LW]))                                          \
                           + (((acc)[4 / LW][4 % LW] + (acc)[5 / LW][5 % LW])                                           \
@@ -272,7 +274,6 @@ FX_ATTR static void FX(expf_entry)(const float *x, ptrdiff_t n, float *out)
 #undef FX_SUM8
 #undef FX_WF
 #undef FX_INLINE
-#undef FX_U
 #undef FX
 #undef FX_CAT
 #undef FX_CAT_
