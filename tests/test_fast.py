@@ -304,7 +304,7 @@ def _both_paths(monkeypatch, fn):
     """``fn()`` with the compiled row passes and with NumPy's (``SDPA_REF_NATIVE=0``)."""
     from sdpa_ref.exact import _native
     if _native.kernels() is None:
-        pytest.skip("no C compiler: only the NumPy row passes exist here")
+        pytest.skip(f"only the NumPy row passes run here (compiled kernels: {_native.status()['reason']})")
     native = fn()
     monkeypatch.setenv("SDPA_REF_NATIVE", "0")
     numpy_ = fn()
@@ -343,7 +343,7 @@ def _lib():
     from sdpa_ref.exact import _native
     lib = _native.kernels()
     if lib is None:
-        pytest.skip("no C compiler")
+        pytest.skip(f"compiled kernels not in use: {_native.status()['reason']}")
     return lib
 
 
@@ -467,17 +467,21 @@ def test_a_bad_simd_level_is_refused(monkeypatch):
         _native.kernels()
 
 
-def test_the_compiled_kernels_build_wherever_a_compiler_is():
-    """With a C compiler on PATH the library must build from the installed files (``_kernels.c``,
-    ``_fast_rows.c`` and the ``_fast_rows.h`` it includes): a file left out of the package would otherwise
-    make every compiled-path test above skip as if there were no compiler."""
+def test_the_compiled_kernels_are_installed_wherever_a_compiler_is():
+    """With a C compiler on PATH the installed package must hold the library built at install (next to
+    ``_native.py``, from ``_kernels.c``, ``_fast_rows.c`` and the ``_fast_rows.h`` it includes): a file left out
+    of the package, or a build step skipped, would otherwise make every compiled-path test above skip as if there
+    were no compiler. Without a compiler it skips, saying what the install recorded."""
     import shutil
 
     from sdpa_ref.exact import _native
     if os.environ.get("SDPA_REF_NATIVE", "1") == "0":
         pytest.skip("SDPA_REF_NATIVE=0")
-    if shutil.which(os.environ.get("CC") or "cc") is None:
-        pytest.skip("no C compiler")
     for f in _native._SOURCES + _native._HEADERS:
         assert os.path.exists(f), f
+    st = _native.status()
+    if shutil.which(os.environ.get("CC") or "cc") is None and not st["in_use"]:
+        pytest.skip(f"no C compiler here, and the compiled kernels are not in use: {st['reason']}")
+    assert st["in_use"], (f"a C compiler is here but the compiled kernels are not in use: {st['reason']}; "
+                          "reinstall the package (pip install . / pip install -e .) to build them")
     assert _native.kernels() is not None

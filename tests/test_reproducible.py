@@ -284,7 +284,8 @@ def test_the_compiled_kernels_give_the_numpy_loops_bits():
     from sdpa_ref.exact import _native, dd, ozaki
     lib = _native.kernels()
     if lib is None:
-        pytest.skip("no C compiler here: the NumPy loops run, and the hashes above hold them")
+        pytest.skip(f"compiled kernels not in use ({_native.status()['reason']}): the NumPy loops run, and the "
+                    "hashes above hold them")
     rng = np.random.default_rng(3)
     x0 = np.concatenate([-rng.random(20000) * 800, rng.standard_normal(500),
                          [-760.0, -760.0000001, 0.0, -0.0, -np.inf, -5e-324, -745.2, -708.4, 1.5, 709.5, 710.0,
@@ -317,7 +318,8 @@ def test_every_compiled_dd_kernel_gives_the_numpy_bits(monkeypatch):
     from sdpa_ref.exact.arith import DoubleDouble
     lib = _native.kernels()
     if lib is None:
-        pytest.skip("no C compiler here: the NumPy loops run, and the hashes above hold them")
+        pytest.skip(f"compiled kernels not in use ({_native.status()['reason']}): the NumPy loops run, and the "
+                    "hashes above hold them")
     rng = np.random.default_rng(4)
     a = (rng.standard_normal((3, 5, 33)) * 4, rng.standard_normal((3, 5, 33)) * 2.0 ** -55)
     b = (rng.random((3, 5, 1)) + 0.5, rng.standard_normal((3, 5, 1)) * 2.0 ** -56)

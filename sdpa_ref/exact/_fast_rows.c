@@ -2,7 +2,7 @@
  * vector) and, on x86-64, for AVX2 (four per vector) through a function attribute, chosen at run time by the
  * CPU. Both builds give the same bits (see _fast_rows.h). Not bit-compatible with NumPy's passes (its exp and
  * sum order are its own), but the same bits on every machine and SIMD level. No libm but log (one per row).
- * Built by _native.py into one library with _kernels.c, with -ffp-contract=off and no fast-math. */
+ * Built at install (setup.py) into one library with _kernels.c, with -ffp-contract=off and no fast-math. */
 #include <math.h>
 #include <stddef.h>
 #include <string.h>

@@ -12,17 +12,23 @@ are built for the baseline and, on x86-64, for AVX2, chosen at run time
 loads; a level the CPU lacks gives the best one it has; :func:`simd_level`
 switches at run time), and every build gives the same bits.
 
-The library is compiled on first use with the C compiler (``$CC``, else
-``cc``) into a per-user cache (``$SDPA_REF_CACHE``, else
-``$XDG_CACHE_HOME/sdpa_ref`` or ``~/.cache/sdpa_ref``; a private folder in
-the temporary directory when that cannot be written; never a folder that
-other users can write into), with ``-ffp-contract=off`` and no fast-math, so
-the compiler may neither fuse a multiply-add nor reorder a sum, and loaded
-with ``ctypes`` (which releases the GIL, so the pool's threads run in
-parallel).
+The library is compiled when the package is installed (``setup.py``'s
+``build_ext``; for ``pip install -e .`` into the source tree), by the C
+compiler (``$CC``, else ``cc``) with exactly ``-O3 -std=c99 -fPIC -shared
+-ffp-contract=off -fno-fast-math``, so the compiler may neither fuse a
+multiply-add nor reorder a sum, into ``_compiled_kernels.so`` beside this
+file, and loaded with ``ctypes`` (which releases the GIL, so the pool's
+threads run in parallel). ``_compiled_kernels.json`` beside it records how
+it was built, or why it was not. Nothing else is ever loaded: no compiler
+runs and no cache is read when the package is imported or called; the one
+file is found from this module's own path, and loaded only if it is a
+regular file. After editing the C files, reinstall (or run ``python setup.py
+build_ext --inplace``); :func:`status` and ``sdpa-ref info`` tell a stale
+build.
 
-Nothing depends on it: without a compiler, when the build fails, or with
-``SDPA_REF_NATIVE=0``, the NumPy code runs: the same bits for
+Nothing depends on it: when it was not built at install (no compiler, a
+failed build), when it fails to load, or with ``SDPA_REF_NATIVE=0`` (read on
+every call), the NumPy code runs: the same bits for
 ``precision="reproducible"`` (``tests/test_reproducible.py`` hashes both),
 and equal to rounding on the fast path. It only makes things faster.
 """
@@ -31,63 +37,54 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
-import threading
+import stat
 
 import numpy as np
 
 __all__ = ["SIMD_LEVELS", "dd_add_d_inplace", "dd_div_rows", "dd_exp", "dd_mul_d_scalar", "dd_rowsum", "fast_exp",
-           "fast_softmax_rows", "fast_softmax_vjp_rows", "simd_level", "kernels", "slice_rows", "softmax_vjp_rows"]
+           "fast_softmax_rows", "fast_softmax_vjp_rows", "simd_level", "kernels", "slice_rows", "softmax_vjp_rows",
+           "status"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-#: The library's sources (compiled together) and the header they include (twice: once per SIMD build).
+#: The library's sources (compiled together at install) and the header they include (twice: once per SIMD build).
 _SOURCES = [os.path.join(_HERE, "_kernels.c"), os.path.join(_HERE, "_fast_rows.c")]
 _HEADERS = [os.path.join(_HERE, "_fast_rows.h")]
-_FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+#: The library built at install (``setup.py``): the one file ever loaded.
+_LIBRARY = os.path.join(_HERE, "_compiled_kernels.so")
+#: How it was built, or why not (written by ``setup.py`` beside it).
+_RECORD = os.path.join(_HERE, "_compiled_kernels.json")
 _lib = None
 _tried = False
-_lock = threading.Lock()
+_why = None                                                # why _lib is None once tried
 
 
-def _cache_dir():
-    d = os.environ.get("SDPA_REF_CACHE")
-    if not d:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        d = os.path.join(base, "sdpa_ref")
-    return d
+def _load():
+    """``(library, None)``, or ``(None, why not)``. Loads :data:`_LIBRARY` and nothing else; builds nothing."""
+    try:
+        st = os.stat(_LIBRARY)
+    except FileNotFoundError:
+        rec = build_record()
+        why = "not built at install" + (f": {rec['reason']}" if rec and rec.get("reason") else "")
+        if rec is None:
+            why += " (no build record either: the package was installed without its build step)"
+        elif rec.get("built"):
+            why = f"missing: the install built {os.path.basename(_LIBRARY)}, but it is not in the package"
+        return None, why
+    except OSError as e:
+        return None, f"failed to load: {e}"
+    if not stat.S_ISREG(st.st_mode):
+        return None, f"failed to load: {_LIBRARY} is not a regular file"
+    try:
+        lib = ctypes.CDLL(_LIBRARY)
+        _declare(lib)
+    except (OSError, AttributeError) as e:                 # a broken or foreign file: the NumPy code runs
+        return None, f"failed to load: {e}"
+    return lib, None
 
 
-def _build():
-    src = b""
-    for f in _SOURCES + _HEADERS:                         # the cache tag covers every file the build reads
-        with open(f, "rb") as fh:
-            src += fh.read()
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        return None
-    tag = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode() + sysconfig.get_platform().encode()
-                         + sys.implementation.cache_tag.encode()).hexdigest()[:16]
-    uid = os.getuid() if hasattr(os, "getuid") else None
-    for d in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"sdpa_ref-{uid}")):
-        path = os.path.join(d, f"kernels-{tag}.so")
-        try:
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            st = os.stat(d)
-            if uid is not None and (st.st_uid != uid or st.st_mode & 0o022):
-                continue                                   # a folder others could write into: not loaded from
-            if not os.path.exists(path):
-                _compile(cc, d, path)
-            break
-        except OSError:                                    # a cache folder we may not write: the next one
-            continue
-    else:
-        return None
-    lib = ctypes.CDLL(path)
+def _declare(lib):
     dp, n = ctypes.c_void_p, ctypes.c_ssize_t                 # addresses passed as ints: cheaper than data_as
     lib.sdpa_slice_rows.argtypes = [dp, dp, n, n, ctypes.c_int, ctypes.c_int, dp, dp, dp, dp, dp, dp, dp]
     lib.sdpa_slice_rows.restype = None
@@ -116,37 +113,71 @@ def _build():
     for name in ("sdpa_fast_softmax_vjp_rows", "sdpa_fast_softmax_vjp_rows_f32"):
         getattr(lib, name).argtypes = [dp, dp, n, n]
         getattr(lib, name).restype = None
-    return lib
-
-
-def _compile(cc, d, path):
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *_FLAGS, "-o", tmp, *_SOURCES, "-lm"], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, path)                              # atomic: a process racing us loads a whole file
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def kernels():
-    """The loaded library, or None (no compiler, a failed build, or ``SDPA_REF_NATIVE=0``)."""
-    global _lib, _tried
+    """The loaded library, or None (not built at install, failed to load, or ``SDPA_REF_NATIVE=0``).
+
+    The first call loads it (no lock: loading twice at once is harmless, so a fork can never find one held)."""
+    global _lib, _tried, _why
     if os.environ.get("SDPA_REF_NATIVE", "1") == "0":
         return None
     level = _simd_level()                                  # a bad SDPA_REF_SIMD is the user's error: raised
     if not _tried:
-        with _lock:                                        # the pool's threads may ask at once
-            if not _tried:
-                try:
-                    _lib = _build()
-                except Exception:                          # no compiler, a broken toolchain
-                    _lib = None
-                _tried = True
-                if _lib is not None:
-                    _lib.sdpa_fast_set_level(level)
+        lib, why = _load()
+        if lib is not None:
+            lib.sdpa_fast_set_level(level)
+        _lib, _why = lib, why
+        _tried = True
     return _lib
+
+
+def build_record():
+    """What ``setup.py`` recorded when it built (or did not build) the library, or None if there is no record."""
+    try:
+        with open(_RECORD, encoding="utf-8") as fh:
+            rec = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _sources_sha256():
+    h = hashlib.sha256()
+    try:
+        for f in _SOURCES + _HEADERS:
+            with open(f, "rb") as fh:
+                h.update(fh.read())
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def status():
+    """Whether the compiled kernels are in use, and if not why: a dict with ``in_use`` (bool), ``reason`` (None
+    when in use; else not built at install, ``SDPA_REF_NATIVE=0``, or failed to load, with the cause),
+    ``path`` (the library, when in use), ``simd_level`` and ``simd_levels`` (in use and available on this CPU;
+    None and ``[]`` when not in use), ``stale`` (the library was built from other sources than those beside it,
+    as after editing the C files of an editable install; None when unknown) and ``build`` (the install's record,
+    or None)."""
+    rec = build_record()
+    out = {"in_use": False, "reason": None, "path": None, "simd_level": None, "simd_levels": [], "stale": None,
+           "build": rec}
+    if rec and rec.get("built") and rec.get("sources_sha256"):
+        now = _sources_sha256()
+        out["stale"] = None if now is None else now != rec["sources_sha256"]
+    if os.environ.get("SDPA_REF_NATIVE", "1") == "0":
+        out["reason"] = "SDPA_REF_NATIVE=0"
+        return out
+    lib = kernels()
+    if lib is None:
+        out["reason"] = _why
+        return out
+    level = lib.sdpa_fast_get_level()
+    best = lib.sdpa_fast_set_level(len(SIMD_LEVELS) - 1)   # asks for the highest: gives the best this CPU runs
+    lib.sdpa_fast_set_level(level)                          # and back to the one in use
+    out.update(in_use=True, path=_LIBRARY, simd_level=SIMD_LEVELS[level], simd_levels=list(SIMD_LEVELS[:best + 1]))
+    return out
 
 
 def _ptr(a):
