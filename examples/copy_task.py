@@ -212,7 +212,7 @@ def main(argv=None):
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            print("copy_task: --plot needs matplotlib: python -m pip install 'sdpa_ref[plot]'", file=sys.stderr)
+            print("copy_task: --plot needs matplotlib: python -m pip install matplotlib", file=sys.stderr)
             return 2
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
         for scaled, style in ((True, "-"), (False, "--")):

@@ -31,7 +31,7 @@ def _failed_cases(rep):
 
 def test_suite_is_named_versioned_deterministic_and_covering():
     quick, full = get_suite("quick"), get_suite("full")
-    assert SUITE_VERSION == "1"
+    assert SUITE_VERSION == "2"
     assert {c.name for c in quick} <= {c.name for c in full}
     assert "gqa-causal-bottom_right-L7-S13" in {c.name for c in quick}
     a, b = quick[3].make_inputs("float32"), quick[3].make_inputs("float32")
@@ -49,6 +49,12 @@ def test_suite_is_named_versioned_deterministic_and_covering():
     assert any(c.Hkv == 1 and c.Hq > 1 for c in quick) and any(1 < c.Hkv < c.Hq for c in quick)
     assert any(c.logit_scale >= 20 for c in quick) and any(c.has_fully_masked_rows() for c in quick)
     assert max(c.L for c in full) == 512 and max(c.S for c in full) == 512
+    # plain self-attention as kernels are first written: L = S, Hq = Hkv, no option but is_causal
+    plain = [c for c in quick if c.L == c.S and c.Hq == c.Hkv and c.option_names <= {"is_causal"}]
+    causal = [c for c in plain if c.option_names == {"is_causal"}]
+    assert len(causal) >= 10 and len(plain) - len(causal) >= 5
+    assert {64, 128} <= {c.E for c in causal} and {64, 128} <= {c.E for c in plain if c not in causal}
+    assert any(c.L % 2 and c.L > 1 for c in causal) and any(c.E % 2 for c in causal)
     with pytest.raises(ValueError, match="`suite`"):
         get_suite("huge")
 

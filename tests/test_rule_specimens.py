@@ -109,7 +109,9 @@ def test_the_ensemble_is_an_honest_computation(dt):
                 err = np.abs(np.where(fin, got[q].astype(np.float64) - r, 0)).max(initial=0)
                 base = np.abs(np.where(fin, plain[q] - r, 0)).max(initial=0)
                 scale = np.abs(np.where(fin, r, 0)).max(initial=0)
-                assert err <= 4 * base + (8 + 2 * m.exp_ulps) * eps * scale, (case.name, m.name, q, err, base)
+                # the exp's error reaches a gradient three ways: P in dT, P through O in D, and the row sum
+                # (2 ways gave 0.85 of what self-L5-S5-E7's dk needs, where dk cancels to 0.9 of its terms)
+                assert err <= 4 * base + (8 + 3 * m.exp_ulps) * eps * scale, (case.name, m.name, q, err, base)
 
 
 def test_the_allowance_is_the_same_bits_on_every_call():
@@ -174,7 +176,7 @@ def test_a_low_dtype_without_ml_dtypes_is_a_one_line_error(monkeypatch, capsys):
     from sdpa_ref.cli import main
     from sdpa_ref.harness.lowp import as_test_dtype
     monkeypatch.setitem(sys.modules, "ml_dtypes", None)            # import ml_dtypes now raises ImportError
-    with pytest.raises(ImportError, match=r"pip install \"sdpa_ref\[lowp\]\""):
+    with pytest.raises(ImportError, match=r"python -m pip install ml_dtypes"):      # works from a clone too
         as_test_dtype("bfloat16")
     assert as_test_dtype("float16") == np.float16                   # NumPy's own need nothing
     assert main(["conform", "tests.impls:ref_forward", "--dtype", "float32", "bfloat16"]) == 2

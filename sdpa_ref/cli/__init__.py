@@ -12,6 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 from .commands import _cmd_check, _cmd_conform, _cmd_diagnose, _cmd_saturation, _cmd_vectors, _cmd_verify
+from .commands import _cmd_info
 from ..harness.lowp import TEST_DTYPES
 from .output import _add_format, format_rows
 
@@ -35,6 +36,17 @@ def _seconds(text):
     if t == 0:
         raise argparse.ArgumentTypeError(f"should be a number of seconds > 0, but got {text!r}")
     return t
+
+
+def _positive(text):
+    """An argparse type: an int >= 1 (argparse names the flag in its error)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"should be an int >= 1, but got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"should be an int >= 1, but got {text!r}")
+    return n
 
 
 def _seed(text):
@@ -100,18 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="Example: sdpa-ref diagnose --d-k 16 64 256 --format json",
     )
-    p.add_argument("--d-k", type=int, nargs="+", default=None, metavar="D",
+    p.add_argument("--d-k", type=_positive, nargs="+", default=None, metavar="D",
                    help="key widths to sweep (default: 4 8 16 ... 1024)")
-    p.add_argument("--n-keys", type=int, default=50, help="keys per query (default: 50)")
-    p.add_argument("--n-queries", type=int, default=32, help="queries per trial (default: 32)")
-    p.add_argument("--trials", type=int, default=64, help="independent draws per point (default: 64)")
+    p.add_argument("--n-keys", type=_positive, default=50, help="keys per query (default: 50)")
+    p.add_argument("--n-queries", type=_positive, default=32, help="queries per trial (default: 32)")
+    p.add_argument("--trials", type=_positive, default=64, help="independent draws per point (default: 64)")
     p.add_argument("--scales", nargs="+", choices=("none", "sqrt", "linear"), default=["none", "sqrt", "linear"],
                    help="scaling choices to compare (default: all three)")
     p.add_argument("--seed", type=_seed, default=0, help="random seed; the result is deterministic (default: 0)")
     _add_format(p)
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="also draw normalized entropy, max weight and gradient norm against d_k "
-                        "(needs the 'plot' extra: python -m pip install 'sdpa_ref[plot]')")
+                        "(needs matplotlib: python -m pip install matplotlib)")
     p.set_defaults(func=_cmd_diagnose)
 
     p = sub.add_parser(
@@ -141,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write into (created if missing)")
     p.add_argument("--suite", choices=("quick", "full"), default="quick", help="case suite (default: quick)")
+    p.add_argument("--cases", metavar="FILE", default=None,
+                   help="your own cases, a JSON or TOML case file, instead of --suite (see docs/guide.md); the "
+                        "manifest stores their definitions, so 'sdpa-ref verify' regenerates them anywhere")
     p.add_argument("--dtype", choices=TEST_DTYPES, default="float64",
                    help="dtype of the stored inputs (default: float64)")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table",
@@ -153,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check every file listed in OUT_DIR/manifest.json: its sha256 (before it is parsed), "
                     "then its bytes against the case regenerated from the suite's definition (the reference is "
                     "precision='reproducible': the same bits on every machine). Only regular files inside "
-                    "OUT_DIR, named plainly, are read. Exit 1 on any mismatch, 2 on a malformed manifest.",
+                    "OUT_DIR, named plainly, are read; a set written with --cases is regenerated from the case "
+                    "definitions its manifest stores. Exit 1 on any mismatch, 2 on a malformed manifest.",
     )
     p.add_argument("out_dir", metavar="OUT_DIR")
     _add_format(p)
@@ -168,8 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
             "FlashAttention's form with a fair baseline: max|impl-ref64| <= 3 * max|honest-ref64| + the "
             "dtype's rounding of the output, where honest is the worst of an ensemble of honest kernels in the "
             "test dtype (computed in a fixed order: the same on every machine). bfloat16 and float8 need the "
-            "lowp extra (ml_dtypes). Options the function does not list in a `supports` attribute "
-            "are never passed; such cases are skipped. Exit 1 if anything fails."
+            "lowp extra (ml_dtypes). Options the function does not take (its keyword parameters, or a "
+            "`supports` attribute) are never passed: cases that need them are skipped; a function that always "
+            "applies an option (a `requires` attribute, or --requires) is judged only on cases that use it. "
+            "Exit status: 0 conforms, 1 something failed, 2 a usage error, 3 nothing judged (every case "
+            "skipped: never a pass)."
         ),
         epilog="Example: sdpa-ref conform sdpa_ref.adapters.pytorch:forward "
                "--backward sdpa_ref.adapters.pytorch:backward --dtype float32 float16",
@@ -178,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", metavar="MODULE:FUNCTION", default=None,
                    help="f(grad_out, query, key, value, **options) -> (dq, dk, dv[, dbias])")
     p.add_argument("--suite", choices=("quick", "full"), default="quick")
+    p.add_argument("--cases", metavar="FILE", default=None,
+                   help="judge on your own cases, a JSON or TOML case file, instead of --suite (see docs/guide.md)")
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=TEST_DTYPES,
                    help="test dtypes (default: float32)")
     p.add_argument("--rule", choices=("relative", "fixed", "ulp"), default="relative",
@@ -187,11 +208,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ulps", type=_tolerance, default=None, help="with --rule ulp (default: 4)")
     p.add_argument("--supports", nargs="+", default=None, metavar="OPTION",
                    help="override the options the function understands")
+    p.add_argument("--requires", nargs="+", default=None, metavar="OPTION",
+                   help="options the function always applies (e.g. is_causal for a causal-only kernel): judge it "
+                        "only on cases that use them (default: its `requires` attribute, else none)")
     p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="time limit per case and dtype (forward and backward together); a case that runs past "
                         "it fails and the run goes on (default: none)")
     _add_format(p)
     p.set_defaults(func=_cmd_conform)
+
+    p = sub.add_parser(
+        "info",
+        help="what this installation runs: version, compiled kernels and SIMD level, BLAS and threads, dtypes",
+        description=(
+            "Print the package's version; whether the optional compiled kernels (built when the package was "
+            "installed) are in use, and if not why and what that costs; the SIMD build of the fast row passes "
+            "in use and those this CPU runs; the BLAS (threadpoolctl's view) and the package's own thread "
+            "count; numpy's version; and the dtypes available (bfloat16 and float8 need ml_dtypes)."
+        ),
+    )
+    _add_format(p)
+    p.set_defaults(func=_cmd_info)
     return parser
 
 

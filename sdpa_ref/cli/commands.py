@@ -6,8 +6,13 @@ import json
 import os
 import sys
 
+from ..harness.casefile import CaseFileError, load_cases
 from ..harness.lowp import as_test_dtype
 from .output import DIAGNOSE_COLUMNS, _dump, _import_pyplot, _plot_sweep, _Progress, format_rows
+
+#: ``sdpa-ref conform``'s exit status by verdict (the C client's are the same; 2 is a usage error or a bad file).
+EXIT_STATUS = {"conforms": 0, "does not conform": 1, "nothing judged": 3}
+
 
 def _cmd_check(args) -> int:
     from ..harness import selfcheck
@@ -49,6 +54,19 @@ def _cmd_check(args) -> int:
     return 1 if n_fail else 0
 
 
+def _cmd_info(args) -> int:
+    from .._info import info, info_rows
+
+    d = info()
+    if args.format == "json":
+        print(json.dumps(d, indent=2))
+    elif args.format == "csv":
+        print(_dump(info_rows(d), "csv"))
+    else:
+        print(format_rows(info_rows(d), ["item", "value"]))
+    return 0
+
+
 def _cmd_diagnose(args) -> int:
     from .. import diagnostics
 
@@ -60,7 +78,7 @@ def _cmd_diagnose(args) -> int:
             return 2
         plt = _import_pyplot()
         if plt is None:
-            print("sdpa-ref: --plot needs matplotlib; install it with: python -m pip install 'sdpa_ref[plot]'",
+            print("sdpa-ref: --plot needs matplotlib; install it with: python -m pip install matplotlib",
                   file=sys.stderr)
             return 2
     d_ks = args.d_k if args.d_k else list(diagnostics.DEFAULT_D_KS)
@@ -146,20 +164,25 @@ def _cmd_vectors(args) -> int:
         return 2
     progress = _Progress("vectors")
     try:
-        manifest = vectors.write_vectors(args.out_dir, suite=args.suite, dtype=args.dtype, progress=progress)
+        manifest = vectors.write_vectors(args.out_dir, suite=args.suite, dtype=args.dtype, progress=progress,
+                                         cases=args.cases)
+    except CaseFileError as exc:
+        progress.done()
+        print(f"sdpa-ref: --cases: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         progress.done()
         print(f"sdpa-ref: cannot write into OUT_DIR {args.out_dir!r}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     progress.done()
     if args.format == "table":
-        print(f"wrote {len(manifest['files'])} cases ({args.suite} suite v{manifest['suite_version']}, "
-              f"{args.dtype}) and manifest.json to {args.out_dir}")
+        what = f"from {args.cases}" if args.cases else f"{args.suite} suite v{manifest['suite_version']}"
+        print(f"wrote {len(manifest['files'])} cases ({what}, {args.dtype}) and manifest.json to {args.out_dir}")
         return 0
     rows = [{"file": e["file"], "sha256": e["sha256"], "bytes": os.path.getsize(os.path.join(args.out_dir, e["file"]))}
             for e in manifest["files"]]
     if args.format == "json":
-        print(json.dumps({"out_dir": args.out_dir, "suite": args.suite, "suite_version": manifest["suite_version"],
+        print(json.dumps({"out_dir": args.out_dir, "suite": manifest["suite"], "suite_version": manifest["suite_version"],
                           "dtype": args.dtype, "files": rows}, indent=2))
     else:
         print(_dump(rows, "csv"))
@@ -190,15 +213,27 @@ def _cmd_conform(args) -> int:
     except ImportError as exc:
         print(f"sdpa-ref: {exc}", file=sys.stderr)
         return 2
-    try:
-        fwd = _load(args.target)
-        bwd = _load(args.backward) if args.backward else None
-    except KeyboardInterrupt:
-        raise
-    except (Exception, SystemExit) as exc:                 # whatever the module does on import is its error
-        what = f"SystemExit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
-        print(f"sdpa-ref: cannot load the implementation {args.target!r}: {what}", file=sys.stderr)
-        return 2
+    loaded = {}
+    for flag, spec in (("MODULE:FUNCTION", args.target), ("--backward", args.backward)):
+        if spec is None:
+            continue
+        try:
+            loaded[flag] = _load(spec)
+        except KeyboardInterrupt:
+            raise
+        except (Exception, SystemExit) as exc:             # whatever the module does on import is its error
+            what = f"SystemExit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+            print(f"sdpa-ref: cannot load the {'backward' if flag == '--backward' else 'implementation'} {spec!r} "
+                  f"({flag}): {what}", file=sys.stderr)
+            return 2
+    fwd, bwd = loaded["MODULE:FUNCTION"], loaded.get("--backward")
+    cases = None
+    if args.cases is not None:
+        try:
+            cases = load_cases(args.cases)
+        except CaseFileError as exc:
+            print(f"sdpa-ref: --cases: {exc}", file=sys.stderr)
+            return 2
     given = {"--rtol": args.rtol, "--atol": args.atol, "--max-ulps": args.max_ulps}
     applies = {"relative": (), "fixed": ("--rtol", "--atol"), "ulp": ("--max-ulps",)}[args.rule]
     stray = [f for f, v in given.items() if v is not None and f not in applies]
@@ -212,10 +247,10 @@ def _cmd_conform(args) -> int:
             "ulp": lambda: conformance.ULPRule(4.0 if args.max_ulps is None else args.max_ulps)}[args.rule]()
     progress = _Progress("conform")
     try:
-        rep = conformance.check_implementation(fwd, backward=bwd, supports=args.supports, suite=args.suite,
-                                               dtypes=args.dtype, rule=rule, progress=progress,
-                                               timeout=args.timeout)
-    except ValueError as exc:
+        rep = conformance.check_implementation(fwd, backward=bwd, supports=args.supports, requires=args.requires,
+                                               suite=args.suite, cases=cases, dtypes=args.dtype, rule=rule,
+                                               progress=progress, timeout=args.timeout)
+    except (TypeError, ValueError) as exc:
         progress.done()
         print(f"sdpa-ref: {exc}", file=sys.stderr)
         return 2
@@ -226,7 +261,7 @@ def _cmd_conform(args) -> int:
         print(rep.to_json(indent=2))
     else:
         print(rep.to_csv())
-    return 0 if rep.ok else 1
+    return EXIT_STATUS[rep.verdict]
 
 
 def _writable_dir(path):

@@ -23,6 +23,7 @@ added, removed or its inputs change, so golden vectors name what they hold.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -37,8 +38,8 @@ from .lowp import dequantized, is_fp8, quantize
 __all__ = ["ARRAY_KINDS", "SUITE_VERSION", "SUITES", "Case", "get_suite", "grad_out_for", "gradcheck_grid",
            "tangents_for"]
 
-#: Bumped whenever the cases or their inputs change.
-SUITE_VERSION = "1"
+#: Bumped whenever the cases or their inputs change ("2": plain self-attention, L = S and Hq = Hkv, added).
+SUITE_VERSION = "2"
 SUITES = ("quick", "full")
 #: The array inputs a case can draw (see :class:`Case`), in the order case names list them.
 ARRAY_KINDS = ("mask", "masked_rows", "float_mask", "bias", "alibi", "lengths", "zero_kv", "dropout")
@@ -252,7 +253,32 @@ def _quick() -> List[Case]:
         _case(6, 8, scale=0.3),
         _case(24, 24, E=16, Ev=16, Hq=4, Hkv=2, arrays=("mask", "bias", "alibi", "lengths"), is_causal=True,
               causal_alignment=br, window=(6, None), softcap=8.0, prefix="all"),
+    ] + _self_attention()
+
+
+def _self_attention() -> List[Case]:
+    """Plain self-attention as most kernels are first written: L = S, Hq = Hkv, no option but ``is_causal``.
+
+    At the head dims kernels use (64, 128) and at odd sizes (two tokens, L = 37, E = 7, three heads, no batch
+    dim, two batch dims), with large logits once; with and without ``is_causal`` (for L = S the two
+    alignments agree, so no ``causal_alignment`` is passed), so a causal-only kernel is judged on ten cases
+    and a non-causal one on six, with no case of its own written. (Not L = S = 1: there dq and dk are exactly 0,
+    so the rule's floor is 0 while a kernel's ``D = rowsum(dO * O)`` leaves a rounding; ``tiny`` has E = 1.)
+    """
+    shapes = [  # (L, E, Hq = Hkv, batch, logit_scale), each with and without is_causal
+        (16, 64, 2, (2,), 1.0), (12, 128, 2, (2,), 1.0), (37, 64, 3, (1,), 1.0), (5, 7, 2, (2,), 1.0),
+        (24, 64, 2, (1,), 20.0), (2, 64, 2, (2,), 1.0),
     ]
+    causal_only = [(64, 64, 2, (1,), 1.0), (33, 128, 1, (1,), 1.0), (3, 64, 2, (), 1.0), (9, 64, 2, (3, 2), 1.0)]
+    grid = [(L, E, H, batch, ls, {}) for L, E, H, batch, ls in shapes]
+    grid += [(L, E, H, batch, ls, {"is_causal": True}) for L, E, H, batch, ls in shapes + causal_only]
+    grid.append((16, 64, 2, (2,), 1.0, {"is_causal": True, "scale": 0.1}))
+    out = []
+    for L, E, H, batch, ls, opts in grid:
+        c = _case(L, L, E=E, Ev=E, Hq=H, Hkv=H, batch_q=batch, batch_kv=batch, logit_scale=ls, prefix="self", **opts)
+        name = c.name.replace("-top_left", "") + f"-E{E}-H{H}-b{'x'.join(map(str, batch)) or '0'}"
+        out.append(dataclasses.replace(c, name=name))
+    return out
 
 
 def _full_extra() -> List[Case]:

@@ -50,14 +50,16 @@ past the limit is a failed case too, and the run goes on.
 from __future__ import annotations
 
 import inspect
+import os
 import time
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
 from .._validate import check_choice, check_tolerance
 from ..options import OPTION_NAMES, check_bool
 from ._limits import CaseTimeout
+from .casefile import load_cases
 from .cases import Case, get_suite
 from .judge import Implementation, judge_case, reference_quantities
 from .lowp import as_test_dtype
@@ -65,12 +67,32 @@ from .report import ConformanceReport, ConformanceRow
 from .rules import FixedRule, RelativeRule, ULPRule, as_rule
 
 __all__ = ["RelativeRule", "FixedRule", "ULPRule", "ConformanceRow", "ConformanceReport", "CaseTimeout",
-           "LAYOUTS", "assert_conforms", "check_implementation", "reference_quantities", "resolve_supports"]
+           "LAYOUTS", "assert_conforms", "check_implementation", "reference_quantities", "resolve_requires",
+           "resolve_supports"]
 
 #: ``layout=``: ``"bhld"`` hands the implementation ``(..., H, L, E)`` arrays (PyTorch); ``"blhd"`` hands it
 #: ``(..., L, H, E)`` (FlashAttention, JAX, xformers) and reads its results the same way. Masks and biases keep
 #: the ``(..., H, L, S)`` layout of :func:`sdpa_ref.sdpa_forward` either way.
 LAYOUTS = ("bhld", "blhd")
+
+
+def resolve_requires(forward, requires=None) -> frozenset:
+    """The options every case must use for the implementation to be called: ``requires`` if given, else
+    ``forward.requires``, else none."""
+    if requires is None:
+        requires = getattr(forward, "requires", None)
+    if requires is None:
+        return frozenset()
+    if isinstance(requires, str):
+        requires = (requires,)
+    try:
+        requires = frozenset(requires)
+    except TypeError:
+        raise TypeError(f"`requires` should be a set of option names, but got {type(requires).__name__}") from None
+    unknown = requires - set(OPTION_NAMES)
+    if unknown:
+        raise ValueError(f"`requires` should name options among {OPTION_NAMES}, but got unknown {sorted(unknown)}")
+    return requires
 
 
 def resolve_supports(forward, supports=None, backward=None) -> frozenset:
@@ -123,13 +145,14 @@ def check_implementation(
     backward: Optional[Callable] = None,
     jvp: Optional[Callable] = None,
     supports: Optional[Iterable[str]] = None,
+    requires: Optional[Iterable[str]] = None,
     suite: str = "quick",
     dtypes="float32",
     rule=None,
     layout: str = "bhld",
     deterministic: bool = False,
     poison: bool = False,
-    cases: Optional[Sequence[Case]] = None,
+    cases: Union[None, str, "os.PathLike[str]", Sequence[Case]] = None,
     progress: Optional[Callable[[int, int, str], None]] = None,
     timeout: Optional[float] = None,
 ) -> ConformanceReport:
@@ -159,6 +182,13 @@ def check_implementation(
         the option names among the keyword parameters of ``forward`` (and
         ``backward``), else (a ``**kwargs``) every option. A case needing
         another option is skipped, never called.
+    requires : iterable of str, optional
+        Option names the implementation always applies, whether passed or
+        not: a causal-only kernel declares ``requires={"is_causal"}``
+        (by default ``forward.requires``, else none). Only the cases that use
+        every one of them are judged; the others are skipped, never called. A
+        required option is passed only if it is also supported (a kernel
+        without an ``is_causal`` keyword still gets causal cases).
     suite : {"quick", "full"}
     dtypes : str, dtype or sequence of them
         Test dtypes, e.g. ``"float32"`` or ``("float32", "float16")``.
@@ -172,8 +202,9 @@ def check_implementation(
         Also run the forward with NaN written into the keys and values that
         no row attends to and into the padded query rows: the output must
         still conform.
-    cases : sequence of Case, optional
-        Overrides ``suite`` (your own random problems, for instance).
+    cases : path or sequence of Case, optional
+        Overrides ``suite``: your own problems, as :class:`Case` objects or
+        as a JSON or TOML case file (see :mod:`sdpa_ref.harness.casefile`).
     progress : callable, optional
         ``progress(i, n, case_name)`` before each case.
     timeout : float, optional
@@ -188,8 +219,10 @@ def check_implementation(
     Returns
     -------
     ConformanceReport
-        ``.ok``, ``.failures``, ``.counts``, ``str()`` (the table),
-        ``.to_json()``, ``.to_csv()``.
+        ``.ok``, ``.verdict`` (``"conforms"``, ``"does not conform"``, or
+        ``"nothing judged"`` when every case was skipped: never a pass),
+        ``.failures``, ``.counts``, ``.judged``, ``.skipped`` (with the
+        reasons), ``str()`` (the table), ``.to_json()``, ``.to_csv()``.
     """
     rule = as_rule(rule)
     check_choice(layout, "layout", LAYOUTS)
@@ -202,24 +235,40 @@ def check_implementation(
         if timeout == 0:
             raise ValueError("`timeout` should be a finite number of seconds > 0, or None, but got 0")
     sup = resolve_supports(forward, supports, backward)
+    req = resolve_requires(forward, requires)
     impl = Implementation(forward, backward, jvp, layout=layout,
-                          deterministic=check_bool(deterministic, "deterministic"), poison=check_bool(poison, "poison"))
+                          deterministic=check_bool(deterministic, "deterministic"), poison=check_bool(poison, "poison"),
+                          implied=req - sup)
+    meta = {}
+    if isinstance(cases, (str, os.PathLike)):
+        meta["cases_file"] = os.path.basename(os.fspath(cases))
+        cases = load_cases(cases)
     suite_name = suite if cases is None else "custom"
     cases = list(get_suite(suite) if cases is None else cases)
+    if not all(isinstance(c, Case) for c in cases):
+        bad = next(c for c in cases if not isinstance(c, Case))
+        raise TypeError(f"`cases` should be a case file's path or a sequence of Case, but holds a "
+                        f"{type(bad).__name__}")
+    sup = sup | req
     rows: List[ConformanceRow] = []
     t0 = time.perf_counter()
     for i, case in enumerate(cases):
         if progress is not None:
             progress(i, len(cases), case.name)
-        missing = case.option_names - sup
+        missing, lacking = case.option_names - sup, req - case.option_names
         for dt in dtypes:
             if missing:
                 rows.append(ConformanceRow(case.name, dt, "all", "skip", note=f"needs {', '.join(sorted(missing))}"))
                 continue
+            if lacking:
+                rows.append(ConformanceRow(case.name, dt, "all", "skip",
+                                           note=f"does not use {', '.join(sorted(lacking))} (required)"))
+                continue
             rows.extend(judge_case(case, dt, impl, rule, sup, timeout))
     return ConformanceReport(rows=rows, rule=rule.describe(), suite=suite_name,
                              seconds=time.perf_counter() - t0,
-                             meta={"dtypes": list(dtypes), "layout": layout, "supports": sorted(sup)})
+                             meta=dict(meta, dtypes=list(dtypes), layout=layout, supports=sorted(sup),
+                                       requires=sorted(req)))
 
 
 def assert_conforms(forward: Callable, backward: Optional[Callable] = None, **kwargs) -> ConformanceReport:
@@ -231,6 +280,9 @@ def assert_conforms(forward: Callable, backward: Optional[Callable] = None, **kw
             sdpa_ref.assert_conforms(my_forward, my_backward, dtypes=("float32", "float16"))
     """
     rep = check_implementation(forward, backward=backward, **kwargs)
+    if rep.verdict == "nothing judged":
+        raise AssertionError("nothing was judged: every case was skipped (see the reasons below); declare the "
+                             "options the implementation supports, or give it cases it can take\n" + str(rep))
     if not rep.ok:
         raise AssertionError("the implementation does not conform:\n" + str(rep))
     return rep

@@ -158,9 +158,14 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
 class Implementation:
     """The functions under test and how to call them: the layout, and the optional checks asked for."""
 
-    def __init__(self, forward, backward=None, jvp=None, layout="bhld", deterministic=False, poison=False):
+    def __init__(self, forward, backward=None, jvp=None, layout="bhld", deterministic=False, poison=False,
+                 implied=frozenset()):
         self.forward, self.backward, self.jvp = forward, backward, jvp
         self.layout, self.deterministic, self.poison = layout, deterministic, poison
+        self.implied = frozenset(implied)        # required options it applies without a keyword: never passed
+
+    def _opts(self, inp):
+        return _copy_opts({k: v for k, v in inp.items() if k not in self.implied})
 
     def _in(self, a):
         """To the implementation's layout: ``(..., H, L, E)`` -> ``(..., L, H, E)`` for ``"blhd"``."""
@@ -171,15 +176,15 @@ class Implementation:
         return np.swapaxes(a, -3, -2) if self.layout == "blhd" and a.ndim >= 3 else a
 
     def call_forward(self, q, k, v, inp):
-        return self._out(self.forward(self._in(q), self._in(k), self._in(v), **_copy_opts(inp)))
+        return self._out(self.forward(self._in(q), self._in(k), self._in(v), **self._opts(inp)))
 
     def call_backward(self, g, q, k, v, inp):
-        res = list(self.backward(self._in(g), self._in(q), self._in(k), self._in(v), **_copy_opts(inp)))
+        res = list(self.backward(self._in(g), self._in(q), self._in(k), self._in(v), **self._opts(inp)))
         return [self._out(x) if i < 3 else x for i, x in enumerate(res)]          # dbias keeps the mask's layout
 
     def call_jvp(self, ts, q, k, v, inp):
         return self._out(self.jvp((self._in(q), self._in(k), self._in(v)), tuple(self._in(t) for t in ts),
-                                  **_copy_opts(inp)))
+                                  **self._opts(inp)))
 
 
 def _determinism(case, dt, impl, q, k, v, inp, out, deadline, timeout):

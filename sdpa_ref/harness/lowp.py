@@ -1,7 +1,8 @@
 """The test dtypes of the harness: NumPy's floats, and bfloat16 and fp8 through ``ml_dtypes``.
 
 ``ml_dtypes`` (the extension JAX uses for these types) is an optional extra,
-``pip install "sdpa_ref[lowp]"``: ``import sdpa_ref`` never imports it, and
+``lowp`` (``python -m pip install ml_dtypes``, or ``".[lowp]"`` from a
+clone): ``import sdpa_ref`` never imports it, and
 only a harness call that names ``bfloat16``, ``float8_e4m3fn`` or
 ``float8_e5m2`` needs it. Why an extra and not a dependency: the reference
 itself computes in float64 (and float32 / float16 with ``upcast=False``);
@@ -28,8 +29,8 @@ def _ml_dtypes(what):
     try:
         import ml_dtypes
     except ImportError:
-        raise ImportError(f"{what} needs the ml_dtypes package: pip install \"sdpa_ref[lowp]\" "
-                          "(or pip install ml_dtypes)") from None
+        raise ImportError(f"{what} needs the ml_dtypes package (the lowp extra): python -m pip install ml_dtypes"
+                          ) from None
     return ml_dtypes
 
 

@@ -45,6 +45,38 @@ class ConformanceReport:
         return all(r.status in ("pass", "skip") for r in self.rows) and any(r.status == "pass" for r in self.rows)
 
     @property
+    def verdict(self) -> str:
+        """``"does not conform"`` if anything failed, else ``"nothing judged"`` if no quantity was compared
+        (every case skipped: not a pass), else ``"conforms"``."""
+        c = self.counts
+        if c["FAIL"] or c["error"]:
+            return "does not conform"
+        return "conforms" if c["pass"] else "nothing judged"
+
+    @property
+    def judged(self) -> int:
+        """How many (case, dtype) pairs had at least one quantity compared (passed, failed or in error)."""
+        return len({(r.case, r.dtype) for r in self.rows if r.status != "skip"})
+
+    @property
+    def skipped(self) -> Dict[str, int]:
+        """The (case, dtype) pairs skipped whole, counted by reason, most common first: ``"needs attn_mask"``
+        (an option the implementation does not support), ``"does not use is_causal (required)"``, ``"not
+        implemented: ..."``. A case that needs two options counts under each; ``"(all)"`` holds the total."""
+        judged = {(r.case, r.dtype) for r in self.rows if r.status != "skip"}
+        why: Dict[str, set] = {"(all)": set()}
+        for r in self.rows:
+            key = (r.case, r.dtype)
+            if r.status != "skip" or key in judged:
+                continue
+            why["(all)"].add(key)
+            note = r.note or "skipped"
+            parts = [f"needs {n}" for n in note[6:].split(", ")] if note.startswith("needs ") else [note]
+            for p in parts:
+                why.setdefault(p, set()).add(key)
+        return dict(sorted(((k, len(v)) for k, v in why.items()), key=lambda kv: (kv[0] != "(all)", -kv[1], kv[0])))
+
+    @property
     def failures(self) -> List[ConformanceRow]:
         return [r for r in self.rows if r.status in ("FAIL", "error")]
 
@@ -57,7 +89,8 @@ class ConformanceReport:
         return out
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "rule": self.rule, "suite": self.suite, "suite_version": self.suite_version,
+        return {"ok": self.ok, "verdict": self.verdict, "judged": self.judged, "skipped": self.skipped,
+                "rule": self.rule, "suite": self.suite, "suite_version": self.suite_version,
                 "counts": self.counts, "seconds": self.seconds, "meta": self.meta,
                 "rows": [asdict(r) for r in self.rows]}
 
@@ -109,9 +142,19 @@ class ConformanceReport:
                      "relative rule's baseline); allowed: what the rule permits; ratio: error / allowed (at most 1 "
                      "passes).")
         lines.append(f"rule: {self.rule}")
+        skipped = self.skipped
+        n_skip = skipped.pop("(all)")
+        lines.append(f"judged {self.judged} of {self.judged + n_skip} (case, dtype) pairs; skipped {n_skip}"
+                     + (", by reason (a pair may have several):" if skipped else ""))
+        for k, (why, n) in enumerate(skipped.items()):
+            if k == 10:
+                lines.append(f"  ... and {len(skipped) - 10} more reasons")
+                break
+            lines.append(f"  {n:5d}  {why}")
         lines.append(f"{c['pass']} passed, {c['FAIL'] + c['error']} failed, {c['skip']} skipped "
                      f"(suite {self.suite} v{self.suite_version}; {self.seconds:.1f} s)")
-        lines.append("verdict: " + ("CONFORMS" if self.ok else "DOES NOT CONFORM"))
+        lines.append("verdict: " + self.verdict.upper()
+                     + (" (every case was skipped: this is not a pass)" if self.verdict == "nothing judged" else ""))
         return "\n".join(lines)
 
 

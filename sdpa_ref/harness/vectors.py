@@ -54,7 +54,6 @@ import hashlib
 import io
 import json
 import os
-import stat
 import zipfile
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -66,6 +65,8 @@ from ..options import ARRAY_OPTIONS
 from .cases import SUITE_VERSION, get_suite, grad_out_for
 from .ensemble import ensemble_errors, honest_errors
 from .lowp import DESCALES, LOW_DTYPES, TEST_DTYPES, as_test_dtype, dequantized, is_low, output_dtype
+from ._files import read_regular_file
+from .casefile import CaseFileError, case_definition, cases_from_definitions, load_cases
 from .rules import RelativeRule
 
 __all__ = ["FORMAT_VERSION", "ManifestError", "write_vectors", "verify_vectors", "VerifyReport", "read_npz", "decoded"]
@@ -78,14 +79,29 @@ _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 
 
 def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
-                  progress: Optional[Callable[[int, int, str], None]] = None) -> dict:
-    """Write ``<case>.npz`` files and ``manifest.json`` into ``out_dir``; return the manifest."""
+                  progress: Optional[Callable[[int, int, str], None]] = None, cases=None) -> dict:
+    """Write ``<case>.npz`` files and ``manifest.json`` into ``out_dir``; return the manifest.
+
+    ``cases`` (a case file's path, or a sequence of :class:`~.cases.Case`) replaces ``suite``: the set is then
+    the ``"custom"`` suite, and the manifest stores every case's definition (``"cases"``), from which
+    :func:`verify_vectors` regenerates it on any machine.
+    """
     from .. import __version__
 
     if not (isinstance(dtype, str) and dtype in TEST_DTYPES):
         raise ValueError(f"`dtype` should be one of {', '.join(TEST_DTYPES)}, but got {dtype!r}")
     dt = as_test_dtype(dtype, "dtype")                      # bfloat16 and fp8: ImportError without ml_dtypes
-    cases = get_suite(suite)                               # refuse a bad suite before touching the disk
+    custom = None
+    if cases is not None:                                   # refuse a bad case file or suite before touching the disk
+        source = os.path.basename(os.fspath(cases)) if isinstance(cases, (str, os.PathLike)) else None
+        cases = load_cases(cases) if source is not None else list(cases)
+        custom = {"cases": [case_definition(c) for c in cases]}
+        cases_from_definitions(custom["cases"], "`cases`")       # valid and uniquely named, as verify will read them
+        if source is not None:
+            custom["cases_file"] = source
+        suite = "custom"
+    else:
+        cases = get_suite(suite)
     os.makedirs(out_dir, exist_ok=True)
     files = []
     for i, case in enumerate(cases):
@@ -120,6 +136,7 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
         "relative_rule": {"k_out": RelativeRule().k_out, "k_grad": RelativeRule().k_grad},
         "files": files,
     }
+    manifest.update(custom or {})
     with open(os.path.join(out_dir, "manifest.json"), "w", encoding="utf-8") as fh:
         json.dump(manifest, fh, indent=2, sort_keys=True)
         fh.write("\n")
@@ -257,7 +274,14 @@ def verify_vectors(out_dir) -> VerifyReport:
         dt = as_test_dtype(manifest["dtype"], "dtype")
     except ImportError as exc:
         raise ManifestError(f"the vectors are {manifest['dtype']}: {exc}") from None
-    cases = {f"{c.name}.npz": c for c in get_suite(manifest["suite"])}
+    if manifest["suite"] == "custom":                   # a user's cases: regenerated from the stored definitions
+        try:
+            suite = cases_from_definitions(manifest.get("cases"), "manifest.json")
+        except CaseFileError as exc:
+            raise ManifestError(str(exc)) from None
+    else:
+        suite = get_suite(manifest["suite"])
+    cases = {f"{c.name}.npz": c for c in suite}
     seen = set()
     for entry in manifest["files"]:
         fname = entry["file"]
@@ -301,46 +325,29 @@ def _read_member(out_dir, name):
     if not isinstance(name, str) or name in ("", ".", "..") or name != os.path.basename(name) \
             or any(c in name for c in "/\\\0") or not name.endswith(".npz"):
         return None, "not a plain .npz file name (no folders, no '..'): not read"
-    path = os.path.join(out_dir, name)
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        return None, f"missing: {exc.strerror or exc}"
-    if stat.S_ISLNK(st.st_mode):
-        return None, "a symbolic link: not read"
-    if not stat.S_ISREG(st.st_mode):
-        return None, "not a regular file: not read"
-    if st.st_size > MAX_FILE_BYTES:
-        return None, f"{st.st_size} bytes, more than the {MAX_FILE_BYTES} a vector file may have: not read"
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        return None, f"unreadable: {exc.strerror or exc}"
-    if len(data) > MAX_FILE_BYTES:
-        return None, "grew past the size limit while read: not read"
-    return data, None
+    data, why = read_regular_file(os.path.join(out_dir, name), MAX_FILE_BYTES)
+    if data is None and why.startswith("missing"):
+        why = why.replace("missing or unreadable", "missing", 1)
+    return data, why
 
 
 def _read_manifest(out_dir):
     """The validated manifest dict, or :class:`ManifestError` in one line."""
     path = os.path.join(out_dir, "manifest.json")
+    data, why = read_regular_file(path, MAX_MANIFEST_BYTES)       # opened first, then checked: nothing can block it
+    if data is None:
+        raise ManifestError(f"cannot read {path}: {why} (it should be a regular file of at most "
+                            f"{MAX_MANIFEST_BYTES} bytes)")
     try:
-        st = os.lstat(path)
-    except OSError as exc:
-        raise ManifestError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{path} should be a regular file of at most {MAX_MANIFEST_BYTES} bytes")
-    try:
-        with open(path, "rb") as fh:
-            manifest = json.loads(fh.read(MAX_MANIFEST_BYTES + 1).decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
+        manifest = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
         raise ManifestError(f"{path} is not valid JSON: {type(exc).__name__}") from None
     if not isinstance(manifest, dict):
         raise ManifestError(f"{path} should hold a JSON object, but holds a {type(manifest).__name__}")
     from .cases import SUITES
-    if manifest.get("suite") not in SUITES:
-        raise ManifestError(f"{path}: 'suite' should be one of {SUITES!r}, but got {manifest.get('suite')!r}")
+    if manifest.get("suite") not in SUITES + ("custom",):
+        raise ManifestError(f"{path}: 'suite' should be one of {SUITES + ('custom',)!r}, but got "
+                            f"{manifest.get('suite')!r}")
     if manifest.get("dtype") not in TEST_DTYPES:
         raise ManifestError(f"{path}: 'dtype' should be one of {', '.join(TEST_DTYPES)}, but got "
                             f"{manifest.get('dtype')!r}")
