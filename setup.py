@@ -101,10 +101,10 @@ class BuildCompiledKernels(build_ext):
     def _warn_not_built(reason):
         bar = "*" * 78
         sys.stderr.write(f"\n{bar}\nWARNING: sdpa_ref's optional compiled kernels were not built: {reason}.\n"
-                         "The package is installed and works with its NumPy code (the same results), but "
-                         "precision='reproducible'\nruns about 2x slower and the fast path's row passes use NumPy. "
-                         "Install a C compiler (or set CC)\nand reinstall to build them; `sdpa-ref info` says "
-                         f"what is in use.\n{bar}\n\n")
+                         "The package is installed and works with its NumPy code (the same results), but\n"
+                         "precision='reproducible' runs about 1.5x slower and the fast path's row passes use\n"
+                         "NumPy. Install a C compiler (or set CC) and reinstall to build them;\n"
+                         f"`sdpa-ref info` says what is in use.\n{bar}\n\n")
 
     def copy_extensions_to_source(self):
         """``--inplace`` and editable installs: the library (or its absence) and the record into the source tree."""

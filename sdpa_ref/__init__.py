@@ -61,11 +61,13 @@ from .softmax import (
     softmax_vjp,
 )
 from .transforms import alibi_bias, alibi_slopes
+from ._info import info
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "info",
     # softmax family
     "softmax",
     "softmax_lse",

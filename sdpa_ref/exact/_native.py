@@ -169,7 +169,11 @@ def status():
     if os.environ.get("SDPA_REF_NATIVE", "1") == "0":
         out["reason"] = "SDPA_REF_NATIVE=0"
         return out
-    lib = kernels()
+    try:
+        lib = kernels()
+    except ValueError as e:                                # a bad SDPA_REF_SIMD: said, not raised, here
+        out["reason"] = f"not loaded: {e}"
+        return out
     if lib is None:
         out["reason"] = _why
         return out
