@@ -7,20 +7,44 @@ kernels), so a product's last bits depend on how many threads the BLAS uses.
 Every public call of the package therefore runs inside
 :func:`single_threaded_blas`, and all its parallelism comes from this
 module's pool, over pieces cut from the shape alone. The result is the same
-bytes for any ``SDPA_REF_NUM_THREADS`` and any ``OPENBLAS_NUM_THREADS``.
+bytes for any ``SDPA_REF_NUM_THREADS`` and any ``OPENBLAS_NUM_THREADS``, and
+from any calling thread (``tests/test_threads.py``).
 
-The limit is process-wide (it is the BLAS's own setting). It is
-reference-counted under a lock: the first caller in sets it, the last one out
-restores what was there. Without threadpoolctl, or with a BLAS it cannot
-control, nothing is limited and :func:`single_threaded_blas` says so by
-returning False; results may then depend on the BLAS's thread count.
+**Which threads the limit reaches.** OpenBLAS built on its own pthreads pool
+(numpy's wheels) keeps one process-wide count: ``openblas_set_num_threads``
+from any thread sets what every thread's next GEMM uses (measured on the
+bundled 0.3.31: set to 1 from a worker thread, the main thread reads 1), and
+so does ``openblas_set_num_threads_local`` in that build. threadpoolctl 3.8
+(not 3.6, which calls the BLAS directly) guards that shared count by letting
+only its first caller, the "controlling thread", change it:
+``set_num_threads`` from any other thread silently does nothing for as long
+as the first one lives. The main thread never dies, so once it had used the
+package, a call from any other thread ran its GEMMs on every OpenBLAS thread
+(``threadpool_info()`` read 2 inside the limit, and ``dk``, ``dv`` of
+``(2, 4, 300, 32)`` queries against ``(2, 2, 1100, 32)`` keys, GQA and
+causal, took other last bits), and a last holder out on another thread could
+not give the count back. So the count is set through threadpoolctl's
+unguarded setter (``_real_set_num_threads`` where it has one,
+``set_num_threads`` otherwise). That is safe because the setting is
+reference-counted under this module's lock: the first caller in, on any
+thread, sets it; the last one out, on any thread, restores what was there;
+concurrent calls never undo each other's limit, and the pool's threads run
+under it. Where the count is per thread instead (OpenBLAS built on OpenMP,
+whose ``omp_set_num_threads`` is per calling thread), each thread that
+enters holds its own: the calling thread for the call, and each pool thread
+for each piece it runs (:func:`run_all` enters :func:`single_threaded_blas`
+there). Without threadpoolctl, or with a BLAS it cannot control, nothing is
+limited and :func:`single_threaded_blas` says so by returning False; results
+may then depend on the BLAS's thread count.
 
 **Threads.** The number of CPUs this process may run on by default;
 ``SDPA_REF_NUM_THREADS`` overrides it (read on every call; 1 disables the
 pool; the pool's size is fixed when it is first made).
 
 **Fork.** A forked child has none of the parent's threads: it gets a fresh
-pool and fresh locks (``os.register_at_fork``), and its BLAS back.
+pool and fresh locks (``os.register_at_fork``), and its BLAS back (the count
+from before the parent's calls in flight); a holder the forking thread was
+inside leaves without touching the child's state.
 """
 
 from __future__ import annotations
@@ -65,8 +89,16 @@ def pool(n: int) -> ThreadPoolExecutor:
 
 
 def run_all(fn, items):
-    """``fn(item)`` for every item in the pool; wait for all, then raise the first error."""
-    futs = [pool(num_threads()).submit(fn, it) for it in items]
+    """``fn(item)`` for every item in the pool; wait for all, then raise the first error.
+
+    Each item runs inside :func:`single_threaded_blas` on its pool thread (where the BLAS's count is per thread,
+    this is what holds that thread's GEMMs to one thread).
+    """
+    def held(it):
+        with single_threaded_blas():
+            return fn(it)
+
+    futs = [pool(num_threads()).submit(held, it) for it in items]
     wait(futs)
     for f in futs:
         f.result()
@@ -88,14 +120,38 @@ def row_chunks(fn, *arrays):
 
 
 _BLAS_LOCK = threading.Lock()
+#: The controllers (found on first use), the holders inside, and ``(controller, count)`` the first one found.
 _BLAS_STATE = {"controllers": None, "users": 0, "saved": None}
+#: Forks so far in this process's line (a holder entered before a fork leaves the child's state alone).
+_FORKS = [0]
+
+
+class _ThreadHold(threading.local):
+    """This thread's holders inside, and the counts the per-thread controllers had before the first."""
+    depth = 0
+    saved = None
+
+
+_LOCAL = _ThreadHold()
+
+
+def _per_thread(c):
+    """Whether controller ``c``'s thread count is per calling thread (OpenBLAS built on OpenMP)."""
+    return getattr(c, "internal_api", None) == "openblas" and getattr(c, "threading_layer", None) == "openmp"
+
+
+def _set(c, n):
+    """Set controller ``c``'s thread count from this thread, past threadpoolctl's controlling-thread guard."""
+    getattr(c, "_real_set_num_threads", c.set_num_threads)(n)
 
 
 class single_threaded_blas:
-    """Hold the BLAS to one thread while at least one caller is inside (process-wide, reference-counted).
+    """Hold the BLAS to one thread while at least one caller is inside (reference-counted, on any thread).
 
     ``__enter__`` returns True when the BLAS is held, False when there is no
-    BLAS that threadpoolctl can control.
+    BLAS that threadpoolctl can control. A process-wide count is set by the
+    first caller in and restored by the last one out, whichever threads
+    those are; a per-thread count is held by each thread that enters.
     """
 
     def __enter__(self):
@@ -107,22 +163,35 @@ class single_threaded_blas:
                 self.active = False
                 return False
             if st["users"] == 0:
-                st["saved"] = [c.get_num_threads() for c in st["controllers"]]
-                for c in st["controllers"]:
-                    c.set_num_threads(1)
+                st["saved"] = [(c, c.get_num_threads()) for c in st["controllers"] if not _per_thread(c)]
+                for c, _ in st["saved"]:
+                    _set(c, 1)
             st["users"] += 1
-            self.active = True
-            return True
+            self.active, self.fork = True, _FORKS[0]
+        loc = _LOCAL
+        if loc.depth == 0:
+            own = [c for c in st["controllers"] if _per_thread(c)]
+            loc.saved = [(c, c.get_num_threads()) for c in own]
+            for c in own:
+                _set(c, 1)
+        loc.depth += 1
+        return True
 
     def __exit__(self, *exc):
-        if not self.active:
+        if not self.active or self.fork != _FORKS[0]:     # not held, or held in the parent of this fork
             return False
+        loc = _LOCAL
+        loc.depth -= 1
+        if loc.depth == 0:
+            for c, n in loc.saved:
+                _set(c, n)
+            loc.saved = None
         with _BLAS_LOCK:
             st = _BLAS_STATE
             st["users"] -= 1
             if st["users"] == 0:
-                for c, n in zip(st["controllers"], st["saved"]):
-                    c.set_num_threads(n)
+                for c, n in st["saved"]:
+                    _set(c, n)
                 st["saved"] = None
         return False
 
@@ -157,14 +226,15 @@ def _after_fork_in_child():
     _POOL = None
     _POOL_LOCK = threading.Lock()
     _BLAS_LOCK = threading.Lock()
+    _FORKS[0] += 1
     saved = _BLAS_STATE["saved"]
     _BLAS_STATE.update(users=0, saved=None)
-    if saved is not None:          # forked while a parent thread held the BLAS: give the child its BLAS back
-        try:
-            for c, n in zip(_BLAS_STATE["controllers"], saved):
-                c.set_num_threads(n)
-        except Exception:  # pragma: no cover - best effort in a fork handler
-            pass
+    own, _LOCAL.saved, _LOCAL.depth = _LOCAL.saved, None, 0   # the forking thread's own hold, if it had one
+    try:      # forked while a parent thread held the BLAS: give the child its BLAS back
+        for c, n in (saved or []) + (own or []):
+            _set(c, n)
+    except Exception:  # pragma: no cover - best effort in a fork handler
+        pass
 
 
 if hasattr(os, "register_at_fork"):
