@@ -240,6 +240,8 @@ def _softmax_vjp(X, P, g):
     out = None if fused is None else fused(P, g)           # the same operations compiled, where they are
     if out is not None:
         return out
+    if X.value(P).shape[-1] == 0:                          # S = 0: no entry, and no pivot to take
+        return P
     idx = np.argmax(X.value(P), axis=-1)[..., None]
     gc = X.sub(g, X.take(g, idx))
     return X.mul(P, X.sub(gc, X.sum(X.mul(P, gc), keepdims=True)))

@@ -20,6 +20,8 @@ Both give the same bits on every machine, thread count, BLAS and SIMD level.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..transforms import dropout_forward
@@ -252,8 +254,9 @@ class LowPrecision:
         K = A.shape[-1]
         shape = np.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (A.shape[-2], B.shape[-1])
         M, N = shape[-2], shape[-1]
-        A2 = np.broadcast_to(A, shape[:-2] + (M, K)).reshape(-1, M, K).astype(self._work)
-        B2 = np.broadcast_to(B, shape[:-2] + (K, N)).reshape(-1, K, N).astype(self._work)
+        nb = math.prod(shape[:-2])                                 # not -1: ambiguous when M, K or N is 0
+        A2 = np.broadcast_to(A, shape[:-2] + (M, K)).reshape(nb, M, K).astype(self._work)
+        B2 = np.broadcast_to(B, shape[:-2] + (K, N)).reshape(nb, K, N).astype(self._work)
         out = np.zeros((A2.shape[0], M, N), self.dtype)
         rows = max(1, self.BLOCK // max(K * N, 1))
         if K:
