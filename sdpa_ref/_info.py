@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import sys
 from typing import Any, Dict, List
 
 __all__ = ["info", "NUMPY_ONLY_COST"]
@@ -65,7 +66,6 @@ def info() -> Dict[str, Any]:
     """
     import numpy as np
 
-    from . import __version__
     from .engines._threads import num_threads
     from .exact import _native
 
@@ -83,7 +83,7 @@ def info() -> Dict[str, Any]:
         "flags": rec.get("flags"),
     }
     return {
-        "version": __version__,
+        "version": sys.modules[__package__].__version__,     # the package itself (importing it here is a cycle)
         "python": platform.python_version(),
         "numpy": np.__version__,
         "compiled_kernels": kernels,

@@ -13,9 +13,13 @@ import numbers
 import numpy as np
 
 __all__ = [
+    "INPUT_DTYPES",
+    "UPCAST_FALSE_DTYPES",
+    "as_array",
     "as_float_array",
     "as_mask",
     "as_real_scalar",
+    "check_dtype",
     "broadcast_batch",
     "check_axis",
     "check_choice",
@@ -32,25 +36,75 @@ def describe(x) -> str:
     return f"{x!r} of type {type(x).__name__}"
 
 
+#: The floating dtypes that every engine and precision takes, for ``query``, ``key``, ``value``, a float
+#: ``attn_mask``, ``bias``, ``alibi_slopes``, ``grad_out`` and the JVP's tangents; anything else is refused with
+#: one `TypeError` naming the argument. bfloat16 is ml_dtypes' (the ``lowp`` extra).
+INPUT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+#: The dtypes ``upcast=False`` computes in: the inputs' own, so bfloat16 (which NumPy has no arithmetic of) is
+#: refused there (with upcast=True, the default, it is computed in float64 and the results are rounded to it).
+UPCAST_FALSE_DTYPES = ("float64", "float32", "float16")
+_COMPLEX_DTYPES = ("complex128", "complex64")       # sdpa_forward_complex only (the complex step)
+
+
+def _listing(names):
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _is_ml_dtype(dt) -> bool:
+    return getattr(dt.type, "__module__", "").split(".")[0] == "ml_dtypes"
+
+
+def _known_name(dt):
+    """The name of ``dt`` when it is one of :data:`INPUT_DTYPES` or complex64 / complex128, else None (float8 is
+    kind ``"f"`` in ml_dtypes, and ``longdouble`` is ``float128`` or ``float96``: both refused)."""
+    if _is_ml_dtype(dt):
+        return "bfloat16" if dt.name == "bfloat16" else None
+    if (dt.kind == "f" and dt.itemsize in (2, 4, 8)) or (dt.kind == "c" and dt.itemsize in (8, 16)):
+        return dt.name
+    return None
+
+
+def check_dtype(dt, name: str, *, allow_bool: bool = False, allow_complex: bool = False) -> None:
+    """Raise the package's one `TypeError` unless ``dt`` is in :data:`INPUT_DTYPES` (or bool, or complex, when
+    allowed); the message names the argument and, for the usual mistakes, says what to do."""
+    dt = np.dtype(dt)
+    want = (("bool",) if allow_bool else ()) + INPUT_DTYPES + (_COMPLEX_DTYPES if allow_complex else ())
+    if (allow_bool and dt == np.bool_) or _known_name(dt) in want:
+        return
+    msg = f"`{name}` should have dtype {_listing(want)}, but got {dt.name}"
+    if dt.name.startswith(("float8", "float6", "float4")):
+        msg += ("; fp8 values mean something only with their scales: dequantize them first, "
+                "`x.astype(np.float32) * descale` as kernels do (sdpa_ref.harness.lowp.dequantized does this "
+                "before the harness calls the reference)")
+    elif dt.kind in "biu" and not _is_ml_dtype(dt):
+        msg += "; cast it to a floating dtype first (for example `.astype(np.float64)`)"
+    elif dt.kind == "f" and not _is_ml_dtype(dt):
+        msg += "; cast it to float64 (no engine computes in extended precision)"
+    elif dt.kind == "c":
+        msg += ("; complex input is for sdpa_forward_complex (the complex step)" if not allow_complex
+                else "; cast it to complex128")
+    raise TypeError(msg)
+
+
+def as_array(x, name: str, expected: str) -> np.ndarray:
+    """``np.asarray(x)``, refusing ``numpy.ma`` arrays and turning NumPy's errors (ragged lists) into a
+    `TypeError` in the house style; ``expected`` says what ``x`` should be."""
+    _no_masked(x, name)
+    try:
+        return np.asarray(x)
+    except Exception as exc:  # ragged lists and the like
+        raise TypeError(f"`{name}` should be {expected}, but got {describe(x)} ({exc})") from None
+
+
 def as_float_array(x, name: str, *, min_ndim: int = 0, allow_complex: bool = False) -> np.ndarray:
     """Return ``x`` as a floating NumPy array without copying it.
 
-    Raises `TypeError` for integer, bool, complex (unless allowed) and object
-    input, and `ValueError` for fewer than ``min_ndim`` dimensions.
+    Raises `TypeError` unless its dtype is in :data:`INPUT_DTYPES` (complex64 and complex128 too with
+    ``allow_complex``): integer, bool, complex, fp8, extended-precision and object input are refused, and
+    `ValueError` for fewer than ``min_ndim`` dimensions.
     """
-    _no_masked(x, name)
-    try:
-        arr = np.asarray(x)
-    except Exception as exc:  # ragged lists and the like
-        raise TypeError(f"`{name}` should be an array of floats, but got {describe(x)} ({exc})") from None
-    kind = arr.dtype.kind
-    if kind == "c" and allow_complex:
-        pass
-    elif kind != "f":
-        raise TypeError(
-            f"`{name}` should have a floating dtype (float16, float32 or float64), "
-            f"but got dtype {arr.dtype}"
-        )
+    arr = as_array(x, name, "an array of floats")
+    check_dtype(arr.dtype, name, allow_complex=allow_complex)
     if arr.ndim < min_ndim:
         raise ValueError(
             f"`{name}` should have at least {min_ndim} dimensions, but got shape {arr.shape}"
@@ -60,16 +114,12 @@ def as_float_array(x, name: str, *, min_ndim: int = 0, allow_complex: bool = Fal
 
 def as_mask(x, name: str, target_shape: tuple, *, allow_float: bool = True, allow_complex: bool = False) -> np.ndarray:
     """Return a bool or float mask that broadcasts to ``target_shape``."""
-    _no_masked(x, name)
-    try:
-        arr = np.asarray(x)
-    except Exception:
-        raise TypeError(f"`{name}` should be a bool or float array, but got {describe(x)}") from None
-    kind = arr.dtype.kind
-    ok = kind == "b" or (allow_float and kind == "f") or (allow_complex and kind == "c")
-    if not ok:
-        expected = "bool or floating" if allow_float else "bool"
-        raise TypeError(f"`{name}` should have a {expected} dtype, but got dtype {arr.dtype}")
+    arr = as_array(x, name, "a bool or float array" if allow_float else "a bool array")
+    if not allow_float:
+        if arr.dtype != np.bool_:
+            raise TypeError(f"`{name}` should have dtype bool, but got {arr.dtype.name}")
+    else:
+        check_dtype(arr.dtype, name, allow_bool=True, allow_complex=allow_complex)
     try:
         shape = np.broadcast_shapes(arr.shape, target_shape)
     except ValueError:

@@ -75,6 +75,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Returns
     -------
     out : ndarray, (..., Hq, L, Ev)
+        In the inputs' dtype (which dtypes: :func:`sdpa_forward`'s Notes).
     lse : ndarray, (..., Hq, L)
         Only with ``return_lse=True``; ``-inf`` on rows with no allowed key.
 
@@ -139,6 +140,11 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     Excluded entries are set to :math:`-\infty` before the shift, so their
     exponential is exactly 0. A row with :math:`A_i = \emptyset` follows the
     ``fully_masked`` policy, and its :math:`\mathrm{lse}_i = -\infty`.
+
+    Every engine and precision takes the same dtypes (``SEMANTICS.md``):
+    float64, float32, float16, bfloat16 (not with ``upcast=False``); any
+    other, float8 included (dequantize it first), is one `TypeError` naming
+    the argument. Zero sizes agree too; ``S = 0`` makes every row fully masked.
     """
     save_probs = check_bool(save_probs, "save_probs")
     opts = AttentionOptions.from_kwargs("sdpa_forward", attn_mask=attn_mask, dropout_p=dropout_p,
@@ -191,7 +197,7 @@ def sdpa_backward(residuals, grad_out, method=None):
     residuals : AttentionResiduals
         From :func:`sdpa_forward`.
     grad_out : array_like, (..., Hq, L, Ev)
-        Cotangent ``dO`` of the output.
+        Cotangent ``dO`` of the output (any input dtype of the forward).
     method : {"fast", "plain", "tiled", "probs", "lse"}, optional
         The engine; by default the one that made the residuals. ``"fast"``
         and ``"plain"`` read the saved ``P`` (``"fast"`` in place, with
@@ -294,7 +300,7 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
         as in :func:`sdpa_forward` (``bias=`` included).
     tangents : tuple
         ``(dquery, dkey, dvalue)`` or ``(dquery, dkey, dvalue, dbias)``, each
-        of its primal's shape, any of them ``None`` for zero.
+        of its primal's shape and an input dtype, any of them ``None`` for zero.
     method : {"fast", "plain"}, optional
         The engine of the primal forward (default ``"fast"``); the tangent is
         the teaching core's :func:`sdpa_ref.attention.jvp` on its ``P``.
@@ -372,9 +378,6 @@ def _engine(method, block_size, prob, allowed, precision="fast"):
         if method is not None or block_size is not None:
             raise ValueError("`method` and `block_size` should be None with precision='reproducible' (it has its "
                              f"own engine), but got method={method!r}, block_size={block_size!r}")
-        if prob.dtype not in (np.float64, np.float32, np.float16):
-            raise ValueError("precision='reproducible' computes in float64, float32 or float16, but the compute "
-                             f"dtype is {prob.dtype}")
         return "reproducible", None
     if method is None:
         method = "tiled" if block_size is not None else allowed[0]

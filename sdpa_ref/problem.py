@@ -91,8 +91,8 @@ class Problem:
         if opts.bias is not None:
             bias = V.as_mask(opts.bias, "bias", user_scores, allow_complex=complex_ok)
             if bias.dtype == bool:
-                raise TypeError("`bias` should have a floating dtype (it is added to the scores), but got dtype "
-                                "bool; pass a bool mask as `attn_mask`")
+                raise TypeError(f"`bias` should have dtype {V._listing(V.INPUT_DTYPES)} (it is added to the "
+                                "scores), but got bool; pass a bool mask as `attn_mask`")
         alibi = None
         if opts.alibi_slopes is not None:
             s = V.as_float_array(opts.alibi_slopes, "alibi_slopes", min_ndim=1)
@@ -104,8 +104,8 @@ class Problem:
                 raise ValueError(f"`alibi_slopes` should have shape (Hq,) = ({Hq},) or (..., Hq) broadcasting to "
                                  f"{batch + (Hq,)}, but got shape {s.shape}")
             alibi = s[..., None, None]
-        q_lengths = check_lengths(opts.q_lengths, "q_lengths", L, batch)
-        kv_lengths = check_lengths(opts.kv_lengths, "kv_lengths", S, batch)
+        q_lengths = check_lengths(_lengths(opts.q_lengths, "q_lengths"), "q_lengths", L, batch)
+        kv_lengths = check_lengths(_lengths(opts.kv_lengths, "kv_lengths"), "kv_lengths", S, batch)
         keep = None
         if opts.dropout_mask is not None:
             keep = V.as_mask(opts.dropout_mask, "dropout_mask", user_scores, allow_float=False)
@@ -116,6 +116,11 @@ class Problem:
                              "is undefined), but got S=0")
 
         out_dtype = np.dtype(np.complex128) if complex_ok else np.result_type(q.dtype, k.dtype, v.dtype)
+        if not (opts.upcast or complex_ok) and out_dtype.name not in V.UPCAST_FALSE_DTYPES:
+            raise TypeError(f"`query` should have dtype {V._listing(V.UPCAST_FALSE_DTYPES)} with upcast=False "
+                            f"(it computes in the inputs' dtype, and NumPy has no {out_dtype.name} arithmetic), "
+                            f"but got {q.dtype.name}; pass upcast=True (the default) to compute in float64 and "
+                            f"round the results to {out_dtype.name}")
         ct = np.result_type(out_dtype, np.float64) if (opts.upcast or complex_ok) else out_dtype
         rt = np.dtype(ct.type(0).real.dtype)
         G = Hq // Hkv if Hkv else 1
@@ -212,6 +217,12 @@ def _as_generator(rng):
             raise ValueError(f"`rng` should be a non-negative int seed (or a numpy.random.Generator), but got {rng}")
         return np.random.default_rng(int(rng))
     raise TypeError(f"`rng` should be a numpy.random.Generator, an int seed or None, but got {V.describe(rng)}")
+
+
+def _lengths(x, name):
+    """``x`` as an array for :func:`masks.check_lengths` (None stays None): a ``numpy.ma`` array or a ragged list
+    is refused here, in the house style, not by NumPy."""
+    return None if x is None else V.as_array(x, name, "an integer array of per-batch lengths")
 
 
 def _dead(lengths, n, batch, own_batch):
