@@ -281,6 +281,7 @@ def sdpa_backward(residuals, grad_out, method=None):
         else:
             gr = ENGINES[name].backward(prob, residuals.forward, dO)
     gr = poison.backward_taint(prob, residuals.empty, gr, do_bad)
+    gr = gr._replace(dq=poison.nan_where(gr.dq, prob.nan_rows_without_keys()))     # S = 0 under "nan"
     shapes, dtypes = prob.shapes, prob.dtypes
 
     def back(x, name):
@@ -365,6 +366,7 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
         dO = core.jvp(prob, res.forward, dq, dk, dv, db)
     rows = (None if b is None else b.any(axis=-1) for b in (bq, bk))
     dO = poison.nan_where(dO, poison.jvp_taint(prob, res.empty, (*rows, bv, bb)))
+    dO = poison.nan_where(dO, prob.nan_rows_without_keys() if any(t is not None for t in (dq, dk, dv, db)) else None)
     return out, dO.reshape(prob.out_shape).astype(prob.out_dtype, copy=False)
 
 

@@ -206,6 +206,16 @@ class Problem:
         """``(*batch, 1, L, 1)`` bool: query rows past ``q_len`` (of the block ``rows``), or None."""
         return padded_rows(self.L, self.q_lengths, rows)
 
+    def nan_rows_without_keys(self):
+        """``(*batch, 1, L, 1)`` bool, or None: with ``S = 0`` under ``fully_masked="nan"``, the rows that are not
+        padded. No row has a key, so, as on a fully masked row with keys, their ``dq`` and their tangent are NaN
+        (the engines' empty sums give 0; ``dk``, ``dv`` and the mask and bias gradients have no entries)."""
+        if self.S != 0 or self.options.fully_masked != "nan":
+            return None
+        shape = tuple(self.batch) + (1, self.L, 1)
+        pad = self.padded_rows()
+        return np.ones(shape, bool) if pad is None else np.broadcast_to(~pad, shape)
+
 
 def _as_generator(rng):
     if rng is None:
