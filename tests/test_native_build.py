@@ -218,7 +218,7 @@ def test_only_a_regular_file_at_the_packages_own_path_is_loaded(tmp_path, monkey
     monkeypatch.setattr(_native, "_LIBRARY", str(tmp_path / "absent.so"))
     monkeypatch.setattr(_native, "_RECORD", str(tmp_path / "absent.json"))
     lib, why = _native._load()
-    assert lib is None and why.startswith("not built at install") and "no build record" in why
+    assert lib is None and why.startswith("not built") and ("no build record" in why or "source tree" in why)
     (tmp_path / "absent.json").write_text(json.dumps({"built": False, "reason": "no C compiler: 'cc' was not found"}))
     assert _native._load() == (None, "not built at install: no C compiler: 'cc' was not found")
     (tmp_path / "absent.json").write_text(json.dumps({"built": True, "reason": None}))

@@ -66,11 +66,17 @@ def _load():
         st = os.stat(_LIBRARY)
     except FileNotFoundError:
         rec = build_record()
-        why = "not built at install" + (f": {rec['reason']}" if rec and rec.get("reason") else "")
-        if rec is None:
-            why += " (no build record either: the package was installed without its build step)"
+        tree = os.path.dirname(os.path.dirname(_HERE))
+        if rec is None and os.path.exists(os.path.join(tree, "setup.py")):
+            why = (f"not built: sdpa_ref was imported from the source tree {tree}, not from an installed copy, "
+                   "and nothing was built there (`pip install -e .` or `python setup.py build_ext --inplace` "
+                   "builds it in place)")
+        elif rec is None:
+            why = "not built at install (no build record either: the package was installed without its build step)"
         elif rec.get("built"):
             why = f"missing: the install built {os.path.basename(_LIBRARY)}, but it is not in the package"
+        else:
+            why = "not built at install" + (f": {rec['reason']}" if rec.get("reason") else "")
         return None, why
     except OSError as e:
         return None, f"failed to load: {e}"
