@@ -118,8 +118,9 @@ DOC_OPTIONS = r"""
     query : array_like, (..., Hq, L, E)
     key : array_like, (..., Hkv, S, E)
     value : array_like, (..., Hkv, S, Ev)
-        Floating arrays (float16, float32 or float64). Leading batch dims
-        broadcast as in ``np.matmul``.
+        Floating arrays: float64, float32, float16, or bfloat16 (ml_dtypes;
+        computed in float64, so not with ``upcast=False``). fp8 is refused:
+        dequantize it first. Leading batch dims broadcast as in ``np.matmul``.
     attn_mask : array_like, optional, broadcastable to (..., Hq, L, S)
         Bool: True means the key takes part. Float: added to the scores
         (``-inf`` entries are excluded exactly).
