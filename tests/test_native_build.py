@@ -338,6 +338,9 @@ def digest():
         for a in (out, res.lse, gr.query, gr.key, gr.value):
             h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()
+os.environ["SDPA_REF_NATIVE"] = "0"          # a first call without the kernels: every lazy import done (a fork
+digest()                                     # during another thread's import deadlocks on Python's module lock)
+del os.environ["SDPA_REF_NATIVE"]
 stop = threading.Event()
 def work():
     while not stop.is_set():
@@ -345,7 +348,7 @@ def work():
             out, res = sdpa_ref.sdpa_forward(q, k, v, is_causal=True, **kw)
             sdpa_ref.sdpa_backward(res, g)
 worker = threading.Thread(target=work)
-worker.start()                              # its first call loads the kernels (the old code compiled them here)
+worker.start()                               # its first call loads the kernels (the old code compiled them here)
 got = []
 for i in range(4):
     time.sleep(0.05 if i == 0 else 0.02 * i)
