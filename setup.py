@@ -107,18 +107,23 @@ class BuildCompiledKernels(build_ext):
                          f"`sdpa-ref info` says what is in use.\n{bar}\n\n")
 
     def copy_extensions_to_source(self):
-        """``--inplace`` and editable installs: the library (or its absence) and the record into the source tree."""
-        super().copy_extensions_to_source()
+        """``--inplace`` and editable installs: the library (or its absence) and the record into the source tree.
+
+        (Done here rather than by setuptools, whose copy fails on a missing file in some versions.)"""
         build_py = self.get_finalized_command("build_py")
         for ext in self.extensions:
-            if ext.name != LIBRARY:
-                continue
-            inplace, regular = self._get_inplace_equivalent(build_py, ext)
-            if not os.path.exists(regular) and os.path.exists(inplace):
+            fullname = self.get_ext_fullname(ext.name)
+            filename = self.get_ext_filename(fullname)
+            package_dir = build_py.get_package_dir(".".join(fullname.split(".")[:-1]))
+            inplace = os.path.join(package_dir, os.path.basename(filename))
+            regular = os.path.join(self.build_lib, filename)
+            if os.path.exists(regular):
+                self.copy_file(regular, inplace, level=self.verbose)
+            elif os.path.exists(inplace):
                 os.remove(inplace)                          # a library from an earlier build: not what was asked
             rec = os.path.join(os.path.dirname(regular), RECORD)
-            if os.path.exists(rec):
-                self.copy_file(rec, os.path.join(os.path.dirname(inplace), RECORD), level=self.verbose)
+            if ext.name == LIBRARY and os.path.exists(rec):
+                self.copy_file(rec, os.path.join(package_dir, RECORD), level=self.verbose)
 
 
 class _NotBuilt(Exception):
