@@ -482,6 +482,6 @@ def test_the_compiled_kernels_are_installed_wherever_a_compiler_is():
     st = _native.status()
     if shutil.which(os.environ.get("CC") or "cc") is None and not st["in_use"]:
         pytest.skip(f"no C compiler here, and the compiled kernels are not in use: {st['reason']}")
-    assert st["in_use"], (f"a C compiler is here but the compiled kernels are not in use: {st['reason']}; "
-                          "reinstall the package (pip install . / pip install -e .) to build them")
+    assert st["in_use"], (f"a C compiler is here but the compiled kernels are not in use: {st['reason']} "
+                          "(a checkout: pip install -e .; an installed copy: reinstall it)")
     assert _native.kernels() is not None
