@@ -9,6 +9,7 @@ behind it trusts its inputs.
 from __future__ import annotations
 
 import numbers
+import sys
 
 import numpy as np
 
@@ -133,8 +134,13 @@ def as_mask(x, name: str, target_shape: tuple, *, allow_float: bool = True, allo
 
 
 def _no_masked(x, name):
-    """``numpy.ma`` arrays are refused: their mask would be dropped silently by ``np.asarray``."""
-    if isinstance(x, np.ma.MaskedArray):
+    """``numpy.ma`` arrays are refused: their mask would be dropped silently by ``np.asarray``.
+
+    Looked up in ``sys.modules``, never imported: NumPy imports ``numpy.ma`` lazily, and a first import during
+    a call would hold the import lock that a child forked meanwhile could never take (and without it no
+    masked array can exist)."""
+    ma = sys.modules.get("numpy.ma")
+    if ma is not None and isinstance(x, ma.MaskedArray):
         raise TypeError(f"`{name}` should be a plain array, but got a numpy.ma.MaskedArray (its mask would be "
                         "ignored); pass `.filled(...)`, or the mask as `attn_mask`")
 
