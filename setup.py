@@ -10,9 +10,10 @@ reports it.
 
 The compiler is ``$CC`` (split like a shell word list), else ``cc``, called with exactly :data:`FLAGS` and no
 ``CFLAGS``: the flags decide the bits (no FMA contraction, no fast-math), so nothing from the environment is
-added. It works for ``pip install .`` (the library goes into the wheel, which is therefore platform-specific),
+added. It works for ``pip install .`` (the library goes into the wheel, which is therefore platform-specific, and,
+since pip builds in the source tree, beside the sources too, so that tests run from a checkout use it),
 ``pip install -e .`` and ``python setup.py build_ext --inplace`` (the library lands in the source tree,
-ignored by git; rerun either after editing the C files).
+ignored by git; rerun any of them after editing the C files).
 """
 
 import hashlib
@@ -105,6 +106,28 @@ class BuildCompiledKernels(build_ext):
                          "precision='reproducible' runs about 1.5x slower and the fast path's row passes use\n"
                          "NumPy. Install a C compiler (or set CC) and reinstall to build them;\n"
                          f"`sdpa-ref info` says what is in use.\n{bar}\n\n")
+
+    def run(self):
+        super().run()
+        root = os.path.dirname(os.path.abspath(__file__))
+        default_dir = os.path.join(root, "build")
+        if self.inplace or os.path.commonpath([os.path.abspath(self.build_lib), default_dir]) != default_dir:
+            return
+        # `pip install .` builds here, in the source tree's build/: a library that built goes beside the sources
+        # too (as --inplace would put it), so that the README's `python -m pytest` in a checkout, which imports the
+        # checkout's sdpa_ref rather than the installed one, runs the kernels this install built. Nothing is
+        # removed or copied when it did not build, or for a build elsewhere (-b DIR); an unwritable tree is fine.
+        so = self.get_ext_fullpath(LIBRARY)
+        rec = os.path.join(os.path.dirname(so), RECORD)
+        if not os.path.exists(so):
+            return
+        dest = os.path.join(root, *LIBRARY.split(".")[:-1])
+        try:
+            for f in (so, rec):
+                shutil.copyfile(f, os.path.join(dest, os.path.basename(f)) + ".tmp")
+                os.replace(os.path.join(dest, os.path.basename(f)) + ".tmp", os.path.join(dest, os.path.basename(f)))
+        except OSError as e:
+            sys.stderr.write(f"note: the compiled kernels were not copied beside the sources: {e}\n")
 
     def copy_extensions_to_source(self):
         """``--inplace`` and editable installs: the library (or its absence) and the record into the source tree.
