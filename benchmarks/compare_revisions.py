@@ -42,6 +42,25 @@ def run(tree, shape, reps):
     return float(out.stdout)
 
 
+def build(tree):
+    """Build a tree's compiled kernels in place where it builds them at install (later revisions); earlier ones
+    build them on first use by themselves. Without it a later revision would run its NumPy code: unfair."""
+    setup = os.path.join(tree, "setup.py")
+    if os.path.exists(setup) and "build_ext" in open(setup).read():
+        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree, check=True,
+                       capture_output=True)
+
+
+def describe(tree):
+    """Whether the tree's compiled kernels are in use (``sdpa_ref.info()`` where it has one)."""
+    code = ("import sdpa_ref as s; i = getattr(s, 'info', None); k = i()['compiled_kernels'] if i else None; "
+            "print('compiled kernels built on first use (no info())' if k is None else "
+            "f\"compiled kernels in use, SIMD {k['simd_level']}\" if k['in_use'] else f\"NumPy only: {k['reason']}\")")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=tree), capture_output=True,
+                         text=True, cwd=tempfile.gettempdir())
+    return (out.stdout or out.stderr).strip().splitlines()[-1] if (out.stdout or out.stderr) else "?"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rev", help="the git revision to compare against (e.g. HEAD~3 or a commit)")
@@ -51,9 +70,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as old:
-        archive = subprocess.run(["git", "-C", here, "archive", args.rev, "sdpa_ref"], capture_output=True,
-                                 check=True).stdout
+        archive = subprocess.run(["git", "-C", here, "archive", args.rev], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
+        build(old)
+        build(here)
+        for tree in (here, old):
+            print(f"{'this tree' if tree == here else args.rev}: {describe(tree)}")
         threads = {k: os.environ.get(k, "unset") for k in ("SDPA_REF_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
         print(f"shape {tuple(args.shape)} float64, fwd + bwd; {args.rounds} rounds; threads: {threads}")
         ratios = []
