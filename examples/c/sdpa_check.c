@@ -1,154 +1,745 @@
 /*
- * sdpa_check: judge a naive C attention against sdpa_ref's golden vectors, outside Python.
+ * sdpa_check: judge a C attention, forward and backward, against sdpa_ref's golden vectors, outside Python.
  *
- *     make && ./sdpa_check DIR        (DIR written by `sdpa-ref vectors DIR [--dtype float32]`)
+ *     make && ./sdpa_check [--forward-only] DIR     (DIR written by `sdpa-ref vectors DIR [--dtype float32]`)
  *
- * C99, libc and libm only: the example a CUDA, Rust or C++ author copies. It
+ * C99 and POSIX (open, fstat, read), libc and libm only: the example a CUDA, Rust or C++ author copies. It
  *
- *  1. reads DIR/manifest.json for the case files and their dtype;
- *  2. reads each case's .npz -- an uncompressed zip of .npy files -- by its
- *     local file headers, and each .npy by its header (descr, shape);
- *  3. runs attention_forward() below, the part you replace with a call to
- *     your kernel, on the case's inputs and options (options_json);
- *  4. judges the output by the manifest's rule, the same as the harness:
- *     float64: |got - out| <= 1e-12 + 1e-12 |out| element-wise;
- *     below:   max|got - out| <= k_out * honest_out + atol, with honest_out
- *              the honest ensemble's error stored in the file, k_out from
- *              the manifest ("relative_rule"), and
- *              atol = 2 max|fl(fl(out + 0.3) - 0.3) - out| in the dtype;
+ *  1. reads DIR/manifest.json for the case files, their dtype and the rule's factors;
+ *  2. reads each case's .npz -- an uncompressed zip of .npy files -- by its local file headers, and each .npy
+ *     by its header (descr, fortran_order, shape), and checks every shape against the others;
+ *  3. runs attention_forward() and attention_backward() below -- the parts you replace with calls to your
+ *     kernel -- on the case's inputs, options (options_json) and seeded grad_out;
+ *  4. judges out, dq, dk, dv (and dbias with a bias) by the manifest's rule, the same as the harness:
+ *     float64: |got - ref| <= 1e-12 + 1e-12 |ref| element-wise;
+ *     below:   max|got - ref| <= k * honest + atol, with honest the honest ensemble's error stored in the
+ *              file (honest_out, honest_dq, ...), k = k_out or k_grad from the manifest ("relative_rule"),
+ *              and atol = 2 max|fl(fl(ref + 0.3) - 0.3) - ref| in the output dtype;
  *     and NaN must meet NaN;
- *  5. prints one line per case and exits 1 if any case fails (2 on a file it
- *     cannot read).
+ *  5. prints one line per case (pass, FAIL or skip, with each quantity's error / allowed: a quantity passes
+ *     at <= 1), then "N passed, M failed, K skipped" (cases).
  *
- * The forward covers every option of the suite: scale, causal and window with
- * both alignments, bool and float masks, bias, ALiBi, q/kv lengths, softcap,
- * GQA, the fully-masked policies and dropout by its keep mask; the inputs'
- * leading (batch) dims broadcast as in NumPy. It computes in double and
- * rounds the output to the vectors' dtype: float64, float32, float16, and
- * bfloat16, float8_e4m3fn and float8_e5m2, whose arrays the files store as
- * uint16 / uint8 bit patterns (decoded by at() below). fp8 inputs come with
- * per-(batch, kv-head) q_descale, k_descale and v_descale (FlashAttention 3's):
- * dequantize() multiplies them in, and an fp8 kernel's output is bfloat16
- * (the manifest's "output_dtype").
+ * Exit status (the contract the `sdpa-ref` command line shares):
+ *     0  at least one quantity was judged and none failed
+ *     1  a quantity failed
+ *     2  bad usage, or a file it cannot read or that is not well formed: one line on stderr names the file
+ *        and what is wrong
+ *     3  nothing judged (every case skipped, or a manifest without cases): the summary line says so
+ *
+ * Pass --forward-only, or build with -DSDPA_CHECK_NO_BACKWARD, when your kernel has no backward: the
+ * gradients are then reported as not judged, never as passed. A case whose options the kernel does not
+ * cover is skipped with the reason, never passed.
+ *
+ * The files may hold anything (a test fuzzes this program under AddressSanitizer and UBSan). Only regular
+ * files are opened (O_NOFOLLOW | O_NONBLOCK, then fstat on the descriptor: no symlink, FIFO or device); the
+ * manifest may have MAX_MANIFEST_BYTES, a case file MAX_FILE_BYTES; every length, offset, count and shape
+ * read from a file is checked before use, each dimension is at most MAX_DIM, each array at most MAX_ELEMS
+ * entries and exactly the bytes that follow its header (then copied into an allocation of its own), and
+ * every allocation is checked. A case larger than this naive kernel should take (MAX_KEYS keys, MAX_WORK
+ * steps) is skipped.
+ *
+ * The kernels cover every option of the suite: scale, causal and window with both alignments, bool and
+ * float masks, bias, ALiBi, q/kv lengths, softcap, GQA, the fully-masked policies and dropout by its keep
+ * mask; the inputs' leading (batch) dims broadcast as in NumPy, and gradients are summed back to each
+ * input's own shape. They compute in double; the judge rounds to the output dtype: float64, float32,
+ * float16, and bfloat16, float8_e4m3fn and float8_e5m2, whose arrays the files store as uint16 / uint8 bit
+ * patterns (decoded by at() below). fp8 inputs come with per-(batch, kv-head) q_descale, k_descale and
+ * v_descale (FlashAttention 3's): dequantize() multiplies them in, an fp8 kernel's output is bfloat16 (the
+ * manifest's "output_dtype") and so is grad_out.
  */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <fcntl.h>
 #include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
 
-#define MAXD 8
+/* ------------------------------------------------------------------ limits */
 
-typedef struct {
-    char name[64];
-    char kind;                 /* 'f' float, 'b' bool, 'i' int, 'u' uint; bit patterns: 'B' bfloat16,
-                                  'E' float8_e4m3fn, 'M' float8_e5m2 */
-    int size;                  /* bytes per element */
-    int ndim;
-    long shape[MAXD];
-    const unsigned char *data;
-} Arr;
+#define MAXD 8                                  /* dims of one array (batch dims: up to MAXD - 3) */
+#define MAX_ARRAYS 64                           /* arrays in one .npz */
+#define MAX_FILES 100000                        /* cases in one manifest */
+#define MAX_MANIFEST_BYTES ((size_t)16 << 20)
+#define MAX_FILE_BYTES ((size_t)256 << 20)
+#define MAX_NPY_HEADER 65535                    /* bytes of one .npy header */
+#define MAX_DIM ((size_t)0x7fffffff)            /* one dimension: 2^31 - 1 */
+#define MAX_ELEMS ((size_t)1 << 31)             /* entries of one array */
+#define MAX_ALLOC ((size_t)1 << 31)             /* bytes of one allocation */
+#define MAX_JSON_DEPTH 32
+#define MAX_KEYS ((size_t)1 << 20)              /* S that the naive kernels below take */
+#define MAX_WORK 1e10                           /* steps per case that they take (about a minute) */
 
-typedef struct {
-    Arr a[40];
-    int n;
-    unsigned char *buf;
-} Npz;
+/* ------------------------------------------------------------------ errors */
 
-/* ------------------------------------------------------------------ reading */
+static char why_bad[512];                       /* why a file was refused: one line, no file name */
 
-static unsigned rd16(const unsigned char *p) { return p[0] | (p[1] << 8); }
+static int bad(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why_bad, sizeof why_bad, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+/* n entries of `size` bytes, zeroed, or NULL (with a reason) past MAX_ALLOC or when the allocator fails */
+static void *xcalloc(size_t n, size_t size)
+{
+    if (n > MAX_ALLOC / size) {
+        bad("would need more than %zu bytes of memory", MAX_ALLOC);
+        return NULL;
+    }
+    void *p = calloc(n ? n : 1, size);
+    if (!p)
+        bad("out of memory (%zu bytes)", n * size);
+    return p;
+}
+
+/* ------------------------------------------------------------------ reading files */
+
+/*
+ * The whole regular file `path`, of at most `limit` bytes, in a buffer with a NUL after it, or NULL with
+ * a reason. Opened first and checked on the descriptor, so nothing swapped in meanwhile is read; a FIFO
+ * or device is never read from (O_NONBLOCK: the open does not wait for a writer either).
+ */
+static unsigned char *read_file(const char *path, size_t limit, size_t *len)
+{
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) {
+        bad("%s", errno == ELOOP ? "a symbolic link (not followed)" : strerror(errno));
+        return NULL;
+    }
+    struct stat st;
+    unsigned char *buf = NULL;
+    if (fstat(fd, &st) != 0) {
+        bad("cannot stat: %s", strerror(errno));
+    } else if (!S_ISREG(st.st_mode)) {
+        bad("not a regular file (%s)",
+            S_ISDIR(st.st_mode) ? "a folder" : S_ISFIFO(st.st_mode) ? "a FIFO" : "a device or socket");
+    } else if (st.st_size < 0 || (uintmax_t)st.st_size > limit) {
+        bad("%lld bytes, more than the %zu allowed", (long long)st.st_size, limit);
+    } else if ((buf = xcalloc((size_t)st.st_size + 1, 1)) != NULL) {
+        size_t n = (size_t)st.st_size, got = 0;
+        while (got <= n) {                      /* one byte more than fstat said: a file that grew is refused */
+            ssize_t r = read(fd, buf + got, n + 1 - got);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r <= 0) {
+                if (r < 0)
+                    got = n + 2;                /* a read error */
+                break;
+            }
+            got += (size_t)r;
+        }
+        if (got != n) {
+            bad("%s", got == n + 2 ? "a read error" : "changed size while it was read");
+            free(buf);
+            buf = NULL;
+        } else {
+            buf[n] = 0;
+            *len = n;
+        }
+    }
+    close(fd);
+    return buf;
+}
+
+static unsigned rd16(const unsigned char *p) { return (unsigned)p[0] | ((unsigned)p[1] << 8); }
 static unsigned long rd32(const unsigned char *p)
 {
     return (unsigned long)p[0] | ((unsigned long)p[1] << 8) | ((unsigned long)p[2] << 16) |
            ((unsigned long)p[3] << 24);
 }
 
-static unsigned char *read_file(const char *path, long *len)
+static int is_key(const char *k, size_t n, const char *want) { return strlen(want) == n && memcmp(k, want, n) == 0; }
+
+/* s[0..n) for a message: printable ASCII as it is, other bytes as \xNN (a verdict stays one line) */
+static const char *shown(const char *s, size_t n, char *out, size_t size)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
-    fseek(f, 0, SEEK_END);
-    *len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *b = malloc(*len + 1);
-    if (b && fread(b, 1, *len, f) != (size_t)*len) {
-        free(b);
-        b = NULL;
+    size_t at = 0;
+    for (size_t i = 0; i < n && at + 5 < size; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c >= 0x20 && c < 0x7f && c != '\\')
+            out[at++] = (char)c;
+        else
+            at += (size_t)snprintf(out + at, size - at, "\\x%02x", c);
     }
-    fclose(f);
-    if (b)
-        b[*len] = 0;
-    return b;
+    out[at] = 0;
+    return out;
 }
 
-/* one .npy: "\x93NUMPY", version, header length, "{'descr': '<f8', 'fortran_order': False, 'shape': (2, 3), }" */
-static int parse_npy(const unsigned char *p, long len, Arr *a)
+/* ------------------------------------------------------------------ JSON (the manifest, options_json) */
+
+/* A strict JSON reader over [p, end): no NUL terminator needed, nesting at most MAX_JSON_DEPTH. */
+typedef struct {
+    const char *p, *end, *start;
+    int depth;
+} Json;
+
+static int json_peek(Json *j)
 {
-    if (len < 10 || memcmp(p, "\x93NUMPY", 6) != 0)
+    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r'))
+        j->p++;
+    return j->p < j->end ? (unsigned char)*j->p : -1;
+}
+
+static int json_word(Json *j, const char *w)    /* 1 when the literal w (true, false, null) is next, consumed */
+{
+    size_t n = strlen(w);
+    if (json_peek(j) < 0 || (size_t)(j->end - j->p) < n || memcmp(j->p, w, n) != 0)
+        return 0;
+    j->p += n;
+    return 1;
+}
+
+static int json_open(Json *j, char open)
+{
+    if (json_peek(j) != open)
+        return bad("JSON: '%c' expected at byte %ld", open, (long)(j->p - j->start));
+    if (++j->depth > MAX_JSON_DEPTH)
+        return bad("JSON nested deeper than %d", MAX_JSON_DEPTH);
+    j->p++;
+    return 0;
+}
+
+/* In an object or array: 1 when another member follows (its comma consumed), 0 at the closing bracket. */
+static int json_more(Json *j, char close, int *first)
+{
+    int c = json_peek(j);
+    if (c == close) {
+        j->p++;
+        j->depth--;
+        return 0;
+    }
+    if (!*first) {
+        if (c != ',')
+            return bad("JSON: ',' or '%c' expected", close);
+        j->p++;
+    }
+    *first = 0;
+    return 1;
+}
+
+static int hexdigit(int c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
+
+/* A string: [*s, *s + *n) are its bytes between the quotes, escapes undecoded; *plain is 1 without escapes. */
+static int json_string(Json *j, const char **s, size_t *n, int *plain)
+{
+    if (json_peek(j) != '"')
+        return bad("JSON: a string expected");
+    const char *b = ++j->p;
+    int esc = 0;
+    while (j->p < j->end && *j->p != '"') {
+        unsigned char c = (unsigned char)*j->p;
+        if (c < 0x20)
+            return bad("JSON: a control character in a string");
+        if (c == '\\') {
+            esc = 1;
+            if (j->end - j->p < 2)
+                return bad("JSON: a string without its closing quote");
+            c = (unsigned char)*++j->p;
+            if (c == 'u') {
+                if (j->end - j->p < 5 || !hexdigit(j->p[1]) || !hexdigit(j->p[2]) || !hexdigit(j->p[3]) ||
+                    !hexdigit(j->p[4]))
+                    return bad("JSON: a bad \\u escape");
+                j->p += 4;
+            } else if (!memchr("\"\\/bfnrt", c, 8)) {
+                return bad("JSON: a bad escape in a string");
+            }
+        }
+        j->p++;
+    }
+    if (j->p >= j->end)
+        return bad("JSON: a string without its closing quote");
+    *s = b;
+    *n = (size_t)(j->p - b);
+    if (plain)
+        *plain = !esc;
+    j->p++;
+    return 0;
+}
+
+static int json_key(Json *j, const char **k, size_t *n)
+{
+    if (json_string(j, k, n, NULL) != 0)
         return -1;
-    long hl = p[6] == 1 ? (long)rd16(p + 8) : (long)rd32(p + 8);
-    long start = p[6] == 1 ? 10 : 12;
-    if (start + hl > len)
-        return -1;
-    char head[512];
-    long n = hl < 511 ? hl : 511;
-    memcpy(head, p + start, n);
-    head[n] = 0;
-    char *d = strstr(head, "'descr': '");
-    char *s = strstr(head, "'shape': (");
-    if (!d || !s || strstr(head, "'fortran_order': True"))
-        return -1;
-    d += 10;
-    if (d[0] != '<' && d[0] != '|')
-        return -1;                                     /* little-endian or byte-sized only */
-    a->kind = d[1];
-    a->size = atoi(d + 2);
-    s += 10;
-    a->ndim = 0;
-    while (*s && *s != ')') {
-        if (*s >= '0' && *s <= '9') {
-            if (a->ndim == MAXD)
+    if (json_peek(j) != ':')
+        return bad("JSON: ':' expected after a key");
+    j->p++;
+    return 0;
+}
+
+static int digit(const char *p, const char *e) { return p < e && *p >= '0' && *p <= '9'; }
+
+/* A number by JSON's grammar (not strtod's, which takes hex, inf and nan); its value in *v unless v is NULL. */
+static int json_number(Json *j, double *v)
+{
+    json_peek(j);
+    const char *b = j->p, *e = j->end, *p = b;
+    if (p < e && *p == '-')
+        p++;
+    if (p < e && *p == '0')
+        p++;
+    else if (digit(p, e))
+        while (digit(p, e)) p++;
+    else
+        return bad("JSON: a number expected");
+    if (p < e && *p == '.') {
+        if (!digit(++p, e))
+            return bad("JSON: a bad number");
+        while (digit(p, e)) p++;
+    }
+    if (p < e && (*p == 'e' || *p == 'E')) {
+        p++;
+        if (p < e && (*p == '+' || *p == '-'))
+            p++;
+        if (!digit(p, e))
+            return bad("JSON: a bad number");
+        while (digit(p, e)) p++;
+    }
+    if (v) {
+        char tmp[64];
+        if ((size_t)(p - b) >= sizeof tmp)
+            return bad("JSON: a number of more than %d characters", (int)sizeof tmp - 1);
+        memcpy(tmp, b, (size_t)(p - b));
+        tmp[p - b] = 0;
+        *v = strtod(tmp, NULL);
+    }
+    j->p = p;
+    return 0;
+}
+
+static int json_skip(Json *j)                   /* any value */
+{
+    int c = json_peek(j), first = 1, r;
+    const char *s;
+    size_t n;
+    if (c == '"')
+        return json_string(j, &s, &n, NULL);
+    if (c == '{' || c == '[') {
+        if (json_open(j, (char)c) != 0)
+            return -1;
+        while ((r = json_more(j, c == '{' ? '}' : ']', &first)) == 1)
+            if ((c == '{' && json_key(j, &s, &n) != 0) || json_skip(j) != 0)
                 return -1;
-            a->shape[a->ndim++] = strtol(s, &s, 10);
-        } else {
-            s++;
+        return r;
+    }
+    if (c == '-' || (c >= '0' && c <= '9'))
+        return json_number(j, NULL);
+    if (json_word(j, "true") || json_word(j, "false") || json_word(j, "null"))
+        return 0;
+    return bad("not valid JSON");
+}
+
+static int json_end(Json *j) { return json_peek(j) < 0 ? 0 : bad("JSON: text after the value"); }
+
+/* ------------------------------------------------------------------ the dtypes */
+
+/* The vectors' dtype: fraction bits, smallest normal exponent, largest finite value, what overflow gives. */
+typedef struct {
+    const char *name;
+    int bits;                                   /* 64, 32: native; else rounded by round_to() */
+    int mant, emin;
+    double maxf;
+    int overflow_nan;                           /* float8_e4m3fn has no inf */
+    char kind;                                  /* how its arrays are stored: 'f' floats, else bit patterns */
+    int size;
+} Fmt;
+
+static const Fmt FORMATS[] = {
+    {"float64", 64, 52, -1022, 0, 0, 'f', 8},
+    {"float32", 32, 23, -126, 0, 0, 'f', 4},
+    {"float16", 16, 10, -14, 65504.0, 0, 'f', 2},
+    {"bfloat16", 16, 7, -126, 3.3895313892515355e38, 0, 'B', 2},
+    {"float8_e4m3fn", 8, 3, -6, 448.0, 1, 'E', 1},
+    {"float8_e5m2", 8, 2, -14, 57344.0, 0, 'M', 1},
+};
+#define NFORMATS (sizeof FORMATS / sizeof FORMATS[0])
+
+static const Fmt *format_named(const char *s, size_t n)
+{
+    for (size_t i = 0; i < NFORMATS; i++)
+        if (is_key(s, n, FORMATS[i].name))
+            return &FORMATS[i];
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ the manifest */
+
+typedef struct {
+    const char *s;                              /* a case file's name, inside the manifest's text */
+    size_t n;
+} Name;
+
+typedef struct {
+    char *text;
+    const Fmt *fmt, *ofmt;                      /* the vectors' dtype, the kernel's output dtype */
+    double k_out, k_grad;                       /* 0 when absent */
+    Name *files;
+    size_t nfiles;
+} Manifest;
+
+static int file_name_ok(const char *s, size_t n)
+{
+    if (n < 5 || n > 255 || memcmp(s + n - 4, ".npz", 4) != 0)
+        return 0;
+    return memchr(s, '/', n) == NULL;           /* a plain name, inside DIR (JSON strings hold no NUL) */
+}
+
+static int parse_manifest(Manifest *m, size_t len)
+{
+    Json j = {m->text, m->text + len, m->text, 0};
+    int first = 1, r, have_files = 0;
+    const char *k, *s;
+    size_t kn, n, cap = 0;
+    if (json_open(&j, '{') != 0)
+        return bad("should hold a JSON object");
+    while ((r = json_more(&j, '}', &first)) == 1) {
+        if (json_key(&j, &k, &kn) != 0)
+            return -1;
+        if (is_key(k, kn, "dtype") || is_key(k, kn, "output_dtype")) {
+            if (json_string(&j, &s, &n, NULL) != 0)
+                return -1;
+            const Fmt *f = format_named(s, n);
+            if (!f)
+                return bad("the %s should be one of float64, float32, float16, bfloat16, float8_e4m3fn, "
+                           "float8_e5m2", kn == 5 ? "dtype" : "output_dtype");
+            *(kn == 5 ? &m->fmt : &m->ofmt) = f;
+        } else if (is_key(k, kn, "relative_rule")) {
+            int f2 = 1, r2;
+            if (json_open(&j, '{') != 0)
+                return -1;
+            while ((r2 = json_more(&j, '}', &f2)) == 1) {
+                if (json_key(&j, &k, &kn) != 0)
+                    return -1;
+                int which = is_key(k, kn, "k_out") ? 1 : is_key(k, kn, "k_grad") ? 2 : 0;
+                double v = 0;
+                if (which && json_number(&j, &v) != 0)
+                    return -1;
+                if (which && !(v > 0 && v <= 1e6))
+                    return bad("relative_rule: %s should be a number in (0, 1e6]", which == 1 ? "k_out" : "k_grad");
+                if (which)
+                    *(which == 1 ? &m->k_out : &m->k_grad) = v;
+                else if (json_skip(&j) != 0)
+                    return -1;
+            }
+            if (r2 != 0)
+                return -1;
+        } else if (is_key(k, kn, "files")) {
+            int f2 = 1, r2;
+            have_files = 1;
+            if (json_open(&j, '[') != 0)
+                return -1;
+            while ((r2 = json_more(&j, ']', &f2)) == 1) {
+                int f3 = 1, r3, plain;
+                Name name = {NULL, 0};
+                if (json_open(&j, '{') != 0)
+                    return -1;
+                while ((r3 = json_more(&j, '}', &f3)) == 1) {
+                    if (json_key(&j, &k, &kn) != 0)
+                        return -1;
+                    if (!is_key(k, kn, "file")) {
+                        if (json_skip(&j) != 0)
+                            return -1;
+                        continue;
+                    }
+                    if (json_string(&j, &name.s, &name.n, &plain) != 0)
+                        return -1;
+                    if (!plain || !file_name_ok(name.s, name.n))
+                        return bad("files[%zu]: \"file\" should be a plain name ending in .npz (no folder, no escapes, "
+                                   "at most 255 bytes)", m->nfiles);
+                }
+                if (r3 != 0)
+                    return -1;
+                if (!name.s)
+                    return bad("files[%zu] has no \"file\"", m->nfiles);
+                if (m->nfiles == MAX_FILES)
+                    return bad("more than %d files", MAX_FILES);
+                if (m->nfiles == cap) {
+                    cap = cap ? 2 * cap : 64;
+                    Name *grown = realloc(m->files, cap * sizeof *grown);
+                    if (!grown)
+                        return bad("out of memory");
+                    m->files = grown;
+                }
+                m->files[m->nfiles++] = name;
+            }
+            if (r2 != 0)
+                return -1;
+        } else if (json_skip(&j) != 0) {
+            return -1;
         }
     }
+    if (r != 0 || json_end(&j) != 0)
+        return -1;
+    if (!m->fmt)
+        return bad("no \"dtype\"");
+    if (!have_files)
+        return bad("no \"files\" list");
+    if (!m->ofmt)                               /* fp8 kernels return bfloat16 */
+        m->ofmt = m->fmt->kind == 'E' || m->fmt->kind == 'M' ? &FORMATS[3] : m->fmt;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ .npz and .npy */
+
+typedef struct {
+    char name[64];
+    char kind;                                  /* 'f' float, 'b' bool, 'i' int, 'u' uint; bit patterns: 'B'
+                                                   bfloat16, 'E' float8_e4m3fn, 'M' float8_e5m2 */
+    int size;                                   /* bytes per element */
+    int ndim;
+    size_t shape[MAXD];
+    size_t count;                               /* entries */
+    const unsigned char *data;
+} Arr;
+
+typedef struct {
+    Arr a[MAX_ARRAYS];
+    int n;
+    unsigned char *buf;                         /* the file, while it is read */
+    unsigned char *data[MAX_ARRAYS];            /* each array's own copy of its data */
+    double *owned[3];                           /* dequantized query, key, value */
+} Npz;
+
+static const struct {
+    const char *descr;
+    char kind;
+    int size;
+} DESCRS[] = {{"<f8", 'f', 8}, {"<f4", 'f', 4}, {"<f2", 'f', 2}, {"|b1", 'b', 1}, {"|u1", 'u', 1},
+              {"<u2", 'u', 2}, {"<i8", 'i', 8}, {"<i4", 'i', 4}};
+
+static const char *spaces(const char *p, const char *e)
+{
+    while (p < e && *p == ' ')
+        p++;
+    return p;
+}
+
+/* A quoted Python string ('...' or "...", no escapes) at *p: its bytes in [*s, *s + *n). */
+static int py_string(const char **p, const char *e, const char **s, size_t *n)
+{
+    const char *q = *p;
+    if (q >= e || (*q != '\'' && *q != '"'))
+        return -1;
+    char quote = *q++;
+    *s = q;
+    while (q < e && *q != quote && *q >= 0x20 && *q < 0x7f && *q != '\\')   /* printable ASCII only */
+        q++;
+    if (q >= e || *q != quote)
+        return -1;
+    *n = (size_t)(q - *s);
+    *p = q + 1;
+    return 0;
+}
+
+/* The header dict of an .npy, "{'descr': '<f8', 'fortran_order': False, 'shape': (2, 3), }" padded with spaces
+   and a newline, into a's kind, size, ndim and shape. */
+static int npy_header(const char *h, size_t n, Arr *a)
+{
+    const char *p = h, *e = h + n, *k, *s;
+    size_t kn, sn;
+    int have = 0;                               /* 1 descr, 2 fortran_order, 4 shape */
+    p = spaces(p, e);
+    if (p >= e || *p++ != '{')
+        return bad("%s.npy: the header is not a dict", a->name);
+    for (;;) {
+        p = spaces(p, e);
+        if (p < e && *p == '}') {
+            p++;
+            break;
+        }
+        if (py_string(&p, e, &k, &kn) != 0 || (p = spaces(p, e)) >= e || *p++ != ':')
+            return bad("%s.npy: a malformed header", a->name);
+        p = spaces(p, e);
+        if (is_key(k, kn, "descr")) {
+            if (py_string(&p, e, &s, &sn) != 0)
+                return bad("%s.npy: a malformed descr", a->name);
+            size_t i;
+            for (i = 0; i < sizeof DESCRS / sizeof DESCRS[0] && !is_key(s, sn, DESCRS[i].descr); i++)
+                ;
+            if (i == sizeof DESCRS / sizeof DESCRS[0])
+                return bad("%s.npy: the dtype descr '%.*s' is not one this client reads (<f8 <f4 <f2 |b1 |u1 <u2 "
+                           "<i8 <i4)", a->name, (int)(sn < 16 ? sn : 16), s);
+            a->kind = DESCRS[i].kind;
+            a->size = DESCRS[i].size;
+            have |= 1;
+        } else if (is_key(k, kn, "fortran_order")) {
+            if ((size_t)(e - p) >= 5 && memcmp(p, "False", 5) == 0)
+                p += 5;
+            else if ((size_t)(e - p) >= 4 && memcmp(p, "True", 4) == 0)
+                return bad("%s.npy: stored in Fortran order (only C order is read)", a->name);
+            else
+                return bad("%s.npy: a malformed fortran_order", a->name);
+            have |= 2;
+        } else if (is_key(k, kn, "shape")) {
+            if (p >= e || *p++ != '(')
+                return bad("%s.npy: a malformed shape", a->name);
+            a->ndim = 0;
+            for (;;) {
+                p = spaces(p, e);
+                if (p < e && *p == ')') {
+                    p++;
+                    break;
+                }
+                if (!digit(p, e))
+                    return bad("%s.npy: a malformed shape", a->name);
+                size_t d = 0;
+                for (; digit(p, e); p++) {
+                    size_t v = (size_t)(*p - '0');
+                    if (d > (MAX_DIM - v) / 10)
+                        return bad("%s.npy: a dimension over %zu", a->name, MAX_DIM);
+                    d = 10 * d + v;
+                }
+                if (a->ndim == MAXD)
+                    return bad("%s.npy: more than %d dims", a->name, MAXD);
+                a->shape[a->ndim++] = d;
+                p = spaces(p, e);
+                if (p < e && *p == ',')
+                    p++;
+                else if (p >= e || *p != ')')
+                    return bad("%s.npy: a malformed shape", a->name);
+            }
+            have |= 4;
+        } else {
+            return bad("%s.npy: an unknown header key '%.*s'", a->name, (int)(kn < 16 ? kn : 16), k);
+        }
+        p = spaces(p, e);
+        if (p < e && *p == ',')
+            p++;
+        else if (p >= e || *p != '}')
+            return bad("%s.npy: a malformed header", a->name);
+    }
+    for (; p < e; p++)
+        if (*p != ' ' && *p != '\n')
+            return bad("%s.npy: text after the header dict", a->name);
+    if (have != 7)
+        return bad("%s.npy: the header lacks %s", a->name,
+                   !(have & 1) ? "descr" : !(have & 2) ? "fortran_order" : "shape");
+    return 0;
+}
+
+/* one .npy: "\x93NUMPY", version, header length, header, data (exactly count * size bytes) */
+static int parse_npy(const unsigned char *p, size_t len, Arr *a)
+{
+    if (len < 10 || memcmp(p, "\x93NUMPY", 6) != 0)
+        return bad("%s.npy: not an .npy (no \\x93NUMPY at its start)", a->name);
+    size_t start = p[6] == 1 ? 10 : 12, hl;
+    if (p[6] < 1 || p[6] > 3 || len < start)
+        return bad("%s.npy: .npy version %u is not read", a->name, (unsigned)p[6]);
+    hl = p[6] == 1 ? rd16(p + 8) : rd32(p + 8);
+    if (hl > MAX_NPY_HEADER || hl > len - start)
+        return bad("%s.npy: a header of %zu bytes in %zu", a->name, hl, len);
+    if (npy_header((const char *)p + start, hl, a) != 0)
+        return -1;
+    a->count = 1;
+    for (int d = 0; d < a->ndim; d++) {
+        if (a->shape[d] && a->count > MAX_ELEMS / a->shape[d])
+            return bad("%s.npy: more than %zu entries", a->name, MAX_ELEMS);
+        a->count *= a->shape[d];
+    }
+    size_t bytes = len - start - hl;
+    if (bytes % (size_t)a->size != 0 || bytes / (size_t)a->size != a->count)
+        return bad("%s.npy: its shape holds %zu entries of %d bytes, but %zu bytes follow its header", a->name,
+                   a->count, a->size, bytes);
     a->data = p + start + hl;
     return 0;
 }
 
-/* the stored zip of an .npz: walk its local file headers */
-static int read_npz(const char *path, Npz *z)
+/* The 64-bit sizes of a zip64 entry, from its extra field (id 1): those of the header that are 0xFFFFFFFF. */
+static int zip64_sizes(const unsigned char *x, size_t xlen, size_t *usize, size_t *csize, size_t limit)
 {
-    long len;
-    z->n = 0;
-    z->buf = read_file(path, &len);
-    if (!z->buf)
-        return -1;
-    long at = 0;
-    while (at + 30 <= len && rd32(z->buf + at) == 0x04034b50UL) {
-        const unsigned char *h = z->buf + at;
-        unsigned method = rd16(h + 8), flags = rd16(h + 6);
-        long size = (long)rd32(h + 18), nlen = rd16(h + 26), xlen = rd16(h + 28);
-        if (method != 0 || (flags & 8) || z->n == 40)
-            return -1;                                 /* only stored entries with sizes up front */
-        const unsigned char *name = h + 30, *data = name + nlen + xlen;
-        if (data + size > z->buf + len || nlen < 5 || nlen > 60)
+    for (size_t at = 0; xlen - at >= 4;) {
+        size_t id = rd16(x + at), n = rd16(x + at + 2);
+        size_t need = (*usize == 0xFFFFFFFFUL ? 8u : 0u) + (*csize == 0xFFFFFFFFUL ? 8u : 0u);
+        if (n > xlen - at - 4)
             return -1;
-        Arr *a = &z->a[z->n];
-        memcpy(a->name, name, nlen - 4);               /* "query.npy" -> "query" */
-        a->name[nlen - 4] = 0;
-        if (parse_npy(data, size, a) != 0)
-            return -1;
-        z->n++;
-        at = (data - z->buf) + size;
+        if (id == 1 && n >= need) {
+            size_t *fields[2] = {usize, csize}, o = at + 4;
+            for (int f = 0; f < 2; f++) {
+                if (*fields[f] != 0xFFFFFFFFUL)
+                    continue;
+                uint64_t v = (uint64_t)rd32(x + o) | ((uint64_t)rd32(x + o + 4) << 32);
+                if (v > limit)
+                    return -1;
+                *fields[f] = (size_t)v;
+                o += 8;
+            }
+            return 0;
+        }
+        at += 4 + n;
     }
-    return z->n > 0 ? 0 : -1;
+    return -1;
 }
 
-static const Arr *get(const Npz *z, const char *name)
+/* The stored zip of an .npz: walk its local file headers (the central directory after them is not needed). */
+static int read_npz(const char *path, Npz *z)
+{
+    size_t len, at = 0;
+    memset(z, 0, sizeof *z);
+    z->buf = read_file(path, MAX_FILE_BYTES, &len);
+    if (!z->buf)
+        return -1;
+    while (len - at >= 4 && rd32(z->buf + at) == 0x04034b50UL) {
+        const unsigned char *h = z->buf + at;
+        if (len - at < 30)
+            return bad("the zip entry at byte %zu is cut short", at);
+        unsigned flags = rd16(h + 6), method = rd16(h + 8);
+        size_t csize = rd32(h + 18), usize = rd32(h + 22), nlen = rd16(h + 26), xlen = rd16(h + 28);
+        if (method != 0 || (flags & 1))
+            return bad("the zip entry at byte %zu is %s (only stored entries are read)", at,
+                       method ? "compressed" : "encrypted");
+        if (flags & 8)
+            return bad("the zip entry at byte %zu has its sizes after the data (not read)", at);
+        if (nlen + xlen > len - at - 30)
+            return bad("the zip entry at byte %zu runs past the end of the file", at);
+        const unsigned char *name = h + 30;
+        if ((csize == 0xFFFFFFFFUL || usize == 0xFFFFFFFFUL) &&
+            zip64_sizes(name + nlen, xlen, &usize, &csize, len) != 0)
+            return bad("the zip entry at byte %zu has bad zip64 sizes", at);
+        size_t data_at = at + 30 + nlen + xlen;
+        if (csize != usize || csize > len - data_at)
+            return bad("the zip entry at byte %zu declares %zu bytes, but %zu are left in the file", at, usize,
+                       len - data_at);
+        if (z->n == MAX_ARRAYS)
+            return bad("more than %d arrays", MAX_ARRAYS);
+        Arr *a = &z->a[z->n];
+        if (nlen < 5 || nlen - 4 >= sizeof a->name || memcmp(name + nlen - 4, ".npy", 4) != 0)
+            return bad("the zip entry at byte %zu is not named NAME.npy (NAME of 1 to %d characters)", at,
+                       (int)sizeof a->name - 1);
+        for (size_t i = 0; i < nlen - 4; i++) {
+            unsigned char c = name[i];
+            if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_'))
+                return bad("the zip entry at byte %zu has a name that is not of letters, digits and '_'", at);
+            a->name[i] = (char)c;
+        }
+        a->name[nlen - 4] = 0;
+        for (int i = 0; i < z->n; i++)
+            if (strcmp(z->a[i].name, a->name) == 0)
+                return bad("two arrays named %s", a->name);
+        if (parse_npy(z->buf + data_at, csize, a) != 0)
+            return -1;
+        /* each array in an allocation of its own: a read past its end is then caught by the sanitizers */
+        if ((z->data[z->n] = xcalloc(a->count, (size_t)a->size)) == NULL)
+            return -1;
+        memcpy(z->data[z->n], a->data, a->count * (size_t)a->size);
+        a->data = z->data[z->n++];
+        at = data_at + csize;
+    }
+    free(z->buf);
+    z->buf = NULL;
+    if (z->n == 0)
+        return bad("not an .npz of stored .npy arrays (no zip entry at its start)");
+    return 0;
+}
+
+static Arr *get(Npz *z, const char *name)
 {
     for (int i = 0; i < z->n; i++)
         if (strcmp(z->a[i].name, name) == 0)
@@ -156,13 +747,16 @@ static const Arr *get(const Npz *z, const char *name)
     return NULL;
 }
 
-static long count(const Arr *a)
+static void shape_str(const Arr *a, char *buf, size_t n)
 {
-    long n = 1;
-    for (int d = 0; d < a->ndim; d++)
-        n *= a->shape[d];
-    return n;
+    size_t at = (size_t)snprintf(buf, n, "(");
+    for (int d = 0; d < a->ndim && at < n; d++)
+        at += (size_t)snprintf(buf + at, n - at, "%s%zu", d ? ", " : "", a->shape[d]);
+    if (at < n)
+        snprintf(buf + at, n - at, a->ndim == 1 ? ",)" : ")");
 }
+
+/* ------------------------------------------------------------------ element access */
 
 /* IEEE half (bits) to double */
 static double half_to_double(unsigned h)
@@ -180,234 +774,611 @@ static double e4m3_to_double(unsigned b)
     return (b & 0x80) ? -v : v;
 }
 
-static double at(const Arr *a, long i)
+/* entry i (< a->count) as a double */
+static double at(const Arr *a, size_t i)
 {
-    const unsigned char *p = a->data + i * a->size;
-    if (a->kind == 'B') { unsigned long u = (unsigned long)rd16(p) << 16; float f; memcpy(&f, &u, 4); return f; }
-    if (a->kind == 'E') return e4m3_to_double(p[0]);
-    if (a->kind == 'M') return half_to_double((unsigned)p[0] << 8);     /* e5m2 is the top byte of a half */
-    if (a->kind == 'f') {
+    const unsigned char *p = a->data + i * (size_t)a->size;
+    switch (a->kind) {
+    case 'B': { uint32_t u = (uint32_t)rd16(p) << 16; float f; memcpy(&f, &u, 4); return f; }
+    case 'E': return e4m3_to_double(p[0]);
+    case 'M': return half_to_double((unsigned)p[0] << 8);          /* e5m2 is the top byte of a half */
+    case 'f':
         if (a->size == 8) { double v; memcpy(&v, p, 8); return v; }
         if (a->size == 4) { float v; memcpy(&v, p, 4); return v; }
         return half_to_double(rd16(p));
+    case 'b': return p[0] != 0;
+    case 'u': return a->size == 1 ? p[0] : rd16(p);
+    default:                                                        /* 'i' */
+        if (a->size == 8) { int64_t v; memcpy(&v, p, 8); return (double)v; }
+        { int32_t v; memcpy(&v, p, 4); return v; }
     }
-    if (a->kind == 'b' || (a->kind == 'u' && a->size == 1))
-        return p[0];
-    if (a->kind == 'i' && a->size == 8) { long long v; memcpy(&v, p, 8); return (double)v; }
-    return NAN;
 }
 
-/* the element of `a` at the index `idx` of a space of rank `rank`, `a` right-aligned and broadcast */
-static double at_index(const Arr *a, const long *idx, int rank)
+static long long at_int(const Arr *a, size_t i)                    /* an 'i' array's entry */
 {
-    long off = 0, stride = 1;
+    const unsigned char *p = a->data + i * (size_t)a->size;
+    if (a->size == 8) { int64_t v; memcpy(&v, p, 8); return v; }
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static int is_float(const Arr *a) { return a->kind == 'f' || a->kind == 'B' || a->kind == 'E' || a->kind == 'M'; }
+
+/*
+ * The offset in `a` of the index `idx` of a space of rank `rank`, `a` right-aligned and broadcast (a dim of
+ * 1 takes index 0). Only for arrays checked by broadcasts() against that space: a->ndim <= rank, and each
+ * dim 1 or that of the space, so the offset is < a->count.
+ */
+static size_t offset_of(const Arr *a, const size_t *idx, int rank)
+{
+    size_t off = 0, stride = 1;
     for (int d = a->ndim - 1; d >= 0; d--) {
-        long i = a->shape[d] == 1 ? 0 : idx[rank - a->ndim + d];
-        off += i * stride;
+        off += (a->shape[d] == 1 ? 0 : idx[rank - a->ndim + d]) * stride;
         stride *= a->shape[d];
     }
-    return at(a, off);
+    return off;
 }
 
-/* --------------------------------------------------------------- the options */
+static double at_index(const Arr *a, const size_t *idx, int rank) { return at(a, offset_of(a, idx, rank)); }
+
+/* 1 when `a` broadcasts to the space `shape` of rank `rank` (as NumPy: right-aligned, each dim 1 or equal) */
+static int broadcasts(const Arr *a, const size_t *shape, int rank)
+{
+    if (a->ndim > rank)
+        return 0;
+    for (int d = 0; d < a->ndim; d++)
+        if (a->shape[d] != 1 && a->shape[d] != shape[rank - a->ndim + d])
+            return 0;
+    return 1;
+}
+
+/* ------------------------------------------------------------------ the options */
+
+enum { POLICY_ZERO, POLICY_NAN, POLICY_UNIFORM };
 
 typedef struct {
-    int causal, gqa, bottom_right, has_window_left, has_window_right, policy;   /* 0 zero, 1 nan, 2 uniform */
-    long window_left, window_right;
+    int causal, gqa, bottom_right, policy;
+    int has_left, has_right, has_scale, has_softcap;
+    long long left, right;                      /* the window's bounds, when bounded */
     double scale, softcap, dropout_p;
-    int has_scale, has_softcap;
+    char unknown[200];                          /* an option this client does not know: the case is skipped */
 } Opts;
 
-static const char *json_value(const char *js, const char *key)
+static int json_bool(Json *j, int *v, const char *key)
 {
-    char pat[64];
-    snprintf(pat, sizeof pat, "\"%s\":", key);
-    const char *p = strstr(js, pat);
-    if (!p)
-        return NULL;
-    p += strlen(pat);
-    while (*p == ' ')
-        p++;
-    return p;
+    if (json_word(j, "true"))
+        *v = 1;
+    else if (json_word(j, "false"))
+        *v = 0;
+    else
+        return bad("options_json: %s should be true or false", key);
+    return 0;
+}
+
+/* one of `words` (a NULL-ended list) as its index */
+static int json_choice(Json *j, const char *const *words, int *v, const char *key)
+{
+    const char *s;
+    size_t n;
+    int plain;
+    if (json_string(j, &s, &n, &plain) == 0)
+        for (int i = 0; words[i]; i++)
+            if (plain && is_key(s, n, words[i])) {
+                *v = i;
+                return 0;
+            }
+    return bad("options_json: %s should be one of the strings this client knows", key);
+}
+
+static int json_window_bound(Json *j, int *has, long long *v)
+{
+    double w;
+    if (json_word(j, "null")) {
+        *has = 0;
+        return 0;
+    }
+    if (json_number(j, &w) != 0 || w != floor(w) || w < -1 || w > ldexp(1, 62))
+        return bad("options_json: a window bound should be an int >= 0, -1 or null");
+    *has = w >= 0;                              /* -1: unbounded */
+    *v = (long long)w;
+    return 0;
 }
 
 static int parse_options(const Arr *oj, Opts *o)
 {
-    long n = count(oj);
-    char *js = malloc(n + 1);
-    for (long i = 0; i < n; i++)
-        js[i] = (char)oj->data[i];
-    js[n] = 0;
+    static const char *const aligns[] = {"top_left", "bottom_right", NULL};
+    static const char *const policies[] = {"zero", "nan", "uniform", NULL};
     memset(o, 0, sizeof *o);
-    const char *v;
-    if ((v = json_value(js, "is_causal")))
-        o->causal = strncmp(v, "true", 4) == 0;
-    if ((v = json_value(js, "enable_gqa")))
-        o->gqa = strncmp(v, "true", 4) == 0;
-    if ((v = json_value(js, "causal_alignment")))
-        o->bottom_right = strncmp(v, "\"bottom_right\"", 14) == 0;
-    if ((v = json_value(js, "scale")) && strncmp(v, "null", 4) != 0) {
-        o->scale = strtod(v, NULL);
-        o->has_scale = 1;
-    }
-    if ((v = json_value(js, "softcap")) && strncmp(v, "null", 4) != 0) {
-        o->softcap = strtod(v, NULL);
-        o->has_softcap = 1;
-    }
-    if ((v = json_value(js, "dropout_p")))
-        o->dropout_p = strtod(v, NULL);
-    if ((v = json_value(js, "fully_masked")))
-        o->policy = strncmp(v, "\"nan\"", 5) == 0 ? 1 : strncmp(v, "\"uniform\"", 9) == 0 ? 2 : 0;
-    if ((v = json_value(js, "window")) && *v == '[') {
-        v++;
-        while (*v == ' ') v++;
-        if (strncmp(v, "null", 4) != 0) { o->window_left = strtol(v, NULL, 10); o->has_window_left = 1; }
-        v = strchr(v, ',');
-        if (v) {
-            v++;
-            while (*v == ' ') v++;
-            if (strncmp(v, "null", 4) != 0) { o->window_right = strtol(v, NULL, 10); o->has_window_right = 1; }
+    if (oj->kind != 'u' || oj->size != 1 || oj->ndim != 1)
+        return bad("options_json should be a 1-D uint8 array (JSON bytes)");
+    Json j = {(const char *)oj->data, (const char *)oj->data + oj->count, (const char *)oj->data, 0};
+    int first = 1, r;
+    const char *k;
+    size_t kn;
+    if (json_open(&j, '{') != 0)
+        return bad("options_json should hold a JSON object");
+    while ((r = json_more(&j, '}', &first)) == 1) {
+        double v = 0;
+        if (json_key(&j, &k, &kn) != 0)
+            return -1;
+        if (is_key(k, kn, "is_causal")) {
+            if (json_bool(&j, &o->causal, "is_causal") != 0) return -1;
+        } else if (is_key(k, kn, "enable_gqa")) {
+            if (json_bool(&j, &o->gqa, "enable_gqa") != 0) return -1;
+        } else if (is_key(k, kn, "causal_alignment")) {
+            if (json_choice(&j, aligns, &o->bottom_right, "causal_alignment") != 0) return -1;
+        } else if (is_key(k, kn, "fully_masked")) {
+            if (json_choice(&j, policies, &o->policy, "fully_masked") != 0) return -1;
+        } else if (is_key(k, kn, "scale") || is_key(k, kn, "softcap")) {
+            int sc = kn == 5;
+            if (json_word(&j, "null"))
+                continue;
+            if (json_number(&j, &v) != 0 || !isfinite(v) || (sc ? v == 0 : v <= 0))
+                return bad("options_json: %s should be %s", sc ? "scale" : "softcap",
+                           sc ? "a finite number other than 0, or null" : "a finite number > 0, or null");
+            *(sc ? &o->scale : &o->softcap) = v;
+            *(sc ? &o->has_scale : &o->has_softcap) = 1;
+        } else if (is_key(k, kn, "dropout_p")) {
+            if (json_number(&j, &v) != 0 || !(v >= 0 && v < 1))
+                return bad("options_json: dropout_p should be in [0, 1)");
+            o->dropout_p = v;
+        } else if (is_key(k, kn, "window")) {
+            int f2 = 1;
+            if (json_word(&j, "null"))
+                continue;
+            if (json_open(&j, '[') != 0 || json_more(&j, ']', &f2) != 1 ||
+                json_window_bound(&j, &o->has_left, &o->left) != 0 || json_more(&j, ']', &f2) != 1 ||
+                json_window_bound(&j, &o->has_right, &o->right) != 0 || json_more(&j, ']', &f2) != 0)
+                return bad("options_json: window should be [left, right], each an int >= 0, -1 or null");
+        } else if (is_key(k, kn, "arrays")) {   /* the names of the drawn arrays: the .npz has them */
+            if (json_skip(&j) != 0) return -1;
+        } else {
+            if (!o->unknown[0])
+                shown(k, kn < 40 ? kn : 40, o->unknown, sizeof o->unknown);
+            if (json_skip(&j) != 0) return -1;
         }
-        if (o->has_window_left && o->window_left < 0) o->has_window_left = 0;      /* -1: unbounded */
-        if (o->has_window_right && o->window_right < 0) o->has_window_right = 0;
     }
-    free(js);
+    if (r != 0 || json_end(&j) != 0) {
+        char inner[sizeof why_bad];
+        memcpy(inner, why_bad, sizeof inner);
+        return bad("options_json: %s", inner);
+    }
     return 0;
 }
 
-/* ------------------------------------------------------- the forward: replace */
+/* ------------------------------------------------------------------ a case, checked */
+
+/* What the kernels get: arrays whose shapes were checked against each other, and the options. */
+typedef struct {
+    const Arr *q, *k, *v, *mask, *bias, *slopes, *qlen, *kvlen, *keep;
+    Opts o;
+    int nb;                                     /* batch dims; the scores are (batch..., Hq, L, S) */
+    size_t batch[MAXD], nbatch;
+    size_t Hq, Hkv, G, L, S, E, Ev;
+    double scale;
+} Problem;
+
+/* 0, -1 (a bad file: why_bad), or 1: the kernels below do not take this case (the reason in `skip`) */
+static int check_problem(Npz *z, const Opts *o, Problem *p, char *skip, size_t skip_n)
+{
+    char s1[96], s2[96];
+    memset(p, 0, sizeof *p);
+    p->o = *o;
+    const Arr *q = p->q = get(z, "query"), *k = p->k = get(z, "key"), *v = p->v = get(z, "value");
+    const Arr *xs[3] = {q, k, v};
+    static const char *names[3] = {"query", "key", "value"};
+    for (int t = 0; t < 3; t++) {
+        if (!is_float(xs[t]))
+            return bad("%s should be floating", names[t]);
+        if (xs[t]->ndim < 2)
+            return bad("%s should have at least 2 dims, (L, E) or (..., H, L, E)", names[t]);
+    }
+    shape_str(q, s1, sizeof s1);
+    shape_str(k, s2, sizeof s2);
+    p->E = q->shape[q->ndim - 1];
+    p->L = q->shape[q->ndim - 2];
+    p->S = k->shape[k->ndim - 2];
+    p->Ev = v->shape[v->ndim - 1];
+    p->Hq = q->ndim > 2 ? q->shape[q->ndim - 3] : 1;
+    p->Hkv = k->ndim > 2 ? k->shape[k->ndim - 3] : 1;
+    if (k->shape[k->ndim - 1] != p->E)
+        return bad("key %s should have the last dim E=%zu of query %s", s2, p->E, s1);
+    if (v->shape[v->ndim - 2] != p->S || (v->ndim > 2 ? v->shape[v->ndim - 3] : 1) != p->Hkv)
+        return bad("value should have the heads and the S=%zu rows of key %s", p->S, s2);
+    if (p->Hkv == 0)
+        return bad("key %s has 0 heads", s2);
+    if (o->gqa ? p->Hq % p->Hkv != 0 : p->Hq != p->Hkv)
+        return bad(o->gqa ? "key %s should have a head count that divides the Hq=%zu of query"
+                          : "key %s should have the Hq=%zu heads of query (enable_gqa is false)", s2, p->Hq);
+    p->G = p->Hq / p->Hkv;
+    /* the batch dims: the broadcast of those of query, key and value (their dims before the last 3) */
+    int nb = 0;
+    for (int t = 0; t < 3; t++)
+        if (xs[t]->ndim - 3 > nb)
+            nb = xs[t]->ndim - 3;
+    p->nb = nb;
+    p->nbatch = 1;
+    for (int d = 0; d < nb; d++) {
+        size_t n = 1;
+        for (int t = 0; t < 3; t++) {
+            int dd = d - (nb - (xs[t]->ndim - 3));
+            size_t m = dd >= 0 ? xs[t]->shape[dd] : 1;
+            if (m != 1 && n != 1 && m != n)
+                return bad("the batch dims of query %s, key %s and value do not broadcast", s1, s2);
+            if (m != 1)
+                n = m;
+        }
+        p->batch[d] = n;
+        if (n && p->nbatch > MAX_ELEMS / n)
+            return bad("more than %zu batch entries", MAX_ELEMS);
+        p->nbatch *= n;
+    }
+    /* the scores' shape (batch..., Hq, L, S); masks broadcast to its last max(ndim) dims, as in NumPy */
+    size_t full[MAXD + 3];
+    int rank = nb + 3, urank = 2;
+    memcpy(full, p->batch, sizeof(size_t) * (size_t)nb);
+    full[nb] = p->Hq;
+    full[nb + 1] = p->L;
+    full[nb + 2] = p->S;
+    for (int t = 0; t < 3; t++)
+        if (xs[t]->ndim > urank)
+            urank = xs[t]->ndim;
+    static const char *scored[3] = {"attn_mask", "bias", "dropout_mask"};
+    const Arr **slot[3] = {&p->mask, &p->bias, &p->keep};
+    for (int t = 0; t < 3; t++) {
+        const Arr *m = *slot[t] = get(z, scored[t]);
+        if (!m)
+            continue;
+        if (t == 0 ? m->kind != 'b' && !is_float(m) : t == 1 ? !is_float(m) : m->kind != 'b')
+            return bad("%s should be %s", scored[t], t == 0 ? "bool or floating" : t == 1 ? "floating" : "bool");
+        shape_str(m, s2, sizeof s2);
+        if (m->ndim > urank || !broadcasts(m, full, rank))
+            return bad("%s %s should broadcast to the scores' shape (batch..., Hq, L, S) of query %s and key",
+                       scored[t], s2, s1);
+    }
+    if ((p->slopes = get(z, "alibi_slopes")) != NULL) {
+        const Arr *a = p->slopes;
+        shape_str(a, s2, sizeof s2);
+        if (!is_float(a) || a->ndim < 1 || a->ndim > nb + 1 || a->shape[a->ndim - 1] != p->Hq ||
+            !broadcasts(a, full, nb + 1))
+            return bad("alibi_slopes %s should be floating, of shape (Hq,) = (%zu,) or (..., Hq) broadcasting to the "
+                       "batch", s2, p->Hq);
+    }
+    static const char *lens[2] = {"q_lengths", "kv_lengths"};
+    const Arr **lslot[2] = {&p->qlen, &p->kvlen};
+    for (int t = 0; t < 2; t++) {
+        const Arr *a = *lslot[t] = get(z, lens[t]);
+        size_t limit = t ? p->S : p->L;
+        if (!a)
+            continue;
+        shape_str(a, s2, sizeof s2);
+        if (a->kind != 'i' || !broadcasts(a, full, nb))
+            return bad("%s %s should be integers, of a shape broadcasting to the batch", lens[t], s2);
+        for (size_t i = 0; i < a->count; i++)
+            if (at_int(a, i) < 0 || (unsigned long long)at_int(a, i) > limit)
+                return bad("%s should hold lengths in [0, %zu]", lens[t], limit);
+    }
+    /* fp8: the descales, batch + (Hkv,) each (all three or none) */
+    static const char *desc[3] = {"q_descale", "k_descale", "v_descale"};
+    int ndesc = 0;
+    for (int t = 0; t < 3; t++) {
+        const Arr *d = get(z, desc[t]);
+        if (!d)
+            continue;
+        ndesc++;
+        shape_str(d, s2, sizeof s2);
+        const Arr *x = xs[t];
+        size_t H = x->ndim > 2 ? x->shape[x->ndim - 3] : 1;
+        int ok = is_float(d) && d->ndim >= 1 && x->ndim >= 3 && d->ndim - 1 <= x->ndim - 3 &&
+                 d->shape[d->ndim - 1] == p->Hkv && H % p->Hkv == 0;
+        for (int dd = 0; ok && dd < d->ndim - 1; dd++) {
+            size_t m = d->shape[dd], n = x->shape[x->ndim - 3 - (d->ndim - 1) + dd];
+            ok = m == 1 || m == n;
+        }
+        if (!ok)
+            return bad("%s %s should be floating, of shape batch + (Hkv,) = (..., %zu) of %s", desc[t], s2, p->Hkv,
+                       names[t]);
+    }
+    if (ndesc != 0 && ndesc != 3)
+        return bad("q_descale, k_descale and v_descale should come together");
+    if (o->policy == POLICY_UNIFORM && p->S == 0)
+        return bad("fully_masked is \"uniform\" with S = 0 (the mean of no values)");
+    p->scale = o->has_scale ? o->scale : p->E > 0 ? 1.0 / sqrt((double)p->E) : 1.0;
+    /* what the kernels below do not take: a skip, with the reason */
+    double work = (double)p->nbatch *          /* the kernels' loops, in steps of about one multiply-add */
+                  (16 + (double)p->Hq * (16 + (double)p->L * (16 + (double)p->S * (double)(p->E + p->Ev + 8))));
+    if (o->unknown[0])
+        snprintf(skip, skip_n, "the option \"%s\" is not known to this kernel", o->unknown);
+    else if (o->dropout_p > 0 && !p->keep)
+        snprintf(skip, skip_n, "dropout_p > 0 without a stored dropout_mask");
+    else if (p->S > MAX_KEYS || work > MAX_WORK)
+        snprintf(skip, skip_n, "too large for this naive kernel (S = %zu, %.3g steps)", p->S, work);
+    else
+        return 0;
+    return 1;
+}
+
+/* fp8: query, key and value times their per-(batch, kv-head) descale, into doubles (the problem's values) */
+static int dequantize(Npz *z, const Problem *p)
+{
+    static const char *names[3][2] = {{"query", "q_descale"}, {"key", "k_descale"}, {"value", "v_descale"}};
+    for (int t = 0; t < 3; t++) {
+        Arr *a = get(z, names[t][0]);
+        const Arr *d = get(z, names[t][1]);
+        if (!d)
+            return 0;                           /* no descales: the values are the problem's */
+        size_t H = a->shape[a->ndim - 3], per = a->shape[a->ndim - 2] * a->shape[a->ndim - 1], idx[MAXD];
+        double *b = z->owned[t] = xcalloc(a->count, sizeof(double));
+        if (!b)
+            return -1;
+        int lead = a->ndim - 3;                 /* the index space of the descale: a's leading dims, then Hkv */
+        for (size_t i = 0; i < a->count; i++) {
+            size_t h = (i / per) % H, rest = i / per / H;
+            for (int dd = lead - 1; dd >= 0; dd--) {
+                idx[dd] = rest % a->shape[dd];
+                rest /= a->shape[dd];
+            }
+            idx[lead] = h / (H / p->Hkv);
+            b[i] = at(a, i) * at_index(d, idx, lead + 1);
+        }
+        a->kind = 'f';
+        a->size = 8;
+        a->data = (const unsigned char *)b;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ the kernels: replace */
+
+/* One row of scores, what the forward and the backward share. */
+typedef struct {
+    double *t;                                  /* the scores after softcap, float mask, bias and ALiBi */
+    double *th;                                 /* tanh(raw score / softcap), for the backward */
+    double *pr;                                 /* the probabilities, before dropout */
+    double *dp;                                 /* the backward's dO . v_j, times the dropout factor */
+    unsigned char *ok;                          /* 1 where the key takes part */
+} Row;
+
+static void row_free(Row *r)
+{
+    free(r->t);
+    free(r->th);
+    free(r->pr);
+    free(r->dp);
+    free(r->ok);
+}
+
+static int row_alloc(Row *r, size_t S)
+{
+    r->t = xcalloc(S, sizeof(double));
+    r->th = xcalloc(S, sizeof(double));
+    r->pr = xcalloc(S, sizeof(double));
+    r->dp = xcalloc(S, sizeof(double));
+    r->ok = xcalloc(S, 1);
+    if (r->t && r->th && r->pr && r->dp && r->ok)
+        return 0;
+    row_free(r);
+    return -1;
+}
+
+enum { ROW_PADDED, ROW_LIVE, ROW_EMPTY };
 
 /*
- * out (in the layout batch x Hq x L x Ev, row-major) for the case in `z`.
- * This is the naive, plainly written attention; put your kernel here.
- * Returns 0, or -1 with a reason in `why` for a case it cannot run.
+ * Where a row of `a` starts: the offset of index `idx` (of the space of rank `rank`) with its last entry 0.
+ * The last dim of query, key, value and the gradients is never broadcast, so the row's entries follow.
  */
-static int attention_forward(const Npz *z, const Opts *o, double *out, char *why)
+static size_t row_of(const Arr *a, size_t *idx, int rank)
 {
-    const Arr *q = get(z, "query"), *k = get(z, "key"), *v = get(z, "value");
-    const Arr *mask = get(z, "attn_mask"), *bias = get(z, "bias"), *slopes = get(z, "alibi_slopes");
-    const Arr *qlen = get(z, "q_lengths"), *kvlen = get(z, "kv_lengths"), *keep = get(z, "dropout_mask");
-    int rq = q->ndim < 3 ? 3 : q->ndim, rk = k->ndim < 3 ? 3 : k->ndim, rv = v->ndim < 3 ? 3 : v->ndim;
-    int nb = rq - 3;                                   /* batch dims: the broadcast of the three */
-    if (rk - 3 > nb) nb = rk - 3;
-    if (rv - 3 > nb) nb = rv - 3;
-    long batch[MAXD], nbatch = 1;
-    for (int d = 0; d < nb; d++) {
-        long s = 1;
-        const Arr *xs[3] = {q, k, v};
-        for (int t = 0; t < 3; t++) {
-            int r = xs[t]->ndim < 3 ? 3 : xs[t]->ndim, dd = d - (nb - (r - 3));
-            long n = dd >= 0 ? xs[t]->shape[dd] : 1;
-            if (n != 1) {
-                if (s != 1 && s != n) { strcpy(why, "batch dims do not broadcast"); return -1; }
-                s = n;
+    idx[rank - 1] = 0;
+    return offset_of(a, idx, rank);
+}
+
+/*
+ * Row i of query head h at the batch index idx[0..nb): fills r, and sets idx[nb] = h, idx[nb + 1] = i.
+ * ROW_PADDED: a row past q_lengths (output 0, no gradient); ROW_EMPTY: no key takes part (then pr is 1/S
+ * everywhere under "uniform", else 0); ROW_LIVE: pr is the softmax over the keys that take part.
+ */
+static int score_row(const Problem *p, size_t *idx, size_t h, size_t i, Row *r)
+{
+    const int nb = p->nb, full = nb + 3;
+    const Opts *o = &p->o;
+    long long ql = p->qlen ? at_int(p->qlen, offset_of(p->qlen, idx, nb)) : (long long)p->L;
+    long long kl = p->kvlen ? at_int(p->kvlen, offset_of(p->kvlen, idx, nb)) : (long long)p->S;
+    long long off = o->bottom_right ? kl - ql : 0, ii = (long long)i;
+    idx[nb] = h;
+    idx[nb + 1] = i;
+    if (ii >= ql)
+        return ROW_PADDED;
+    double slope = p->slopes ? at_index(p->slopes, idx, nb + 1) : 0.0, m = -INFINITY;
+    size_t ki[MAXD + 3], qrow;
+    memcpy(ki, idx, sizeof ki);
+    qrow = row_of(p->q, ki, full);              /* q_i */
+    ki[nb] = h / p->G;                          /* GQA: query head h reads kv head h / G */
+    int any = 0;
+    for (size_t j = 0; j < p->S; j++) {
+        long long jj = (long long)j;
+        int a = jj < kl;
+        if (o->causal && jj > ii + off) a = 0;
+        if (o->has_left && jj < ii + off - o->left) a = 0;
+        if (o->has_right && jj > ii + off + o->right) a = 0;
+        idx[nb + 2] = j;
+        if (a && p->mask && p->mask->kind == 'b' && !at_index(p->mask, idx, full)) a = 0;
+        double t = 0, th = 0;
+        if (a) {
+            ki[nb + 1] = j;
+            size_t krow = row_of(p->k, ki, full);                   /* k_j */
+            for (size_t e = 0; e < p->E; e++)
+                t += at(p->q, qrow + e) * at(p->k, krow + e);
+            t *= p->scale;
+            if (o->has_softcap) { th = tanh(t / o->softcap); t = o->softcap * th; }
+            if (p->mask && p->mask->kind != 'b') t += at_index(p->mask, idx, full);
+            if (p->bias) t += at_index(p->bias, idx, full);
+            if (p->slopes) t -= slope * fabs((double)(ii + off - jj));
+            if (t == -INFINITY) a = 0;          /* a float -inf excludes the entry */
+        }
+        r->ok[j] = (unsigned char)a;
+        r->t[j] = t;
+        r->th[j] = th;
+        if (a) { any = 1; if (t > m) m = t; }
+    }
+    if (!any) {
+        for (size_t j = 0; j < p->S; j++)
+            r->pr[j] = o->policy == POLICY_UNIFORM ? 1.0 / (double)p->S : 0.0;
+        return ROW_EMPTY;
+    }
+    double sum = 0;
+    for (size_t j = 0; j < p->S; j++) {
+        r->pr[j] = r->ok[j] ? exp(r->t[j] - m) : 0.0;
+        sum += r->pr[j];
+    }
+    for (size_t j = 0; j < p->S; j++)
+        r->pr[j] /= sum;
+    return ROW_LIVE;
+}
+
+/* dropout's factor for key j of the row in idx: Z / (1 - p), or 1 without dropout */
+static double kept(const Problem *p, size_t *idx, size_t j)
+{
+    if (!p->keep)
+        return 1.0;
+    idx[p->nb + 2] = j;
+    return at_index(p->keep, idx, p->nb + 3) != 0 ? 1.0 / (1.0 - p->o.dropout_p) : 0.0;
+}
+
+static void batch_index(const Problem *p, size_t b, size_t *idx)
+{
+    for (int d = p->nb - 1; d >= 0; d--) {
+        idx[d] = b % p->batch[d];
+        b /= p->batch[d];
+    }
+}
+
+/*
+ * out (batch x Hq x L x Ev, row-major) for the problem p: the naive, plainly written attention. Put your
+ * kernel here. Returns 0, or -1 with a reason in `why` for a case it cannot run (a skip).
+ */
+static int attention_forward(const Problem *p, double *out, char *why, size_t why_n)
+{
+    Row r;
+    size_t idx[MAXD + 3] = {0}, vi[MAXD + 3];
+    const int nb = p->nb;
+    if (row_alloc(&r, p->S) != 0) {
+        snprintf(why, why_n, "%s", why_bad);
+        return -1;
+    }
+    for (size_t b = 0; b < p->nbatch; b++) {
+        batch_index(p, b, idx);
+        for (size_t h = 0; h < p->Hq; h++) {
+            for (size_t i = 0; i < p->L; i++) {
+                double *orow = out + ((b * p->Hq + h) * p->L + i) * p->Ev;
+                int st = score_row(p, idx, h, i, &r);
+                for (size_t e = 0; e < p->Ev; e++)
+                    orow[e] = st == ROW_EMPTY && p->o.policy == POLICY_NAN ? NAN : 0.0;
+                if (st == ROW_PADDED || (st == ROW_EMPTY && p->o.policy != POLICY_UNIFORM))
+                    continue;                   /* padded rows are 0 under every policy */
+                memcpy(vi, idx, sizeof vi);
+                vi[nb] = h / p->G;
+                for (size_t j = 0; j < p->S; j++) {
+                    double pd = r.pr[j] * kept(p, idx, j);
+                    if (pd == 0.0)
+                        continue;
+                    vi[nb + 1] = j;
+                    size_t vrow = row_of(p->v, vi, nb + 3);                 /* v_j */
+                    for (size_t e = 0; e < p->Ev; e++)
+                        orow[e] += pd * at(p->v, vrow + e);
+                }
             }
         }
-        batch[d] = s;
-        nbatch *= s;
     }
-    long Hq = q->ndim >= 3 ? q->shape[q->ndim - 3] : 1, Hkv = k->ndim >= 3 ? k->shape[k->ndim - 3] : 1;
-    long L = q->shape[q->ndim - 2], E = q->shape[q->ndim - 1], S = k->shape[k->ndim - 2], Ev = v->shape[v->ndim - 1];
-    long G = Hq / Hkv;
-    double scale = o->has_scale ? o->scale : 1.0 / sqrt((double)E);
-    double *T = malloc(sizeof(double) * (S > 0 ? S : 1));
-    int *ok = malloc(sizeof(int) * (S > 0 ? S : 1));
-    long idx[MAXD + 3], full = nb + 3;                 /* an index of the (batch..., Hq, L, S) scores */
-    for (long b = 0; b < nbatch; b++) {
-        long rem = b;
-        for (int d = nb - 1; d >= 0; d--) { idx[d] = rem % batch[d]; rem /= batch[d]; }
-        long ql = qlen ? (long)at_index(qlen, idx, nb) : L, kl = kvlen ? (long)at_index(kvlen, idx, nb) : S;
-        long off = o->bottom_right ? (kvlen ? kl : S) - (qlen ? ql : L) : 0;
-        for (long h = 0; h < Hq; h++) {
-            long kvh = h / G;
-            for (long i = 0; i < L; i++) {
-                double *orow = out + ((b * Hq + h) * L + i) * Ev;
-                idx[nb] = h; idx[nb + 1] = i;
-                int any = 0;
-                double m = -INFINITY;
-                for (long j = 0; j < S; j++) {
-                    idx[nb + 2] = j;
-                    int a = j < kl && i < ql;
-                    if (o->causal && j > i + off) a = 0;
-                    if (o->has_window_left && j < i + off - o->window_left) a = 0;
-                    if (o->has_window_right && j > i + off + o->window_right) a = 0;
-                    if (mask && mask->kind == 'b' && !at_index(mask, idx, full)) a = 0;
-                    double t = 0;
-                    if (a) {
-                        long qi[MAXD + 3], ki[MAXD + 3];
-                        memcpy(qi, idx, sizeof(long) * nb); memcpy(ki, idx, sizeof(long) * nb);
-                        qi[nb] = h; qi[nb + 1] = i; ki[nb] = kvh; ki[nb + 1] = j;
-                        for (long e = 0; e < E; e++) {
-                            qi[nb + 2] = e; ki[nb + 2] = e;
-                            t += at_index(q, qi, full) * at_index(k, ki, full);
-                        }
-                        t *= scale;
-                        if (o->has_softcap) t = o->softcap * tanh(t / o->softcap);
-                        if (mask && mask->kind == 'f') t += at_index(mask, idx, full);
-                        if (bias) t += at_index(bias, idx, full);
-                        if (slopes) {
-                            long si[MAXD + 3];
-                            memcpy(si, idx, sizeof(long) * (nb + 1));
-                            t -= at_index(slopes, si, nb + 1) * fabs((double)(i + off - j));
-                        }
-                        if (t == -INFINITY) a = 0;     /* a float -inf excludes the entry */
+    row_free(&r);
+    return 0;
+}
+
+/* The gradients, each in its input's own layout (summed over broadcast dims and GQA groups). */
+typedef struct {
+    double *dq, *dk, *dv, *dbias;               /* dbias: NULL without a bias */
+} Grads;
+
+/*
+ * The gradients for the cotangent grad_out (the out's shape), by the textbook backward (SEMANTICS.md):
+ *     dV = P_drop^T dO;  dP = (dO V^T) Z / (1 - p);  dT = P (dP - rowsum(P dP));  dbias = dT;
+ *     dTraw = dT (1 - tanh^2(raw / cap)) with softcap;  dQ = scale dTraw K;  dK = scale dTraw^T Q
+ * on zeroed buffers g. A padded row adds nothing; an empty row adds nothing under "zero", NaN under "nan",
+ * and under "uniform" only to dV (its P is 1/S whatever the scores). Put your kernel's backward here.
+ * Returns 0, or -1 with a reason in `why` for a case it cannot run (a skip).
+ */
+static int attention_backward(const Problem *p, const Arr *grad_out, Grads *g, char *why, size_t why_n)
+{
+    Row r;
+    size_t idx[MAXD + 3] = {0}, qi[MAXD + 3], ki[MAXD + 3];
+    const int nb = p->nb, full = nb + 3;
+    if (row_alloc(&r, p->S) != 0) {
+        snprintf(why, why_n, "%s", why_bad);
+        return -1;
+    }
+    for (size_t b = 0; b < p->nbatch; b++) {
+        batch_index(p, b, idx);
+        for (size_t h = 0; h < p->Hq; h++) {
+            for (size_t i = 0; i < p->L; i++) {
+                size_t orow = ((b * p->Hq + h) * p->L + i) * p->Ev;           /* dO_i in grad_out */
+                int st = score_row(p, idx, h, i, &r);
+                if (st == ROW_PADDED || (st == ROW_EMPTY && p->o.policy == POLICY_ZERO))
+                    continue;
+                memcpy(qi, idx, sizeof qi);
+                memcpy(ki, idx, sizeof ki);
+                size_t qrow = row_of(p->q, qi, full);                          /* q_i, and dq_i */
+                ki[nb] = h / p->G;
+                double poison = st == ROW_EMPTY && p->o.policy == POLICY_NAN ? NAN : 0.0;
+                double D = 0;
+                for (size_t j = 0; j < p->S; j++) {                           /* dV, and dP */
+                    double z = kept(p, idx, j), pd = r.pr[j] * z, dp = 0;
+                    ki[nb + 1] = j;
+                    size_t vrow = row_of(p->v, ki, full);                      /* v_j, and dv_j */
+                    for (size_t e = 0; e < p->Ev; e++) {
+                        double go = at(grad_out, orow + e);
+                        if (pd != 0.0 || poison != 0.0)
+                            g->dv[vrow + e] += pd * go + poison;
+                        if (r.ok[j])
+                            dp += go * at(p->v, vrow + e);
                     }
-                    ok[j] = a;
-                    T[j] = t;
-                    if (a) { any = 1; if (t > m) m = t; }
+                    r.dp[j] = dp * z;
+                    D += r.pr[j] * r.dp[j];
                 }
-                for (long e = 0; e < Ev; e++) orow[e] = 0.0;
-                if (i >= ql) continue;                 /* padded rows are 0 under every policy */
-                if (!any && o->policy == 0) continue;
-                if (!any && o->policy == 1) { for (long e = 0; e < Ev; e++) orow[e] = NAN; continue; }
-                double sum = 0;
-                for (long j = 0; j < S; j++)
-                    if (ok[j]) { T[j] = exp(T[j] - m); sum += T[j]; }
-                for (long j = 0; j < S; j++) {
-                    double p = any ? (ok[j] ? T[j] / sum : 0.0) : 1.0 / (double)S;   /* uniform: every value */
+                if (st == ROW_EMPTY && p->o.policy == POLICY_UNIFORM)
+                    continue;                   /* the scores do not reach this row's output */
+                for (size_t j = 0; j < p->S; j++) {                           /* dT, then dbias, dQ, dK */
+                    if (!r.ok[j] && poison == 0.0)
+                        continue;
+                    double dt = r.pr[j] * (r.dp[j] - D) + poison;
                     idx[nb + 2] = j;
-                    if (keep) p = at_index(keep, idx, full) ? p / (1.0 - o->dropout_p) : 0.0;
-                    if (p == 0.0) continue;
-                    long vi[MAXD + 3];
-                    memcpy(vi, idx, sizeof(long) * nb);
-                    vi[nb] = kvh; vi[nb + 1] = j;
-                    for (long e = 0; e < Ev; e++) { vi[nb + 2] = e; orow[e] += p * at_index(v, vi, full); }
+                    if (g->dbias)
+                        g->dbias[offset_of(p->bias, idx, full)] += dt;
+                    if (p->o.has_softcap)
+                        dt *= 1.0 - r.th[j] * r.th[j];
+                    dt *= p->scale;
+                    ki[nb + 1] = j;
+                    size_t krow = row_of(p->k, ki, full);                      /* k_j, and dk_j */
+                    for (size_t e = 0; e < p->E; e++) {
+                        g->dq[qrow + e] += dt * at(p->k, krow + e);
+                        g->dk[krow + e] += dt * at(p->q, qrow + e);
+                    }
                 }
             }
         }
     }
-    free(T);
-    free(ok);
+    row_free(&r);
     return 0;
 }
 
 /* ------------------------------------------------------------------ judging */
-
-/* The vectors' dtype: fraction bits, smallest normal exponent, largest finite value, what overflow gives. */
-typedef struct {
-    const char *name;
-    int bits;                  /* 64, 32: native; else rounded by round_to() */
-    int mant, emin;
-    double maxf;
-    int overflow_nan;          /* float8_e4m3fn has no inf */
-    char code;                 /* the kind its bit patterns get ('f': stored as floats) */
-} Fmt;
-
-static const Fmt FORMATS[] = {
-    {"float64", 64, 52, -1022, 0, 0, 'f'},
-    {"float32", 32, 23, -126, 0, 0, 'f'},
-    {"float16", 16, 10, -14, 65504.0, 0, 'f'},
-    {"bfloat16", 16, 7, -126, 3.3895313892515355e38, 0, 'B'},
-    {"float8_e4m3fn", 8, 3, -6, 448.0, 1, 'E'},
-    {"float8_e5m2", 8, 2, -14, 57344.0, 0, 'M'},
-};
 
 /* x rounded to the format (to nearest, ties to even), as a double */
 static double round_to(double x, const Fmt *f)
 {
     if (x != x || x == 0.0 || isinf(x)) return (isinf(x) && f->overflow_nan) ? NAN : x;
     int e;
-    frexp(fabs(x), &e);                                /* |x| in [2^(e-1), 2^e) */
+    frexp(fabs(x), &e);                         /* |x| in [2^(e-1), 2^e) */
     int ue = e - 1 - f->mant < f->emin - f->mant ? f->emin - f->mant : e - 1 - f->mant;   /* the ulp's exponent */
     double r = ldexp(nearbyint(ldexp(x, -ue)), ue);
     if (fabs(r) > f->maxf) return f->overflow_nan ? NAN : copysign(INFINITY, x);
@@ -422,150 +1393,367 @@ static double to_dtype(double x, const Fmt *f)
 static double add_in(double a, double b, const Fmt *f)
 {
     if (f->bits == 32) { volatile float s = (float)a + (float)b; return s; }
-    return to_dtype(a + b, f);                         /* exact in double below float32, then one rounding */
+    return to_dtype(a + b, f);                  /* exact in double below float32, then one rounding */
 }
 
-/* 0 pass, 1 fail; prints the line */
-static int judge(const char *name, const double *got, const Arr *ref, const Arr *honest, double k, const Fmt *f)
+typedef struct {
+    int fail;
+    double ratio, err, allowed;                 /* error / allowed: passes at <= 1 */
+    size_t worst;                               /* the entry of the largest ratio */
+    const char *note;                           /* a NaN or inf where the reference has a number, or the reverse */
+} Verdict;
+
+/* got (n entries, the reference's layout) against the reference `ref` by the manifest's rule */
+static Verdict judge(const double *got, const Arr *ref, double honest, double k, const Fmt *f)
 {
-    long n = count(ref);
-    double err = 0, floor_ = 0, worst = 0, herr = honest ? at(honest, 0) : 0;
-    long worst_at = -1;
-    int nan_bad = 0;
-    double h03 = to_dtype(0.3, f);
-    for (long i = 0; i < n; i++) {
+    Verdict v = {0, 0, 0, 0, 0, NULL};
+    double floor_ = 0, h03 = to_dtype(0.3, f);
+    for (size_t i = 0; i < ref->count; i++) {
         double r = at(ref, i), g = to_dtype(got[i], f);
-        if ((r != r) != (g != g)) { nan_bad = 1; worst_at = i; break; }
-        if (r != r) continue;
+        if ((r != r) != (g != g) || ((isinf(r) || isinf(g)) && r != g && r == r && g == g)) {
+            v.fail = 1;
+            v.ratio = INFINITY;
+            v.worst = i;
+            v.note = (g != g)   ? "NaN where the reference has a number"
+                     : (r != r) ? "a number where the reference has NaN"
+                                : "an inf where they differ";
+            return v;
+        }
+        if (r != r || isinf(r))
+            continue;
         double d = fabs(g - r);
         if (f->bits == 64) {
-            double ratio = d / (1e-12 + 1e-12 * fabs(r));
-            if (ratio > worst) { worst = ratio; worst_at = i; }
+            double tol = 1e-12 + 1e-12 * fabs(r);
+            if (d / tol > v.ratio) { v.ratio = d / tol; v.err = d; v.allowed = tol; v.worst = i; }
             continue;
         }
-        if (d > err) { err = d; worst_at = i; }
+        if (d > v.err) { v.err = d; v.worst = i; }
         double rr = to_dtype(r, f), back = add_in(add_in(rr, h03, f), -h03, f);
         if (fabs(back - rr) > floor_) floor_ = fabs(back - rr);
     }
-    if (nan_bad) {
-        printf("FAIL  %s: NaN where the reference has a number, or the reverse (entry %ld)\n", name, worst_at);
-        return 1;
+    if (f->bits != 64) {
+        v.allowed = k * honest + 2 * floor_;
+        v.ratio = v.allowed > 0 ? v.err / v.allowed : v.err > 0 ? INFINITY : 0.0;
     }
-    if (f->bits == 64) {
-        printf("%s  %s: worst |got - out| / (1e-12 + 1e-12 |out|) = %.3g\n", worst <= 1 ? "pass" : "FAIL", name,
-               worst);
-        return worst > 1;
-    }
-    double allowed = k * herr + 2 * floor_;
-    printf("%s  %s: max|got - out| = %.3e, allowed %.3e (honest %.3e), ratio %.3f\n",
-           err <= allowed ? "pass" : "FAIL", name, err, allowed, herr, allowed > 0 ? err / allowed : (err > 0) * 1e9);
-    return err > allowed;
+    v.fail = !(v.ratio <= 1.0);
+    return v;
 }
 
-/* fp8: q, k, v times their per-(batch, kv-head) descale, into doubles (the problem's values); 0 or -1 */
-static int dequantize(Npz *z, double **bufs)
+/* ------------------------------------------------------------------ one case */
+
+typedef struct {
+    char text[1024];                            /* the case's verdict line, so far */
+    size_t at;
+    int judged, failed;                         /* quantities */
+} Line;
+
+static void say(Line *l, const char *fmt, ...)
 {
-    static const char *names[3][2] = {{"query", "q_descale"}, {"key", "k_descale"}, {"value", "v_descale"}};
-    for (int t = 0; t < 3; t++) {
-        Arr *a = (Arr *)get(z, names[t][0]);
-        const Arr *d = get(z, names[t][1]);
-        if (!d) return 0;                              /* no descales: the values are the problem's */
-        if (!a || a->ndim < 3 || d->ndim < 1) return -1;
-        long n = count(a), H = a->shape[a->ndim - 3], per = a->shape[a->ndim - 2] * a->shape[a->ndim - 1];
-        long Hkv = d->shape[d->ndim - 1];
-        if (Hkv <= 0 || H % Hkv != 0 || count(d) * (H / Hkv) * per != n) return -1;
-        double *b = malloc((n + 1) * sizeof(double));
-        if (!b) return -1;
-        for (long i = 0; i < n; i++) {
-            long h = (i / per) % H, bi = i / (per * H);
-            b[i] = at(a, i) * at(d, bi * Hkv + h / (H / Hkv));
-        }
-        a->kind = 'f';
-        a->size = 8;
-        a->data = (const unsigned char *)b;
-        bufs[t] = b;
+    if (l->at >= sizeof l->text)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(l->text + l->at, sizeof l->text - l->at, fmt, ap);
+    va_end(ap);
+    l->at = n < 0 ? sizeof l->text : l->at + (size_t)n;
+}
+
+/* Judge one quantity; a quantity without entries is reported as not judged. */
+static void judge_into(Line *l, const char *q, const double *got, const Arr *ref, const Arr *honest, double k,
+                       const Fmt *f)
+{
+    if (ref->count == 0) {
+        say(l, "%s%s: no entries", l->at ? ", " : "", q);
+        return;
+    }
+    Verdict v = judge(got, ref, honest ? at(honest, 0) : 0.0, k, f);
+    l->judged++;
+    l->failed += v.fail;
+    say(l, "%s%s %.3g", l->at ? ", " : "", q, v.ratio);
+    if (v.note)
+        say(l, " FAIL (%s, entry %zu)", v.note, v.worst);
+    else if (v.fail)
+        say(l, " FAIL (max|got - ref| %.3e at entry %zu, allowed %.3e)", v.err, v.worst, v.allowed);
+}
+
+/* the honest error array for quantity q, checked; -1 when absent or malformed below float64 */
+static int honest_for(Npz *z, const char *q, const Fmt *fmt, const Arr **h)
+{
+    char name[32];
+    snprintf(name, sizeof name, "honest_%s", q);
+    *h = get(z, name);
+    if (fmt->bits == 64)
+        return 0;
+    if (!*h)
+        return bad("has %s but no %s (vectors of format 1?)", q, name);
+    if ((*h)->kind != 'f' || (*h)->count < 1 || !(at(*h, 0) >= 0) || isinf(at(*h, 0)))
+        return bad("%s should hold a finite error >= 0", name);
+    return 0;
+}
+
+/* the reference array `name`: floating, of the shape of `like` */
+static int check_ref(const Arr *ref, const char *name, const Arr *like, const char *like_name)
+{
+    char s1[96], s2[96];
+    int same = ref->ndim == like->ndim && memcmp(ref->shape, like->shape, sizeof(size_t) * (size_t)ref->ndim) == 0;
+    if (ref->kind != 'f' || !same) {
+        shape_str(ref, s1, sizeof s1);
+        shape_str(like, s2, sizeof s2);
+        return bad("%s %s should be floating, of the shape %s of %s", name, s1, s2, like_name);
     }
     return 0;
 }
 
+/* the arrays a vector file may hold; any other may carry an option the kernels do not know: a skip */
+static const char *const KNOWN[] = {
+    "query", "key", "value", "attn_mask", "bias", "alibi_slopes", "dropout_mask", "q_lengths", "kv_lengths",
+    "q_descale", "k_descale", "v_descale", "options_json", "out", "lse", "grad_out", "dq", "dk", "dv", "dbias",
+    "honest_out", "honest_dq", "honest_dk", "honest_dv", "honest_dbias", NULL};
+
+/* the arrays stored in the vectors' dtype (bit patterns below float16) */
+static const char *const IN_DTYPE[] = {"query", "key", "value", "attn_mask", "bias", "alibi_slopes", "grad_out", NULL};
+
+static int listed(const char *const *list, const char *name)
+{
+    for (int i = 0; list[i]; i++)
+        if (strcmp(list[i], name) == 0)
+            return 1;
+    return 0;
+}
+
+typedef struct {
+    int passed, failed, skipped;                /* cases */
+} Tally;
+
+/* The case in `path` (named `name`): -1 on a bad file (why_bad), else 0 with its line printed. */
+static int run_case(const char *path, const char *name, const Manifest *m, int backward, Tally *tally)
+{
+    Npz z;
+    Opts o;
+    Problem p;
+    Line l;
+    Grads g = {NULL, NULL, NULL, NULL};
+    double *out = NULL;
+    char skip[sizeof why_bad] = "";
+    int rc = -1;
+    memset(&l, 0, sizeof l);
+    if (read_npz(path, &z) != 0)
+        goto done;
+    const char *missing = !get(&z, "query") ? "query" : !get(&z, "key") ? "key" : !get(&z, "value") ? "value"
+                        : !get(&z, "out") ? "out" : !get(&z, "options_json") ? "options_json" : NULL;
+    if (missing) {
+        bad("has no %s array", missing);
+        goto done;
+    }
+    /* bfloat16 and fp8: the arrays in the vectors' dtype are bit patterns; grad_out is in the output dtype */
+    const Fmt *fmt = m->fmt, *ofmt = m->ofmt;
+    for (int i = 0; i < z.n; i++) {
+        Arr *a = &z.a[i];
+        if (fmt->kind == 'f' || !listed(IN_DTYPE, a->name) || a->kind != 'u')
+            continue;
+        const Fmt *as = a->size == fmt->size ? fmt : a->size == ofmt->size ? ofmt : NULL;
+        if (!as || as->kind == 'f') {
+            bad("%s is stored as %d-byte integers, not as %s bit patterns", a->name, a->size, fmt->name);
+            goto done;
+        }
+        a->kind = as->kind;
+    }
+    static const char *inputs[3] = {"query", "key", "value"};
+    for (int t = 0; t < 3; t++) {
+        const Arr *a = get(&z, inputs[t]);
+        if (a->kind != fmt->kind || a->size != fmt->size) {
+            bad("%s is not stored in the vectors' dtype %s", inputs[t], fmt->name);
+            goto done;
+        }
+    }
+    if (parse_options(get(&z, "options_json"), &o) != 0)
+        goto done;
+    int st = check_problem(&z, &o, &p, skip, sizeof skip);
+    if (st < 0)
+        goto done;
+    for (int i = 0; st == 0 && i < z.n; i++)
+        if (!listed(KNOWN, z.a[i].name)) {
+            snprintf(skip, sizeof skip, "the array %s is not known to this kernel", z.a[i].name);
+            st = 1;
+        }
+    /* the references: out of the shape batch + (Hq, L, Ev), in the user's rank; the gradients of the inputs' */
+    const Arr *ref = get(&z, "out"), *honest, *go = get(&z, "grad_out");
+    size_t oshape[MAXD + 3];
+    int orank = p.nb + 3, urank = p.q->ndim;
+    if (p.k->ndim > urank) urank = p.k->ndim;
+    if (p.v->ndim > urank) urank = p.v->ndim;
+    memcpy(oshape, p.batch, sizeof(size_t) * (size_t)p.nb);
+    oshape[p.nb] = p.Hq;
+    oshape[p.nb + 1] = p.L;
+    oshape[p.nb + 2] = p.Ev;
+    if (ref->kind != 'f' || ref->ndim != urank ||
+        memcmp(ref->shape, oshape + orank - urank, sizeof(size_t) * (size_t)urank) != 0) {
+        char s1[96];
+        shape_str(ref, s1, sizeof s1);
+        bad("out %s should be floating, of the shape batch + (Hq, L, Ev) of query, key and value", s1);
+        goto done;
+    }
+    if (honest_for(&z, "out", fmt, &honest) != 0)
+        goto done;
+    if (go && (!is_float(go) || go->ndim != ref->ndim ||
+               memcmp(go->shape, ref->shape, sizeof(size_t) * (size_t)ref->ndim) != 0)) {
+        bad("grad_out should be floating, of the shape of out");
+        goto done;
+    }
+    static const char *gnames[4] = {"dq", "dk", "dv", "dbias"};
+    const Arr *like[4] = {p.q, p.k, p.v, p.bias}, *gref[4], *ghonest[4] = {NULL, NULL, NULL, NULL};
+    for (int t = 0; t < 4; t++) {
+        gref[t] = like[t] ? get(&z, gnames[t]) : NULL;
+        if (gref[t] && (check_ref(gref[t], gnames[t], like[t], t < 3 ? inputs[t] : "bias") != 0 ||
+                        honest_for(&z, gnames[t], fmt, &ghonest[t]) != 0))
+            goto done;
+    }
+    if (backward && go && fmt->bits != 64 && !(m->k_grad > 0)) {
+        bad("the manifest has no relative_rule k_grad to judge the gradients by");
+        goto done;
+    }
+    rc = 0;
+    if (st == 0 && dequantize(&z, &p) != 0) {
+        rc = -1;
+        goto done;
+    }
+    /* the forward */
+    if (st == 0 && (out = xcalloc(ref->count, sizeof(double))) == NULL) {
+        rc = -1;
+        goto done;
+    }
+    if (st == 0 && attention_forward(&p, out, skip, sizeof skip) != 0)
+        st = 1;
+    if (st != 0) {
+        printf("skip  %s: %s\n", name, skip);
+        tally->skipped++;
+        goto done;
+    }
+#if defined(SDPA_CHECK_BREAK) && SDPA_CHECK_BREAK == 1          /* the tests' wrong kernel: out 1% off */
+    for (size_t i = 0; i < ref->count; i++) out[i] *= 1.01;
+#endif
+    judge_into(&l, "out", out, ref, honest, m->k_out, ofmt);
+    /* the backward */
+    if (!backward) {
+        say(&l, "; gradients not judged (the kernel has no backward: --forward-only)");
+    } else if (!go) {
+        say(&l, "; gradients not judged (the file has no grad_out)");
+    } else {
+        double **bufs[4] = {&g.dq, &g.dk, &g.dv, &g.dbias};
+        for (int t = 0; t < 4; t++)
+            if (like[t] && (*bufs[t] = xcalloc(like[t]->count, sizeof(double))) == NULL) {
+                rc = -1;
+                goto done;
+            }
+        if (attention_backward(&p, go, &g, skip, sizeof skip) != 0) {
+            say(&l, "; gradients not judged (%s)", skip);
+        } else {
+#if defined(SDPA_CHECK_BREAK) && SDPA_CHECK_BREAK >= 2 && SDPA_CHECK_BREAK <= 5  /* dq, dk, dv or dbias 1% off */
+            for (size_t i = 0; like[SDPA_CHECK_BREAK - 2] && i < like[SDPA_CHECK_BREAK - 2]->count; i++)
+                (*bufs[SDPA_CHECK_BREAK - 2])[i] *= 1.01;
+#endif
+            for (int t = 0; t < 4; t++) {
+                if (!like[t])
+                    continue;
+                if (!gref[t])
+                    say(&l, ", %s not judged (not in the file)", gnames[t]);
+                else
+                    judge_into(&l, gnames[t], *bufs[t], gref[t], ghonest[t], m->k_grad, ofmt);
+            }
+        }
+    }
+    if (l.judged == 0) {
+        printf("skip  %s: nothing to judge (%s)\n", name, l.text);
+        tally->skipped++;
+    } else {
+        printf("%s  %s: %s\n", l.failed ? "FAIL" : "pass", name, l.text);
+        if (l.failed) tally->failed++; else tally->passed++;
+    }
+done:
+    for (int t = 0; t < 3; t++) free(z.owned[t]);
+    for (int i = 0; i < z.n; i++) free(z.data[i]);
+    free(g.dq);
+    free(g.dk);
+    free(g.dv);
+    free(g.dbias);
+    free(out);
+    free(z.buf);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ main */
+
+static int usage(FILE *f, const char *argv0, int status)
+{
+    fprintf(f, "usage: %s [--forward-only] DIR   (a folder written by `sdpa-ref vectors DIR`); exit status 0 pass, "
+               "1 fail, 2 bad input, 3 nothing judged\n", argv0);
+    return status;
+}
+
 int main(int argc, char **argv)
 {
-    if (argc != 2) {
-        fprintf(stderr, "usage: %s DIR   (a folder written by `sdpa-ref vectors DIR`)\n", argv[0]);
+    const char *dir = NULL, *argv0 = argc > 0 ? argv[0] : "sdpa_check";
+    int backward = 1;
+#ifdef SDPA_CHECK_NO_BACKWARD
+    backward = 0;
+#endif
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--forward-only") == 0)
+            backward = 0;
+        else if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0)
+            return usage(stdout, argv0, 0);
+        else if (argv[i][0] == '-' || dir)
+            return usage(stderr, argv0, 2);
+        else
+            dir = argv[i];
+    }
+    if (!dir)
+        return usage(stderr, argv0, 2);
+    const uint16_t one = 1;
+    if (*(const unsigned char *)&one != 1) {
+        fprintf(stderr, "sdpa_check: this client reads the little-endian arrays on a little-endian machine only\n");
         return 2;
     }
     char path[4096];
-    snprintf(path, sizeof path, "%s/manifest.json", argv[1]);
-    long mlen;
-    char *man = (char *)read_file(path, &mlen);
-    if (!man) { fprintf(stderr, "sdpa_check: cannot read %s\n", path); return 2; }
-    const char *dt = strstr(man, "\"dtype\": \"");
-    const Fmt *fmt = NULL;
-    for (size_t i = 0; dt && i < sizeof FORMATS / sizeof FORMATS[0]; i++) {
-        size_t nl = strlen(FORMATS[i].name);
-        if (strncmp(dt + 10, FORMATS[i].name, nl) == 0 && dt[10 + nl] == '"') fmt = &FORMATS[i];
-    }
-    if (!fmt) {
-        fprintf(stderr, "sdpa_check: %s: the dtype is not one of float64, float32, float16, bfloat16, "
-                "float8_e4m3fn, float8_e5m2\n", path);
+    Manifest m;
+    size_t mlen;
+    memset(&m, 0, sizeof m);
+    if ((size_t)snprintf(path, sizeof path, "%s/manifest.json", dir) >= sizeof path) {
+        fprintf(stderr, "sdpa_check: %s: the folder's path is too long\n", dir);
         return 2;
     }
-    const Fmt *ofmt = fmt;                             /* what the kernel returns: bfloat16 for fp8 */
-    const char *od = strstr(man, "\"output_dtype\": \"");
-    for (size_t i = 0; od && i < sizeof FORMATS / sizeof FORMATS[0]; i++) {
-        size_t nl = strlen(FORMATS[i].name);
-        if (strncmp(od + 17, FORMATS[i].name, nl) == 0 && od[17 + nl] == '"') ofmt = &FORMATS[i];
+    if ((m.text = (char *)read_file(path, MAX_MANIFEST_BYTES, &mlen)) == NULL || parse_manifest(&m, mlen) != 0) {
+        fprintf(stderr, "sdpa_check: cannot read %s: %s\n", path, why_bad);
+        free(m.text);
+        free(m.files);
+        return 2;
     }
-    const char *kp = strstr(man, "\"k_out\": ");
-    double k = kp ? strtod(kp + 9, NULL) : 0;
-    if (fmt->bits != 64 && !(k > 0)) { fprintf(stderr, "sdpa_check: %s: no relative_rule k_out\n", path); return 2; }
-    int failed = 0, total = 0;
-    for (const char *p = strstr(man, "\"file\": \""); p; p = strstr(p + 1, "\"file\": \"")) {
-        const char *s = p + 9, *e = strchr(s, '"');
-        if (!e || e - s > 255 || memchr(s, '/', e - s)) { fprintf(stderr, "sdpa_check: a bad file name\n"); return 2; }
-        char file[256];
-        memcpy(file, s, e - s);
-        file[e - s] = 0;
-        snprintf(path, sizeof path, "%s/%s", argv[1], file);
-        Npz z;
-        if (read_npz(path, &z) != 0 || !get(&z, "query") || !get(&z, "key") || !get(&z, "value") ||
-            !get(&z, "out") || !get(&z, "options_json")) {
-            fprintf(stderr, "sdpa_check: cannot read %s\n", path);
-            return 2;
-        }
-        if (fmt->code != 'f') {                        /* the bit patterns of the vectors' dtype */
-            static const char *in_dtype[] = {"query", "key", "value", "attn_mask", "bias", "alibi_slopes", "grad_out"};
-            for (int j = 0; j < z.n; j++)
-                for (size_t t = 0; t < sizeof in_dtype / sizeof in_dtype[0]; t++)
-                    if (strcmp(z.a[j].name, in_dtype[t]) == 0 && z.a[j].kind == 'u')
-                        z.a[j].kind = z.a[j].size == 2 ? 'B' : fmt->code;     /* 2 bytes: bfloat16 */
-        }
-        double *deq[3] = {NULL, NULL, NULL};
-        if (dequantize(&z, deq) != 0) { fprintf(stderr, "sdpa_check: %s: bad descales\n", path); return 2; }
-        Opts o;
-        parse_options(get(&z, "options_json"), &o);
-        const Arr *ref = get(&z, "out");
-        double *out = calloc(count(ref) + 1, sizeof(double));
-        char why[128] = "";
-        char name[256];
-        memcpy(name, file, strlen(file) - 4);
-        name[strlen(file) - 4] = 0;
-        total++;
-        if (attention_forward(&z, &o, out, why) != 0) {
-            printf("skip  %s: %s\n", name, why);
-        } else {
-            const Arr *honest = get(&z, "honest_out");
-            if (fmt->bits != 64 && !honest) {
-                fprintf(stderr, "sdpa_check: %s has no honest_out (vectors of format 1?)\n", path);
-                return 2;
-            }
-            failed += judge(name, out, ref, honest, k, ofmt);
-        }
-        for (int t = 0; t < 3; t++) free(deq[t]);
-        free(out);
-        free(z.buf);
+    if (m.fmt->bits != 64 && !(m.k_out > 0)) {
+        fprintf(stderr, "sdpa_check: cannot read %s: no relative_rule k_out to judge by\n", path);
+        free(m.text);
+        free(m.files);
+        return 2;
     }
-    free(man);
-    printf("%d cases, %d failed\n", total, failed);
-    return failed ? 1 : 0;
+    Tally t = {0, 0, 0};
+    int status = 0;
+    for (size_t f = 0; f < m.nfiles && status == 0; f++) {
+        char name[5 * 256];                                     /* "plain-L8-S8.npz" -> "plain-L8-S8", shown */
+        const Name *file = &m.files[f];
+        shown(file->s, file->n - 4, name, sizeof name);
+        if ((size_t)snprintf(path, sizeof path, "%s/%.*s", dir, (int)file->n, file->s) >= sizeof path) {
+            fprintf(stderr, "sdpa_check: %s/%s.npz: the path is too long\n", dir, name);
+            status = 2;
+        } else if (run_case(path, name, &m, backward, &t) != 0) {
+            fflush(stdout);
+            fprintf(stderr, "sdpa_check: cannot read %s/%s.npz: %s\n", dir, name, why_bad);
+            status = 2;
+        }
+    }
+    free(m.text);
+    free(m.files);
+    if (status)
+        return status;
+    int judged = t.passed + t.failed;
+    printf("%d passed, %d failed, %d skipped%s\n", t.passed, t.failed, t.skipped, judged ? "" : ": nothing judged");
+    return t.failed ? 1 : judged ? 0 : 3;
 }
