@@ -770,13 +770,15 @@ def test_a_wrong_kernel_fails(exes, bases, tmp_path, n):
         assert all(re.search(rf"\b{qty} [0-9.e+inf]+ FAIL", ln) for ln in failed)
         m = SUMMARY.match(cp.stdout.splitlines()[-1])
         assert m and int(m.group(2)) == len(failed)
-        # exactly the cases where that quantity is not all zero fail
-        nonzero = set()
+        # the cases where that quantity is not small fail, and only cases where it is not all zero
+        must, may = set(), set()
         for name in base.names:
-            a = vectors.read_npz(base.blob(name)).get(qty)
-            if a is not None and np.any(np.nan_to_num(a) != 0):
-                nonzero.add(name[:-4])
-        assert nonzero and {ln.split()[1].rstrip(":") for ln in failed} == nonzero
+            a = np.nan_to_num(vectors.read_npz(base.blob(name)).get(qty, np.zeros(0)))
+            if np.any(a != 0):
+                may.add(name[:-4])
+            if np.max(np.abs(a), initial=0.0) > 1e-3:
+                must.add(name[:-4])
+        assert must and must <= {ln.split()[1].rstrip(":") for ln in failed} <= may
 
 
 @pytest.mark.parametrize("qty", ["out", "dk"])
