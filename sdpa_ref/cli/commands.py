@@ -152,6 +152,7 @@ def _cmd_saturation(args) -> int:
 
 def _cmd_vectors(args) -> int:
     from ..harness import vectors
+    from ..harness.vectorio import one_line
 
     err = _writable_dir(args.out_dir)
     if err:
@@ -170,16 +171,18 @@ def _cmd_vectors(args) -> int:
         progress.done()
         print(f"sdpa-ref: --cases: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
+    except OSError as exc:                                 # vectors.UnsafeDestination too: names the entry
         progress.done()
-        print(f"sdpa-ref: cannot write into OUT_DIR {args.out_dir!r}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"sdpa-ref: cannot write into OUT_DIR {_shown_path(args.out_dir)}: {one_line(exc.strerror or exc)}",
+              file=sys.stderr)
         return 2
     progress.done()
     if args.format == "table":
-        what = f"from {args.cases}" if args.cases else f"{args.suite} suite v{manifest['suite_version']}"
-        print(f"wrote {len(manifest['files'])} cases ({what}, {args.dtype}) and manifest.json to {args.out_dir}")
+        what = f"from {one_line(args.cases)}" if args.cases else f"{args.suite} suite v{manifest['suite_version']}"
+        print(f"wrote {len(manifest['files'])} cases ({what}, {args.dtype}) and manifest.json to "
+              f"{one_line(args.out_dir)}")
         return 0
-    rows = [{"file": e["file"], "sha256": e["sha256"], "bytes": os.path.getsize(os.path.join(args.out_dir, e["file"]))}
+    rows = [{"file": e["file"], "sha256": e["sha256"], "bytes": os.lstat(os.path.join(args.out_dir, e["file"])).st_size}
             for e in manifest["files"]]
     if args.format == "json":
         print(json.dumps({"out_dir": args.out_dir, "suite": manifest["suite"], "suite_version": manifest["suite_version"],
@@ -191,16 +194,25 @@ def _cmd_vectors(args) -> int:
 
 def _cmd_verify(args) -> int:
     from ..harness import vectors
+    from ..harness.vectorio import one_line
 
     try:
         rep = vectors.verify_vectors(args.out_dir)
     except vectors.ManifestError as exc:
-        print(f"sdpa-ref: {exc}", file=sys.stderr)
+        print(f"sdpa-ref: {one_line(exc)}", file=sys.stderr)
         return 2
     if args.format == "table":
         print(rep)
-    else:
-        print(_dump([{k: v for k, v in r.items()} for r in rep.rows], args.format))
+        return 0 if rep.ok else 1
+    # every row with the same columns (csv), the set's problems as rows with no file, no NaN in the JSON
+    rows = [dict({"note": ""}, **r) for r in rep.rows]
+    rows += [{"file": "", "hash_ok": False, "recompute_ok": False, "max_rel_diff": None, "ok": False, "note": p}
+             for p in rep.problems]
+    if args.format == "json":
+        rows = [dict(r, max_rel_diff=r["max_rel_diff"] if r["max_rel_diff"] == r["max_rel_diff"] else None)
+                for r in rows]
+    print(_dump([{k: r[k] for k in ("file", "hash_ok", "recompute_ok", "max_rel_diff", "ok", "note")} for r in rows],
+                args.format))
     return 0 if rep.ok else 1
 
 
@@ -265,12 +277,21 @@ def _cmd_conform(args) -> int:
 
 
 def _writable_dir(path):
-    """Why ``path`` cannot be the folder to write into, or None."""
+    """Why ``path`` cannot be the folder to write into, or None (a symlink to a folder is the folder it names)."""
     if not path:
         return "should be a folder path, but got an empty one"
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"should be a folder, but {_shown_path(path)} is a symbolic link to nothing"
     if os.path.exists(path) and not os.path.isdir(path):
-        return f"should be a folder, but {path!r} is an existing file"
+        return f"should be a folder, but {_shown_path(path)} is an existing file"
     return None
+
+
+def _shown_path(path):
+    """A path the user gave, quoted, on one printable line."""
+    from ..harness.vectorio import one_line
+
+    return one_line(repr(path))
 
 
 def _load(spec):

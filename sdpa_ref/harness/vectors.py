@@ -51,10 +51,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import io
 import json
 import os
-import zipfile
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -65,17 +63,22 @@ from ..options import ARRAY_OPTIONS
 from .cases import SUITE_VERSION, get_suite, grad_out_for
 from .ensemble import ensemble_errors, honest_errors
 from .lowp import DESCALES, LOW_DTYPES, TEST_DTYPES, as_test_dtype, dequantized, is_low, output_dtype
-from ._files import read_regular_file
+from ._files import UnsafeDestination, WriteFolder
 from .casefile import CaseFileError, case_definition, cases_from_definitions, load_cases
 from .rules import RelativeRule
+from .vectorio import (FORMAT_VERSION, MAX_FILE_BYTES, MAX_MANIFEST_BYTES, ManifestError, differences,  # noqa: F401
+                       manifest_bytes, manifest_differences, read_manifest, read_member, read_npz, shown)
+from .vectorio import npz_bytes as _npz_bytes
 
-__all__ = ["FORMAT_VERSION", "ManifestError", "write_vectors", "verify_vectors", "VerifyReport", "read_npz", "decoded"]
+__all__ = ["FORMAT_VERSION", "ManifestError", "UnsafeDestination", "write_vectors", "verify_vectors",
+           "VerifyReport", "read_npz", "decoded"]
 
 #: The arrays held in the vectors' dtype (bit patterns for bfloat16 and fp8).
 IN_DTYPE = ("query", "key", "value", "attn_mask", "bias", "alibi_slopes", "grad_out")
-
-FORMAT_VERSION = "2"
-_FIXED_TIME = (1980, 1, 1, 0, 0, 0)
+#: The manifest's fields that record where a set came from and are taken as stored by ``verify`` (if strings):
+#: the writer's version (the files' bytes do not depend on it, and they are compared) and the case file's name
+#: (the definitions it held are stored, and compared).
+PROVENANCE = ("package_version", "cases_file")
 
 
 def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
@@ -85,6 +88,11 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
     ``cases`` (a case file's path, or a sequence of :class:`~.cases.Case`) replaces ``suite``: the set is then
     the ``"custom"`` suite, and the manifest stores every case's definition (``"cases"``), from which
     :func:`verify_vectors` regenerates it on any machine.
+
+    Every file goes to a new temporary file in ``out_dir`` (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0o644), then
+    ``os.replace``-d onto its name, so no write follows a symlink or blocks on a FIFO; a name that exists and is
+    not a regular file (a symlink, FIFO, folder or device) is refused with :class:`UnsafeDestination` (an
+    ``OSError``) before anything is written. ``out_dir`` itself is followed if it is a symlink to a folder.
     """
     from .. import __version__
 
@@ -104,22 +112,32 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
         cases = get_suite(suite)
     os.makedirs(out_dir, exist_ok=True)
     files = []
-    for i, case in enumerate(cases):
-        if progress is not None:
-            progress(i, len(cases), case.name)
-        arrays = case_arrays(case, dt)
-        fname = f"{case.name}.npz"
-        data = _npz_bytes(arrays)
-        with open(os.path.join(out_dir, fname), "wb") as fh:
-            fh.write(data)
-        files.append({
-            "file": fname, "case": case.name, "sha256": hashlib.sha256(data).hexdigest(),
+    with WriteFolder(out_dir) as folder:
+        folder.refuse_unsafe([f"{c.name}.npz" for c in cases] + ["manifest.json"])
+        for i, case in enumerate(cases):
+            if progress is not None:
+                progress(i, len(cases), case.name)
+            arrays = _case_arrays(case, dt.name)
+            data = _npz_bytes(arrays)
+            folder.write(f"{case.name}.npz", data)
+            files.append(_file_entry(case, arrays, data))
+        manifest = _manifest(suite, dt, files, custom, __version__)
+        folder.write("manifest.json", manifest_bytes(manifest))
+    return manifest
+
+
+def _file_entry(case, arrays, data) -> dict:
+    """A file's entry in the manifest."""
+    return {"file": f"{case.name}.npz", "case": case.name, "sha256": hashlib.sha256(data).hexdigest(),
             "shapes": {k: list(v.shape) for k, v in arrays.items() if k != "options_json"},
-            "options": case.options_json(),
-        })
+            "options": case.options_json()}
+
+
+def _manifest(suite, dt, files, custom, package_version) -> dict:
+    """The manifest of a set: every field but the provenance follows from the suite (or cases) and dtype."""
     manifest = {
         "format": "sdpa_ref golden vectors", "format_version": FORMAT_VERSION,
-        "package": "sdpa_ref", "package_version": __version__,
+        "package": "sdpa_ref", "package_version": package_version,
         "suite": suite, "suite_version": SUITE_VERSION, "dtype": dt.name,
         "storage": _STORAGE.get(dt.name, "every array in its own dtype"),
         "output_dtype": output_dtype(dt).name,
@@ -137,9 +155,6 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
         "files": files,
     }
     manifest.update(custom or {})
-    with open(os.path.join(out_dir, "manifest.json"), "w", encoding="utf-8") as fh:
-        json.dump(manifest, fh, indent=2, sort_keys=True)
-        fh.write("\n")
     return manifest
 
 
@@ -223,6 +238,8 @@ def _options_kwargs(arrays, opts):
 
 @dataclass
 class VerifyReport:
+    """``rows``: one per file the manifest lists (``file`` is its name escaped by :func:`~.vectorio.shown`);
+    ``problems``: what concerns the whole set (the manifest's other fields, missing and unlisted cases)."""
     rows: List[dict] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)
 
@@ -244,18 +261,9 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-#: The largest vector file ``verify`` reads (the full suite's largest is about 4 MiB).
-MAX_FILE_BYTES = 256 << 20
-#: The largest ``manifest.json`` it reads.
-MAX_MANIFEST_BYTES = 16 << 20
-
-
-class ManifestError(ValueError):
-    """``manifest.json`` cannot be used: missing, not a regular file, too large, or not of the expected form."""
-
-
 def verify_vectors(out_dir) -> VerifyReport:
-    """Check a vector set against the suite's own definition, bit for bit.
+    """Check a vector set against the suite's own definition, bit for bit: VERIFIED only if a fresh
+    :func:`write_vectors` of the same suite (or cases) and dtype would write the same bytes.
 
     The threat model: the folder may hold anything. ``verify`` reads only
     ``manifest.json`` and the regular files it names, inside ``out_dir``, by
@@ -265,33 +273,60 @@ def verify_vectors(out_dir) -> VerifyReport:
     definition (inputs, options and every reference array, with
     ``precision="reproducible"``: the same bits on any machine) and compares
     bytes, so replaced inputs, recomputed outputs, changed options, deleted,
-    duplicated or foreign cases are all NOT VERIFIED. A malformed manifest
-    raises :class:`ManifestError`.
+    duplicated or foreign cases are all NOT VERIFIED. The manifest is
+    regenerated too and compared byte for byte (every field a judge reads:
+    dtype, output_dtype, storage, reference, tolerance_rule, relative_rule,
+    format and suite versions, the case definitions, each file's name, case,
+    sha256, shapes and options), except :data:`PROVENANCE`, taken as stored
+    if strings. A malformed manifest (a key written twice, ``NaN``, the wrong
+    versions, ...) raises :class:`ManifestError`. Names are reported escaped,
+    one line each, whatever their encoding.
     """
+    from .. import __version__
+
+    out_dir = os.fspath(out_dir)
+    out_dir = os.fsdecode(out_dir) if isinstance(out_dir, bytes) else out_dir
     rep = VerifyReport()
-    manifest = _read_manifest(out_dir)
+    manifest, raw = read_manifest(out_dir)
     try:
         dt = as_test_dtype(manifest["dtype"], "dtype")
     except ImportError as exc:
         raise ManifestError(f"the vectors are {manifest['dtype']}: {exc}") from None
+    custom = None
     if manifest["suite"] == "custom":                   # a user's cases: regenerated from the stored definitions
         try:
             suite = cases_from_definitions(manifest.get("cases"), "manifest.json")
         except CaseFileError as exc:
             raise ManifestError(str(exc)) from None
+        custom = {"cases": [case_definition(c) for c in suite]}
     else:
         suite = get_suite(manifest["suite"])
-    cases = {f"{c.name}.npz": c for c in suite}
+    fresh, entries = {}, []
+    for case in suite:                                  # deterministic to the bit, cached per process
+        arrays = _case_arrays(case, dt.name)
+        data = _npz_bytes(arrays)
+        fresh[f"{case.name}.npz"] = (case, arrays, data)
+        entries.append(_file_entry(case, arrays, data))
+    kept = {k: manifest[k] for k in PROVENANCE if isinstance(manifest.get(k), str)}
+    if "cases_file" in kept:
+        custom = dict(custom or {}, cases_file=kept["cases_file"])
+    want = _manifest(manifest["suite"], dt, entries, custom, kept.get("package_version", __version__))
+    if raw != manifest_bytes(want):
+        diff = manifest_differences(manifest, want)
+        rep.problems.append("manifest.json is not what a fresh write of this set gives: " + (
+            "; ".join(diff) if diff else "the same fields, but other bytes (layout, key order, escapes or the "
+                                         "spelling of a number)"))
     seen = set()
     for entry in manifest["files"]:
         fname = entry["file"]
-        row = {"file": fname, "hash_ok": False, "recompute_ok": False, "max_rel_diff": float("nan"), "ok": False}
+        row = {"file": shown(fname, 200), "hash_ok": False, "recompute_ok": False, "max_rel_diff": float("nan"),
+               "ok": False}
         rep.rows.append(row)
         if fname in seen:
             row["note"] = "listed twice in the manifest"
             continue
         seen.add(fname)
-        data, why = _read_member(out_dir, fname)
+        data, why = read_member(out_dir, fname)
         if data is None:
             row["note"] = why
             continue
@@ -299,116 +334,20 @@ def verify_vectors(out_dir) -> VerifyReport:
         if not row["hash_ok"]:
             row["note"] = "sha256 differs from the manifest (not parsed)"
             continue
-        case = cases.get(fname)
-        if case is None:
+        if fname not in fresh:
             row["note"] = f"not a case of the {manifest['suite']!r} suite"
             continue
-        fresh = case_arrays(case, dt)
-        if _npz_bytes(fresh) == data:
+        if fresh[fname][2] == data:
             row["recompute_ok"], row["max_rel_diff"] = True, 0.0
         else:
-            row["note"], row["max_rel_diff"] = _differences(data, fresh)
+            row["note"], row["max_rel_diff"] = differences(data, fresh[fname][1])
         row["ok"] = row["hash_ok"] and row["recompute_ok"]
-    for name in sorted(set(cases) - seen):
-        rep.problems.append(f"case {name} of the {manifest['suite']!r} suite is missing from the manifest")
+    for name in sorted(set(fresh) - seen):
+        rep.problems.append(f"case {shown(name)} of the {manifest['suite']!r} suite is missing from the manifest")
     try:
         on_disk = os.listdir(out_dir)
     except OSError as exc:
-        raise ManifestError(f"cannot list the folder {out_dir!r}: {exc.strerror or exc}") from None
+        raise ManifestError(f"cannot list the folder {shown(out_dir, 300)}: {exc.strerror or exc}") from None
     for f in sorted(f for f in on_disk if f.endswith(".npz") and f not in seen):
-        rep.problems.append(f"{f} is not listed in the manifest")
+        rep.problems.append(f"{shown(f)} is not listed in the manifest")
     return rep
-
-
-def _read_member(out_dir, name):
-    """``(bytes, None)`` of the regular file ``name`` inside ``out_dir``, or ``(None, why)``."""
-    if not isinstance(name, str) or name in ("", ".", "..") or name != os.path.basename(name) \
-            or any(c in name for c in "/\\\0") or not name.endswith(".npz"):
-        return None, "not a plain .npz file name (no folders, no '..'): not read"
-    data, why = read_regular_file(os.path.join(out_dir, name), MAX_FILE_BYTES)
-    if data is None and why.startswith("missing"):
-        why = why.replace("missing or unreadable", "missing", 1)
-    return data, why
-
-
-def _read_manifest(out_dir):
-    """The validated manifest dict, or :class:`ManifestError` in one line."""
-    path = os.path.join(out_dir, "manifest.json")
-    data, why = read_regular_file(path, MAX_MANIFEST_BYTES)       # opened first, then checked: nothing can block it
-    if data is None:
-        raise ManifestError(f"cannot read {path}: {why} (it should be a regular file of at most "
-                            f"{MAX_MANIFEST_BYTES} bytes)")
-    try:
-        manifest = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise ManifestError(f"{path} is not valid JSON: {type(exc).__name__}") from None
-    if not isinstance(manifest, dict):
-        raise ManifestError(f"{path} should hold a JSON object, but holds a {type(manifest).__name__}")
-    from .cases import SUITES
-    if manifest.get("suite") not in SUITES + ("custom",):
-        raise ManifestError(f"{path}: 'suite' should be one of {SUITES + ('custom',)!r}, but got "
-                            f"{manifest.get('suite')!r}")
-    if manifest.get("dtype") not in TEST_DTYPES:
-        raise ManifestError(f"{path}: 'dtype' should be one of {', '.join(TEST_DTYPES)}, but got "
-                            f"{manifest.get('dtype')!r}")
-    if manifest.get("suite_version") != SUITE_VERSION or manifest.get("format_version") != FORMAT_VERSION:
-        raise ManifestError(f"{path}: written for suite version {manifest.get('suite_version')!r} and format "
-                            f"{manifest.get('format_version')!r}; this package has {SUITE_VERSION!r} and "
-                            f"{FORMAT_VERSION!r}")
-    files = manifest.get("files")
-    if not isinstance(files, list) or not all(
-            isinstance(e, dict) and isinstance(e.get("file"), str) and isinstance(e.get("sha256"), str)
-            and len(e["sha256"]) == 64 for e in files):
-        raise ManifestError(f"{path}: 'files' should be a list of {{'file': name, 'sha256': 64 hex digits}}")
-    return manifest
-
-
-def _differences(data, fresh):
-    """``(note, max_rel_diff)``: which arrays of a stored file differ from the regenerated ones."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as zf:
-            if sum(i.file_size for i in zf.infolist()) > MAX_FILE_BYTES:
-                return "its arrays would inflate past the size limit: not parsed", float("nan")
-        stored = read_npz(data)
-    except Exception as exc:  # a corrupt file is reported, not raised
-        return f"not a readable .npz: {type(exc).__name__}", float("nan")
-    bad, worst = [], 0.0
-    for name in sorted(set(stored) | set(fresh)):
-        a, b = stored.get(name), fresh.get(name)
-        if a is None or b is None:
-            bad.append(f"{name} {'extra' if b is None else 'missing'}")
-            continue
-        b = np.asarray(b)
-        if a.shape != b.shape or a.dtype != b.dtype:
-            bad.append(f"{name} shape/dtype")
-            continue
-        if a.tobytes() != np.ascontiguousarray(b).tobytes():
-            n_bad = int(np.sum(a.reshape(-1).view(np.uint8).reshape(a.size, -1)
-                               != np.ascontiguousarray(b).reshape(-1).view(np.uint8).reshape(b.size, -1),
-                               axis=-1).astype(bool).sum()) if a.size else 0
-            bad.append(f"{name}: {n_bad} entries differ")
-            if a.dtype.kind == "f":
-                a64, b64 = a.astype(np.float64), b.astype(np.float64)
-                fin = np.isfinite(a64) & np.isfinite(b64)
-                scale = np.abs(b64[fin]).max(initial=0.0) or 1.0
-                worst = max(worst, float(np.abs(a64[fin] - b64[fin]).max(initial=0.0)) / scale)
-    return ("differs from the suite's definition: " + ", ".join(bad) if bad else "bytes differ"), worst
-
-
-def read_npz(data: bytes) -> Dict[str, np.ndarray]:
-    """Arrays of an ``.npz`` given as bytes (no pickles)."""
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
-
-
-def _npz_bytes(arrays: Dict[str, np.ndarray]) -> bytes:
-    """An uncompressed ``.npz`` with fixed timestamps and entry order: the same bytes every time."""
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
-        for name, arr in arrays.items():
-            info = zipfile.ZipInfo(f"{name}.npy", date_time=_FIXED_TIME)
-            info.external_attr = 0o644 << 16
-            npy = io.BytesIO()
-            np.lib.format.write_array(npy, np.ascontiguousarray(arr), allow_pickle=False)
-            zf.writestr(info, npy.getvalue())
-    return buf.getvalue()
