@@ -187,8 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
             "lowp extra (ml_dtypes). Options the function does not take (its keyword parameters, or a "
             "`supports` attribute) are never passed: cases that need them are skipped; a function that always "
             "applies an option (a `requires` attribute, or --requires) is judged only on cases that use it. "
-            "Exit status: 0 conforms, 1 something failed, 2 a usage error, 3 nothing judged (every case "
-            "skipped: never a pass)."
+            "The function runs in a child process (unless --in-process), which the harness kills with its "
+            "process group at the time limit; one that dies, exits, forks and exits, hangs or never answers "
+            "fails its case and the next case gets a fresh process; the reference and the verdict stay in "
+            "this one. The current directory is importable, after the installed packages. "
+            "Exit status: 0 conforms, 1 something failed, 2 a usage error or an implementation that cannot "
+            "be loaded, 3 nothing judged (every case skipped: never a pass)."
         ),
         epilog="Example: sdpa-ref conform sdpa_ref.adapters.pytorch:forward "
                "--backward sdpa_ref.adapters.pytorch:backward --dtype float32 float16",
@@ -213,7 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "only on cases that use them (default: its `requires` attribute, else none)")
     p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="time limit per case and dtype (forward and backward together); a case that runs past "
-                        "it fails and the run goes on (default: none)")
+                        "it fails and the run goes on (default: 600 in the child process, none --in-process)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the function in this process, as check_implementation does in Python: faster to "
+                        "start, easier to debug, and defenceless against code that exits the process, "
+                        "monkeypatches the harness or ignores the time limit")
     _add_format(p)
     p.set_defaults(func=_cmd_conform)
 

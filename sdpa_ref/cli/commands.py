@@ -217,28 +217,41 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_conform(args) -> int:
-    from ..harness import conformance
-
     try:                                                   # bfloat16 and fp8 need ml_dtypes: say so, no traceback
         for d in args.dtype:
             as_test_dtype(d, "--dtype")
     except ImportError as exc:
         print(f"sdpa-ref: {exc}", file=sys.stderr)
         return 2
+    saved = list(sys.path)
+    # the reference's side never imports from the current directory (``python -m`` puts it first): the
+    # implementation finds it last, after the installed packages, in its own process or for its own import
+    sys.path[:] = [p for p in sys.path if not _is_cwd(p)]
+    try:
+        return _conform(args)
+    finally:
+        sys.path[:] = saved
+
+
+def _conform(args) -> int:
+    from ..harness import conformance
+
+    specs = [(flag, spec) for flag, spec in (("MODULE:FUNCTION", args.target), ("--backward", args.backward))
+             if spec is not None]
+    for flag, spec in specs:
+        if ":" not in spec:
+            print(f"sdpa-ref: cannot load {spec!r} ({flag}): it should be MODULE:FUNCTION", file=sys.stderr)
+            return 2
     loaded = {}
-    for flag, spec in (("MODULE:FUNCTION", args.target), ("--backward", args.backward)):
-        if spec is None:
-            continue
+    for flag, spec in specs if args.in_process else ():
         try:
             loaded[flag] = _load(spec)
         except KeyboardInterrupt:
             raise
         except (Exception, SystemExit) as exc:             # whatever the module does on import is its error
             what = f"SystemExit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
-            print(f"sdpa-ref: cannot load the {'backward' if flag == '--backward' else 'implementation'} {spec!r} "
-                  f"({flag}): {what}", file=sys.stderr)
-            return 2
-    fwd, bwd = loaded["MODULE:FUNCTION"], loaded.get("--backward")
+            return _cannot_load(flag, spec, what)
+    fwd, bwd = loaded.get("MODULE:FUNCTION", args.target), loaded.get("--backward", args.backward)
     cases = None
     if args.cases is not None:
         try:
@@ -261,7 +274,12 @@ def _cmd_conform(args) -> int:
     try:
         rep = conformance.check_implementation(fwd, backward=bwd, supports=args.supports, requires=args.requires,
                                                suite=args.suite, cases=cases, dtypes=args.dtype, rule=rule,
-                                               progress=progress, timeout=args.timeout)
+                                               progress=progress, timeout=args.timeout,
+                                               isolate=not args.in_process)
+    except conformance.LoadError as exc:
+        progress.done()
+        flag = "--backward" if exc.which == "backward" else "MODULE:FUNCTION"
+        return _cannot_load(flag, args.backward if flag == "--backward" else args.target, exc.what)
     except (TypeError, ValueError) as exc:
         progress.done()
         print(f"sdpa-ref: {exc}", file=sys.stderr)
@@ -274,6 +292,12 @@ def _cmd_conform(args) -> int:
     else:
         print(rep.to_csv())
     return EXIT_STATUS[rep.verdict]
+
+
+def _cannot_load(flag, spec, what):
+    print(f"sdpa-ref: cannot load the {'backward' if flag == '--backward' else 'implementation'} {spec!r} "
+          f"({flag}): {what}", file=sys.stderr)
+    return 2
 
 
 def _writable_dir(path):
@@ -295,17 +319,24 @@ def _shown_path(path):
 
 
 def _load(spec):
-    """``package.module:attr.sub`` -> the object; the current directory is importable."""
-    import importlib
+    """``package.module:attr.sub`` -> the object, imported in this process (``conform --in-process``): the current
+    directory is on the path only for that import, and last, so a module there never shadows an installed one."""
+    from ..harness._worker import load_spec
 
-    if ":" not in spec:
-        raise ValueError(f"`{spec}` should be MODULE:FUNCTION")
-    mod, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    obj = importlib.import_module(mod)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"`{spec}` is not callable")
-    return obj
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        return load_spec(spec)
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def _is_cwd(entry):
+    """Whether a ``sys.path`` entry names the current directory ('' included)."""
+    try:
+        return entry == "" or os.path.samefile(entry, os.getcwd())
+    except (OSError, TypeError, ValueError):
+        return False

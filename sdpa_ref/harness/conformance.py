@@ -45,6 +45,24 @@ An implementation that raises is a failed case (``SystemExit`` included;
 only ``KeyboardInterrupt``, the user's own Ctrl-C, stops the run). With
 ``timeout=SECONDS`` a case (its forward and backward together) that runs
 past the limit is a failed case too, and the run goes on.
+
+**Isolation.** With ``isolate=True`` (the default of ``sdpa-ref conform``)
+the implementation runs in a child process and the reference and the
+verdict stay in this one (:mod:`.isolate`): a child that dies, exits
+(``os._exit``), forks and exits, hangs, ignores ``SIGALRM``, catches the
+timeout or never answers is a failed case, killed with its process group
+at the deadline, and the next case gets a fresh child. Without isolation
+(the default in Python, for pytest) the implementation shares the
+harness's process, and the harness cannot defend itself against it: code
+that calls ``os._exit`` ends the process, pytest included, with the status
+it chooses; code that monkeypatches NumPy or the judge, or reads the
+reference from the caller's frames, can make a wrong answer pass; code
+that ignores ``SIGALRM`` or catches the timeout runs past it (a late
+answer still fails), and native code is never interrupted. What the
+in-process harness does hold: a case passes only on arrays the
+implementation returned (copied as they come back), within the time limit
+if one is given, in the process that called it (a forked copy that
+returns is stopped at once); anything else is a failed case.
 """
 
 from __future__ import annotations
@@ -58,17 +76,18 @@ import numpy as np
 
 from .._validate import check_choice, check_tolerance
 from ..options import OPTION_NAMES, check_bool
-from ._limits import CaseTimeout
+from ._limits import CaseTimeout, call_in_process
 from .casefile import load_cases
 from .cases import Case, get_suite
+from .isolate import DEFAULT_TIME_LIMIT, Isolated, LoadError, Remote
 from .judge import Implementation, judge_case, reference_quantities
 from .lowp import as_test_dtype
 from .report import ConformanceReport, ConformanceRow
 from .rules import FixedRule, RelativeRule, ULPRule, as_rule
 
 __all__ = ["RelativeRule", "FixedRule", "ULPRule", "ConformanceRow", "ConformanceReport", "CaseTimeout",
-           "LAYOUTS", "assert_conforms", "check_implementation", "reference_quantities", "resolve_requires",
-           "resolve_supports"]
+           "DEFAULT_TIME_LIMIT", "LAYOUTS", "LoadError", "assert_conforms", "check_implementation",
+           "reference_quantities", "resolve_requires", "resolve_supports"]
 
 #: ``layout=``: ``"bhld"`` hands the implementation ``(..., H, L, E)`` arrays (PyTorch); ``"blhd"`` hands it
 #: ``(..., L, H, E)`` (FlashAttention, JAX, xformers) and reads its results the same way. Masks and biases keep
@@ -117,6 +136,8 @@ def resolve_supports(forward, supports=None, backward=None) -> frozenset:
 
 def _from_signature(fn):
     """The option names ``fn`` takes as keywords, or None when it takes ``**kwargs`` or has no signature."""
+    if isinstance(fn, Remote):                             # as the child saw it
+        return None if fn.params is None else frozenset(set(fn.params) & set(OPTION_NAMES))
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -155,6 +176,7 @@ def check_implementation(
     cases: Union[None, str, "os.PathLike[str]", Sequence[Case]] = None,
     progress: Optional[Callable[[int, int, str], None]] = None,
     timeout: Optional[float] = None,
+    isolate: bool = False,
 ) -> ConformanceReport:
     r"""Run ``forward`` (and ``backward``, ``jvp``) over a case suite and judge them.
 
@@ -214,7 +236,20 @@ def check_implementation(
         ``SIGALRM`` in the main thread on POSIX, else by an exception raised
         asynchronously in the calling thread); native code that never
         returns to Python cannot be interrupted, but a call that comes back
-        late still fails.
+        late still fails. Isolated, the child is killed at the limit
+        instead, and without a ``timeout`` the limit is
+        :data:`DEFAULT_TIME_LIMIT` (600 s).
+    isolate : bool
+        Run the implementation in a child process (see the module
+        docstring; :mod:`sdpa_ref.harness.isolate`). ``forward``,
+        ``backward`` and ``jvp`` are then ``"module:function"`` strings or
+        picklable callables, that is functions defined at the top level of
+        an importable module (not in ``__main__``, not lambdas or
+        closures); the child imports them with this process's
+        ``sys.path``, the current directory last. Raises :class:`LoadError`
+        (an ``ImportError``) if the child cannot load them. Default False:
+        in this process, which the implementation can subvert (see the
+        module docstring).
 
     Returns
     -------
@@ -227,18 +262,20 @@ def check_implementation(
     rule = as_rule(rule)
     check_choice(layout, "layout", LAYOUTS)
     dtypes = _as_dtypes(dtypes)
+    isolate = check_bool(isolate, "isolate")
     for name, fn in (("forward", forward), ("backward", backward), ("jvp", jvp)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"`{name}` should be callable, but got {type(fn).__name__}")
+        if fn is not None and not callable(fn) and not (isolate and isinstance(fn, str)):
+            raise TypeError(f"`{name}` should be callable{' or a module:function string' if isolate else ''}, "
+                            f"but got {type(fn).__name__}")
     if timeout is not None:
         check_tolerance(timeout, "timeout")
         if timeout == 0:
             raise ValueError("`timeout` should be a finite number of seconds > 0, or None, but got 0")
-    sup = resolve_supports(forward, supports, backward)
-    req = resolve_requires(forward, requires)
-    impl = Implementation(forward, backward, jvp, layout=layout,
-                          deterministic=check_bool(deterministic, "deterministic"), poison=check_bool(poison, "poison"),
-                          implied=req - sup)
+    deterministic, poison = check_bool(deterministic, "deterministic"), check_bool(poison, "poison")
+    if supports is not None:                               # the caller's own lists: refused before any child starts
+        resolve_supports(None, supports)
+    if requires is not None:
+        resolve_requires(None, requires)
     meta = {}
     if isinstance(cases, (str, os.PathLike)):
         meta["cases_file"] = os.path.basename(os.fspath(cases))
@@ -249,6 +286,27 @@ def check_implementation(
         bad = next(c for c in cases if not isinstance(c, Case))
         raise TypeError(f"`cases` should be a case file's path or a sequence of Case, but holds a "
                         f"{type(bad).__name__}")
+    if not isolate:
+        return _run(cases, dtypes, (forward, backward, jvp), (forward, backward), supports, requires, layout,
+                    deterministic, poison, call_in_process, rule, suite_name, meta, progress, timeout)
+    limit = DEFAULT_TIME_LIMIT if timeout is None else timeout
+    with Isolated({"forward": forward, "backward": backward, "jvp": jvp}, limit) as child:
+        remote = child.start()
+        fns = tuple(remote.get(n) for n in ("forward", "backward", "jvp"))
+        declared = tuple(f if callable(f) else remote.get(n)       # a callable's attributes as this process has them
+                         for n, f in (("forward", forward), ("backward", backward)))
+        return _run(cases, dtypes, fns, declared, supports, requires, layout, deterministic, poison, child.run,
+                    rule, suite_name, dict(meta, isolated=True), progress, limit)
+
+
+def _run(cases, dtypes, fns, declared, supports, requires, layout, deterministic, poison, limit, rule, suite_name,
+         meta, progress, timeout):
+    """The loop of :func:`check_implementation` over ``cases`` and ``dtypes``: ``fns`` are the functions to call,
+    ``declared`` the forward and backward whose attributes and signatures say what they support."""
+    sup = resolve_supports(declared[0], supports, declared[1])
+    req = resolve_requires(declared[0], requires)
+    impl = Implementation(*fns, layout=layout, deterministic=deterministic, poison=poison, implied=req - sup,
+                          limit=limit)
     sup = sup | req
     rows: List[ConformanceRow] = []
     t0 = time.perf_counter()
@@ -268,7 +326,8 @@ def check_implementation(
     return ConformanceReport(rows=rows, rule=rule.describe(), suite=suite_name,
                              seconds=time.perf_counter() - t0,
                              meta=dict(meta, dtypes=list(dtypes), layout=layout, supports=sorted(sup),
-                                       requires=sorted(req)))
+                                       requires=sorted(req), isolated=meta.get("isolated", False),
+                                       time_limit=timeout))
 
 
 def assert_conforms(forward: Callable, backward: Optional[Callable] = None, **kwargs) -> ConformanceReport:

@@ -11,16 +11,15 @@ no row reads (``poison``). ``layout="blhd"`` hands the implementation
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
-
-import time
 
 from ..api import sdpa_backward, sdpa_forward, sdpa_jvp
 from ..options import AttentionOptions
 from ..problem import Problem
 from ..transforms import unbroadcast
-from ._limits import CaseTimeout, call_with_deadline as _limited
+from ._limits import CaseTimeout, ImplementationFailure, call_in_process
 from .cases import Case, grad_out_for, tangents_for
 from .ensemble import ensemble_errors
 from .lowp import DESCALES, dequantized, is_fp8, is_low, output_dtype, ulp, widen
@@ -110,7 +109,7 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
     rows = []
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        out = _limited(deadline, impl.call_forward, q, k, v, inp)
+        out = impl.limit(deadline, impl.call_forward, q, k, v, inp)
     except NotImplementedError as exc:
         return [ConformanceRow(case.name, dt, "all", "skip", note=f"not implemented: {exc}")]
     except KeyboardInterrupt:                              # the user's own Ctrl-C stops the run
@@ -126,7 +125,7 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
         if not wanted:
             continue
         try:
-            res = _limited(deadline, call)
+            res = impl.limit(deadline, call)
             if what == "jvp":
                 got["jvp"] = res
                 continue
@@ -156,13 +155,17 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
 
 
 class Implementation:
-    """The functions under test and how to call them: the layout, and the optional checks asked for."""
+    """The functions under test and how to call them: the layout, the optional checks asked for, and ``limit``,
+    which makes each call under a deadline (:func:`~._limits.call_in_process`, or the child's
+    :meth:`.isolate.Isolated.run`). A result is copied when it comes back: what the implementation does to its
+    array afterwards cannot change what is judged."""
 
     def __init__(self, forward, backward=None, jvp=None, layout="bhld", deterministic=False, poison=False,
-                 implied=frozenset()):
+                 implied=frozenset(), limit=call_in_process):
         self.forward, self.backward, self.jvp = forward, backward, jvp
         self.layout, self.deterministic, self.poison = layout, deterministic, poison
         self.implied = frozenset(implied)        # required options it applies without a keyword: never passed
+        self.limit = limit
 
     def _opts(self, inp):
         return _copy_opts({k: v for k, v in inp.items() if k not in self.implied})
@@ -172,7 +175,7 @@ class Implementation:
         return np.swapaxes(a, -3, -2).copy() if self.layout == "blhd" and a.ndim >= 3 else a.copy()
 
     def _out(self, a):
-        a = np.asarray(a)
+        a = np.array(a)
         return np.swapaxes(a, -3, -2) if self.layout == "blhd" and a.ndim >= 3 else a
 
     def call_forward(self, q, k, v, inp):
@@ -180,7 +183,7 @@ class Implementation:
 
     def call_backward(self, g, q, k, v, inp):
         res = list(self.backward(self._in(g), self._in(q), self._in(k), self._in(v), **self._opts(inp)))
-        return [self._out(x) if i < 3 else x for i, x in enumerate(res)]          # dbias keeps the mask's layout
+        return [self._out(x) if i < 3 else np.array(x) for i, x in enumerate(res)]  # dbias: the mask's layout
 
     def call_jvp(self, ts, q, k, v, inp):
         return self._out(self.jvp((self._in(q), self._in(k), self._in(v)), tuple(self._in(t) for t in ts),
@@ -190,7 +193,7 @@ class Implementation:
 def _determinism(case, dt, impl, q, k, v, inp, out, deadline, timeout):
     """A second forward on the same inputs must give the same bits."""
     try:
-        again = _limited(deadline, impl.call_forward, q, k, v, inp)
+        again = impl.limit(deadline, impl.call_forward, q, k, v, inp)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
@@ -238,7 +241,7 @@ def _poisoned(case, dt, impl, q, k, v, inp, ref64, honest, rule, deadline, timeo
     k2, v2 = (x if keys is None else np.where(keys, nan, x) for x in (k, v))
     q2 = q if rows is None else np.where(rows, nan, q)
     try:
-        out = _limited(deadline, impl.call_forward, q2, k2, v2, inp)
+        out = impl.limit(deadline, impl.call_forward, q2, k2, v2, inp)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
@@ -253,7 +256,9 @@ def _poisoned(case, dt, impl, q, k, v, inp, ref64, honest, rule, deadline, timeo
 
 def _what(exc, timeout=None):
     if isinstance(exc, CaseTimeout):
-        return f"ran past the time limit of {timeout:g} s"
+        return f"ran past the time limit of {timeout:g} s" + (f"; {exc.args[0]}" if exc.args else "")
+    if isinstance(exc, ImplementationFailure):
+        return str(exc)
     if isinstance(exc, SystemExit):
         return f"SystemExit({exc.code!r}) raised by the implementation"
     return f"{type(exc).__name__}: {exc}"

@@ -151,8 +151,9 @@ class ConformanceReport:
                 lines.append(f"  ... and {len(skipped) - 10} more reasons")
                 break
             lines.append(f"  {n:5d}  {why}")
+        where = "; the implementation in a child process" if self.meta.get("isolated") else ""
         lines.append(f"{c['pass']} passed, {c['FAIL'] + c['error']} failed, {c['skip']} skipped "
-                     f"(suite {self.suite} v{self.suite_version}; {self.seconds:.1f} s)")
+                     f"(suite {self.suite} v{self.suite_version}; {self.seconds:.1f} s{where})")
         lines.append("verdict: " + self.verdict.upper()
                      + (" (every case was skipped: this is not a pass)" if self.verdict == "nothing judged" else ""))
         return "\n".join(lines)
