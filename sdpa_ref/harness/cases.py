@@ -7,8 +7,8 @@ Conformance (:mod:`.conformance`), golden vectors (:mod:`.vectors`) and the
 gradient self-check (:mod:`.selfcheck`) all take their problems from here:
 
 * :func:`get_suite` -- the conformance and vector suites, ``"quick"`` (small
-  shapes, every feature at least once) and ``"full"`` (plus combinations and
-  sizes up to L = S = 512);
+  shapes, every feature at least once, and keys up to S = 136) and ``"full"``
+  (plus combinations and sizes up to L = S = 512);
 * :func:`gradcheck_grid` -- tiny shapes (L, S <= 5) over every combination
   of options, for finite differences.
 
@@ -38,8 +38,8 @@ from .lowp import dequantized, is_fp8, quantize
 __all__ = ["ARRAY_KINDS", "SUITE_VERSION", "SUITES", "Case", "get_suite", "grad_out_for", "gradcheck_grid",
            "tangents_for"]
 
-#: Bumped whenever the cases or their inputs change ("2": plain self-attention, L = S and Hq = Hkv, added).
-SUITE_VERSION = "2"
+#: Bumped whenever the cases or their inputs change ("2": plain self-attention added; "3": two past a block).
+SUITE_VERSION = "3"
 SUITES = ("quick", "full")
 #: The array inputs a case can draw (see :class:`Case`), in the order case names list them.
 ARRAY_KINDS = ("mask", "masked_rows", "float_mask", "bias", "alibi", "lengths", "zero_kv", "dropout")
@@ -253,7 +253,7 @@ def _quick() -> List[Case]:
         _case(6, 8, scale=0.3),
         _case(24, 24, E=16, Ev=16, Hq=4, Hkv=2, arrays=("mask", "bias", "alibi", "lengths"), is_causal=True,
               causal_alignment=br, window=(6, None), softcap=8.0, prefix="all"),
-    ] + _self_attention()
+    ] + _self_attention() + _past_a_block()
 
 
 def _self_attention() -> List[Case]:
@@ -279,6 +279,13 @@ def _self_attention() -> List[Case]:
         name = c.name.replace("-top_left", "") + f"-E{E}-H{H}-b{'x'.join(map(str, batch)) or '0'}"
         out.append(dataclasses.replace(c, name=name))
     return out
+
+
+def _past_a_block() -> List[Case]:
+    """Keys past a block: S = 128 for every kernel (no option), and a causal L = S = 136 (a tail at 16, 64, 128)."""
+    causal = _case(136, 136, E=64, Ev=64, Hq=1, Hkv=1, batch_q=(1,), batch_kv=(1,), is_causal=True, prefix="self")
+    return [_case(16, 128, E=64, Ev=64, prefix="long"),
+            dataclasses.replace(causal, name=causal.name.replace("-top_left", "") + "-E64-H1-b1")]
 
 
 def _full_extra() -> List[Case]:
