@@ -26,7 +26,6 @@ from .engines import fast, reproducible, tiled
 from .engines._threads import single_threaded_blas
 from .engines.contract import AttentionGrads, AttentionResiduals
 from .options import DOC_OPTIONS, FULLY_MASKED_POLICIES, AttentionOptions, check_bool
-from .masks import zero_output_rows
 from .problem import Problem
 from .transforms import unbroadcast
 
@@ -269,11 +268,7 @@ def sdpa_backward(residuals, grad_out, method=None):
     g = V.as_float_array(grad_out, "grad_out")
     if g.shape != prob.out_shape:
         raise ValueError(f"`grad_out` should have the output's shape {prob.out_shape}, but got shape {g.shape}")
-    dO = g.astype(prob.dtype, copy=False).reshape(prob.full_scores[:-1] + (g.shape[-1],))
-    zr = zero_output_rows(residuals.empty, prob.padded_rows(), prob.options.fully_masked)
-    if zr is not None:              # rows whose output is the constant 0: their grad_out is never read
-        dO = np.where(zr, prob.dtype.type(0), dO)
-    dO, do_bad = poison.clean(dO)   # a NaN or inf in grad_out reaches only the gradients that read that row
+    dO, do_bad = prob.clean_grad_out(g, residuals.empty)    # 0 where never read, and where not finite
     with single_threaded_blas():
         if name == "tiled":
             block = residuals.block_size or tiled.lse_blocks(prob.L, prob.S)
@@ -353,17 +348,16 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
             if t.shape != prob.shapes[name]:
                 raise ValueError(f"`tangents[{i}]` should have the shape of `{name}` {prob.shapes[name]}, "
                                  f"but got shape {t.shape}")
-            t = t.astype(prob.dtype, copy=False)
             if name != "bias" and t.ndim == 2:
                 t = t[None]
         conv.append(t)
     dq, dk, dv, db = conv
     if dq is not None:
         dq = dq.reshape(dq.shape[:-3] + prob.q.shape[-4:])
-    (dq, bq), (dk, bk), (dv, bv), (db, bb) = (poison.clean(t) for t in (dq, dk, dv, db))
+    (dq, dk, dv, db), (bq, bk, bv, bb), dv_full = prob.clean_tangents(dq, dk, dv, db)   # as the primals are
     with single_threaded_blas():
         core = reproducible if res.method == "reproducible" else attention
-        dO = core.jvp(prob, res.forward, dq, dk, dv, db)
+        dO = core.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full)
     rows = (None if b is None else b.any(axis=-1) for b in (bq, bk))
     dO = poison.nan_where(dO, poison.jvp_taint(prob, res.empty, (*rows, bv, bb)))
     dO = poison.nan_where(dO, prob.nan_rows_without_keys() if any(t is not None for t in (dq, dk, dv, db)) else None)

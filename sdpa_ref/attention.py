@@ -80,6 +80,9 @@ def forward(prob, *, save_probs=True) -> Forward:
     P = fill_empty_rows(P, empty, prob.padded_rows(), o.fully_masked, S)
     P_drop = dropout_forward(P, prob.keep, o.dropout_p)
     O = _full(_grouped(P_drop, prob) @ v, prob)                     # O = P_drop V
+    vu = prob.averaged_values(empty)
+    if vu is not prob.v:                                            # "uniform": such a row reads every value
+        O = np.where(empty, _full(_grouped(P_drop, prob) @ _kv(vu), prob), O)
     O = fill_output_without_keys(O, o.fully_masked, S, prob.padded_rows())
     zr = zero_output_rows(empty, prob.padded_rows(), o.fully_masked)
     if zr is not None:                                              # 0 by definition: no value is read
@@ -108,11 +111,12 @@ def backward(prob, fwd: Forward, dO) -> Grads:
     return Grads(dq=_full(dq, prob), dk=dk.sum(axis=-3), dv=dv, dmask=dmask, dbias=dbias)
 
 
-def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None):
+def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None):
     """The output tangent ``dO`` ``(..., Hq, L, Ev)`` along the input tangents (None means zero).
 
     ``dq`` is in the layout of ``prob.q``; ``dk``, ``dv`` in that of ``prob.k``, ``prob.v``;
-    ``dbias`` broadcastable to the scores.
+    ``dbias`` broadcastable to the scores; ``dv_full`` the value tangent that the fully masked rows of
+    ``"uniform"`` average (``Problem.clean_tangents``).
     """
     o = prob.options
     P, th = fwd.probs, fwd.tanh
@@ -128,7 +132,11 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None):
             dP = np.where(cr, dP.dtype.type(0), dP)
         dO = _grouped(dropout_jvp(dP, prob.keep, o.dropout_p), prob) @ v
     if dv is not None:
-        dO_v = _grouped(dropout_forward(P, prob.keep, o.dropout_p), prob) @ _kv(dv)
+        Pd = _grouped(dropout_forward(P, prob.keep, o.dropout_p), prob)
+        dO_v = Pd @ _kv(dv)
+        dvu = prob.averaged_values(fwd.empty, dv, dv_full)
+        if dvu is not dv:
+            dO_v = np.where(_grouped(fwd.empty, prob), Pd @ _kv(dvu), dO_v)
         dO = dO_v if dO is None else dO + dO_v
     if dO is None:
         return np.zeros(prob.full_scores[:-1] + (prob.v.shape[-1],), prob.dtype)

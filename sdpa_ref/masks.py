@@ -41,6 +41,7 @@ __all__ = [
     "padded_rows",
     "padding_mask",
     "policy_fill",
+    "reads",
     "window_mask",
 ]
 
@@ -124,6 +125,49 @@ def padded_rows(L, q_lengths, rows=None):
         return None
     i0, i1 = rows if rows is not None else (0, L)
     return np.arange(i0, i1)[:, None] >= _per_batch(q_lengths)
+
+
+def reads(allowed, nd, G, keep=None):
+    """What the allowed scores of a block of rows read: ``(rows, keys, values)``, bool, True = read; None: all.
+
+    Parameters
+    ----------
+    allowed : ndarray of bool, broadcastable to (*batch, Hq, Lb, S), or None
+        The allowed set (:func:`allowed_set`) of the block, in a problem whose scores have ``nd`` dims.
+    G : int
+        Query heads per kv head.
+    keep : ndarray of bool, broadcastable to (*batch, Hq, Lb, S), optional
+        The block's dropout keep mask: a value whose every allowed entry is dropped is not read.
+
+    Returns
+    -------
+    rows : (*batch, Hq, Lb) -- the query rows with an allowed key
+    keys, values : (*batch, Hkv, S) -- the keys that a row of the block, of a head of the kv head's group,
+        allows (values: and keeps)
+
+    Each may have 1 where the allowed set does not vary (it broadcasts).
+    This is the one model of what is read: :class:`~sdpa_ref.problem.Problem`
+    writes 0 where nothing reads, so that no arithmetic sees what memory
+    holds there.
+    """
+    if allowed is None and keep is None:
+        return None, None, None
+    a = np.ones((1,) * nd, bool) if allowed is None else _rank(allowed, nd)
+    rows = None if allowed is None else np.any(a, axis=-1)
+    keys = None if allowed is None else _any_of_group(np.any(a, axis=-2), G)
+    values = keys if keep is None else _any_of_group(np.any(a & _rank(keep, nd), axis=-2), G)
+    return rows, keys, values
+
+
+def _rank(a, nd):
+    return np.asarray(a).reshape((1,) * (nd - np.ndim(a)) + np.shape(a))
+
+
+def _any_of_group(x, G):
+    """``(..., Hq, S)`` -> ``(..., Hkv, S)``: True where True for some query head of the kv head's group."""
+    if x.shape[-2] == 1 or G == 1:
+        return x
+    return np.any(x.reshape(x.shape[:-2] + (x.shape[-2] // G, G, x.shape[-1])), axis=-2)
 
 
 # ------------------------------------------------------------ the policy

@@ -2,10 +2,12 @@ r"""Non-finite inputs: a NaN or inf reaches only the results that read it.
 
 The contract (``SEMANTICS.md``, "Excluded positions are never read"):
 whatever is stored at a position that a result does not read -- NaN and
-inf included -- cannot change that result. The engines compute with dense
-products, in which an excluded entry is an exact 0 times what is stored
-there, and ``0 * NaN`` is NaN. So the reference works in two steps, the same
-for every engine and precision:
+inf included -- cannot change that result. What no result reads at all is
+0 in the problem's own copies already (:meth:`Problem.build`, from
+:func:`masks.reads`). The rest is read by some results and not by others:
+the engines compute with dense products, in which an excluded entry is an
+exact 0 times what is stored there, and ``0 * NaN`` is NaN. So the reference
+works in two steps, the same for every engine and precision:
 
 1. :func:`scrub` (called by :meth:`Problem.build`): the problem's own copies
    hold 0 wherever an input is not finite (``-inf`` in a float mask or bias
@@ -243,8 +245,10 @@ def backward_taint(prob, empty, grads, do_bad):
             cell = _to_full_rows(rk & g[..., None], prob)
             for acc in add_bad.values():
                 _or_into(acc, cell, rows)
-    out = grads._replace(dq=nan_where(grads.dq, _to_full_rows(dq_bad, prob)[..., None]),
-                         dk=nan_where(grads.dk, dk_bad[..., None]), dv=nan_where(grads.dv, dv_bad))
+    E = prob.q.shape[-1]
+    out = grads._replace(dq=nan_where(grads.dq, _fit(_to_full_rows(dq_bad, prob)[..., None], grads.dq, E)),
+                         dk=nan_where(grads.dk, _fit(dk_bad[..., None], grads.dk, E)),
+                         dv=nan_where(grads.dv, _fit(dv_bad, grads.dv, Ev)))
     for n, acc in add_bad.items():
         out = out._replace(**{"d" + n: nan_where(getattr(grads, "d" + n), acc)})
     return out
@@ -273,6 +277,14 @@ def jvp_taint(prob, empty, tangents_bad):
             b = b | _any_cols(rv, vcols)
         bad[..., i0:i1, :] = b
     return _to_full_rows(bad, prob)
+
+
+def _fit(bad, grad, n):
+    """``bad`` (full batch, a trailing axis of 1 or ``n``) for a gradient that the engine may have summed to its
+    input's own shape already (the reproducible one does): broadcast, then reduced as the gradient was."""
+    full = bad.shape[:-1] + (n,)
+    bad = np.broadcast_to(bad, full)
+    return bad if grad.shape == full else unbroadcast(bad.astype(np.int64), grad.shape) > 0
 
 
 def _or(a, b):

@@ -13,21 +13,38 @@ Layouts (the shape legend of the package, plus the group axis ``G``)::
 Query head ``h = kv * G + g`` reads kv head ``kv``, which is what
 ``repeat_interleave`` on the head axis gives, so ``(..., Hkv, G, L, ...)``
 and ``(..., Hq, L, ...)`` are the same memory: a reshape, never a copy.
+
+The problem's own copies hold 0 wherever no result reads them
+(:func:`masks.reads`: query rows with no allowed key, keys and values that
+no row of their kv head allows, mask and bias entries outside the allowed
+set), so that no arithmetic of any engine -- a dense product, an exact
+product's scaling -- ever sees what memory holds there, and 0 where an input
+is not finite (:mod:`.poison` says which results read it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from . import _validate as V
-from .masks import allowed_set, check_lengths, padded_rows
+from .masks import allowed_set, check_lengths, padded_rows, reads, slice_ls, zero_output_rows
 from .options import AttentionOptions
-from .poison import Poison, scrub
+from .poison import Poison, clean, scrub
 
-__all__ = ["Problem"]
+__all__ = ["Problem", "Unread"]
+
+
+class Unread(NamedTuple):
+    """Where no result reads an input (True), in each array's own shape (a trailing 1 for a row), or None."""
+
+    q: Optional[np.ndarray]         # (..., Hkv, G, L, 1) query rows
+    k: Optional[np.ndarray]         # (..., Hkv, S, 1)
+    v: Optional[np.ndarray]         # (..., Hkv, S, 1)
+    mask: Optional[np.ndarray]      # the float mask's shape
+    bias: Optional[np.ndarray]      # the bias's shape
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,8 @@ class Problem:
     dtypes: dict
     out_dtype: np.dtype
     poison: Optional[Poison] = None  # where the inputs were not finite (the own copies hold 0 there), or None
+    v_full: Optional[np.ndarray] = None  # "uniform": the values, non-finite ones only made 0 (averaged_values)
+    unread: Optional[Unread] = None     # where the own copies hold 0 because no result reads them
 
     @classmethod
     def build(cls, query, key, value, opts: AttentionOptions, *, complex_ok=False) -> "Problem":
@@ -124,22 +143,31 @@ class Problem:
         ct = np.result_type(out_dtype, np.float64) if (opts.upcast or complex_ok) else out_dtype
         rt = np.dtype(ct.type(0).real.dtype)
         G = Hq // Hkv if Hkv else 1
-        dead_q = _dead(q_lengths, L, batch, qh.shape[:-3])          # rows and keys past the lengths: never read
-        dead_kv = _dead(kv_lengths, S, batch, kh.shape[:-3])
-        dead_v = None if opts.fully_masked == "uniform" else _dead(kv_lengths, S, batch, vh.shape[:-3])
-        own = {"q": _own(qh, ct, dead_q, writable=True), "k": _own(kh, ct, dead_kv, writable=True),
-               "v": _own(vh, ct, dead_v, writable=True),
-               "mask": _own(mask_float, ct, writable=True), "bias": _own(bias, ct, writable=True),
+        at = _unread(full_scores, G, opts, q_lengths, kv_lengths, mask_bool, keep,
+                     {"q": qh.shape[:-1], "k": kh.shape[:-1], "v": vh.shape[:-1],
+                      "mask": None if mask_float is None else mask_float.shape,
+                      "bias": None if bias is None else bias.shape})
+        own = {"q": _own(qh, ct, at.q, True), "k": _own(kh, ct, at.k, True),
+               "mask": _own(mask_float, ct, at.mask, True), "bias": _own(bias, ct, at.bias, True),
                "alibi": _own(alibi, rt, writable=True)}
-        bad = {"q": scrub(own["q"], rows=True), "k": scrub(own["k"], rows=True), "v": scrub(own["v"]),
+        bad = {"q": scrub(own["q"], rows=True), "k": scrub(own["k"], rows=True),
                "mask": scrub(own["mask"], additive=True), "bias": scrub(own["bias"], additive=True),
                "alibi": scrub(own["alibi"])}                     # poison is read only where it is read: poison.py
+        v_full = None
+        if opts.fully_masked == "uniform":                  # a fully masked row averages every value it keeps
+            v_full = _own(vh, ct, writable=True)
+            bad["v"] = scrub(v_full)
+            own["v"] = v_full if at.v is None else _own(v_full, ct, at.v)
+        else:
+            own["v"] = _own(vh, ct, at.v, True)
+            bad["v"] = scrub(own["v"])
         poison = None
         if any(b is not None for b in bad.values()):
             bq = bad["q"]
             poison = Poison(q=None if bq is None else bq.reshape(qh.shape[:-3] + (Hkv, G, L)), k=bad["k"],
                             v=bad["v"], mask=bad["mask"], bias=bad["bias"], alibi=bad["alibi"])
-        for a in own.values():
+        at = at._replace(q=None if at.q is None else at.q.reshape(qh.shape[:-3] + (Hkv, G, L, 1)))
+        for a in (*own.values(), v_full):
             if a is not None:
                 a.setflags(write=False)
         return cls(
@@ -153,7 +181,7 @@ class Problem:
             dtypes={"query": q.dtype, "key": k.dtype, "value": v.dtype,
                     "attn_mask": None if mask_float is None else mask_float.dtype,
                     "bias": None if bias is None else bias.dtype},
-            out_dtype=out_dtype, poison=poison,
+            out_dtype=out_dtype, poison=poison, v_full=v_full, unread=at,
         )
 
     # ----------------------------------------------------------- shapes
@@ -216,6 +244,63 @@ class Problem:
         pad = self.padded_rows()
         return np.ones(shape, bool) if pad is None else np.broadcast_to(~pad, shape)
 
+    # ---------------------------------------------------- unread memory
+
+    def averaged_values(self, empty, zeroed=None, full=None, rows=None):
+        """What the rows ``empty`` ``(*batch, Hq, Lb, 1)`` (of the row block ``rows``) average under
+        ``fully_masked="uniform"``, ``(..., Hkv, S, n)``: the values (or their tangent, ``zeroed`` and ``full``)
+        as given where one of those rows keeps the key, and as the other rows read them elsewhere.
+
+        ``zeroed`` is what every other row reads (:attr:`v`, 0 where no allowed entry reads it); ``full`` the
+        same cleaned of non-finite entries only (:attr:`v_full`). Such a row averages every value that its
+        dropout keeps, whatever the allowed set says; what no row reads stays 0, so that no arithmetic -- the
+        exact products' scaling included -- sees it.
+        """
+        zeroed, full = (self.v, self.v_full) if zeroed is None else (zeroed, full)
+        if full is None or full is zeroed or not np.any(empty):
+            return zeroed
+        i0, i1 = rows if rows is not None else (0, self.L)
+        pad = self.padded_rows(rows)
+        e = empty if pad is None else (empty & ~pad)
+        if self.keep is not None:
+            e = e & slice_ls(self.keep, i0, i1, 0, None)
+        e = np.broadcast_to(e, self.batch + (self.Hq, i1 - i0, e.shape[-1]))
+        kept = np.any(e.reshape(self.batch + (self.Hkv, self.G * (i1 - i0), e.shape[-1])), axis=-2)
+        return np.where(_fold(kept, zeroed.shape[:-1], np.any)[..., None], full, zeroed)
+
+    def clean_grad_out(self, g, empty):
+        """``(dO, where it was not finite or None)``: ``grad_out`` in the compute dtype and the layout
+        ``(*batch, Hq, L, Ev)``, 0 on the rows whose output is the constant 0 (``empty``: the forward's rows
+        without a key), which no gradient reads, and where it is not finite (:func:`poison.clean`)."""
+        dO = _cast(g, self.dtype).reshape(self.full_scores[:-1] + (g.shape[-1],))
+        zr = zero_output_rows(empty, self.padded_rows(), self.options.fully_masked)
+        if zr is not None:
+            dO = np.where(zr, self.dtype.type(0), dO)
+        return clean(dO)
+
+    def clean_tangents(self, dq, dk, dv, dbias):
+        """The JVP's tangents (in the layouts of :attr:`q`, :attr:`k`, :attr:`v` and the bias; None is zero) as
+        the problem's inputs are cleaned: in the compute dtype, 0 where no result reads them, and where they
+        are not finite.
+
+        Returns ``((dq, dk, dv, dbias), (where each was not finite, or None), dv_full)``, ``dv_full`` the value
+        tangent as the rows of ``"uniform"`` average it (:meth:`averaged_values`), or None.
+        """
+        at = self.unread if self.unread is not None else Unread(None, None, None, None, None)
+        ts, bads, dv_full = [], [], None
+        dq, dk, dv, dbias = (None if t is None else _cast(t, self.dtype) for t in (dq, dk, dv, dbias))
+        for t, dead in ((dq, at.q), (dk, at.k), (dv, at.v), (dbias, at.bias)):
+            if t is not None and t is dv and self.v_full is not None:      # "uniform" rows read it all
+                dv_full, b = clean(t)
+                t = dv_full if dead is None else np.where(dead, t.dtype.type(0), dv_full)
+            elif t is not None:
+                t, b = clean(t if dead is None else np.where(dead, t.dtype.type(0), t))
+            else:
+                b = None
+            ts.append(t)
+            bads.append(b)
+        return tuple(ts), tuple(bads), dv_full
+
 
 def _as_generator(rng):
     if rng is None:
@@ -235,21 +320,6 @@ def _lengths(x, name):
     return None if x is None else V.as_array(x, name, "an integer array of per-batch lengths")
 
 
-def _dead(lengths, n, batch, own_batch):
-    """``(*own_batch, 1, n, 1)`` bool: the positions past ``lengths`` for every batch entry that shares an
-    array's memory (an input broadcast over a batch dim is live if any entry there reads it); or None."""
-    if lengths is None:
-        return None
-    dead = np.broadcast_to(np.arange(n) >= lengths[..., None], tuple(batch) + (n,))
-    off = len(batch) - len(own_batch)
-    shared = tuple(i for i in range(len(batch)) if i < off or own_batch[i - off] == 1)
-    if shared:
-        dead = np.all(dead, axis=shared, keepdims=True)
-    dead = dead.reshape(dead.shape[off:])                  # the leading dims the array lacks are 1 now
-    dead = dead.reshape(tuple(own_batch) + (1, n, 1))
-    return dead if dead.any() else None
-
-
 def _own(a, dtype=None, dead=None, writable=False):
     """The problem's own read-only copy of ``a`` (None stays None), 0 where ``dead`` is True.
 
@@ -258,18 +328,85 @@ def _own(a, dtype=None, dead=None, writable=False):
     Nothing the caller does to the arrays it passed in can then change the
     residuals, and no engine can write into them. The cost is one copy of
     each input, small next to the ``L x S`` work (a full-size float mask or
-    bias is copied too). Query rows past ``q_lengths`` and keys past
-    ``kv_lengths`` (values too, except under ``fully_masked="uniform"``,
-    whose empty rows average every value by definition) are set to 0: the
-    engines' products multiply them by exact zeros, and ``0 * NaN`` would
-    leak whatever the padding holds.
+    bias is copied too). Where no result reads it (``dead``, from
+    :func:`masks.reads`: padding past the lengths, keys and values that
+    causal, window or bool mask exclude for every row, query rows with no
+    key) it holds 0: whatever memory holds there -- NaN, ``1e308``, random
+    bits -- never meets an arithmetic operation (``0 * NaN``, an overflowing
+    ``dO V^T``, an exact product's scaling by its column's maximum).
     """
     if a is None:
         return None
-    a = np.array(a, dtype=dtype, copy=True)
+    with np.errstate(invalid="ignore"):                    # a signalling NaN (random bits) casts quietly
+        a = np.array(a, dtype=dtype, copy=True)
     if dead is not None:                                   # what is stored there is never read: make it 0
-        a[np.broadcast_to(dead, a.shape)] = 0
+        np.copyto(a, 0, where=dead)
     if not writable:
         a.setflags(write=False)
     return a
 
+
+def _fold(x, shape, how):
+    """Bool ``x`` (broadcastable with the full problem's layout) brought to an array's own ``shape``: ``how``
+    (``np.all`` or ``np.any``) over the dims that array broadcasts over (1 or missing in ``shape``)."""
+    nd = max(x.ndim, len(shape))
+    x = x.reshape((1,) * (nd - x.ndim) + x.shape)
+    own = (1,) * (nd - len(shape)) + tuple(shape)
+    axes = tuple(i for i in range(nd) if own[i] == 1 and x.shape[i] != 1)
+    if axes:
+        x = how(x, axis=axes, keepdims=True)
+    return np.broadcast_to(x.reshape(x.shape[nd - len(shape):]), tuple(shape))
+
+
+def _cast(a, dtype):
+    """``a`` in ``dtype`` (itself when it is already); a signalling NaN (random bits in memory) casts quietly."""
+    with np.errstate(invalid="ignore"):
+        return a.astype(dtype, copy=False)
+
+
+#: Score entries per block of rows when the unread positions are found: no whole L x S allowed set is made.
+_BLOCK_ENTRIES = 1 << 20
+
+
+def _unread(full, G, opts, q_lengths, kv_lengths, mask, keep, shapes):
+    """The :class:`Unread` record: where no allowed score reads each input (:func:`masks.reads`), in the input's own
+    ``shapes`` (an input broadcast over a batch or head dim is read if any entry there reads it)."""
+    nd, L, S = len(full), full[-2], full[-1]
+    step = max(1, _BLOCK_ENTRIES // max(1, int(np.prod(full[:-2] + (S,)))))
+    rows, keys, values, cells = [], None, None, {}
+    for i0 in range(0, L, step):
+        i1 = min(L, i0 + step)
+        a = allowed_set(L, S, is_causal=opts.is_causal, window=opts.window, alignment=opts.causal_alignment,
+                        q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask, rows=(i0, i1))
+        r, kr, vr = reads(a, nd, G, None if keep is None else slice_ls(keep, i0, i1, 0, None))
+        if vr is None:                                     # nothing is excluded: the same for every block
+            return Unread(None, None, None, None, None)
+        if r is not None:
+            rows.append(np.broadcast_to(r, r.shape[:-1] + (i1 - i0,)))
+            keys = kr if keys is None else (keys | kr)
+        values = vr if values is None else (values | vr)
+        for n in ("mask", "bias"):
+            if a is not None and shapes[n] is not None:    # an entry outside the allowed set of every row
+                own = (1,) * (nd - len(shapes[n])) + tuple(shapes[n])
+                vary = own[-2] != 1
+                blk = _fold(~a, own[:-2] + (i1 - i0 if vary else 1, own[-1]), np.all)
+                cells[n] = blk if n not in cells else (np.concatenate([cells[n], blk], axis=-2) if vary
+                                                        else cells[n] & blk)
+    rows = np.concatenate(rows, axis=-1) if rows else None
+    return Unread(q=_col(_unread_in(rows, shapes["q"])), k=_col(_unread_in(keys, shapes["k"])),
+                  v=_col(_unread_in(values, shapes["v"])),
+                  **{n: None if n not in cells or not cells[n].any() else cells[n].reshape(shapes[n])
+                     for n in ("mask", "bias")})
+
+
+def _col(x):
+    return None if x is None else x[..., None]
+
+
+def _unread_in(read, shape):
+    """Where ``read`` (True = read, in the full layout) is False for every entry of the problem that reads an
+    array of ``shape`` at that place; None when nowhere."""
+    if read is None:
+        return None
+    x = _fold(~read, shape, np.all)
+    return x if x.any() else None

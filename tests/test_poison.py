@@ -122,3 +122,18 @@ def test_a_clean_problem_carries_no_poison_record():
     arrays, opts = _problem("causal-mask-zero")
     _, res = sdpa_ref.sdpa_forward(arrays["query"], arrays["key"], arrays["value"], bias=arrays["bias"], **opts)
     assert res.problem.poison is None and res.taint is None
+
+
+@pytest.mark.parametrize("how", list(HOWS))
+def test_a_poisoned_row_of_one_batch_entry_leaves_the_shared_gradients_of_the_others_alone(how):
+    # keys and values broadcast over the batch: the reproducible engine sums their gradients to their own shape
+    # itself, and the NaN pattern has to be summed down the same way (it used to broadcast them back: twice dV)
+    rng = np.random.default_rng(13)
+    q, g = rng.standard_normal((2, 1, 3, 2)), rng.standard_normal((2, 1, 3, 2))
+    k, v = rng.standard_normal((1, 1, 3, 2)), rng.standard_normal((1, 1, 3, 2))
+    res = sdpa_ref.sdpa_forward(q, k, v, **HOWS[how])[1]
+    clean = sdpa_ref.sdpa_backward(res, g)
+    g[1, 0, 2, 0] = np.nan                                  # reaches dV's column 0 only
+    got = sdpa_ref.sdpa_backward(res, g)
+    assert np.isnan(got.value[..., 0]).all()
+    np.testing.assert_array_equal(got.value[..., 1], clean.value[..., 1])

@@ -118,7 +118,11 @@ def forward(prob, *, save_probs=True) -> Forward:
     padded = prob.padded_rows()
     if np.any(empty):                                  # the policy's rows, then O again (a rare path)
         P = fill_empty_rows(P, empty, padded, o.fully_masked, S)
-        O = dropout_forward(P, prob.keep, o.dropout_p).reshape(lay.grouped + (S,)) @ prob.v
+        Pd = dropout_forward(P, prob.keep, o.dropout_p).reshape(lay.grouped + (S,))
+        O = Pd @ prob.v
+        vu = prob.averaged_values(empty)
+        if vu is not prob.v:                           # "uniform": such a row reads every value
+            O = np.where(empty.reshape(lay.grouped + (1,)), Pd @ vu, O)
     O = fill_output_without_keys(O.reshape(full[:-1] + (Ev,)), o.fully_masked, S, padded)
     zr = zero_output_rows(empty, padded, o.fully_masked)
     if zr is not None:                                 # 0 by definition: no value is read

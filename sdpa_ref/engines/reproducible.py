@@ -112,7 +112,7 @@ def forward(prob, *, save_probs=True) -> Forward:
         lse[ix] = np.where(em, -np.inf, X.value(X.add(X.log(sm), mx)))
 
     _by_rows(full, rows)
-    O = _round(X, X.matmul(_grouped(Pd, prob), _kv(prob.v), final=True))
+    O = _round(X, _times_values(X, prob, Pd, empty, prob.v, prob.v_full, final=True))
     O = fill_output_without_keys(_full(O, prob), o.fully_masked, S, padded)
     zr = zero_output_rows(empty, padded, o.fully_masked)
     if zr is not None:                                               # 0 by definition: no value is read
@@ -166,8 +166,9 @@ def backward(prob, fwd: Forward, dO) -> Grads:
 
 
 @_quiet
-def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None):
-    """The output tangent, the core's JVP (tangents in the core's layouts; None is zero)."""
+def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None):
+    """The output tangent, the core's JVP (tangents in the core's layouts; None is zero; ``dv_full`` as in
+    :func:`sdpa_ref.attention.jvp`)."""
     X = for_problem(prob)
     o, full, nd = prob.options, prob.full_scores, len(prob.full_scores)
     P, Pd, th = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["tanh"]
@@ -200,7 +201,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None):
         _by_rows(full, rows)
         dO = X.matmul(_grouped(dPd, prob), _kv(prob.v))
     if dv is not None:
-        u = X.matmul(_grouped(Pd, prob), _kv(dv))
+        u = _times_values(X, prob, Pd, fwd.empty, dv, dv_full)
         dO = u if dO is None else X.add(dO, u)
     if dO is None:
         return np.zeros(full[:-1] + (prob.v.shape[-1],), X.dtype)
@@ -253,6 +254,17 @@ def _softmax_vjp(X, P, g):
 def _excluded(prob):
     a = prob.allowed()
     return None if a is None else ~a
+
+
+def _times_values(X, prob, P, empty, v, v_full, final=False):
+    """``P V`` (or ``P dV``) per kv head, ``(..., Hkv, G, L, Ev)``; the fully masked rows of ``"uniform"`` take the
+    values they average (:meth:`Problem.averaged_values`), the others the ones no allowed entry skips."""
+    Pg = _grouped(P, prob)
+    out = X.matmul(Pg, _kv(v), final=final)
+    vu = prob.averaged_values(empty, v, v_full)
+    if vu is not v:
+        out = X.where(_grouped(empty, prob), X.matmul(Pg, _kv(vu), final=final), out)
+    return out
 
 
 def _fill_rows(X, P, empty, padded, policy, S):

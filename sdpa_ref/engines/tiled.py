@@ -136,9 +136,10 @@ def _policy_rows(prob, bl, out, row_empty, i0, i1):
     o, S = prob.options, prob.S
     if o.fully_masked == "uniform":                                 # P = 1/S on every key: a pass over V
         u = np.zeros(out.shape, dtype=out.dtype)
+        vu = prob.averaged_values(row_empty, rows=(i0, i1))       # such a row reads every value it keeps
         for j0, j1 in _ranges(S, max(1, i1 - i0)):
             w = np.full(out.shape[:-1] + (j1 - j0,), policy_fill("uniform", S), dtype=out.dtype)
-            u = u + bl.times_v(dropout_forward(w, bl.keep(i0, i1, j0, j1), o.dropout_p), j0, j1)
+            u = u + bl.times_v(dropout_forward(w, bl.keep(i0, i1, j0, j1), o.dropout_p), j0, j1, vu)
         out = np.where(row_empty, u, out)
     else:
         out = np.where(row_empty, out.dtype.type(policy_fill(o.fully_masked, S)), out)
@@ -288,9 +289,10 @@ class _Blocks:
     def keep(self, i0, i1, j0, j1):
         return block_of(self.p.keep, len(self.p.full_scores), None, (i0, i1), (j0, j1))
 
-    def times_v(self, P, j0, j1):
-        """``P (..., Hq, bi, bj) @ V_J`` per kv head: ``(..., Hq, bi, Ev)``."""
-        out = self.grouped(P) @ self.p.v[..., None, j0:j1, :]
+    def times_v(self, P, j0, j1, v=None):
+        """``P (..., Hq, bi, bj) @ V_J`` per kv head (``v``: other values than the problem's): ``(..., Hq, bi, Ev)``."""
+        v = self.p.v if v is None else v
+        out = self.grouped(P) @ v[..., None, j0:j1, :]
         return out.reshape(out.shape[:-4] + (self.p.Hq,) + out.shape[-2:])
 
     def grouped(self, x):
