@@ -31,7 +31,7 @@ Backward, from ``dO``::
     dP     = (dO V^T) * Z / (1 - p)
     dT     = P * (dP - rowsum(P * dP))              softmax_vjp (pivoted: see row_pivot)
     dB     = dT summed to the mask's / bias's shape additive_vjp
-    dTraw  = dT * (1 - tanh^2)                      softcap_vjp (only with softcap)
+    dTraw  = dT * (1 - tanh^2)                      softcap_vjp (only with softcap; as sech^2, no cancellation)
     dQ     = scale * dTraw K
     dK     = scale * dTraw^T Q, summed over the group
 
@@ -72,7 +72,7 @@ def forward(prob, *, save_probs=True) -> Forward:
     k, v = _kv(prob.k), _kv(prob.v)
     Traw = scores_forward(prob.q, k, prob.scale)                    # (..., Hkv, G, L, S)
     T = _full(Traw, prob, copy=True)                                # (..., Hq, L, S)
-    T, th = transform_scores(prob, T)
+    T, sech2 = transform_scores(prob, T, sech2=save_probs)            # sech2 = 1 - tanh^2: softcap's slope
     P, m, s = softmax_parts(T)                                       # exp(-inf) = 0 outside A
     with np.errstate(divide="ignore"):
         lse = m + np.log(s)                                         # -inf on a row with no key
@@ -88,13 +88,13 @@ def forward(prob, *, save_probs=True) -> Forward:
     if zr is not None:                                              # 0 by definition: no value is read
         O = np.where(zr, O.dtype.type(0), O)
     return Forward(out=O, lse=lse[..., 0], probs=P if save_probs else None,
-                   tanh=th if save_probs else None, empty=empty, rowmax=m, rowsum=s)
+                   tanh=sech2 if save_probs else None, empty=empty, rowmax=m, rowsum=s)
 
 
 def backward(prob, fwd: Forward, dO) -> Grads:
     """The plain backward from the saved ``P``: see the module docstring."""
     o = prob.options
-    P, th = fwd.probs, fwd.tanh
+    P, sech2 = fwd.probs, fwd.tanh
     k, v = _kv(prob.k), _kv(prob.v)
     dO = _grouped(dO, prob)                                         # (..., Hkv, G, L, Ev)
     P_drop = dropout_forward(P, prob.keep, o.dropout_p)
@@ -106,7 +106,7 @@ def backward(prob, fwd: Forward, dO) -> Grads:
         dT = np.where(cr, dT.dtype.type(0), dT)
     dmask = None if prob.mask_float is None else additive_vjp(dT, prob.shapes["attn_mask"])
     dbias = None if prob.bias is None else additive_vjp(dT, prob.shapes["bias"])
-    dTraw = transform_scores_vjp(dT, th)                            # through softcap
+    dTraw = transform_scores_vjp(dT, sech2)                         # through softcap
     dq, dk = scores_vjp(_grouped(dTraw, prob), prob.q, k, prob.scale)
     return Grads(dq=_full(dq, prob), dk=dk.sum(axis=-3), dv=dv, dmask=dmask, dbias=dbias)
 
@@ -119,13 +119,13 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None)
     ``"uniform"`` average (``Problem.clean_tangents``).
     """
     o = prob.options
-    P, th = fwd.probs, fwd.tanh
+    P, sech2 = fwd.probs, fwd.tanh
     k, v = _kv(prob.k), _kv(prob.v)
     dO = None
     if dq is not None or dk is not None or dbias is not None:
         dTraw = scores_jvp(prob.q, k, dq, None if dk is None else _kv(dk), prob.scale)
         dTraw = np.zeros(prob.full_scores, prob.dtype) if dTraw is None else _full(dTraw, prob)
-        dT = transform_scores_jvp(dTraw, th, dbias)
+        dT = transform_scores_jvp(dTraw, sech2, dbias)
         dP = softmax_jvp(P, np.broadcast_to(dT, P.shape))           # P * (dT - rowsum(P * dT))
         cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)
         if cr is not None:

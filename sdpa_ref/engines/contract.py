@@ -34,7 +34,8 @@ class Forward(NamedTuple):
     out: np.ndarray                    # O    (*batch, Hq, L, Ev)
     lse: np.ndarray                    # LSE  (*batch, Hq, L); -inf on rows with no allowed key
     probs: Optional[np.ndarray]        # P    (*batch, Hq, L, S), or None when not saved
-    tanh: Optional[np.ndarray]         # tanh(Traw / cap) (*batch, Hq, L, S) with softcap and saved P, else None
+    tanh: Optional[np.ndarray]         # softcap's slope 1 - tanh^2(Traw / cap), computed as sech^2 (no cancellation),
+    #                                    (*batch, Hq, L, S) with softcap and saved P, else None (the name is kept)
     empty: np.ndarray                  # (*batch, Hq, L, 1) bool: rows with no allowed key
     rowmax: np.ndarray                 # m (*batch, Hq, L, 1), real: the row's max score, 0 on rows with no key
     rowsum: np.ndarray                 # s (*batch, Hq, L, 1): sum_j exp(T_j - m); LSE = m + log(s)
@@ -104,6 +105,8 @@ class AttentionResiduals:
 
     @property
     def tanh(self):
+        """Softcap's derivative ``1 - tanh^2(Traw / cap)`` ``(..., Hq, L, S)``, computed as ``sech^2`` without
+        cancellation (what the backward multiplies by; the name is the transform's), or None."""
         return self.forward.tanh
 
     @property

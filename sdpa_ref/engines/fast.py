@@ -63,7 +63,7 @@ _CACHE_ENTRIES = 1 << 19
 
 
 def forward(prob, *, save_probs=True) -> Forward:
-    """``(O, lse, P, tanh, empty)`` as the contract says."""
+    """``(O, lse, P, softcap's sech^2, empty)`` as the contract says."""
     lay = _Layout(prob)
     o, full, lead, S = prob.options, lay.full, lay.lead, lay.S
     GL, Ev = lay.grouped[-1], prob.v.shape[-1]
@@ -75,7 +75,7 @@ def forward(prob, *, save_probs=True) -> Forward:
     rowmax = np.empty(lead + (GL, 1), dtype=ct)
     rowsum = np.empty(lead + (GL, 1), dtype=ct)
     empty = np.empty(lead + (GL, 1), dtype=bool)
-    th = None if o.softcap is None else np.empty_like(T)
+    sech2 = None if o.softcap is None or not save_probs else np.empty_like(T)      # softcap's slope
     allowed = prob.allowed()
     sub = max(1, _CACHE_ENTRIES // max(S, 1))          # rows per cache-sized block
 
@@ -102,7 +102,8 @@ def forward(prob, *, save_probs=True) -> Forward:
         qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
         Tc = T[idx]
         scores_forward(qc, k, prob.scale, out=Tc)
-        transform_scores(prob, lay.full_view(Tc), lead=fidx, tanh_out=None if th is None else lay.full_view(th[idx]),
+        transform_scores(prob, lay.full_view(Tc), lead=fidx,
+                         sech2_out=None if sech2 is None else lay.full_view(sech2[idx]),
                          allowed=block_of(allowed, lay.nd_f, fidx))
         rows = (_rows(Tc), _rows(lse[idx]), _rows(empty[idx]), _rows(rowmax[idx]), _rows(rowsum[idx]))
         if inner_parallel:
@@ -128,7 +129,7 @@ def forward(prob, *, save_probs=True) -> Forward:
     if zr is not None:                                 # 0 by definition: no value is read
         O = np.where(zr, ct.type(0), O)
     return Forward(out=O, lse=lse.reshape(full[:-1]), probs=P if save_probs else None,
-                   tanh=None if (th is None or not save_probs) else th.reshape(full), empty=empty,
+                   tanh=None if sech2 is None else sech2.reshape(full), empty=empty,
                    rowmax=rowmax.reshape(full[:-1] + (1,)), rowsum=rowsum.reshape(full[:-1] + (1,)))
 
 
@@ -141,7 +142,7 @@ def backward(prob, fwd: Forward, dO) -> Grads:
     q = prob.q.reshape(prob.q.shape[:-4] + (prob.Hkv, grouped[-1], E))
     dO = dO.reshape(grouped + (Ev,))
     Pg = np.broadcast_to(fwd.probs, full).reshape(grouped + (S,))
-    thg = None if fwd.tanh is None else np.broadcast_to(fwd.tanh, full).reshape(grouped + (S,))
+    sdg = None if fwd.tanh is None else np.broadcast_to(fwd.tanh, full).reshape(grouped + (S,))   # sech^2
     # the whole dT is kept only when attn_mask or bias needs its gradient (summed down afterwards);
     # otherwise each chunk works in its own buffer, which the allocator reuses
     keep_dT = prob.mask_float is not None or prob.bias is not None
@@ -183,7 +184,7 @@ def backward(prob, fwd: Forward, dO) -> Grads:
             score_grad_rows(*rows)                                         # dT = (dP - D) * P
         if crg is not None:
             np.copyto(dTc, 0.0, where=crg[idx])
-        dTraw = transform_scores_vjp(dTc, None if thg is None else thg[idx], out=None if keep_dT else dTc)
+        dTraw = transform_scores_vjp(dTc, None if sdg is None else sdg[idx], out=None if keep_dT else dTc)
         scores_vjp(dTraw, qc, k, prob.scale, dq_out=dq[idx], dk_out=dk[idx])
 
     _run(chunk, lay.chunks)

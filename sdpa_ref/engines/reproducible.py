@@ -69,13 +69,13 @@ def _quiet(fn):
 
 @_quiet
 def forward(prob, *, save_probs=True) -> Forward:
-    """The forward; ``probs`` is ``P`` rounded, the full-precision ``P`` and ``tanh`` ride in ``extra``."""
+    """The forward; ``probs`` is ``P`` rounded, the full-precision ``P`` and softcap's ``sech^2`` ride in ``extra``."""
     X = for_problem(prob)
     o, S, full, nd = prob.options, prob.S, prob.full_scores, len(prob.full_scores)
-    Sraw = _full(X.matmul(prob.q, _t(_kv(prob.k))), prob)                              # Q K^T, (..., Hq, L, S)
+    Traw = _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale), prob)           # scale Q K^T, (..., Hq, L, S)
     P = X.empty(full)
     Pd = X.empty(full) if prob.keep is not None else P
-    th = X.empty(full) if o.softcap is not None else None
+    sd = X.empty(full) if o.softcap is not None else None                              # sech^2(Traw / cap)
     m, s_val, lse = (np.empty(full[:-1] + (1,), X.dtype) for _ in range(3))
     empty = np.empty(full[:-1] + (1,), dtype=bool)
     excluded = _excluded(prob)
@@ -85,10 +85,11 @@ def forward(prob, *, save_probs=True) -> Forward:
 
     def rows(lead, r):
         ix = lead + (slice(*r),)
-        T = X.mul_d(X.at(Sraw, ix), prob.scale)
-        if th is not None:                                           # cap * tanh(Traw / cap)
-            t = X.tanh(X.div(T, X.lift(o.softcap)))
-            X.put(th, ix, t)
+        T = X.at(Traw, ix)
+        if sd is not None:                                           # cap * tanh(Traw / cap), and its slope
+            x = X.div(X.clamp(T, 1024.0 * o.softcap), X.lift(o.softcap))   # beyond: tanh = 1, sech^2 = 0 alike
+            t = X.tanh(x)
+            X.put(sd, ix, X.sech2(x, t))
             T = X.mul_d(t, o.softcap)
         excl = block_of(excluded, nd, lead, r)
         for b in (prob.mask_float, prob.bias):
@@ -98,8 +99,13 @@ def forward(prob, *, save_probs=True) -> Forward:
                 T = X.add_d(T, np.where(neg, 0, b))
                 excl = neg if excl is None else (excl | neg)
         if dist is not None:                                         # - slope * |i + off - j|
-            T = X.sub(T, X.exact_product(block_of(prob.alibi, nd, lead), block_of(dist, nd, lead, r)))
-        mx, em = X.row_max(T, excl)                                  # T - mx <= 0, however large T
+            ab = X.exact_product(block_of(prob.alibi, nd, lead), block_of(dist, nd, lead, r))
+            T = X.where(np.isinf(X.value(ab)), X.neg(ab), X.sub(T, ab))      # an overflowing term: -inf
+        neg = X.value(T) == -np.inf                                  # a score that is -inf excludes its key,
+        excl = neg if excl is None else (excl | neg)                 # as on every path (mask + bias overflowing)
+        mx, em, over = X.row_max(T, excl)                            # T - mx <= 0, however large T
+        if np.any(over):
+            raise ValueError(_OVERFLOW_SCORE)
         e = X.exp_minus(T, mx)                                       # exp(T - mx)
         if excl is not None:
             e = X.where(excl, X.const(0.0), e)
@@ -112,15 +118,18 @@ def forward(prob, *, save_probs=True) -> Forward:
         lse[ix] = np.where(em, -np.inf, X.value(X.add(X.log(sm), mx)))
 
     _by_rows(full, rows)
-    O = _round(X, _times_values(X, prob, Pd, empty, prob.v, prob.v_full, final=True))
-    O = fill_output_without_keys(_full(O, prob), o.fully_masked, S, padded)
+    O = _full(_times_values(X, prob, Pd, empty, prob.v, prob.v_full, final=True), prob)
+    _no_silent_nan(X.value(O), _nan_rows(prob, empty), "out")
+    _no_silent_nan(lse, None, "lse")
+    O = fill_output_without_keys(_round(X, O), o.fully_masked, S, padded)
     zr = zero_output_rows(empty, padded, o.fully_masked)
     if zr is not None:                                               # 0 by definition: no value is read
         O = np.where(zr, O.dtype.type(0), O)
     O = _canon(O)
-    extra = {"P": P, "Pd": Pd, "tanh": th} if save_probs else None
+    extra = {"P": P, "Pd": Pd, "sech2": sd} if save_probs else None
     return Forward(out=O, lse=_canon(lse[..., 0]), probs=X.value(P) if save_probs else None,
-                   tanh=None if th is None else X.value(th), empty=empty, rowmax=m, rowsum=s_val, extra=extra)
+                   tanh=None if sd is None or not save_probs else X.value(sd), empty=empty, rowmax=m,
+                   rowsum=s_val, extra=extra)
 
 
 @_quiet
@@ -128,7 +137,7 @@ def backward(prob, fwd: Forward, dO) -> Grads:
     """The core's backward; every gradient rounded once."""
     X = for_problem(prob)
     o, full, nd = prob.options, prob.full_scores, len(prob.full_scores)
-    P, Pd, th = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["tanh"]
+    P, Pd, sd = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["sech2"]
     padded = prob.padded_rows()
     dOg = _grouped(dO, prob)                                          # (..., Hkv, G, L, Ev)
     dv = X.matmul(_t(_fold(_grouped(Pd, prob))), _fold(dOg),          # P_drop^T dO, the group folded in
@@ -147,20 +156,25 @@ def backward(prob, fwd: Forward, dO) -> Grads:
             t = X.where(cr, X.const(0.0), t)
         if dT is not None:
             X.put(dT, ix, t)
-        if th is not None:                                           # * (1 - tanh^2)
-            h = X.at(th, ix)
-            t = X.mul(t, X.add_d(X.neg(X.mul(h, h)), 1.0))
+        if sd is not None:                                           # * (1 - tanh^2), as sech^2
+            t = X.mul(t, X.at(sd, ix))
         X.put(dTraw, ix, t)
 
     _by_rows(full, rows)
+    nan_rows = _nan_rows(prob, fwd.empty)                            # NaN by the "nan" policy, and nowhere else
+    if dT is not None:
+        _no_silent_nan(X.value(dT), nan_rows, "attn_mask or bias gradient")
     dmask = None if prob.mask_float is None else _round(X, _unbroadcast(X, dT, prob.shapes["attn_mask"]))
     dbias = None if prob.bias is None else _round(X, _unbroadcast(X, dT, prob.shapes["bias"]))
     dTg = _grouped(dTraw, prob)
-    dq = X.mul_d(X.matmul(dTg, _kv(prob.k), final=_no_sum(full[:-1] + (prob.q.shape[-1],),
-                                                            prob.shapes["query"])), prob.scale)
-    dk = X.mul_d(X.matmul(_t(_fold(dTg)), _fold_q(prob), final=_no_sum(prob.batch + prob.k.shape[-3:],
-                                                                      prob.shapes["key"])), prob.scale)
-    return Grads(dq=_round(X, _unbroadcast(X, _full(dq, prob), prob.shapes["query"])),
+    dq = _full(X.matmul(dTg, _kv(prob.k), final=_no_sum(full[:-1] + (prob.q.shape[-1],), prob.shapes["query"]),
+                        scale=prob.scale), prob)
+    dk = X.matmul(_t(_fold(dTg)), _fold_q(prob), final=_no_sum(prob.batch + prob.k.shape[-3:], prob.shapes["key"]),
+                  scale=prob.scale)
+    heads = None if nan_rows is None else np.any(_grouped(nan_rows, prob), axis=(-3, -2))[..., None]
+    for x, ok, what in ((dq, nan_rows, "dq"), (dk, heads, "dk"), (dv, heads, "dv")):
+        _no_silent_nan(X.value(x), ok, what)
+    return Grads(dq=_round(X, _unbroadcast(X, dq, prob.shapes["query"])),
                  dk=_round(X, _unbroadcast(X, dk, prob.shapes["key"])),
                  dv=_round(X, _unbroadcast(X, dv, prob.shapes["value"])), dmask=dmask, dbias=dbias)
 
@@ -171,7 +185,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None)
     :func:`sdpa_ref.attention.jvp`)."""
     X = for_problem(prob)
     o, full, nd = prob.options, prob.full_scores, len(prob.full_scores)
-    P, Pd, th = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["tanh"]
+    P, Pd, sd = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["sech2"]
     padded = prob.padded_rows()
     dO = None
     if dq is not None or dk is not None or dbias is not None:
@@ -187,9 +201,8 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None)
         def rows(lead, r):
             ix = lead + (slice(*r),)
             t = X.mul_d(X.at(dT, ix), prob.scale)
-            if th is not None:
-                h = X.at(th, ix)
-                t = X.mul(t, X.add_d(X.neg(X.mul(h, h)), 1.0))
+            if sd is not None:
+                t = X.mul(t, X.at(sd, ix))
             if dbias is not None:
                 t = X.add_d(t, block_of(dbias, nd, lead, r))
             p = _softmax_vjp(X, X.at(P, ix), t)                      # J is symmetric: the JVP is the same map
@@ -205,7 +218,9 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None)
         dO = u if dO is None else X.add(dO, u)
     if dO is None:
         return np.zeros(full[:-1] + (prob.v.shape[-1],), X.dtype)
-    return _full(_round(X, dO), prob)
+    dO = _full(_round(X, dO), prob)
+    _no_silent_nan(dO, _nan_rows(prob, fwd.empty), "JVP")
+    return dO
 
 
 def _by_rows(full, fn):
@@ -265,6 +280,34 @@ def _times_values(X, prob, P, empty, v, v_full, final=False):
     if vu is not v:
         out = X.where(_grouped(empty, prob), X.matmul(Pg, _kv(vu), final=final), out)
     return out
+
+
+#: The error for a score that overflows (see SEMANTICS.md, "Reproducible precision").
+_OVERFLOW_SCORE = ("`query`, `key`: a score of an allowed key is +inf or NaN after the scale, softcap, mask, bias and "
+                   "ALiBi (it overflows float64), so precision='reproducible' cannot give a finite, faithfully "
+                   "rounded result (precision='fast' returns IEEE's NaN there); scale the inputs down")
+#: The error for an intermediate that leaves the double-double range.
+_OVERFLOW = ("precision='reproducible' cannot give a finite, faithfully rounded {}: an intermediate of its "
+             "double-double arithmetic leaves the range (beyond about 2**995 = 6.7e299, where Dekker's exact "
+             "product overflows) on these inputs; scale them down, or use precision='fast'")
+
+
+def _nan_rows(prob, empty):
+    """``(*batch, Hq, L, 1)``: the rows that the ``"nan"`` policy makes NaN, or None."""
+    if prob.options.fully_masked != "nan" or not np.any(empty):
+        return None
+    pad = prob.padded_rows()
+    return empty if pad is None else (empty & ~pad)
+
+
+def _no_silent_nan(x, ok, what):
+    """Raise rather than return a NaN that neither a non-finite input (cleaned before) nor the ``"nan"`` policy
+    (``ok``: where it puts NaN, broadcastable, or None) asked for."""
+    bad = np.isnan(x)
+    if ok is not None:
+        bad = bad & ~ok
+    if np.any(bad):
+        raise ValueError(_OVERFLOW.format(what))
 
 
 def _fill_rows(X, P, empty, padded, policy, S):

@@ -88,7 +88,7 @@ def auto_block_size(prob, budget: int = DEFAULT_BLOCK_BUDGET) -> int:
 
 
 def forward(prob, *, block_size="auto") -> Forward:
-    """Online-softmax forward; ``probs`` and ``tanh`` are never kept (there is no ``L x S`` array to keep)."""
+    """Online-softmax forward; ``probs`` and softcap's slope are never kept (there is no ``L x S`` array to keep)."""
     block = check_block_size(block_size, prob)
     o, bl = prob.options, _Blocks(prob)
     L, S = prob.L, prob.S
@@ -193,17 +193,17 @@ def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
             jobs.append((j0, j1, skip, allowed))
 
         def recompute(j0, j1, skip, allowed):
-            """``(P, dP, tanh, keep)`` of one block; ``dP`` is a fresh array."""
+            """``(P, dP, sech2, keep)`` of one block; ``dP`` is a fresh array."""
             if skip:
-                T, th = np.full(prob.batch + (Hq, i1 - i0, j1 - j0), -np.inf, dtype=ct), None
+                T, sech2 = np.full(prob.batch + (Hq, i1 - i0, j1 - j0), -np.inf, dtype=ct), None
             else:
-                T, th = bl.scores(i0, i1, j0, j1, allowed)
+                T, sech2 = bl.scores(i0, i1, j0, j1, allowed, sech2=True)
             with np.errstate(invalid="ignore", over="ignore"):
                 P = _exp(T - m_i) / s_i                             # as the forward made it
             P = fill_empty_rows(P, em, pad, o.fully_masked, S)
             keep = bl.keep(i0, i1, j0, j1)
             dP = (dOg @ np.swapaxes(prob.v[..., None, j0:j1, :], -1, -2)).reshape(P.shape)
-            return P, dropout_forward(dP, keep, o.dropout_p), th, keep     # dO V^T Z/(1-p)
+            return P, dropout_forward(dP, keep, o.dropout_p), sech2, keep     # dO V^T Z/(1-p)
 
         # sweep 1: per key block its own pivot c_b, rowsum(P (dP - c_b)) and rowsum(P); then one c and D
         cached = recompute(*jobs[0]) if len(jobs) == 1 else None
@@ -221,9 +221,9 @@ def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
         for job in jobs:
             j0, j1 = job[:2]
             if cached is not None:
-                P, dP, th, keep = cached                            # dP - c already
+                P, dP, sech2, keep = cached                         # dP - c already
             else:
-                P, dP, th, keep = recompute(*job)
+                P, dP, sech2, keep = recompute(*job)
                 np.subtract(dP, c, out=dP)
             P_drop = dropout_forward(P, keep, o.dropout_p)
             dv[..., j0:j1, :] += (np.swapaxes(bl.grouped(P_drop), -1, -2) @ dOg).sum(axis=-3)   # P_drop^T dO
@@ -236,7 +236,7 @@ def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
                 if acc is not None:                                  # dB = dT, summed to B's shape
                     view = block_of(acc, nd, None, (i0, i1), (j0, j1))
                     view += unbroadcast(dT, view.shape)
-            dTraw = transform_scores_vjp(dT, th)
+            dTraw = transform_scores_vjp(dT, sech2)
             dq_i, dk_j = scores_vjp(bl.grouped(dTraw), prob.q[..., i0:i1, :], prob.k[..., None, j0:j1, :],
                                     prob.scale)
             dq[..., i0:i1, :] += dq_i.reshape(dq_i.shape[:-4] + (Hq,) + dq_i.shape[-2:])
@@ -276,15 +276,15 @@ class _Blocks:
     def __init__(self, prob):
         self.p = prob
 
-    def scores(self, i0, i1, j0, j1, allowed):
-        """``(T, tanh)`` of the block, ``(*batch, Hq, bi, bj)``."""
+    def scores(self, i0, i1, j0, j1, allowed, sech2=False):
+        """``(T, sech2)`` of the block, ``(*batch, Hq, bi, bj)`` (softcap's slope with ``sech2``, else None)."""
         p = self.p
         T = scores_forward(p.q[..., i0:i1, :], p.k[..., None, j0:j1, :], p.scale)   # (..., Hkv, G, bi, bj)
         T = T.reshape(T.shape[:-4] + (p.Hq, i1 - i0, j1 - j0))
         want = p.batch + T.shape[-3:]
         if T.shape != want:                                          # batch dims that only `value` has
             T = np.broadcast_to(T, want).copy()
-        return transform_scores(p, T, (i0, i1), (j0, j1), allowed=allowed)
+        return transform_scores(p, T, (i0, i1), (j0, j1), sech2=sech2, allowed=allowed)
 
     def keep(self, i0, i1, j0, j1):
         return block_of(self.p.keep, len(self.p.full_scores), None, (i0, i1), (j0, j1))

@@ -26,8 +26,8 @@ import numpy as np
 
 from ..transforms import dropout_forward
 from . import _native, ozaki
-from .dd import (_EXP_CONSTS, _TABLE, dd, dd_add, dd_add_d, dd_div, dd_exp, dd_log, dd_mul, dd_mul_d, dd_sub,
-                 dd_sum, dd_tanh, two_prod, two_sum)
+from .dd import (_EXP_CONSTS, _TABLE, dd, dd_add, dd_add_d, dd_div, dd_exp, dd_log, dd_mul, dd_mul_d, dd_sech2,
+                 dd_sub, dd_sum, dd_tanh, two_prod, two_sum)
 
 __all__ = ["DoubleDouble", "LowPrecision", "for_problem"]
 
@@ -64,7 +64,14 @@ class DoubleDouble:
 
     # -- element-wise (the compiled loops of ._native where they apply: the same operations, the same bits)
     add, sub, mul = staticmethod(dd_add), staticmethod(dd_sub), staticmethod(dd_mul)
-    add_d = staticmethod(dd_add_d)
+
+    def add_d(self, a, b):
+        """``a + b`` for the float64 ``b``; where it overflows, IEEE's ``+-inf`` (TwoSum's error would be NaN)."""
+        r = dd_add_d(a, b)
+        over = ~np.isfinite(r[0])
+        if over.any():
+            r = np.where(over, a[0] + b, r[0]), np.where(over, 0.0, r[1])
+        return r
     exp, log, tanh = staticmethod(dd_exp), staticmethod(dd_log), staticmethod(dd_tanh)
 
     def div(self, a, b):
@@ -91,19 +98,41 @@ class DoubleDouble:
         return dd(np.asarray(x, dtype=np.float64))
 
     def row_max(self, T, excluded):
-        """``(m, empty)``: each row's largest allowed value as a dd (its ``hi``, then the largest ``lo``
+        """``(m, empty, over)``: each row's largest allowed value as a dd (its ``hi``, then the largest ``lo``
         among the entries with that ``hi``: then ``T - m <= 0`` exactly, however large ``T``), 0 on rows
-        with none (``empty``)."""
+        with none (``empty``) or whose largest is ``+inf`` or NaN (``over``)."""
         hi = T[0] if excluded is None else np.where(excluded, -np.inf, T[0])
         mh = np.max(hi, axis=-1, keepdims=True, initial=-np.inf)
         ml = np.max(np.where(hi == mh, T[1], -np.inf), axis=-1, keepdims=True, initial=-np.inf)
         empty = mh == -np.inf
         bad = empty | ~np.isfinite(mh)
-        return (np.where(bad, 0.0, mh), np.where(bad | ~np.isfinite(ml), 0.0, ml)), empty
+        return (np.where(bad, 0.0, mh), np.where(bad | ~np.isfinite(ml), 0.0, ml)), empty, bad & ~empty
 
     def exact_product(self, a, b):
-        """``a * b`` of two float64 arrays, exactly."""
-        return two_prod(*np.broadcast_arrays(np.asarray(a, np.float64), np.asarray(b, np.float64)))
+        """``a * b`` of two float64 arrays, exactly; ``(+-inf, 0)`` where it overflows.
+
+        Dekker's product splits its operands, which overflows from about ``2**996``: an operand that large
+        (an ALiBi slope of ``1e308``) is scaled by ``2**-128`` first and the exact pair scaled back.
+        """
+        a, b = np.broadcast_arrays(np.asarray(a, np.float64), np.asarray(b, np.float64))
+        big = np.abs(a) > 2.0 ** 990
+        if not big.any():
+            return two_prod(a, b)
+        p, e = two_prod(np.where(big, a * 2.0 ** -128, a), b)
+        f = np.where(big, 2.0 ** 128, 1.0)
+        p, e = p * f, e * f
+        return p, np.where(np.isfinite(p), e, 0.0)
+
+    def clamp(self, a, limit):
+        """``a`` with every entry beyond ``+-limit`` (a float, or inf: none) set to ``+-limit``."""
+        out = np.abs(a[0]) > limit
+        if not out.any():
+            return a
+        return np.where(out, np.copysign(limit, a[0]), a[0]), np.where(out, 0.0, a[1])
+
+    def sech2(self, x, t):
+        """``sech^2(x) = 1 - tanh^2(x)`` without cancellation (:func:`.dd.dd_sech2`; ``t = tanh(x)`` unused)."""
+        return dd_sech2(x)
 
     def neg(self, a):
         return -a[0], -a[1]
@@ -131,8 +160,9 @@ class DoubleDouble:
         lib = _native.kernels()
         return None if lib is None else _native.softmax_vjp_rows(lib, P, g)
 
-    def matmul(self, A, B, final=False):
-        return ozaki.matmul(A, B, final=final)
+    def matmul(self, A, B, final=False, scale=None):
+        """``A @ B`` exactly, rounded to a dd (:func:`.ozaki.matmul`; times the float ``scale``)."""
+        return ozaki.matmul(A, B, final=final, scale=scale)
 
     def reshape(self, a, shape):
         return a[0].reshape(shape), a[1].reshape(shape)
@@ -172,11 +202,13 @@ class LowPrecision:
         return np.asarray(x).astype(self.dtype)
 
     def row_max(self, T, excluded):
-        """``(m, empty)``: each row's largest allowed value, 0 on rows with none (``empty``)."""
+        """``(m, empty, over)``: each row's largest allowed value, 0 on rows with none (``empty``) or whose
+        largest is ``+inf`` or NaN (``over``)."""
         v = T if excluded is None else np.where(excluded, -np.inf, T)
         m = np.max(v, axis=-1, keepdims=True, initial=-np.inf)
         empty = m == -np.inf
-        return np.where(empty | ~np.isfinite(m), 0, m).astype(self.dtype), empty
+        bad = empty | ~np.isfinite(m)
+        return np.where(bad, 0, m).astype(self.dtype), empty, bad & ~empty
 
     def add(self, a, b):
         return a + b
@@ -217,6 +249,16 @@ class LowPrecision:
         """``fl(a * b)`` in the dtype (the name is the double-double's; here one rounding)."""
         return np.asarray(a).astype(self.dtype) * np.asarray(b).astype(self.dtype)
 
+    def clamp(self, a, limit):
+        """``a`` with every entry beyond ``+-limit`` set to ``+-limit`` (in the dtype: it may round)."""
+        return np.clip(a, -limit, limit).astype(self.dtype, copy=False)
+
+    def sech2(self, x, t):
+        """``1 - t^2`` in the dtype, as a kernel in that precision computes softcap's derivative from its
+        ``tanh`` (it cancels on saturated entries): this arithmetic stands for such a kernel, and is the
+        relative rule's plain same-precision baseline, not a reference."""
+        return self._t(1) - t * t
+
     def neg(self, a):
         return -a
 
@@ -247,9 +289,10 @@ class LowPrecision:
             x = np.concatenate([s, x[..., -1:]], axis=-1) if n % 2 else s
         return x.astype(self.dtype)
 
-    def matmul(self, A, B, final=False):
+    def matmul(self, A, B, final=False, scale=None):
         """``sum_k A_ik B_kj`` with products and the fixed tree of :meth:`sum` in the accumulation dtype,
-        rounded once to the dtype (float16 products are exact in float32), in blocks of rows."""
+        rounded once to the dtype (float16 products are exact in float32), in blocks of rows; then times
+        ``scale`` (rounded to the dtype), rounded again."""
         A, B = np.asarray(A, self.dtype), np.asarray(B, self.dtype)
         K = A.shape[-1]
         shape = np.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (A.shape[-2], B.shape[-1])
@@ -264,7 +307,8 @@ class LowPrecision:
                 for m0 in range(0, M, rows):
                     prod = A2[b, m0:m0 + rows, None, :] * np.swapaxes(B2[b], 0, 1)[None]   # (rows, N, K)
                     out[b, m0:m0 + rows] = self._tree(prod)[..., 0]
-        return out.reshape(shape)
+        out = out.reshape(shape)
+        return out if scale is None else out * self._t(scale)
 
     def reshape(self, a, shape):
         return a.reshape(shape)

@@ -33,8 +33,8 @@ import math
 import numpy as np
 
 from ..engines._threads import run_all
-from ._native import dd_add_d_inplace, kernels, slice_rows
-from .dd import dd_add_d, fast_two_sum, pow2, two_sum
+from ._native import dd_add_d_inplace, dd_mul_d_scalar, kernels, slice_rows
+from .dd import dd_add_d, dd_mul_d, fast_two_sum, pow2, two_sum
 
 __all__ = ["matmul", "n_slices"]
 
@@ -162,8 +162,16 @@ def _level_bound(ra, rb, ma, mb, sa, sb, K):
     return left * (1 + 2.0 ** -20)
 
 
-def matmul(A, B, bits=104, final=False):
+def matmul(A, B, bits=104, final=False, scale=None):
     """``A @ B`` as a dd ``(hi, lo)``; ``A`` ``(..., M, K)``, ``B`` ``(..., K, N)``, float64 or dd pairs.
+
+    ``scale`` (a float): ``scale * (A @ B)``, the dd product by the float
+    (:func:`.dd.dd_mul_d`) taken while the result is still scaled to the
+    lines' maxima, before the powers of two are put back: the same bits as
+    multiplying afterwards wherever that neither overflows nor underflows,
+    and no overflow when ``A @ B`` itself is out of range but the scaled
+    product is not (``scale * Q K^T`` with ``Q K^T`` near ``1e300``; the
+    split of Dekker's product overflows from about ``2**996``).
 
     Batch dimensions broadcast as in ``np.matmul``. See the module docstring
     for the algorithm and the guarantee. ``B`` is sliced once; ``A`` block of
@@ -225,6 +233,9 @@ def matmul(A, B, bits=104, final=False):
                                              [x[b][i] for x in sb], n)
         else:
             h, l = _products(_slices(a, -1, n, rho)[0], [x[b] for x in sb], n)
+        if scale is not None:                              # scale * (A B), before the result leaves [1/2, K)
+            lib = kernels()
+            h, l = dd_mul_d_scalar(lib, (h, l), scale) if lib is not None else dd_mul_d((h, l), np.float64(scale))
         e = ea + eb[b]                                     # (rows, 1) + (1, N): undo the scalings, exactly
         if e.min() >= -1022 and e.max() <= 1023:
             f = pow2(e)
