@@ -98,7 +98,7 @@ def _code_without_docstrings(path):
 ONE_HOME = {
     # the softcap transform and its derivative
     "np.tanh(": {"transforms.py"},
-    "th * th": {"transforms.py"},
+    "np.cosh(": {"transforms.py"},
     # dropout's 1 / (1 - p)
     "1.0 - p": {"transforms.py"},
     # the fully-masked policy's fill values

@@ -169,7 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "then its bytes against the case regenerated from the suite's definition (the reference is "
                     "precision='reproducible': the same bits on every machine). Only regular files inside "
                     "OUT_DIR, named plainly, are read; a set written with --cases is regenerated from the case "
-                    "definitions its manifest stores. Exit 1 on any mismatch, 2 on a malformed manifest.",
+                    "definitions its manifest stores. manifest.json itself must be what a fresh write would give, "
+                    "byte for byte (every field a judge reads: the dtype, the rule and its k, the file list; "
+                    "package_version and cases_file excepted), with no key twice. Exit 1 on any mismatch, 2 on a "
+                    "malformed manifest.",
     )
     p.add_argument("out_dir", metavar="OUT_DIR")
     _add_format(p)
