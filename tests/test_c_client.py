@@ -798,7 +798,9 @@ def test_an_edited_reference_fails_that_case_only(client, bases, tmp_path, qty):
         re.search(rf"\b{qty} [0-9.e+]+ FAIL \(max\|got - ref\| .* at entry \d+", failed[0])
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.long),
+                                   pytest.param("float8_e4m3fn", marks=pytest.mark.long),
+                                   pytest.param("float8_e5m2", marks=pytest.mark.long)])
 def test_the_client_reads_the_low_precision_vectors(client, tmp_path, dtype):
     """bfloat16 and fp8 arrays are stored as bit patterns; the client decodes them and rounds to the format."""
     pytest.importorskip("ml_dtypes")

@@ -75,7 +75,12 @@ HOSTILE = {   # name -> what each failed row's note must say
 }
 
 
-@pytest.mark.parametrize("name", list(HOSTILE))
+#: In the default suite: an early exit, a fork and a timeout ignored; the others are long checks (.ci/run).
+DEFAULT_HOSTILE = ("exits", "forks", "ignores_sigalrm")
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_HOSTILE else pytest.param(n, marks=pytest.mark.long)
+                                  for n in HOSTILE])
 def test_conform_fails_a_hostile_implementation_with_a_report_in_about_the_time_limit(name, case_file):
     code, report, err, seconds = _conform(f"hostile_impls:{name}", case_file)
     assert code == 1, (code, err[-2000:])
