@@ -38,26 +38,21 @@ def _seconds(text):
     return t
 
 
-def _positive(text):
-    """An argparse type: an int >= 1 (argparse names the flag in its error)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"should be an int >= 1, but got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"should be an int >= 1, but got {text!r}")
-    return n
+def _int_at_least(lo):
+    """An argparse type: an int >= ``lo`` (argparse names the flag in its error)."""
+    def parse(text):
+        try:
+            n = int(text)
+        except ValueError:
+            n = None
+        if n is None or n < lo:
+            raise argparse.ArgumentTypeError(f"should be an int >= {lo}, but got {text!r}")
+        return n
+    return parse
 
 
-def _seed(text):
-    """An argparse type: a non-negative int seed."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"should be an int >= 0, but got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"should be an int >= 0, but got {text!r}")
-    return n
+_positive = _int_at_least(1)
+_seed = _int_at_least(0)                    # a non-negative seed
 
 
 def build_parser() -> argparse.ArgumentParser:
