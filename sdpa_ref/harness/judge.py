@@ -21,10 +21,10 @@ from ..problem import Problem
 from ..transforms import unbroadcast
 from ._limits import CaseTimeout, ImplementationFailure, call_in_process
 from .cases import Case, grad_out_for, tangents_for
-from .ensemble import ensemble_errors
+from .ensemble import MEMBERS, ensemble_errors, member_quantities
 from .lowp import DESCALES, dequantized, is_fp8, is_low, output_dtype, ulp, widen
 from .report import ConformanceRow
-from .rules import FixedRule, RelativeRule
+from .rules import FixedRule, RelativeRule, lean
 
 __all__ = ["Implementation", "dead_positions", "grad_out_for", "judge_case", "reference_quantities", "tangents_for"]
 
@@ -90,13 +90,15 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
     """The report rows of ``impl`` (an :class:`Implementation`) on ``case`` at dtype ``dt``."""
     ref64 = reference_quantities(case, dt)     # float64 arithmetic on the test-dtype inputs, kept in float64
     honest = ensemble_errors(case, dt, ref64) if isinstance(rule, RelativeRule) else None
+    leans = _honest_leans(case, dt, ref64) if honest is not None and rule.judge_lean else {}
     want_jvp = impl.jvp is not None and not is_fp8(dt)      # fp8 kernels have no JVP (nor FlashAttention 3)
     if want_jvp:
         ref64["jvp"] = reference_jvp(case, dt)
         if honest is not None:                    # the tangent's baseline: the plain same-dtype JVP
             fin = ~np.isnan(ref64["jvp"])
-            honest["jvp"] = float(np.max(np.abs(np.where(fin, reference_jvp(case, dt, naive=True) - ref64["jvp"], 0)),
-                                        initial=0.0))
+            naive = reference_jvp(case, dt, naive=True)
+            honest["jvp"] = float(np.max(np.abs(np.where(fin, naive - ref64["jvp"], 0)), initial=0.0))
+            leans["jvp"] = abs(lean(naive, ref64["jvp"], output_dtype(dt))[0])
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
     if case.has_fully_masked_rows(dt):
@@ -144,7 +146,8 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
     if impl.jvp is not None and not want_jvp:
         rows.append(ConformanceRow(case.name, dt, "jvp", "skip", note="no JVP check at fp8"))
     for qty, val in got.items():
-        rows.append(_compare(case.name, dt, qty, val, ref64[qty], None if honest is None else honest[qty], rule))
+        rows.append(_compare(case.name, dt, qty, val, ref64[qty], None if honest is None else honest[qty], rule,
+                             leans.get(qty)))
     if impl.deterministic:
         rows.append(_determinism(case.name, dt, impl, q, k, v, inp, out, deadline, timeout))
     if impl.poison:
@@ -254,6 +257,13 @@ def _poisoned(case, dt, impl, q, k, v, inp, ref64, honest, rule, deadline, timeo
     return row
 
 
+def _honest_leans(case, dt, ref64):
+    """Per quantity, the largest ``|beta|`` (:func:`.rules.lean`) of the honest ensemble's members."""
+    got = [member_quantities(case, np.dtype(dt).name, m) for m in MEMBERS]
+    want = output_dtype(dt)
+    return {q: max((abs(lean(g[q], ref, want)[0]) for g in got if q in g), default=0.0) for q, ref in ref64.items()}
+
+
 def _what(exc, timeout=None):
     if isinstance(exc, CaseTimeout):
         return f"ran past the time limit of {timeout:g} s" + (f"; {exc.args[0]}" if exc.args else "")
@@ -264,9 +274,9 @@ def _what(exc, timeout=None):
     return f"{type(exc).__name__}: {exc}"
 
 
-def _compare(case, dt, qty, val, ref64, honest, rule):
+def _compare(case, dt, qty, val, ref64, honest, rule, honest_lean=None):
     """One row: ``val`` against ``ref64`` by ``rule``; ``honest`` is the honest ensemble's error (relative
-    rule), else None."""
+    rule), else None; ``honest_lean`` its members' largest ``|beta|`` (None: the lean is not judged)."""
     try:
         got = np.asarray(val)
     except Exception as exc:
@@ -309,9 +319,19 @@ def _compare(case, dt, qty, val, ref64, honest, rule):
         allowed = float(tol.flat[flat]) if diff.size else 0.0
     idx = tuple(int(i) for i in np.unravel_index(flat, diff.shape)) if diff.size else ()
     status = "pass" if ratio <= 1.0 else "FAIL"
+    beta = beta_allowed = None
+    if isinstance(rule, RelativeRule) and honest_lean is not None and diff.size:
+        beta, se = lean(got, ref64, want)
+        beta_allowed = rule.lean_bound(qty, honest_lean, se)
+        if abs(beta) > beta_allowed:
+            note = (f"leans by {beta:+.3g} ulp on average (allowed {beta_allowed:.3g}): a systematic bias"
+                    + (", though the largest error is within the rule" if status == "pass" else ""))
+            status = "FAIL"
     return ConformanceRow(case, dt, qty, status, error=err, allowed=allowed, ratio=ratio, worst_index=idx,
                           impl_value=float(got.flat[flat]) if diff.size else None,
-                          ref_value=float(ref64.flat[flat]) if diff.size else None, note=note, honest_error=honest)
+                          ref_value=float(ref64.flat[flat]) if diff.size else None, note=note, honest_error=honest,
+                          lean=beta, lean_allowed=None if beta_allowed is None or not np.isfinite(beta_allowed)
+                          else beta_allowed)
 
 
 def _copy_opts(inp):

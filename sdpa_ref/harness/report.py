@@ -27,6 +27,8 @@ class ConformanceRow:
     ref_value: Optional[float] = None
     note: str = ""
     honest_error: Optional[float] = None   # the honest ensemble's error (relative rule), else None
+    lean: Optional[float] = None           # the systematic error in ulps (rules.lean; relative rule), else None
+    lean_allowed: Optional[float] = None   # how far it may go (None: not judged, e.g. a single row)
 
 
 @dataclass
@@ -140,7 +142,7 @@ class ConformanceReport:
         lines.append("error: max |impl - ref64| (ref64: the reference in float64 on the same inputs); honest: the "
                      "largest of the same for the honest ensemble, kernels computing in the test dtype (the "
                      "relative rule's baseline); allowed: what the rule permits; ratio: error / allowed (at most 1 "
-                     "passes).")
+                     "passes); a row also fails where its errors lean one way on average (see its note).")
         lines.append(f"rule: {self.rule}")
         skipped = self.skipped
         n_skip = skipped.pop("(all)")
