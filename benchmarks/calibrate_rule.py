@@ -9,6 +9,7 @@ specimen (:data:`sdpa_ref.harness.specimens.HONEST`) and every mutant
 * per honest specimen, the spread of ``error / ensemble error`` over the
   problems and quantities (median, 99th percentile, max) and the fraction of
   problems on which it passes the rule (the issue's bar: at least 99%);
+* per honest specimen, the largest ``|beta| / bound`` of the rule's lean test (``lean``);
 * per mutant, the fraction of problems on which the rule catches it.
 
 The factors ``k_out`` and ``k_grad`` of :class:`~sdpa_ref.harness.rules.RelativeRule`
@@ -59,7 +60,7 @@ def main(argv=None):
         print(f"\n== {dt}")
         print("error / ensemble error, over the problems: out | gradients")
         print(f"{'honest specimen':46s} {'median':>7s} {'p99':>6s} {'max':>6s} | {'median':>7s} {'p99':>6s} "
-              f"{'max':>6s} {'passes':>7s}")
+              f"{'max':>6s} {'lean':>5s} {'passes':>7s}")
         worst = [0.0, 0.0]
         for sp in HONEST:
             rep = sdpa_ref.check_implementation(sp.forward, backward=sp.backward, dtypes=dt, cases=cases, rule=rule)
@@ -69,7 +70,8 @@ def main(argv=None):
                 worst[i] = max(worst[i], r.max())
                 cols.append(f"{np.median(r):7.2f} {np.quantile(r, 0.99):6.2f} {r.max():6.2f}")
             bad = {row.case for row in rep.rows if row.status != "pass"}
-            print(f"{sp.name:46s} {cols[0]} | {cols[1]} {1 - len(bad) / len(cases):7.1%}", flush=True)
+            lean = max((abs(row.lean) / row.lean_allowed for row in rep.rows if row.lean_allowed), default=0.0)
+            print(f"{sp.name:46s} {cols[0]} | {cols[1]} {lean:5.2f} {1 - len(bad) / len(cases):7.1%}", flush=True)
         print(f"largest honest ratio: out {worst[0]:.2f}, gradients {worst[1]:.2f} "
               f"(k_out = {rule.k_out:g}, k_grad = {rule.k_grad:g})")
         print(f"{'mutant (those these problems can expose)':46s} {'caught on':>10s}")
