@@ -95,6 +95,8 @@ def main(req_fd, rep_fd, parent_pid):
             funcs[name], infos[name] = fn, describe(fn)
         except BaseException as exc:       # whatever the module does on import is its error
             _reply(rep_fd, {"pid": pid, "ok": False, "which": name, "error": what(exc)})
+            while _read_frame(req_fd) is not None:   # stay until the parent closes the pipe: it takes a child
+                pass                                 # that has ended as one that died, reply or not
             return
     _reply(rep_fd, {"pid": pid, "ok": True, "functions": infos})
     while True:
