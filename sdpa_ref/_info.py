@@ -66,7 +66,7 @@ def info() -> Dict[str, Any]:
     """
     import numpy as np
 
-    from .engines._threads import num_threads
+    from ._threads import num_threads
     from .exact import _native
 
     st = _native.status()

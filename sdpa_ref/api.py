@@ -23,8 +23,8 @@ import numpy as np
 from . import _validate as V
 from . import attention, poison
 from .engines import fast, reproducible, tiled
-from .engines._threads import single_threaded_blas
-from .engines.contract import AttentionGrads, AttentionResiduals
+from ._threads import single_threaded_blas
+from .residuals import AttentionGrads, AttentionResiduals
 from .options import DOC_OPTIONS, FULLY_MASKED_POLICIES, AttentionOptions, check_bool
 from .problem import Problem
 from .transforms import unbroadcast

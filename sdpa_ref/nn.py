@@ -16,7 +16,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import numpy as np
 
 from .api import sdpa_backward, sdpa_forward
-from .engines._threads import threads_for
+from ._threads import threads_for
 from .softmax import log_softmax
 
 __all__ = [
@@ -36,7 +36,7 @@ __all__ = [
 def linear(x, w, b=None):
     r"""``y = x W + b``.  x : (..., D_in), w : (D_in, D_out), b : (D_out,).
 
-    A small product runs on one BLAS thread (``engines._threads.SMALL_WORK``), as every layer here does.
+    A small product runs on one BLAS thread (``_threads.SMALL_WORK``), as every layer here does.
     """
     with threads_for(x.size * w.shape[-1]):
         y = x @ w

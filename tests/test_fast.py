@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sdpa_ref import sdpa_backward, sdpa_forward
-from sdpa_ref.engines import _threads, fast
+from sdpa_ref import _threads
+from sdpa_ref.engines import fast
 
 from helpers import assert_close_normwise
 from strategies import attention_problem, variant_problem
@@ -82,7 +83,7 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
 
 
 def test_num_threads_reads_the_environment(monkeypatch):
-    from sdpa_ref.engines._threads import num_threads
+    from sdpa_ref._threads import num_threads
 
     monkeypatch.setenv("SDPA_REF_NUM_THREADS", "3")
     assert num_threads() == 3

@@ -1,6 +1,6 @@
 """The same bits from every thread and after fork (issue 21, item 4).
 
-Every public call holds the BLAS to one thread (``engines/_threads.py``), so
+Every public call holds the BLAS to one thread (``_threads.py``), so
 that its results do not depend on how many threads the BLAS would use. The
 review's failure: called from a thread other than the first one that used
 the package, the limit silently did nothing (threadpoolctl lets only one
@@ -35,7 +35,8 @@ import numpy as np
 import pytest
 
 import sdpa_ref
-from sdpa_ref.engines import _threads, fast
+from sdpa_ref import _threads
+from sdpa_ref.engines import fast
 
 #: ``(name, query shape, key/value shape, options)``; every case is GQA and causal. "review" is the shape the
 #: review reproduced the failure with: the ``G * L = 1200`` rows summed into ``dk`` and ``dv`` are a GEMM's inner

@@ -32,7 +32,7 @@ is how:
   worth of score entries is cut into rectangular chunks of whole heads
   (:func:`_head_chunks`), which run their whole pipeline side by side in the
   package's pool while the BLAS is held to one thread
-  (:mod:`._threads`). A single head or a small problem runs its row passes
+  (:mod:`sdpa_ref._threads`). A single head or a small problem runs its row passes
   on row blocks in the pool.
 
 Chunks are cut from the shape alone, and every row and every matrix product
@@ -49,7 +49,7 @@ from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_withou
 from ..softmax import row_pivot
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_vjp, transform_scores, \
     transform_scores_vjp
-from ._threads import blas_is_held, num_threads, row_chunks, run_all
+from .._threads import blas_is_held, num_threads, row_chunks, run_all
 from .contract import Forward, Grads
 
 __all__ = ["forward", "backward"]

@@ -46,8 +46,8 @@ import numpy as np
 
 from ..exact.arith import for_problem
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
-from ..transforms import alibi_distance
-from ._threads import run_all
+from ..transforms import alibi_distance, unbroadcast
+from .._threads import run_all
 from .contract import Forward, Grads
 
 #: Score entries of one block of rows whose element-wise chain runs together (256 KiB per array).
@@ -164,8 +164,8 @@ def backward(prob, fwd: Forward, dO) -> Grads:
     nan_rows = _nan_rows(prob, fwd.empty)                            # NaN by the "nan" policy, and nowhere else
     if dT is not None:
         _no_silent_nan(X.value(dT), nan_rows, "attn_mask or bias gradient")
-    dmask = None if prob.mask_float is None else _round(X, _unbroadcast(X, dT, prob.shapes["attn_mask"]))
-    dbias = None if prob.bias is None else _round(X, _unbroadcast(X, dT, prob.shapes["bias"]))
+    dmask = None if prob.mask_float is None else _round(X, unbroadcast(dT, prob.shapes["attn_mask"], X))
+    dbias = None if prob.bias is None else _round(X, unbroadcast(dT, prob.shapes["bias"], X))
     dTg = _grouped(dTraw, prob)
     dq = _full(X.matmul(dTg, _kv(prob.k), final=_no_sum(full[:-1] + (prob.q.shape[-1],), prob.shapes["query"]),
                         scale=prob.scale), prob)
@@ -174,9 +174,9 @@ def backward(prob, fwd: Forward, dO) -> Grads:
     heads = None if nan_rows is None else np.any(_grouped(nan_rows, prob), axis=(-3, -2))[..., None]
     for x, ok, what in ((dq, nan_rows, "dq"), (dk, heads, "dk"), (dv, heads, "dv")):
         _no_silent_nan(X.value(x), ok, what)
-    return Grads(dq=_round(X, _unbroadcast(X, dq, prob.shapes["query"])),
-                 dk=_round(X, _unbroadcast(X, dk, prob.shapes["key"])),
-                 dv=_round(X, _unbroadcast(X, dv, prob.shapes["value"])), dmask=dmask, dbias=dbias)
+    return Grads(dq=_round(X, unbroadcast(dq, prob.shapes["query"], X)),
+                 dk=_round(X, unbroadcast(dk, prob.shapes["key"], X)),
+                 dv=_round(X, unbroadcast(dv, prob.shapes["value"], X)), dmask=dmask, dbias=dbias)
 
 
 @_quiet
@@ -326,17 +326,6 @@ def _fill_rows(X, P, empty, padded, policy, S):
 def _dropout(X, x, keep, p):
     """``x * Z / (1 - p)``; ``x`` itself without a keep mask."""
     return x if keep is None else X.divide_by_keep(x, keep, p)
-
-
-def _unbroadcast(X, x, shape):
-    """``x`` summed down to ``shape`` by fixed-order trees, one axis at a time; see ``transforms.unbroadcast``."""
-    shape = tuple(shape)
-    while X.value(x).ndim > len(shape):
-        x = X.sum(x, axis=0)
-    for ax, n in enumerate(shape):
-        if n == 1 and X.value(x).shape[ax] != 1:
-            x = X.sum(x, axis=ax, keepdims=True)
-    return X.reshape(x, shape)
 
 
 def _no_sum(shape, target):

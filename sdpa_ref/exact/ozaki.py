@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from ..engines._threads import run_all
+from .._threads import run_all
 from ._native import dd_add_d_inplace, dd_mul_d_scalar, kernels, slice_rows
 from .dd import dd_add_d, dd_mul_d, fast_two_sum, pow2, two_sum
 

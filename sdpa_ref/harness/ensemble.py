@@ -49,9 +49,8 @@ import numpy as np
 from ..exact.arith import LowPrecision
 from ..options import AttentionOptions
 from .._validate import check_choice, check_tolerance
-from ..engines.reproducible import _unbroadcast
 from ..problem import Problem
-from ..transforms import alibi_distance, dropout_forward, softcap_forward
+from ..transforms import alibi_distance, dropout_forward, softcap_forward, unbroadcast
 from .cases import grad_out_for
 from .lowp import DESCALES, output_dtype, widen, work_dtype
 
@@ -244,7 +243,7 @@ class _Kernel:
 
     def sum_to(self, g, shape):
         """``g`` summed down to the broadcastable ``shape`` by fixed trees, one axis at a time."""
-        return _unbroadcast(self.X, g, tuple(shape))
+        return unbroadcast(g, tuple(shape), self.X)
 
     # -- the two passes
     def run(self, dO):

@@ -1,0 +1,101 @@
+r"""What the public API hands the user between passes: the residuals of :func:`sdpa_forward` and the
+gradients of :func:`sdpa_backward` (the engines' own results are :mod:`sdpa_ref.engines.contract`'s)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+from .engines.contract import Forward
+from .poison import nan_where
+
+__all__ = ["AttentionGrads", "AttentionResiduals"]
+
+
+class AttentionGrads(NamedTuple):
+    """Gradients of a loss with respect to the inputs of attention.
+
+    Each has its input's own shape and dtype. ``attn_mask`` is the gradient
+    with respect to a float mask, ``bias`` with respect to ``bias`` (each
+    summed to its own shape); ``None`` where there is no such float input.
+    """
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    attn_mask: Optional[np.ndarray]
+    bias: Optional[np.ndarray] = None
+
+
+@dataclass(frozen=True)
+class AttentionResiduals:
+    """What :func:`sdpa_backward` needs, saved by :func:`sdpa_forward`.
+
+    ``problem`` holds the validated inputs and options, ``forward`` what the
+    engine ``method`` returned (:class:`~sdpa_ref.engines.contract.Forward`),
+    ``block_size`` the tiled engine's block (None for the dense engines),
+    ``taint`` the forward's results that read a non-finite input (a
+    :class:`~sdpa_ref.poison.Taint`, None when every input was finite):
+    ``forward`` holds the clean computation, which the backward reads, and
+    :attr:`out` and :attr:`lse` show the poisoned entries as NaN.
+    """
+
+    problem: Any                    # the validated Problem
+    forward: Forward
+    method: str
+    block_size: Optional[int] = None
+    taint: Any = None
+
+    @property
+    def probs(self):
+        """``P`` ``(..., Hq, L, S)``, or None (``save_probs=False``, tiled)."""
+        return self.forward.probs
+
+    @property
+    def out(self):
+        """The output in the compute dtype, in the user's rank."""
+        return nan_where(self.forward.out, None if self.taint is None else self.taint.out).reshape(
+            self.problem.out_shape)
+
+    @property
+    def lse(self):
+        """The log-sum-exp of the allowed scores ``(..., Hq, L)``; ``-inf`` on rows with no key."""
+        return nan_where(self.forward.lse, None if self.taint is None else self.taint.lse).reshape(
+            self.problem.out_shape[:-1])
+
+    @property
+    def tanh(self):
+        """Softcap's derivative ``1 - tanh^2(Traw / cap)`` ``(..., Hq, L, S)``, computed as ``sech^2`` without
+        cancellation (what the backward multiplies by; the name is the transform's), or None."""
+        return self.forward.tanh
+
+    @property
+    def empty(self):
+        """``(*batch, Hq, L, 1)`` bool: rows with no allowed key."""
+        return self.forward.empty
+
+    @property
+    def padded(self):
+        """``(*batch, 1, L, 1)`` bool: query rows past ``q_lengths``, or None."""
+        return self.problem.padded_rows()
+
+    @property
+    def dropout_mask(self):
+        """The bool keep mask ``Z`` used by the forward, or None."""
+        return self.problem.keep
+
+    keep = dropout_mask
+
+    @property
+    def scale(self):
+        return self.problem.scale
+
+    @property
+    def dropout_p(self):
+        return self.problem.options.dropout_p
+
+    @property
+    def v(self):
+        return self.problem.v
