@@ -214,6 +214,13 @@ def zero_output_rows(empty, padded, policy):
     return rows if rows is not None and np.any(rows) else None
 
 
+def nan_rows(empty, padded, policy):
+    """``(..., L, 1)`` bool: the rows that the ``"nan"`` policy makes NaN (fully masked, not padded), or None."""
+    if policy != "nan" or not np.any(empty):
+        return None
+    return empty if padded is None else (empty & ~padded)
+
+
 def fill_output_without_keys(O, policy, S, padded):
     """With ``S == 0`` the output is an empty sum (0): the ``"nan"`` policy makes it NaN (padded rows stay 0)."""
     if policy != "nan" or S != 0:

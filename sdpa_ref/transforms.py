@@ -202,6 +202,33 @@ def dropout_vjp(g, keep, p, out=None):
 dropout_jvp = dropout_vjp
 
 
+# -------------------------------- the same stages over an arithmetic (:mod:`sdpa_ref.exact.arith`)
+# The reproducible engine and the honest ensemble compute these terms in double-double or in a low precision
+# rounded at every step; the operations, in this order, are the whole of each term's definition there.
+
+
+def softcap_forward_in(X, t, cap):
+    """``(cap * tanh(t / cap), sech^2(t / cap))`` in the arithmetic ``X`` (``X.sech2``: without cancellation in
+    double-double, ``1 - tanh^2`` in a low precision, as such a kernel computes it). Beyond ``|t| = 1024 cap``
+    ``tanh`` is 1 and ``sech^2`` 0 in every precision, so ``t`` is clamped there first (a finite argument)."""
+    x = X.div(X.clamp(t, 1024.0 * cap), X.lift(cap))
+    th = X.tanh(x)
+    return X.mul_d(th, cap), X.sech2(x, th)
+
+
+def additive_forward_in(X, t, b, excluded=None):
+    """``(t + b, excluded)`` in ``X``: a float ``-inf`` in ``b`` excludes its entry (added as 0, then excluded)."""
+    neg = b == -np.inf
+    t = X.add_d(t, np.where(neg, 0, b))
+    return t, (neg if excluded is None else (excluded | neg))
+
+
+def alibi_forward_in(X, t, slopes, dist):
+    """``t - slope * dist`` in ``X``, the product exact in double-double; a term that overflows makes ``-inf``."""
+    ab = X.exact_product(slopes, dist)
+    return X.where(np.isinf(X.value(ab)), X.neg(ab), X.sub(t, ab))
+
+
 # ------------------------------------------------------------ the chains
 
 

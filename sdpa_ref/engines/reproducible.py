@@ -45,8 +45,8 @@ import functools
 import numpy as np
 
 from ..exact.arith import for_problem
-from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
-from ..transforms import alibi_distance, unbroadcast
+from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
+from ..transforms import additive_forward_in, alibi_distance, alibi_forward_in, softcap_forward_in, unbroadcast
 from .._threads import run_all
 from .contract import Forward, Grads
 
@@ -87,20 +87,14 @@ def forward(prob, *, save_probs=True) -> Forward:
         ix = lead + (slice(*r),)
         T = X.at(Traw, ix)
         if sd is not None:                                           # cap * tanh(Traw / cap), and its slope
-            x = X.div(X.clamp(T, 1024.0 * o.softcap), X.lift(o.softcap))   # beyond: tanh = 1, sech^2 = 0 alike
-            t = X.tanh(x)
-            X.put(sd, ix, X.sech2(x, t))
-            T = X.mul_d(t, o.softcap)
+            T, d = softcap_forward_in(X, T, o.softcap)
+            X.put(sd, ix, d)
         excl = block_of(excluded, nd, lead, r)
         for b in (prob.mask_float, prob.bias):
             if b is not None:
-                b = block_of(b, nd, lead, r)
-                neg = b == -np.inf                                   # a float -inf excludes the entry
-                T = X.add_d(T, np.where(neg, 0, b))
-                excl = neg if excl is None else (excl | neg)
+                T, excl = additive_forward_in(X, T, block_of(b, nd, lead, r), excl)
         if dist is not None:                                         # - slope * |i + off - j|
-            ab = X.exact_product(block_of(prob.alibi, nd, lead), block_of(dist, nd, lead, r))
-            T = X.where(np.isinf(X.value(ab)), X.neg(ab), X.sub(T, ab))      # an overflowing term: -inf
+            T = alibi_forward_in(X, T, block_of(prob.alibi, nd, lead), block_of(dist, nd, lead, r))
         neg = X.value(T) == -np.inf                                  # a score that is -inf excludes its key,
         excl = neg if excl is None else (excl | neg)                 # as on every path (mask + bias overflowing)
         mx, em, over = X.row_max(T, excl)                            # T - mx <= 0, however large T
@@ -294,10 +288,7 @@ _OVERFLOW = ("precision='reproducible' cannot give a finite, faithfully rounded 
 
 def _nan_rows(prob, empty):
     """``(*batch, Hq, L, 1)``: the rows that the ``"nan"`` policy makes NaN, or None."""
-    if prob.options.fully_masked != "nan" or not np.any(empty):
-        return None
-    pad = prob.padded_rows()
-    return empty if pad is None else (empty & ~pad)
+    return nan_rows(empty, prob.padded_rows(), prob.options.fully_masked)
 
 
 def _no_silent_nan(x, ok, what):

@@ -50,7 +50,9 @@ from ..exact.arith import LowPrecision
 from ..options import AttentionOptions
 from .._validate import check_choice, check_tolerance
 from ..problem import Problem
-from ..transforms import alibi_distance, dropout_forward, softcap_forward, unbroadcast
+from ..masks import constant_rows, nan_rows, zero_output_rows
+from ..transforms import (additive_forward_in, alibi_distance, alibi_forward_in, dropout_forward, softcap_forward,
+                          softcap_forward_in, unbroadcast)
 from .cases import grad_out_for
 from .lowp import DESCALES, output_dtype, widen, work_dtype
 
@@ -277,25 +279,22 @@ class _Kernel:
 
     def forward(self):
         p, m, o = self.p, self.m, self.p.options
-        T, th = self.scores(), None
+        T, sd = self.scores(), None
         if o.softcap is not None:
-            c = self.w.type(o.softcap)
             if self.m.arith == "blas":                   # NumPy's tanh, as the package's own softcap
-                T, th = softcap_forward(self.W(T), c)
+                T, th = softcap_forward(self.W(T), self.w.type(o.softcap))
+                sd = self.X.sech2(None, th)
             else:
-                th = self.X.tanh(self.W(T / c))
-                T = self.W(th * c)
+                T, sd = softcap_forward_in(self.X, self.W(T), o.softcap)
         excl = np.zeros(p.full_scores, bool)
         if p.allowed() is not None:
             excl |= ~np.broadcast_to(p.allowed(), p.full_scores)
         for b in (p.mask_float, p.bias):
             if b is not None:
-                neg = np.broadcast_to(b == -np.inf, p.full_scores)
-                T = self.W(T + np.where(neg, 0, self.W(b)))
-                excl = excl | neg
+                T, excl = additive_forward_in(self.X, T, b, excl)
         if p.alibi is not None:
             dist = alibi_distance(p.L, p.S, o.causal_alignment, p.q_lengths, p.kv_lengths)
-            T = self.W(T - self.W(self.W(p.alibi) * self.W(dist)))
+            T = alibi_forward_in(self.X, T, p.alibi, dist)
         empty = excl.all(axis=-1, keepdims=True) if p.S else np.ones(p.full_scores[:-1] + (1,), bool)
         if o.fully_masked == "uniform":                 # every key alike: a row of equal scores
             excl = excl & ~empty
@@ -333,7 +332,7 @@ class _Kernel:
             O = self.div(self.descale(acc, vd), lsum)
         lse = self.W(mx + self.log(lsum))
         O = self.fill_rows(O, empty)
-        return {"O": self.rd_out(O), "T": T, "th": th, "lse": lse, "empty": empty,
+        return {"O": self.rd_out(O), "T": T, "sd": sd, "lse": lse, "empty": empty,
                 "P": P if m.normalize == "early" and m.block is None else None}
 
     def descale(self, x, d):
@@ -349,21 +348,14 @@ class _Kernel:
         y = dropout_forward(self.W(x), keep, rate)
         return self.rd(y) if dt else self.W(y)
 
-    def row_kinds(self, empty):
-        """``(zero, nan)``: the rows whose ``P`` is 0 (fully masked under ``"zero"``, padded) and NaN (fully
-        masked under ``"nan"``, which a kernel spreads as the formula does)."""
-        p, policy = self.p, self.p.options.fully_masked
-        zero = empty if policy == "zero" else np.zeros_like(empty)
-        nan = empty if policy == "nan" else np.zeros_like(empty)
-        pad = p.padded_rows()
-        if pad is not None:
-            pad = np.broadcast_to(pad, empty.shape)
-            zero, nan = zero | pad, nan & ~pad
-        return zero, nan
-
     def fill_rows(self, O, empty):
-        zero, nan = self.row_kinds(empty)
-        return np.where(nan, self.w.type(np.nan), np.where(zero, self.w.type(0), O))
+        """The fully-masked policy on a result: NaN on the rows the ``"nan"`` policy makes NaN (a kernel spreads
+        them as the formula does), 0 on those whose output is 0 by definition."""
+        p, policy = self.p, self.p.options.fully_masked
+        pad = p.padded_rows()
+        nan, zero = nan_rows(empty, pad, policy), zero_output_rows(empty, pad, policy)
+        O = O if zero is None else np.where(zero, self.w.type(0), O)
+        return O if nan is None else np.where(nan, self.w.type(np.nan), O)
 
     def backward(self, fw, dO):
         p, m = self.p, self.m
@@ -372,20 +364,20 @@ class _Kernel:
         rd = self.rd if self.desc is None else self.rd_out        # fp8: the backward's operands in bfloat16
         q, k, v = (self.W(self.full(x, h)) for x, h in ((p.q, False), (p.k, True), (p.v, True)))
         P = fw["P"] if fw["P"] is not None else self.exp(self.W(fw["T"] - fw["lse"]))
-        zero, nan = self.row_kinds(fw["empty"])
-        P = np.where(nan, self.w.type(np.nan), np.where(zero, self.w.type(0), P))
+        P = self.fill_rows(P, fw["empty"])
         Pd = self.drop(P, keep, rdrop, dt=False)
         dv = self.mm(np.swapaxes(rd(Pd), -1, -2), dO)
         dP = self.descale(self.mm(dO, np.swapaxes(v, -1, -2)), None if self.desc is None else self.desc[2])
         dPd = self.drop(dP, keep, rdrop, dt=False)
         D = self.rowsum(self.W(dO * fw["O"])) if m.delta == "out" else self.rowsum(self.W(P * dPd))
         dS = self.W(P * self.W(dPd - D))
-        dS = np.where(zero | (fw["empty"] & ~nan), self.w.type(0), dS)     # P is a constant there
+        const = constant_rows(fw["empty"], p.padded_rows(), p.options.fully_masked)
+        dS = dS if const is None else np.where(const, self.w.type(0), dS)      # P is a constant there
         res = {}
         if p.bias is not None:
             res["dbias"] = self.sum_to(dS, p.shapes["bias"]).reshape(p.shapes["bias"])
-        if fw["th"] is not None and m.softcap_grad:
-            dS = self.W(dS * self.W(self.w.type(1) - self.W(fw["th"] * fw["th"])))
+        if fw["sd"] is not None and m.softcap_grad:
+            dS = self.W(dS * fw["sd"])
         dSt = rd(dS)
         if self.desc is not None:            # d(S) = dS through (q8 qd)(k8 kd)^T * scale
             qd, kd, _ = self.desc
