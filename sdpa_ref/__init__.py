@@ -23,6 +23,9 @@ Shape legend, used in every docstring
     Query heads per kv head, ``Hq // Hkv``: the group axis of grouped-query
     attention. Inside the package queries are ``(..., Hkv, G, L, E)``, the
     same memory as ``(..., Hq, L, E)`` since head ``h = kv * G + g``.
+``P``
+    Partial results over disjoint sets of keys, stacked on a leading axis
+    for :func:`merge_attention`: ``out_parts`` is ``(P, ..., Hq, L, Ev)``.
 
 So ``query`` is ``(..., Hq, L, E)``, ``key`` is ``(..., Hkv, S, E)``,
 ``value`` is ``(..., Hkv, S, Ev)`` and the output is ``(..., Hq, L, Ev)``.
@@ -48,7 +51,9 @@ from .gradcheck import (
     check_vjp,
     numerical_jacobian,
 )
+from .lse import combine_lse, convert_lse
 from .masks import causal_mask, padding_mask, window_mask
+from .merge import merge_attention, merge_attention_backward
 from .options import OPTION_NAMES, AttentionOptions
 from .softmax import (
     log_softmax,
@@ -90,6 +95,11 @@ __all__ = [
     "BACKWARD_METHODS",
     "AttentionOptions",
     "OPTION_NAMES",
+    # the LSE family and merging split-KV partial results
+    "convert_lse",
+    "combine_lse",
+    "merge_attention",
+    "merge_attention_backward",
     # masks
     "causal_mask",
     "window_mask",

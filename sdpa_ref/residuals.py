@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from .engines.contract import Forward
+from .lse import convert_lse
 from .poison import nan_where
 
 __all__ = ["AttentionGrads", "AttentionResiduals"]
@@ -64,6 +65,25 @@ class AttentionResiduals:
         """The log-sum-exp of the allowed scores ``(..., Hq, L)``; ``-inf`` on rows with no key."""
         return nan_where(self.forward.lse, None if self.taint is None else self.taint.lse).reshape(
             self.problem.out_shape[:-1])
+
+    def lse_as(self, base="e", empty="-inf"):
+        """:attr:`lse` in a kernel's convention: base ``"e"`` or ``2``, and what a row with no allowed key holds
+        (``"-inf"``, ``"+inf"`` or a number); see :func:`sdpa_ref.convert_lse`."""
+        return convert_lse(self.lse, base=base, empty=empty)
+
+    @property
+    def row_max(self):
+        """cuDNN's ``score_max``: each row's largest allowed score ``m`` ``(..., Hq, L)``, after every score term
+        (scale, softcap, mask, bias, ALiBi); ``-inf`` on rows with no allowed key. ``lse = m + log(row_sumexp)``."""
+        m = np.where(self.forward.empty, -np.inf, self.forward.rowmax)[..., 0]
+        return nan_where(m, None if self.taint is None else self.taint.lse).reshape(self.problem.out_shape[:-1])
+
+    @property
+    def row_sumexp(self):
+        """cuDNN's ``score_sum_exp``: ``s = sum_j exp(T_j - m)`` over the allowed keys ``(..., Hq, L)``, in
+        ``[1, S]``; 0 on rows with no allowed key."""
+        s = np.where(self.forward.empty, 0.0, self.forward.rowsum)[..., 0]
+        return nan_where(s, None if self.taint is None else self.taint.lse).reshape(self.problem.out_shape[:-1])
 
     @property
     def tanh(self):
