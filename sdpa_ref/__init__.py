@@ -32,17 +32,14 @@ So ``query`` is ``(..., Hq, L, E)``, ``key`` is ``(..., Hkv, S, E)``,
 """
 
 from .api import (
-    BACKWARD_METHODS,
     FULLY_MASKED_POLICIES,
     METHODS,
-    AttentionGrads,
     AttentionResiduals,
     scaled_dot_product_attention,
-    sdpa_backward,
     sdpa_forward,
     sdpa_forward_complex,
-    sdpa_jvp,
 )
+from .derivatives import BACKWARD_METHODS, AttentionGrads, sdpa_backward, sdpa_jvp
 from .gradcheck import (
     GradcheckReport,
     assert_jvp,

@@ -25,11 +25,12 @@ Forward::
     P_drop = P * Z / (1 - p)                        dropout_forward
     O      = P_drop V
 
-Backward, from ``dO``::
+Backward, from ``dO`` (and ``dlse``, the LSE's cotangent, when given)::
 
     dV     = P_drop^T dO, summed over the group     (the group shares one kv head)
     dP     = (dO V^T) * Z / (1 - p)
     dT     = P * (dP - rowsum(P * dP))              softmax_vjp (pivoted: see row_pivot)
+             [+ P * dlse]                           softmax_lse_vjp: d LSE / dT = P (undropped)
     dB     = dT summed to the mask's / bias's shape additive_vjp
     dTraw  = dT * (1 - tanh^2)                      softcap_vjp (only with softcap; as sech^2, no cancellation)
     dQ     = scale * dTraw K
@@ -49,7 +50,7 @@ import numpy as np
 
 from .engines.contract import Forward, Grads
 from .masks import constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
-from .softmax import softmax_jvp, softmax_parts, softmax_vjp
+from .softmax import softmax_jvp, softmax_lse_vjp, softmax_parts, softmax_vjp
 from .transforms import (
     additive_vjp,
     dropout_forward,
@@ -91,8 +92,9 @@ def forward(prob, *, save_probs=True) -> Forward:
                    tanh=sech2 if save_probs else None, empty=empty, rowmax=m, rowsum=s)
 
 
-def backward(prob, fwd: Forward, dO) -> Grads:
-    """The plain backward from the saved ``P``: see the module docstring."""
+def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
+    """The plain backward from the saved ``P``: see the module docstring. ``dlse`` ``(*batch, Hq, L, 1)``, the
+    cotangent of the LSE, or None (zero)."""
     o = prob.options
     P, sech2 = fwd.probs, fwd.tanh
     k, v = _kv(prob.k), _kv(prob.v)
@@ -100,7 +102,10 @@ def backward(prob, fwd: Forward, dO) -> Grads:
     P_drop = dropout_forward(P, prob.keep, o.dropout_p)
     dv = (np.swapaxes(_grouped(P_drop, prob), -1, -2) @ dO).sum(axis=-3)   # dV = P_drop^T dO, summed over G
     dP = dropout_vjp(_full(dO @ np.swapaxes(v, -1, -2), prob), prob.keep, o.dropout_p)
-    dT = softmax_vjp(P, dP)                                         # P * (dP - rowsum(P * dP))
+    if dlse is None:
+        dT = softmax_vjp(P, dP)                                     # P * (dP - rowsum(P * dP))
+    else:                                                           # ... + P * dlse: d lse / dT = P
+        dT = softmax_lse_vjp(P, dP, dlse)
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)
     if cr is not None:                                               # such a row's P does not depend on T
         dT = np.where(cr, dT.dtype.type(0), dT)

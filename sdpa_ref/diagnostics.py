@@ -28,7 +28,8 @@ from typing import Callable, Iterable, List, Optional, Sequence
 import numpy as np
 
 from . import _validate as V
-from .api import sdpa_backward, sdpa_forward
+from .api import sdpa_forward
+from .derivatives import sdpa_backward
 
 __all__ = [
     "SCALES",

@@ -15,7 +15,8 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .api import sdpa_backward, sdpa_forward
+from .api import sdpa_forward
+from .derivatives import sdpa_backward
 from ._threads import threads_for
 from .softmax import log_softmax
 

@@ -209,13 +209,14 @@ def forward_taint(prob, empty):
     return Taint(_to_full_rows(out_bad, prob), _to_full_rows(lse_bad, prob))
 
 
-def backward_taint(prob, empty, grads, do_bad):
+def backward_taint(prob, empty, grads, do_bad, dlse_bad=None):
     """The engine's :class:`~sdpa_ref.engines.contract.Grads` with every gradient that reads poison set to NaN.
 
-    ``do_bad`` ``(*batch, Hq, L, Ev)``: the entries of ``grad_out`` that were not finite (and were cleaned), or None.
+    ``do_bad`` ``(*batch, Hq, L, Ev)``: the entries of ``grad_out`` that were not finite (and were cleaned), or None;
+    ``dlse_bad`` ``(*batch, Hq, L, 1)`` the same for ``grad_lse`` (it reaches ``dT_i`` only: not ``dV``).
     """
     p = prob.poison
-    if p is None and do_bad is None:
+    if p is None and do_bad is None and dlse_bad is None:
         return grads
     p = p if p is not None else Poison(None, None, None, None, None, None)
     Ev = prob.v.shape[-1]
@@ -225,6 +226,7 @@ def backward_taint(prob, empty, grads, do_bad):
     add_bad = {n: np.zeros(prob.shapes[arg], dtype=bool) for n, arg in (("mask", "attn_mask"), ("bias", "bias"))
                if getattr(grads, "d" + n) is not None}
     dob = None if do_bad is None else _grouped(np.broadcast_to(do_bad, prob.batch + (prob.Hq, prob.L, Ev)), prob)
+    dlb = None if dlse_bad is None else _grouped(np.broadcast_to(dlse_bad, prob.batch + (prob.Hq, prob.L, 1)), prob)
     for rows in _blocks(prob):
         i0, i1 = rows
         rk, rv = _read_sets(prob, empty, rows)
@@ -233,6 +235,8 @@ def backward_taint(prob, empty, grads, do_bad):
         g = r
         if dob is not None:                                # dq, dk and dB read all of dO_i ...
             g = g | (dob[..., i0:i1, :].any(axis=-1) & has_key)
+        if dlb is not None:                                # ... and dlse_i, through dT_i += P_i dlse_i
+            g = g | (dlb[..., i0:i1, 0] & has_key)
         if p.v is not None:                                # ... and v_j through dP_ij = dO_i . v_j
             g = g | (_any_keys(rv, p.v.any(axis=-1)) & has_key)
         dq_bad[..., i0:i1] = g

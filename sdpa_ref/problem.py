@@ -278,6 +278,14 @@ class Problem:
             dO = np.where(zr, self.dtype.type(0), dO)
         return clean(dO)
 
+    def clean_grad_lse(self, g, empty):
+        """``(dlse, where it was not finite or None)``: ``grad_lse`` in the compute dtype, ``(*batch, Hq, L, 1)``,
+        0 on the rows whose LSE is a constant (no allowed key, or padded), which no gradient reads, and where it is
+        not finite (:func:`poison.clean`)."""
+        dl = _cast(g, self.dtype).reshape(self.full_scores[:-1] + (1,))
+        pad = self.padded_rows()
+        return clean(np.where(empty if pad is None else (empty | pad), self.dtype.type(0), dl))
+
     def clean_tangents(self, dq, dk, dv, dbias):
         """The JVP's tangents (in the layouts of :attr:`q`, :attr:`k`, :attr:`v` and the bias; None is zero) as
         the problem's inputs are cleaned: in the compute dtype, 0 where no result reads them, and where they

@@ -37,6 +37,7 @@ __all__ = [
     "log_softmax",
     "softmax_vjp",
     "log_softmax_vjp",
+    "softmax_lse_vjp",
     "softmax_jvp",
     "softmax_jacobian",
 ]
@@ -246,6 +247,61 @@ def softmax_vjp(y, g, axis=-1):
     y, g, axis = _prepare_pair(y, g, axis, "y", "g")
     gc = g - row_pivot(y, g, axis)
     return y * (gc - np.sum(gc * y, axis=axis, keepdims=True))
+
+
+def softmax_lse_vjp(y, g, g_lse, axis=-1):
+    r"""VJP of :func:`softmax_lse`: the gradient of ``x`` from the cotangents of ``y`` and of the LSE.
+
+    Parameters
+    ----------
+    y : array_like, (..., n, ...)
+        The softmax *output*.
+    g : array_like, same shape as ``y``
+        Cotangent of ``y``.
+    g_lse : array_like, the shape of ``y`` with ``axis`` of length 1
+        Cotangent of ``lse = log sum_k exp(x_k)``, as :func:`softmax_lse` returns it (the axis kept).
+    axis : int, optional
+        The softmax axis. Default -1.
+
+    Returns
+    -------
+    dx : ndarray, same shape as ``y``
+
+    Notes
+    -----
+    :math:`\partial\, \mathrm{lse} / \partial x_j = e^{x_j} / \sum_k e^{x_k} = y_j`, so the LSE adds
+    :math:`y\, \bar\lambda` to :func:`softmax_vjp`'s part:
+
+    .. math:: dx = y \odot (g - \textstyle\sum_k g_k y_k + \bar\lambda).
+
+    FlashAttention 4 folds :math:`\bar\lambda` into :math:`D = \sum_k g_k y_k` (``D - dlse``); the
+    attention engines use either form (:func:`sdpa_ref.sdpa_backward`'s ``grad_lse``).
+    """
+    y, g, axis = _prepare_pair(y, g, axis, "y", "g")
+    gl = np.asarray(g_lse)
+    if gl.dtype.kind not in "iubfc":
+        raise TypeError(f"`g_lse` should be a numeric array, but got dtype {gl.dtype}")
+    want = y.shape[:axis] + (1,) + y.shape[axis + 1:]
+    if gl.shape != want:
+        raise ValueError(f"`g_lse` should have the shape {want} of softmax_lse's lse (the axis kept), "
+                         f"but got shape {gl.shape}")
+    return softmax_vjp(y, g, axis) + y * gl
+
+
+def softmax_vjp_in(X, P, g, g_lse=None):
+    """:func:`softmax_vjp` (and :func:`softmax_lse_vjp` with ``g_lse`` ``(..., 1)``) over the rows of an
+    arithmetic ``X`` (:mod:`sdpa_ref.exact.arith`): ``P * ((g - c) - rowsum(P * (g - c))) [+ P * g_lse]``,
+    ``c = g`` at the row's first largest ``P``; the arithmetic's compiled row pass where it has one (the same
+    operations, the same bits)."""
+    fused = getattr(X, "softmax_vjp_rows", None)
+    out = None if fused is None else fused(P, g)
+    if out is None and X.value(P).shape[-1] == 0:          # S = 0: no entry, and no pivot to take
+        return P
+    if out is None:
+        idx = np.argmax(X.value(P), axis=-1)[..., None]
+        gc = X.sub(g, X.take(g, idx))
+        out = X.mul(P, X.sub(gc, X.sum(X.mul(P, gc), keepdims=True)))
+    return out if g_lse is None else X.add(out, X.mul_d(P, g_lse))
 
 
 def log_softmax_vjp(y, g, axis=-1):

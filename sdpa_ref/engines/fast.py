@@ -133,8 +133,9 @@ def forward(prob, *, save_probs=True) -> Forward:
                    rowmax=rowmax.reshape(full[:-1] + (1,)), rowsum=rowsum.reshape(full[:-1] + (1,)))
 
 
-def backward(prob, fwd: Forward, dO) -> Grads:
-    """The backward from the saved ``P``, with the pivoted softmax VJP and ``dT`` in place."""
+def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
+    """The backward from the saved ``P``, with the pivoted softmax VJP and ``dT`` in place; ``dlse``
+    ``(*batch, Hq, L, 1)`` the LSE's cotangent or None (then no pass is spent on it)."""
     lay = _Layout(prob)
     o, full, grouped, lead, S = prob.options, lay.full, lay.grouped, lay.lead, lay.S
     ct = prob.dtype
@@ -152,6 +153,7 @@ def backward(prob, fwd: Forward, dO) -> Grads:
     dv = np.empty(lead + (S, Ev), dtype=ct)
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)   # their dT is 0, set not computed
     crg = None if cr is None else np.broadcast_to(cr, full[:-1] + (1,)).reshape(grouped + (1,))
+    dlg = None if dlse is None else dlse.reshape(grouped + (1,))
     sub = max(1, _CACHE_ENTRIES // max(S, 1))
 
     def score_grad_rows(d, p):
@@ -182,6 +184,8 @@ def backward(prob, fwd: Forward, dO) -> Grads:
             row_chunks(score_grad_rows, *rows)
         else:
             score_grad_rows(*rows)                                         # dT = (dP - D) * P
+        if dlg is not None:                                                # ... + P * dlse (softmax_lse_vjp)
+            dTc += Pc * dlg[idx]
         if crg is not None:
             np.copyto(dTc, 0.0, where=crg[idx])
         dTraw = transform_scores_vjp(dTc, None if sdg is None else sdg[idx], out=None if keep_dT else dTc)

@@ -45,6 +45,7 @@ import functools
 import numpy as np
 
 from ..exact.arith import for_problem
+from ..softmax import softmax_vjp_in
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
 from ..transforms import additive_forward_in, alibi_distance, alibi_forward_in, softcap_forward_in, unbroadcast
 from .._threads import run_all
@@ -127,8 +128,8 @@ def forward(prob, *, save_probs=True) -> Forward:
 
 
 @_quiet
-def backward(prob, fwd: Forward, dO) -> Grads:
-    """The core's backward; every gradient rounded once."""
+def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
+    """The core's backward; every gradient rounded once. ``dlse`` ``(*batch, Hq, L, 1)`` float64 or None."""
     X = for_problem(prob)
     o, full, nd = prob.options, prob.full_scores, len(prob.full_scores)
     P, Pd, sd = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["sech2"]
@@ -144,7 +145,7 @@ def backward(prob, fwd: Forward, dO) -> Grads:
     def rows(lead, r):
         ix = lead + (slice(*r),)
         g = _dropout(X, X.at(dP, ix), block_of(prob.keep, nd, lead, r), o.dropout_p)
-        t = _softmax_vjp(X, X.at(P, ix), g)                           # P * (dP - rowsum(P * dP)), pivoted
+        t = softmax_vjp_in(X, X.at(P, ix), g, None if dlse is None else dlse[ix])   # P(dP - D) [+ P dlse]
         cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked)
         if cr is not None:                                           # P does not depend on T there
             t = X.where(cr, X.const(0.0), t)
@@ -199,7 +200,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None)
                 t = X.mul(t, X.at(sd, ix))
             if dbias is not None:
                 t = X.add_d(t, block_of(dbias, nd, lead, r))
-            p = _softmax_vjp(X, X.at(P, ix), t)                      # J is symmetric: the JVP is the same map
+            p = softmax_vjp_in(X, X.at(P, ix), t)                      # J is symmetric: the JVP is the same map
             cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked)
             if cr is not None:
                 p = X.where(cr, X.const(0.0), p)
@@ -242,19 +243,6 @@ def _by_rows(full, fn):
 
 
 # ------------------------------------------------------------ the softmax
-
-
-def _softmax_vjp(X, P, g):
-    """``P * ((g - c) - rowsum(P * (g - c)))``, ``c = g`` at the row's largest ``P`` (the pivoted form)."""
-    fused = getattr(X, "softmax_vjp_rows", None)
-    out = None if fused is None else fused(P, g)           # the same operations compiled, where they are
-    if out is not None:
-        return out
-    if X.value(P).shape[-1] == 0:                          # S = 0: no entry, and no pivot to take
-        return P
-    idx = np.argmax(X.value(P), axis=-1)[..., None]
-    gc = X.sub(g, X.take(g, idx))
-    return X.mul(P, X.sub(gc, X.sum(X.mul(P, gc), keepdims=True)))
 
 
 # ------------------------------------------------------------- pieces

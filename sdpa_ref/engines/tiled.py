@@ -150,7 +150,7 @@ def _policy_rows(prob, bl, out, row_empty, i0, i1):
 # ---------------------------------------------------------------- backward
 
 
-def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
+def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
     """Blockwise recomputation backward: ``P = exp(T - m) / s`` block by block, the softmax VJP pivoted.
 
     For each block of rows, a first sweep over the key blocks finds the
@@ -158,6 +158,10 @@ def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
     ``D = rowsum(P * (dP - c))``; the second computes the gradients with
     ``dT = P * ((dP - c) - D)``. With one key block (the dense ``"lse"``
     backward) the two sweeps share one recomputation.
+
+    ``dlse`` ``(*batch, Hq, L, 1)``, the LSE's cotangent (or None), is folded into ``D`` as FlashAttention 4
+    does: ``dT = P * ((dP - c) - (D - dlse))`` (:func:`sdpa_ref.softmax.softmax_lse_vjp`, as
+    ``rowsum(P) = 1``).
 
     ``block_size`` may also be a pair ``(rows, keys)``: the dense ``"lse"``
     backward walks blocks of rows with every key in one block, so that its
@@ -217,6 +221,8 @@ def backward(prob, fwd: Forward, dO, *, block_size="auto") -> Grads:
         if not parts:
             return
         c, D = _pivot_and_D(parts)
+        if dlse is not None:
+            D = D - dlse[..., i0:i1, :]                             # + P * dlse, folded into D
         # sweep 2: the gradients, dT = P * ((dP - c) - D)
         for job in jobs:
             j0, j1 = job[:2]

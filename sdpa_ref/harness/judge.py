@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-from ..api import sdpa_backward, sdpa_forward, sdpa_jvp
+from ..api import sdpa_forward
+from ..derivatives import sdpa_backward, sdpa_jvp
 from ..options import AttentionOptions
 from ..problem import Problem
 from ..transforms import unbroadcast

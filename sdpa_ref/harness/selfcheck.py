@@ -36,7 +36,8 @@ from typing import Callable, List, Optional
 import numpy as np
 
 from .._validate import check_tolerance
-from ..api import sdpa_backward, sdpa_forward, sdpa_forward_complex, sdpa_jvp
+from ..api import sdpa_forward, sdpa_forward_complex
+from ..derivatives import sdpa_backward, sdpa_jvp
 from ..gradcheck import check_jvp, check_vjp
 from ..softmax import log_softmax, log_softmax_vjp, softmax, softmax_jvp, softmax_vjp
 from .cases import Case, gradcheck_grid

@@ -58,7 +58,8 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from ..api import sdpa_backward, sdpa_forward
+from ..api import sdpa_forward
+from ..derivatives import sdpa_backward
 from ..options import ARRAY_OPTIONS
 from .cases import SUITE_VERSION, get_suite, grad_out_for
 from .ensemble import ensemble_errors, honest_errors

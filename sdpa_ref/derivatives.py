@@ -1,0 +1,218 @@
+r"""The derivatives of attention: :func:`sdpa_backward` (reverse mode, from the residuals of
+:func:`sdpa_ref.sdpa_forward`) and :func:`sdpa_jvp` (forward mode).
+
+Each validates the cotangents or tangents, cleans them as the primals were cleaned (0 where no result reads
+them, and where they are not finite, :mod:`sdpa_ref.poison`), runs the engine's ``backward`` or ``jvp`` with
+the BLAS held to one thread, and returns the results in the inputs' shapes and dtypes. The derivations are in
+the docstrings below, in :mod:`sdpa_ref.attention` and in SEMANTICS.md.
+"""
+
+from __future__ import annotations
+
+from . import _validate as V
+from . import attention, poison
+from ._threads import single_threaded_blas
+from .api import ENGINES, METHODS, sdpa_forward
+from .engines import reproducible, tiled
+from .residuals import AttentionGrads, AttentionResiduals
+from .transforms import unbroadcast
+
+__all__ = ["BACKWARD_METHODS", "AttentionGrads", "sdpa_backward", "sdpa_jvp"]
+
+#: Accepted values of ``sdpa_backward(..., method=)``: the engines, and two older names
+#: (``"probs"`` is ``"fast"``, ``"lse"`` is ``"tiled"``: FlashAttention's recomputing backward).
+BACKWARD_METHODS = METHODS + ("probs", "lse", "reproducible")
+_ALIASES = {"probs": "fast", "lse": "tiled"}
+
+
+def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
+    r"""Gradients of attention by the hand-derived backward.
+
+    Parameters
+    ----------
+    residuals : AttentionResiduals
+        From :func:`sdpa_forward`.
+    grad_out : array_like, (..., Hq, L, Ev)
+        Cotangent ``dO`` of the output (any input dtype of the forward).
+    method : {"fast", "plain", "tiled", "probs", "lse"}, optional
+        The engine; by default the one that made the residuals. ``"fast"``
+        and ``"plain"`` read the saved ``P`` (``"fast"`` in place, with
+        :math:`D = \mathrm{rowsum}(dO \odot O)`; ``"plain"``, the teaching
+        form, with :math:`D = \mathrm{rowsum}(P \odot dP)`). ``"tiled"`` is
+        FlashAttention's: it keeps only ``(O, lse)`` (with the row max and sum
+        apart) and recomputes :math:`P = e^{T - m} / s` block by block (for
+        dense residuals, four blocks of rows with every key, so that it peaks
+        below the default). ``"probs"`` and ``"lse"`` are the older names of
+        ``"fast"`` and ``"tiled"``. They agree to rounding.
+    grad_lse : array_like, (..., Hq, L), optional
+        Cotangent of the LSE (``residuals.lse``, natural base), for a loss
+        that reads it (FlashAttention 4's ``dlse``, FlexAttention's LSE
+        gradient, a merge of split results). None (default) is zero and
+        costs nothing. Not read on rows whose LSE is a constant: no allowed
+        key, or padded.
+
+    Returns
+    -------
+    AttentionGrads
+        ``(query, key, value, attn_mask, bias)``; each summed back to its
+        input's shape (broadcast batch dims, a broadcast mask, the GQA group)
+        and cast to its input's dtype.
+
+    Notes
+    -----
+    Reverse through :math:`O = P_{drop} V`: :math:`dV = P_{drop}^T dO` and
+    :math:`dP_{drop} = dO\,V^T`. Dropout is element-wise,
+    :math:`dP = dP_{drop} \odot Z / (1 - p)`.
+
+    Each row of :math:`P` is a softmax of :math:`T_i`, whose Jacobian is
+    :math:`\operatorname{diag}(P_i) - P_i P_i^T`, so
+
+    .. math::
+
+        dT_i = P_i \odot (dP_i - D_i), \qquad D_i = \sum_j P_{ij}\, dP_{ij}.
+
+    :math:`D_i = \sum_j P_{drop,ij} (dO_i \cdot v_j) = dO_i \cdot O_i` too, so
+    ``D`` needs no ``L x S`` product (FlashAttention's identity).
+
+    With ``grad_lse`` :math:`\bar\lambda`: :math:`\partial\,\mathrm{lse}_i /
+    \partial T_{ij} = e^{T_{ij}} / \sum_k e^{T_{ik}} = P_{ij}` (the undropped
+    :math:`P`), so :math:`dT_i = P_i \odot (dP_i - D_i + \bar\lambda_i)`;
+    FlashAttention 4 folds it into :math:`D` as :math:`D_i - \bar\lambda_i`.
+
+    Masked entries have :math:`P_{ij} = 0` and so :math:`dT_{ij} = 0`. The
+    float mask, the bias and ALiBi are added to :math:`T`, so
+    :math:`dB = dT`. Softcap :math:`T = c \tanh(T_{raw}/c)` gives
+    :math:`dT_{raw} = dT \odot (1 - \tanh^2(T_{raw}/c))`. Finally
+    :math:`T_{raw} = s\,Q K^T` gives :math:`dQ = s\, dT_{raw} K` and
+    :math:`dK = s\, dT_{raw}^T Q`, summed over the query heads of a GQA group.
+
+    Fully masked rows: under ``"zero"`` :math:`P_i = 0`, so every
+    contribution of the row is 0. Under ``"uniform"`` the row's
+    probabilities do not depend on the scores, so :math:`dT_i = 0` while
+    :math:`dV` receives :math:`dO_i / S` from it. Under ``"nan"`` the
+    formulas are evaluated as written in IEEE arithmetic: :math:`dQ_i` and
+    :math:`dB_i` are NaN, and so are :math:`dK` and :math:`dV` of the kv
+    head it reads (the textbook / xformers behaviour). Padded query rows
+    (``i >= q_len``) have :math:`P_i = 0` under every policy.
+    """
+    if not isinstance(residuals, AttentionResiduals):
+        raise TypeError("`residuals` should be the AttentionResiduals returned by sdpa_forward, "
+                        f"but got {V.describe(residuals)}")
+    prob = residuals.problem
+    V.check_choice(method if method is not None else residuals.method, "method", BACKWARD_METHODS)
+    name = _ALIASES.get(method, method) if method is not None else residuals.method
+    if (name == "reproducible") != (residuals.method == "reproducible"):
+        raise ValueError("`method` should be None or 'reproducible' for residuals of precision='reproducible', "
+                         "and 'reproducible' only for those, but got "
+                         f"method={method!r} for residuals of method {residuals.method!r}")
+    if name == "reproducible" and residuals.forward.extra is None:
+        raise ValueError("`residuals` of precision='reproducible' need save_probs=True for the backward "
+                         "(it has no recomputing form)")
+    if name != "tiled" and residuals.probs is None:
+        if method is not None:
+            raise ValueError("`method` should be 'tiled' (or 'lse') for residuals saved with save_probs=False "
+                             f"or by the tiled engine, but got {method!r}")
+        name = "tiled"
+    g = V.as_float_array(grad_out, "grad_out")
+    if g.shape != prob.out_shape:
+        raise ValueError(f"`grad_out` should have the output's shape {prob.out_shape}, but got shape {g.shape}")
+    dO, do_bad = prob.clean_grad_out(g, residuals.empty)    # 0 where never read, and where not finite
+    dlse, dl_bad = None, None
+    if grad_lse is not None:
+        gl = V.as_float_array(grad_lse, "grad_lse")
+        if gl.shape != prob.out_shape[:-1]:
+            raise ValueError(f"`grad_lse` should have the LSE's shape {prob.out_shape[:-1]}, but got shape {gl.shape}")
+        dlse, dl_bad = prob.clean_grad_lse(gl, residuals.empty)
+    with single_threaded_blas():
+        if name == "tiled":
+            block = residuals.block_size or tiled.lse_blocks(prob.L, prob.S)
+            gr = tiled.backward(prob, residuals.forward, dO, dlse, block_size=block)
+        else:
+            gr = ENGINES[name].backward(prob, residuals.forward, dO, dlse)
+    gr = poison.backward_taint(prob, residuals.empty, gr, do_bad, dl_bad)
+    gr = gr._replace(dq=poison.nan_where(gr.dq, prob.nan_rows_without_keys()))     # S = 0 under "nan"
+    shapes, dtypes = prob.shapes, prob.dtypes
+
+    def back(x, name):
+        return None if x is None else unbroadcast(x, shapes[name]).astype(dtypes[name], copy=False)
+
+    return AttentionGrads(query=back(gr.dq, "query"), key=back(gr.dk, "key"), value=back(gr.dv, "value"),
+                          attn_mask=back(gr.dmask, "attn_mask"), bias=back(gr.dbias, "bias"))
+
+
+def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
+    r"""Forward-mode derivative of attention: ``(out, out_tangent)``.
+
+    Parameters
+    ----------
+    primals : tuple
+        ``(query, key, value)``; every other input and option is a keyword,
+        as in :func:`sdpa_forward` (``bias=`` included).
+    tangents : tuple
+        ``(dquery, dkey, dvalue)`` or ``(dquery, dkey, dvalue, dbias)``, each
+        of its primal's shape and an input dtype, any of them ``None`` for zero.
+    method : {"fast", "plain"}, optional
+        The engine of the primal forward (default ``"fast"``); the tangent is
+        the teaching core's :func:`sdpa_ref.attention.jvp` on its ``P``.
+        Forward mode has no tiled engine.
+    precision : {"fast", "reproducible"}, optional
+        As in :func:`sdpa_forward`; ``"reproducible"`` computes the tangent
+        in double-double too, faithfully rounded and the same bits everywhere.
+    **options
+        The keyword arguments of :func:`sdpa_forward`.
+
+    Returns
+    -------
+    out, out_tangent : ndarray, (..., Hq, L, Ev)
+
+    Notes
+    -----
+    Differentiating the forward in the direction of the tangents,
+
+    .. math::
+
+        dT &= s\,(dQ\,K^T + Q\,dK^T) \odot (1 - \tanh^2(T_{raw}/c)) + dB, \\
+        dP &= P \odot (dT - \mathrm{rowsum}(P \odot dT)), \\
+        dO &= \frac{dP \odot Z}{1-p} V + P_{drop}\, dV,
+
+    the softcap factor only with softcap. Masked entries have :math:`P = 0`,
+    so their :math:`dP` is 0; under ``"uniform"`` a fully masked row's
+    :math:`P` is constant and its :math:`dP` is 0.
+    """
+    if not isinstance(primals, (tuple, list)) or len(primals) != 3:
+        raise TypeError(f"`primals` should be a tuple (query, key, value), but got {V.describe(primals)}")
+    if not isinstance(tangents, (tuple, list)) or len(tangents) not in (3, 4):
+        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias]), "
+                        f"but got {V.describe(tangents)}")
+    if options.get("block_size") is not None:
+        raise ValueError("`block_size` should be None for sdpa_jvp (forward mode has no tiled engine), "
+                         f"but got {options['block_size']!r}")
+    options.pop("block_size", None)
+    V.check_choice("fast" if method is None else method, "method", ("fast", "plain"))
+    out, res = sdpa_forward(*primals, method=method, precision=precision, **dict(options, save_probs=True))
+    prob = res.problem
+    names = ("query", "key", "value", "bias")
+    ts = list(tangents) + [None] * (4 - len(tangents))
+    if ts[3] is not None and prob.bias is None:
+        raise ValueError("`tangents` should have no bias tangent when no `bias` is given, but got one")
+    conv = []
+    for i, (name, t) in enumerate(zip(names, ts)):
+        if t is not None:
+            t = V.as_float_array(t, f"tangents[{i}]")
+            if t.shape != prob.shapes[name]:
+                raise ValueError(f"`tangents[{i}]` should have the shape of `{name}` {prob.shapes[name]}, "
+                                 f"but got shape {t.shape}")
+            if name != "bias" and t.ndim == 2:
+                t = t[None]
+        conv.append(t)
+    dq, dk, dv, db = conv
+    if dq is not None:
+        dq = dq.reshape(dq.shape[:-3] + prob.q.shape[-4:])
+    (dq, dk, dv, db), (bq, bk, bv, bb), dv_full = prob.clean_tangents(dq, dk, dv, db)   # as the primals are
+    with single_threaded_blas():
+        core = reproducible if res.method == "reproducible" else attention
+        dO = core.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full)
+    rows = (None if b is None else b.any(axis=-1) for b in (bq, bk))
+    dO = poison.nan_where(dO, poison.jvp_taint(prob, res.empty, (*rows, bv, bb)))
+    dO = poison.nan_where(dO, prob.nan_rows_without_keys() if any(t is not None for t in (dq, dk, dv, db)) else None)
+    return out, dO.reshape(prob.out_shape).astype(prob.out_dtype, copy=False)
