@@ -180,6 +180,20 @@ def check_axis(axis, ndim: int, name: str = "axis") -> int:
     return int(axis) % ndim
 
 
+def per_head(x, name: str, Hq: int, batch: tuple) -> np.ndarray:
+    """A float array of one value per query head, ``(Hq,)`` or ``(..., Hq)`` broadcasting to ``(*batch, Hq)``
+    (``alibi_slopes``, ``sinks``), or a ValueError naming ``name``."""
+    s = as_float_array(x, name, min_ndim=1)
+    try:
+        ok = s.shape[-1] == Hq and np.broadcast_shapes(s.shape[:-1], batch) == batch
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"`{name}` should have shape (Hq,) = ({Hq},) or (..., Hq) broadcasting to "
+                         f"{batch + (Hq,)}, but got shape {s.shape}")
+    return s
+
+
 def broadcast_batch(shapes: dict) -> tuple:
     """Broadcast the batch shapes of several named arrays, or raise a clear error."""
     try:
@@ -189,3 +203,16 @@ def broadcast_batch(shapes: dict) -> tuple:
         raise ValueError(
             f"the leading batch dimensions should broadcast together, but got {listing}"
         ) from None
+
+
+def as_generator(rng):
+    """``rng`` (a Generator, a non-negative int seed, or None: fresh entropy) as a numpy.random.Generator."""
+    if rng is None:
+        return np.random.default_rng()
+    if isinstance(rng, np.random.Generator):
+        return rng
+    if isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
+        if rng < 0:
+            raise ValueError(f"`rng` should be a non-negative int seed (or a numpy.random.Generator), but got {rng}")
+        return np.random.default_rng(int(rng))
+    raise TypeError(f"`rng` should be a numpy.random.Generator, an int seed or None, but got {describe(rng)}")

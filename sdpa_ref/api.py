@@ -173,6 +173,8 @@ def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **o
         raise ValueError("`upcast` should be True for sdpa_forward_complex (it computes in complex128), "
                          "but got False")
     prob = Problem.build(query, key, value, opts, complex_ok=True)
+    if prob.sink is not None:
+        raise ValueError("`sinks` should be None for sdpa_forward_complex (a sink is a real logit), but got sinks")
     name, block = _engine(method, block_size, prob, ("plain", "tiled"))   # default: plain, or tiled with a block
     with single_threaded_blas():
         fwd = _call_forward(name, prob, False, block)
@@ -190,6 +192,9 @@ def _engine(method, block_size, prob, allowed, precision="fast"):
         if method is not None or block_size is not None:
             raise ValueError("`method` and `block_size` should be None with precision='reproducible' (it has its "
                              f"own engine), but got method={method!r}, block_size={block_size!r}")
+        if prob.sink is not None:
+            raise ValueError("`sinks` should be None with precision='reproducible' (its double-double engine has no "
+                             "sink yet), but got sinks; use precision='fast'")
         return "reproducible", None
     if method is None:
         method = "tiled" if block_size is not None else allowed[0]

@@ -21,6 +21,7 @@ Forward::
     T      = transforms(Traw)                       softcap, + mask + bias + ALiBi, -inf outside A
     P      = exp(T - m) / s, m = rowmax T, s = rowsum exp(T - m)
                                                     softmax_parts; rows with no key: the policy
+             [m, s = max(m, sink), s e^(m-m') + e^(sink-m')]   fold_sink: a sink is a score with no value
     LSE    = m + log s
     P_drop = P * Z / (1 - p)                        dropout_forward
     O      = P_drop V
@@ -31,6 +32,7 @@ Backward, from ``dO`` (and ``dlse``, the LSE's cotangent, when given)::
     dP     = (dO V^T) * Z / (1 - p)
     dT     = P * (dP - rowsum(P * dP))              softmax_vjp (pivoted: see row_pivot)
              [+ P * dlse]                           softmax_lse_vjp: d LSE / dT = P (undropped)
+    dsink  = -p_sink * (D - dlse)                   sink_softmax_vjp: the sink's column has dP = 0
     dB     = dT summed to the mask's / bias's shape additive_vjp
     dTraw  = dT * (1 - tanh^2)                      softcap_vjp (only with softcap; as sech^2, no cancellation)
     dQ     = scale * dTraw K
@@ -50,6 +52,7 @@ import numpy as np
 
 from .engines.contract import Forward, Grads
 from .masks import constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
+from .sinks import fold_sink, sink_probs, sink_softmax_vjp
 from .softmax import softmax_jvp, softmax_lse_vjp, softmax_parts, softmax_vjp
 from .transforms import (
     additive_vjp,
@@ -75,9 +78,16 @@ def forward(prob, *, save_probs=True) -> Forward:
     T = _full(Traw, prob, copy=True)                                # (..., Hq, L, S)
     T, sech2 = transform_scores(prob, T, sech2=save_probs)            # sech2 = 1 - tanh^2: softcap's slope
     P, m, s = softmax_parts(T)                                       # exp(-inf) = 0 outside A
-    with np.errstate(divide="ignore"):
-        lse = m + np.log(s)                                         # -inf on a row with no key
     empty = np.max(T.real, axis=-1, keepdims=True, initial=-np.inf) == -np.inf
+    lse_keys = None
+    if prob.sink is not None:                                       # a sink: one more score, with no value
+        with np.errstate(divide="ignore"):
+            lse_keys = (m + np.log(s))[..., 0]                      # the LSE over the keys alone (FlashMLA's)
+        m, s, r = fold_sink(np.where(empty, -np.inf, m), s, prob.sink_rows())
+        P, empty = np.where(empty, P.dtype.type(0), P) * r, m == -np.inf
+        m = np.where(empty, m.dtype.type(0), m)
+    with np.errstate(divide="ignore"):
+        lse = m + np.log(s)                                         # -inf on a row with no key (and no sink)
     P = fill_empty_rows(P, empty, prob.padded_rows(), o.fully_masked, S)
     P_drop = dropout_forward(P, prob.keep, o.dropout_p)
     O = _full(_grouped(P_drop, prob) @ v, prob)                     # O = P_drop V
@@ -89,7 +99,7 @@ def forward(prob, *, save_probs=True) -> Forward:
     if zr is not None:                                              # 0 by definition: no value is read
         O = np.where(zr, O.dtype.type(0), O)
     return Forward(out=O, lse=lse[..., 0], probs=P if save_probs else None,
-                   tanh=sech2 if save_probs else None, empty=empty, rowmax=m, rowsum=s)
+                   tanh=sech2 if save_probs else None, empty=empty, rowmax=m, rowsum=s, lse_keys=lse_keys)
 
 
 def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
@@ -102,18 +112,23 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     P_drop = dropout_forward(P, prob.keep, o.dropout_p)
     dv = (np.swapaxes(_grouped(P_drop, prob), -1, -2) @ dO).sum(axis=-3)   # dV = P_drop^T dO, summed over G
     dP = dropout_vjp(_full(dO @ np.swapaxes(v, -1, -2), prob), prob.keep, o.dropout_p)
-    if dlse is None:
+    dsink = None
+    if prob.sink is not None:                                       # the sink's column: dP = 0 there
+        dT, dsink = sink_softmax_vjp(P, dP, sink_probs(prob.sink, fwd.lse[..., None]), dlse)
+    elif dlse is None:
         dT = softmax_vjp(P, dP)                                     # P * (dP - rowsum(P * dP))
     else:                                                           # ... + P * dlse: d lse / dT = P
         dT = softmax_lse_vjp(P, dP, dlse)
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)
     if cr is not None:                                               # such a row's P does not depend on T
         dT = np.where(cr, dT.dtype.type(0), dT)
+        dsink = None if dsink is None else np.where(cr, dsink.dtype.type(0), dsink)
     dmask = None if prob.mask_float is None else additive_vjp(dT, prob.shapes["attn_mask"])
     dbias = None if prob.bias is None else additive_vjp(dT, prob.shapes["bias"])
     dTraw = transform_scores_vjp(dT, sech2)                         # through softcap
     dq, dk = scores_vjp(_grouped(dTraw, prob), prob.q, k, prob.scale)
-    return Grads(dq=_full(dq, prob), dk=dk.sum(axis=-3), dv=dv, dmask=dmask, dbias=dbias)
+    return Grads(dq=_full(dq, prob), dk=dk.sum(axis=-3), dv=dv, dmask=dmask, dbias=dbias,
+                 dsinks=None if dsink is None else dsink[..., 0].sum(axis=-1))
 
 
 def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None):
@@ -131,7 +146,11 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None)
         dTraw = scores_jvp(prob.q, k, dq, None if dk is None else _kv(dk), prob.scale)
         dTraw = np.zeros(prob.full_scores, prob.dtype) if dTraw is None else _full(dTraw, prob)
         dT = transform_scores_jvp(dTraw, sech2, dbias)
-        dP = softmax_jvp(P, np.broadcast_to(dT, P.shape))           # P * (dT - rowsum(P * dT))
+        dT = np.broadcast_to(dT, P.shape)
+        if prob.sink is None:
+            dP = softmax_jvp(P, dT)                                 # P * (dT - rowsum(P * dT))
+        else:                                                       # J is symmetric; the sink's tangent is 0
+            dP = sink_softmax_vjp(P, dT, sink_probs(prob.sink, fwd.lse[..., None]))[0]
         cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)
         if cr is not None:
             dP = np.where(cr, dP.dtype.type(0), dP)

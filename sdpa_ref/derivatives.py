@@ -137,7 +137,8 @@ def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
         return None if x is None else unbroadcast(x, shapes[name]).astype(dtypes[name], copy=False)
 
     return AttentionGrads(query=back(gr.dq, "query"), key=back(gr.dk, "key"), value=back(gr.dv, "value"),
-                          attn_mask=back(gr.dmask, "attn_mask"), bias=back(gr.dbias, "bias"))
+                          attn_mask=back(gr.dmask, "attn_mask"), bias=back(gr.dbias, "bias"),
+                          sinks=back(gr.dsinks, "sinks"))
 
 
 def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):

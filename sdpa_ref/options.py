@@ -11,6 +11,11 @@ command line and the adapters take their vocabulary from it too:
 * :data:`ARRAY_OPTIONS`: those that are arrays (stored as such in golden
   vectors); the rest are scalars.
 
+``sinks`` is computed by the ``"fast"``, ``"plain"`` and ``"tiled"``
+engines but not yet judged: the honest ensemble, the double-double engine,
+the cases, the golden vectors and the C client do not have it, so it is
+outside both lists (``judged=False``) until they do.
+
 The scalar fields are checked and normalised here (``window`` becomes a
 pair of ``int`` or ``None``, ``-1`` meaning unbounded). Array fields are
 checked against the shapes of ``query``, ``key`` and ``value`` when the
@@ -43,9 +48,10 @@ FULLY_MASKED_POLICIES = ("zero", "nan", "uniform")
 ALIGNMENTS = ("top_left", "bottom_right")
 
 
-def _opt(default, *, array=False, semantic=True):
-    """A field: ``array`` options are arrays; ``semantic`` ones change what is computed."""
-    return field(default=default, metadata={"array": array, "semantic": semantic})
+def _opt(default, *, array=False, semantic=True, judged=True):
+    """A field: ``array`` options are arrays; ``semantic`` ones change what is computed; ``judged`` ones are
+    in the harness's vocabulary (the cases, the judge's ensemble, the golden vectors and the C client)."""
+    return field(default=default, metadata={"array": array, "semantic": semantic, "judged": judged})
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class AttentionOptions:
     alibi_slopes: Any = _opt(None, array=True)
     q_lengths: Any = _opt(None, array=True)
     kv_lengths: Any = _opt(None, array=True)
+    sinks: Any = _opt(None, array=True, judged=False)   # not yet in the harness: see the module docstring
 
     @classmethod
     def from_kwargs(cls, where: str = "sdpa_forward", **kwargs) -> "AttentionOptions":
@@ -107,10 +114,11 @@ class AttentionOptions:
 
 _FIELDS = tuple(f.name for f in fields(AttentionOptions))
 _DEFAULTS = {f.name: f.default for f in fields(AttentionOptions)}
-#: The keywords that define what attention computes (what an implementation under test may be passed).
-OPTION_NAMES = tuple(f.name for f in fields(AttentionOptions) if f.metadata["semantic"])
-#: The options that are arrays.
-ARRAY_OPTIONS = tuple(f.name for f in fields(AttentionOptions) if f.metadata["array"])
+#: The keywords that define what attention computes and the harness judges (what an implementation under
+#: test may be passed).
+OPTION_NAMES = tuple(f.name for f in fields(AttentionOptions) if f.metadata["semantic"] and f.metadata["judged"])
+#: The options of :data:`OPTION_NAMES` that are arrays.
+ARRAY_OPTIONS = tuple(f.name for f in fields(AttentionOptions) if f.metadata["array"] and f.name in OPTION_NAMES)
 
 
 #: The numpydoc "Parameters" entries of the options, shared by the entry points' docstrings.
@@ -173,6 +181,14 @@ DOC_OPTIONS = r"""
         q_lengths, kv_lengths : array_like of int, (...)
             Per-batch valid lengths. Keys ``j >= kv_len`` are excluded; query
             rows ``i >= q_len`` are zeroed in the output and every gradient.
+        sinks : array_like, (Hq,) or (..., Hq)
+            Learnable attention sinks (gpt-oss, FlashAttention 4): one logit
+            per query head added to every row's softmax normaliser, with no
+            value; finite or ``-inf`` (no sink). The LSE includes it
+            (``lse_as(sink=False)``: the keys' alone); a row with no allowed
+            key gives ``O = 0``, ``lse = sink`` (the policy applies only
+            where the sink is ``-inf``). Its gradient is ``grads.sinks``.
+            Not with ``precision="reproducible"``.
     method : {"fast", "plain", "tiled"}, optional
         The engine: ``"fast"`` (default; dense, in place, threaded over
         heads), ``"plain"`` (the teaching core, :mod:`sdpa_ref.attention`)

@@ -255,6 +255,11 @@ def backward_taint(prob, empty, grads, do_bad, dlse_bad=None):
                          dv=nan_where(grads.dv, _fit(dv_bad, grads.dv, Ev)))
     for n, acc in add_bad.items():
         out = out._replace(**{"d" + n: nan_where(getattr(grads, "d" + n), acc)})
+    if grads.dsinks is not None:                           # dsink = -sum_i p_sink (D_i - dlse_i): dq's rows, dlse
+        rows_bad = _to_full_rows(dq_bad, prob)
+        if dlb is not None:
+            rows_bad = rows_bad | _to_full_rows(dlb[..., 0], prob)
+        out = out._replace(dsinks=nan_where(grads.dsinks, rows_bad.any(axis=-1)))
     return out
 
 

@@ -33,6 +33,7 @@ from . import _validate as V
 from .masks import allowed_set, check_lengths, padded_rows, reads, slice_ls, zero_output_rows
 from .options import AttentionOptions
 from .poison import Poison, clean, scrub
+from .sinks import check_sinks
 
 __all__ = ["Problem", "Unread"]
 
@@ -71,6 +72,7 @@ class Problem:
     poison: Optional[Poison] = None  # where the inputs were not finite (the own copies hold 0 there), or None
     v_full: Optional[np.ndarray] = None  # "uniform": the values, non-finite ones only made 0 (averaged_values)
     unread: Optional[Unread] = None     # where the own copies hold 0 because no result reads them
+    sink: Optional[np.ndarray] = None   # (..., Hq, 1, 1) the sink logits (real compute dtype; -inf: none), or None
 
     @classmethod
     def build(cls, query, key, value, opts: AttentionOptions, *, complex_ok=False) -> "Problem":
@@ -112,24 +114,16 @@ class Problem:
             if bias.dtype == bool:
                 raise TypeError(f"`bias` should have dtype {V._listing(V.INPUT_DTYPES)} (it is added to the "
                                 "scores), but got bool; pass a bool mask as `attn_mask`")
-        alibi = None
-        if opts.alibi_slopes is not None:
-            s = V.as_float_array(opts.alibi_slopes, "alibi_slopes", min_ndim=1)
-            try:
-                ok = s.shape[-1] == Hq and np.broadcast_shapes(s.shape[:-1], batch) == batch
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ValueError(f"`alibi_slopes` should have shape (Hq,) = ({Hq},) or (..., Hq) broadcasting to "
-                                 f"{batch + (Hq,)}, but got shape {s.shape}")
-            alibi = s[..., None, None]
+        alibi = None if opts.alibi_slopes is None else V.per_head(opts.alibi_slopes, "alibi_slopes", Hq, batch)
+        alibi = None if alibi is None else alibi[..., None, None]
+        sinks = None if opts.sinks is None else check_sinks(V.per_head(opts.sinks, "sinks", Hq, batch))
         q_lengths = check_lengths(_lengths(opts.q_lengths, "q_lengths"), "q_lengths", L, batch)
         kv_lengths = check_lengths(_lengths(opts.kv_lengths, "kv_lengths"), "kv_lengths", S, batch)
         keep = None
         if opts.dropout_mask is not None:
             keep = V.as_mask(opts.dropout_mask, "dropout_mask", user_scores, allow_float=False)
         elif opts.dropout_p > 0.0:
-            keep = _as_generator(opts.rng).random(user_scores) >= opts.dropout_p
+            keep = V.as_generator(opts.rng).random(user_scores) >= opts.dropout_p
         if opts.fully_masked == "uniform" and S == 0:
             raise ValueError("`fully_masked` should not be 'uniform' when S == 0 (the mean of zero values "
                              "is undefined), but got S=0")
@@ -177,11 +171,12 @@ class Problem:
             full_scores=full_scores, user_ndim=user_ndim,
             shapes={"query": q.shape, "key": k.shape, "value": v.shape,
                     "attn_mask": None if mask_float is None else mask_float.shape,
-                    "bias": None if bias is None else bias.shape},
+                    "bias": None if bias is None else bias.shape, "sinks": None if sinks is None else sinks.shape},
             dtypes={"query": q.dtype, "key": k.dtype, "value": v.dtype,
                     "attn_mask": None if mask_float is None else mask_float.dtype,
-                    "bias": None if bias is None else bias.dtype},
+                    "bias": None if bias is None else bias.dtype, "sinks": None if sinks is None else sinks.dtype},
             out_dtype=out_dtype, poison=poison, v_full=v_full, unread=at,
+            sink=None if sinks is None else _own(sinks[..., None, None], rt),
         )
 
     # ----------------------------------------------------------- shapes
@@ -234,15 +229,25 @@ class Problem:
         """``(*batch, 1, L, 1)`` bool: query rows past ``q_len`` (of the block ``rows``), or None."""
         return padded_rows(self.L, self.q_lengths, rows)
 
+    def sink_rows(self, rows=None):
+        """The sink logits for the rows ``rows`` (all by default): ``(..., Hq, 1, 1)``, or ``(..., Hq, Lb, 1)``
+        with ``-inf`` on the padded rows (past ``q_lengths``, which have no sink: ``lse = -inf`` there, as
+        without one); None without sinks."""
+        if self.sink is None:
+            return None
+        pad = self.padded_rows(rows)
+        return self.sink if pad is None else np.where(pad, self.sink.dtype.type(-np.inf), self.sink)
+
     def nan_rows_without_keys(self):
-        """``(*batch, 1, L, 1)`` bool, or None: with ``S = 0`` under ``fully_masked="nan"``, the rows that are not
-        padded. No row has a key, so, as on a fully masked row with keys, their ``dq`` and their tangent are NaN
+        """``(*batch, 1, L, 1)`` (``(..., Hq, L, 1)`` with sinks) bool, or None: with ``S = 0`` under
+        ``fully_masked="nan"``, the rows that are not padded and have no sink. No row has a key, so, as on a fully masked row with keys, their ``dq`` and their tangent are NaN
         (the engines' empty sums give 0; ``dk``, ``dv`` and the mask and bias gradients have no entries)."""
         if self.S != 0 or self.options.fully_masked != "nan":
             return None
         shape = tuple(self.batch) + (1, self.L, 1)
         pad = self.padded_rows()
-        return np.ones(shape, bool) if pad is None else np.broadcast_to(~pad, shape)
+        rows = np.ones(shape, bool) if pad is None else np.broadcast_to(~pad, shape)
+        return rows if self.sink is None else rows & (self.sink == -np.inf)   # with a sink: O = 0, no policy
 
     # ---------------------------------------------------- unread memory
 
@@ -308,18 +313,6 @@ class Problem:
             ts.append(t)
             bads.append(b)
         return tuple(ts), tuple(bads), dv_full
-
-
-def _as_generator(rng):
-    if rng is None:
-        return np.random.default_rng()
-    if isinstance(rng, np.random.Generator):
-        return rng
-    if isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
-        if rng < 0:
-            raise ValueError(f"`rng` should be a non-negative int seed (or a numpy.random.Generator), but got {rng}")
-        return np.random.default_rng(int(rng))
-    raise TypeError(f"`rng` should be a numpy.random.Generator, an int seed or None, but got {V.describe(rng)}")
 
 
 def _lengths(x, name):

@@ -10,6 +10,7 @@ import numpy as np
 
 from .engines.contract import Forward
 from .lse import convert_lse
+from .options import check_bool
 from .poison import nan_where
 
 __all__ = ["AttentionGrads", "AttentionResiduals"]
@@ -20,7 +21,7 @@ class AttentionGrads(NamedTuple):
 
     Each has its input's own shape and dtype. ``attn_mask`` is the gradient
     with respect to a float mask, ``bias`` with respect to ``bias`` (each
-    summed to its own shape); ``None`` where there is no such float input.
+    summed to its own shape), ``sinks`` with respect to ``sinks``; ``None`` where there is no such input.
     """
 
     query: np.ndarray
@@ -28,6 +29,7 @@ class AttentionGrads(NamedTuple):
     value: np.ndarray
     attn_mask: Optional[np.ndarray]
     bias: Optional[np.ndarray] = None
+    sinks: Optional[np.ndarray] = None
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,21 @@ class AttentionResiduals:
         return nan_where(self.forward.lse, None if self.taint is None else self.taint.lse).reshape(
             self.problem.out_shape[:-1])
 
-    def lse_as(self, base="e", empty="-inf"):
+    def lse_as(self, base="e", empty="-inf", *, sink=True):
         """:attr:`lse` in a kernel's convention: base ``"e"`` or ``2``, and what a row with no allowed key holds
-        (``"-inf"``, ``"+inf"`` or a number); see :func:`sdpa_ref.convert_lse`."""
-        return convert_lse(self.lse, base=base, empty=empty)
+        (``"-inf"``, ``"+inf"`` or a number); see :func:`sdpa_ref.convert_lse`.
+
+        With ``sinks``, ``sink=True`` (FlashAttention 4, cuDNN, splash) gives the LSE whose normaliser includes
+        the sink, :attr:`lse`; ``sink=False`` (FlashMLA) the LSE over the keys alone, which the engine kept
+        before it folded the sink in (not recovered from :attr:`lse`, where it would cancel when the sink
+        dominates): a row with no allowed key is then an empty row, held as ``empty`` says. Without sinks the
+        two are the same."""
+        sink = check_bool(sink, "sink")
+        lse = self.lse
+        if not sink and self.forward.lse_keys is not None:
+            lse = nan_where(self.forward.lse_keys, None if self.taint is None else self.taint.lse).reshape(
+                self.problem.out_shape[:-1])
+        return convert_lse(lse, base=base, empty=empty)
 
     @property
     def row_max(self):

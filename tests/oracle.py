@@ -9,7 +9,7 @@ Jacobian diag(P) - P P^T of each row instead of the package's closed form.
 
 Inputs must already have equal batch dims: q (B, Hq, L, E), k (B, Hkv, S, E),
 v (B, Hkv, S, Ev); `mask`, `bias` and `keep` are full (B, Hq, L, S) arrays or
-None; `slopes` is (B, Hq) or None; `q_lengths`, `kv_lengths` are (B,) or None.
+None; `slopes` and `sinks` are (B, Hq) or None; `q_lengths`, `kv_lengths` are (B,) or None.
 
 `num="mp"` evaluates the same loops in 50-digit mpmath (the inputs taken
 exactly; q, k, v may then be object arrays of mpf): the exact value of the
@@ -57,7 +57,7 @@ class _Mp:
 
 def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None, p=0.0, policy="zero",
                      grad_out=None, bias=None, alignment="top_left", window=None, softcap=None, slopes=None,
-                     q_lengths=None, kv_lengths=None, num="float"):
+                     q_lengths=None, kv_lengths=None, num="float", sinks=None):
     M = _Mp() if num == "mp" else _Float
     q, k, v = (M.array(a) for a in (q, k, v))
     B, Hq, L, E = q.shape
@@ -77,6 +77,7 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
     if want_grads:
         dq, dk, dv = M.zeros(q.shape), M.zeros(k.shape), M.zeros(v.shape)
         dT_all = M.zeros((B, Hq, L, S))
+        dsink = M.zeros((B, Hq))
     for b in range(B):
         ql = L if q_lengths is None else int(q_lengths[b])
         kl = S if kv_lengths is None else int(kv_lengths[b])
@@ -121,7 +122,16 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
                 js = [j for j in range(S) if allowed[j]] if not padded else []
                 P = [0.0] * S
                 score_dependent = True
-                if not js:
+                sig = -math.inf if sinks is None or padded else sinks[b, h]
+                p_sink = 0.0
+                if sig != -math.inf:                   # a sink: one more logit in the normaliser, no value
+                    mx = max([t[j] for j in js] + [sig])
+                    tot = sum(M.exp(t[j] - mx) for j in js) + M.exp(sig - mx)
+                    for j in js:
+                        P[j] = M.exp(t[j] - mx) / tot
+                    p_sink = M.exp(sig - mx) / tot
+                    lse[b, h, i] = mx + M.log(tot)
+                elif not js:
                     lse[b, h, i] = -math.inf
                     if not padded and policy == "nan":
                         P = [math.nan] * S
@@ -155,11 +165,14 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
                             J_lj = (P[l] if l == j else 0.0) - P[l] * P[j]
                             acc += J_lj * dP[l]
                         dT[j] = acc
+                # the sink's column: dP_l / dsigma = -P_l p_sink
+                if p_sink != 0:
+                    dsink[b, h] += sum(-P[l] * p_sink * dP[l] for l in range(S))
                 for j in range(S):
                     dT_all[b, h, i, j] = dT[j]
                     d_raw = dT[j] * (M.one - th[j] ** 2) if softcap is not None else dT[j]
                     for e in range(E):
                         dq[b, h, i, e] += scale * d_raw * k[b, kh, j, e]
                         dk[b, kh, j, e] += scale * d_raw * q[b, h, i, e]
-    grads = (dq, dk, dv, dT_all) if want_grads else None
+    grads = ((dq, dk, dv, dT_all) + (() if sinks is None else (dsink,))) if want_grads else None
     return out, lse, grads

@@ -328,6 +328,6 @@ def test_attention_grads_is_a_named_tuple():
     rng = np.random.default_rng(0)
     out, res = sdpa_forward(rng.standard_normal((2, 3)), rng.standard_normal((2, 3)), rng.standard_normal((2, 3)))
     gr = sdpa_backward(res, np.ones((2, 3)))
-    assert isinstance(gr, AttentionGrads) and gr._fields == ("query", "key", "value", "attn_mask", "bias")
-    dq, dk, dv, dm, db = gr
-    assert dm is None and db is None
+    assert isinstance(gr, AttentionGrads) and gr._fields == ("query", "key", "value", "attn_mask", "bias", "sinks")
+    dq, dk, dv, dm, db, ds = gr
+    assert dm is None and db is None and ds is None

@@ -37,6 +37,7 @@ class Forward(NamedTuple):
     rowmax: np.ndarray                 # m (*batch, Hq, L, 1), real: the row's max score, 0 on rows with no key
     rowsum: np.ndarray                 # s (*batch, Hq, L, 1): sum_j exp(T_j - m); LSE = m + log(s)
     extra: Any = None                  # what only this engine's backward reads (the reproducible one's dd P)
+    lse_keys: Optional[np.ndarray] = None  # with sinks: the LSE over the keys alone (*batch, Hq, L), else None
 
 
 class Grads(NamedTuple):
@@ -47,3 +48,4 @@ class Grads(NamedTuple):
     dv: np.ndarray                     # (*batch, Hkv, S, Ev), summed over each GQA group
     dmask: Optional[np.ndarray]        # the float attn_mask's gradient, in its own shape
     dbias: Optional[np.ndarray]        # the bias's gradient, in its own shape
+    dsinks: Optional[np.ndarray] = None  # the sinks' gradient (*batch, Hq), summed over the rows; None without sinks

@@ -37,6 +37,7 @@ import numpy as np
 
 from ..exact import _native
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, policy_fill
+from ..sinks import fold_sink, sink_probs
 from ..transforms import dropout_forward, scores_forward, scores_vjp, transform_scores, transform_scores_vjp, \
     unbroadcast
 from .contract import Forward, Grads
@@ -100,6 +101,7 @@ def forward(prob, *, block_size="auto") -> Forward:
     empty = np.zeros(lead + (L, 1), dtype=bool)
     rowmax = np.zeros(lead + (L, 1), dtype=rt)
     rowsum = np.zeros(lead + (L, 1), dtype=ct)
+    lse_keys = None if prob.sink is None else np.full(lead + (L,), -np.inf, dtype=rt)
     for i0, i1 in _ranges(L, block):
         m = np.full(lead + (i1 - i0, 1), -np.inf, dtype=rt)
         l = np.zeros(lead + (i1 - i0, 1), dtype=ct)
@@ -118,15 +120,20 @@ def forward(prob, *, block_size="auto") -> Forward:
             acc = acc * alpha + bl.times_v(dropout_forward(e, bl.keep(i0, i1, j0, j1), o.dropout_p), j0, j1)
             m = m_new
         row_empty = m == -np.inf
-        m = np.where(row_empty, rt.type(0), m)
         with np.errstate(divide="ignore", invalid="ignore"):
             out = acc / l
+            if prob.sink is not None:                               # a sink: one more score, no value (fold_sink)
+                lse_keys[..., i0:i1] = (np.log(l) + m)[..., 0].real
+                m, l, r = fold_sink(m, l, prob.sink_rows((i0, i1)))
+                out, row_empty = np.where(row_empty, ct.type(0), out) * r, m == -np.inf
+            m = np.where(row_empty, rt.type(0), m)
             lse[..., i0:i1] = (np.log(l) + m)[..., 0].real
         rowmax[..., i0:i1, :], rowsum[..., i0:i1, :] = m, l
         O[..., i0:i1, :] = _policy_rows(prob, bl, out, row_empty, i0, i1)
         empty[..., i0:i1, :] = row_empty
     O = fill_output_without_keys(O, o.fully_masked, S, prob.padded_rows())
-    return Forward(out=O, lse=lse, probs=None, tanh=None, empty=empty, rowmax=rowmax, rowsum=rowsum)
+    return Forward(out=O, lse=lse, probs=None, tanh=None, empty=empty, rowmax=rowmax, rowsum=rowsum,
+                   lse_keys=lse_keys)
 
 
 def _policy_rows(prob, bl, out, row_empty, i0, i1):
@@ -180,6 +187,7 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
     dv = np.zeros(prob.batch + (Hkv, S, prob.v.shape[-1]), dtype=ct)
     dmask = None if prob.mask_float is None else np.zeros(prob.shapes["attn_mask"], dtype=ct)
     dbias = None if prob.bias is None else np.zeros(prob.shapes["bias"], dtype=ct)
+    dsink = None if prob.sink is None else np.zeros(full[:-1], dtype=ct)
 
     def rows(i0, i1):
         """One block of rows; its temporaries die with the call, before the next block makes its own."""
@@ -211,7 +219,8 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
 
         # sweep 1: per key block its own pivot c_b, rowsum(P (dP - c_b)) and rowsum(P); then one c and D
         cached = recompute(*jobs[0]) if len(jobs) == 1 else None
-        parts = []
+        ps = None if prob.sink is None else sink_probs(prob.sink, fwd.lse[..., i0:i1, None])
+        parts = [] if ps is None else [(ps, np.zeros(ps.shape), np.zeros(ps.shape), ps)]   # the sink: dP = 0
         for job in jobs:
             P, dP, _, _ = cached if cached is not None else recompute(*job)
             idx = np.argmax(P.real, axis=-1, keepdims=True)
@@ -223,11 +232,17 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
         c, D = _pivot_and_D(parts)
         if dlse is not None:
             D = D - dlse[..., i0:i1, :]                             # + P * dlse, folded into D
+        if ps is not None:                                          # dsink = p_sink ((0 - c) - D) (sink_softmax_vjp)
+            cr = constant_rows(em, pad, o.fully_masked)
+            ds = ps * (-c - D)
+            dsink[..., i0:i1] = (ds if cr is None else np.where(cr, ct.type(0), ds))[..., 0]
         # sweep 2: the gradients, dT = P * ((dP - c) - D)
         for job in jobs:
             j0, j1 = job[:2]
             if cached is not None:
-                P, dP, sech2, keep = cached                         # dP - c already
+                P, dP, sech2, keep = cached                         # dP - c already ...
+                if ps is not None:                                  # ... unless the sink holds the pivot
+                    np.add(dP, parts[1][1] - c, out=dP)
             else:
                 P, dP, sech2, keep = recompute(*job)
                 np.subtract(dP, c, out=dP)
@@ -250,7 +265,8 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
 
     for i0, i1 in _ranges(L, rb):
         rows(i0, i1)
-    return Grads(dq=dq, dk=dk, dv=dv, dmask=dmask, dbias=dbias)
+    return Grads(dq=dq, dk=dk, dv=dv, dmask=dmask, dbias=dbias,
+                 dsinks=None if dsink is None else dsink.sum(axis=-1))
 
 
 def _rowdot(P, X):

@@ -1,0 +1,338 @@
+"""Attention sinks: ``sinks=``, one logit per query head in every row's softmax normaliser, with no value.
+
+Evidence: a Python-loop oracle (tests/oracle.py, which shares no code with the package) for the output, the
+LSE with and without the sink and every gradient, the sink's included, over hypothesis draws of the option
+grid and every engine; central differences of ``<g, out> + <g_lse, lse>`` in ``(q, k, v, sinks[, mask,
+bias])``; the closed-form identities ``lse' = logaddexp(lse, sigma)``, ``O' = O (1 - e^(sigma - lse'))``;
+``-inf`` sinks giving the sink-free bits; wrong sink gradients the check must catch; rows with no key; the
+poison of non-finite inputs; bad input.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sdpa_ref
+from sdpa_ref import sdpa_backward, sdpa_forward, sdpa_jvp
+
+from oracle import oracle_attention
+from strategies import variant_problem
+
+ENGINES = [("fast", {}, True), ("plain", {}, True), ("tiled", {}, True), ("tiled", {"block_size": 2}, True),
+           ("fast", {}, False), ("plain", {}, False)]
+IDS = ["fast", "plain", "tiled", "tiled-block2", "fast-save_probs=False", "plain-save_probs=False"]
+
+
+def _bits(a, b):
+    return a is None and b is None or (a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes())
+
+
+def _sinks(rng, B, Hq, none_some=True):
+    s = rng.standard_normal((B, Hq)) * 2.0
+    if none_some:
+        s[rng.random((B, Hq)) < 0.25] = -np.inf                       # some heads without a sink
+    return s
+
+
+@st.composite
+def sink_problem(draw, max_len=4):
+    q, k, v, opts, oracle = draw(variant_problem(max_len=max_len))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    B, Hq = q.shape[0], q.shape[1]
+    sinks = _sinks(rng, B, Hq)
+    per_head = draw(st.booleans())                                    # (Hq,) or (B, Hq)
+    if per_head:
+        sinks = np.broadcast_to(sinks[:1], (B, Hq)).copy()
+    opts["sinks"] = sinks[0] if per_head else sinks
+    oracle["sinks"] = sinks
+    return q, k, v, opts, oracle
+
+
+@pytest.mark.parametrize("method,extra,save_probs", ENGINES, ids=IDS)
+@settings(max_examples=15)
+@given(problem=sink_problem())
+def test_forward_and_backward_match_the_loop_oracle(method, extra, save_probs, problem):
+    q, k, v, opts, oracle = problem
+    g = np.random.default_rng(1).standard_normal(q.shape[:-1] + (v.shape[-1],))
+    o, lse, grads = oracle_attention(q, k, v, grad_out=g, **oracle)
+    out, res = sdpa_forward(q, k, v, method=method, save_probs=save_probs, **extra, **opts)
+    np.testing.assert_allclose(out, o, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(res.lse), np.isneginf(lse))
+    fin = np.isfinite(lse)
+    np.testing.assert_allclose(res.lse[fin], lse[fin], rtol=1e-12, atol=1e-12)
+    # the sink-free LSE (FlashMLA's) is the LSE of the same problem without the sink
+    no_sink = {n: x for n, x in oracle.items() if n != "sinks"}
+    _, lse_keys, _ = oracle_attention(q, k, v, **no_sink)
+    keys = res.lse_as(sink=False)
+    np.testing.assert_array_equal(np.isneginf(keys), np.isneginf(lse_keys))
+    np.testing.assert_allclose(keys[np.isfinite(lse_keys)], lse_keys[np.isfinite(lse_keys)], rtol=1e-12, atol=1e-12)
+    if opts["fully_masked"] == "nan" and np.isnan(o).any():
+        return                                                        # the policy's NaN rows: checked above
+    gr = sdpa_backward(res, g)
+    dq, dk, dv, _, dsink = grads
+    for got, want in ((gr.query, dq), (gr.key, dk), (gr.value, dv)):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    want_sinks = dsink.sum(axis=0) if opts["sinks"].ndim == 1 else dsink
+    np.testing.assert_allclose(gr.sinks, want_sinks, rtol=1e-10, atol=1e-12)
+    assert gr.sinks.shape == np.shape(opts["sinks"])
+
+
+def _check(q, k, v, opts, method, extra, save_probs, backward=None, with_lse=True):
+    """check_vjp of ``(q, k, v, sinks[, attn_mask, bias])`` -> ``(out, lse)``."""
+    float_args = ["sinks"] + [n for n in ("attn_mask", "bias") if n in opts and np.asarray(opts[n]).dtype.kind == "f"]
+    base = {n: x for n, x in opts.items() if n not in float_args}
+    out0, res0 = sdpa_forward(q, k, v, method=method, **extra, **opts)
+    n_out = out0.size
+
+    def f(q, k, v, *fl):
+        out, res = sdpa_forward(q, k, v, method=method, **extra, **base, **dict(zip(float_args, fl)))
+        lse = np.where(np.isneginf(res.lse), 0.0, res.lse)
+        return np.concatenate([out.ravel(), lse.ravel() if with_lse else np.zeros(0)])
+
+    def vjp(g, q, k, v, *fl):
+        _, res = sdpa_forward(q, k, v, method=method, save_probs=save_probs, **extra, **base,
+                              **dict(zip(float_args, fl)))
+        go = g[:n_out].reshape(out0.shape)
+        gl = g[n_out:].reshape(out0.shape[:-1]) if with_lse else None
+        gr = (backward or sdpa_backward)(res, go, grad_lse=gl)
+        return [gr.query, gr.key, gr.value] + [getattr(gr, n) for n in float_args]
+
+    return sdpa_ref.check_vjp(f, vjp, [q, k, v] + [opts[n] for n in float_args], mode="projection", n_projections=3)
+
+
+@pytest.mark.parametrize("method,extra,save_probs", ENGINES, ids=IDS)
+@settings(max_examples=10)
+@given(problem=sink_problem(), float_mask=st.booleans(), with_lse=st.booleans())
+def test_gradients_match_central_differences_over_the_option_grid(method, extra, save_probs, problem, float_mask,
+                                                                  with_lse):
+    q, k, v, opts, _ = problem
+    if opts["fully_masked"] == "nan":                                # NaN rows: no difference to take
+        opts["fully_masked"] = "zero"
+    if float_mask and "attn_mask" in opts:
+        opts["attn_mask"] = np.where(opts["attn_mask"], 0.5, -np.inf)
+    opts["sinks"] = np.where(np.isneginf(opts["sinks"]), 0.3, opts["sinks"])   # a difference needs a finite sink
+    report = _check(q, k, v, opts, method, extra, save_probs, with_lse=with_lse)
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("method,extra,save_probs", ENGINES, ids=IDS)
+def test_full_jacobian_on_a_dense_case(method, extra, save_probs):
+    """Entry by entry, with softcap, a float mask with a fully masked row, a bias, GQA, dropout, padding and
+    a sink that dominates one head."""
+    rng = np.random.default_rng(4)
+    q, k, v = rng.standard_normal((2, 4, 3, 2)), rng.standard_normal((2, 2, 4, 2)), rng.standard_normal((2, 2, 4, 3))
+    mask = np.where(rng.random((2, 4, 3, 4)) < 0.7, 0.25, -np.inf)
+    mask[1, 2, 0] = -np.inf
+    opts = dict(enable_gqa=True, softcap=2.0, attn_mask=mask, bias=rng.standard_normal((4, 3, 4)),
+                dropout_p=0.25, dropout_mask=rng.random((2, 4, 3, 4)) > 0.25, q_lengths=np.array([3, 2]),
+                sinks=np.array([[0.5, -1.0, 4.0, 0.0], [1.5, 0.2, -0.3, 2.0]]))
+    out, res = sdpa_forward(q, k, v, method=method, **extra, **opts)
+    f = lambda q, k, v, s, m, b: np.concatenate([                      # noqa: E731
+        sdpa_forward(q, k, v, method=method, **extra, **dict(opts, sinks=s, attn_mask=m, bias=b))[0].ravel(),
+        np.where(np.isneginf(res.lse), 0.0,
+                 sdpa_forward(q, k, v, method=method, **extra, **dict(opts, sinks=s, attn_mask=m, bias=b))[1].lse
+                 ).ravel()])
+
+    def vjp(g, q, k, v, s, m, b):
+        _, r = sdpa_forward(q, k, v, method=method, save_probs=save_probs, **extra,
+                            **dict(opts, sinks=s, attn_mask=m, bias=b))
+        gr = sdpa_backward(r, g[:out.size].reshape(out.shape), grad_lse=g[out.size:].reshape(out.shape[:-1]))
+        return [gr.query, gr.key, gr.value, gr.sinks, gr.attn_mask, gr.bias]
+
+    report = sdpa_ref.check_vjp(f, vjp, [q, k, v, opts["sinks"], mask, opts["bias"]], mode="full")
+    assert report.ok, report
+
+
+def test_the_engines_agree_with_each_other():
+    rng = np.random.default_rng(7)
+    q, k, v = rng.standard_normal((2, 6, 9, 4)), rng.standard_normal((2, 3, 11, 4)), rng.standard_normal((2, 3, 11, 5))
+    opts = dict(enable_gqa=True, is_causal=True, causal_alignment="bottom_right", window=(3, 1), softcap=5.0,
+                kv_lengths=np.array([11, 6]), sinks=_sinks(rng, 2, 6))
+    g, gl = rng.standard_normal((2, 6, 9, 5)), rng.standard_normal((2, 6, 9))
+    ref_out, ref = sdpa_forward(q, k, v, method="plain", **opts)
+    ref_gr = sdpa_backward(ref, g, grad_lse=gl)
+    for method, extra, save_probs in ENGINES:
+        out, res = sdpa_forward(q, k, v, method=method, save_probs=save_probs, **extra, **opts)
+        gr = sdpa_backward(res, g, grad_lse=gl)
+        np.testing.assert_allclose(out, ref_out, rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(res.lse, ref.lse, rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(res.lse_as(sink=False), ref.lse_as(sink=False), rtol=1e-13, atol=1e-14)
+        for a, b in zip(gr, ref_gr):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("method", ["fast", "plain", "tiled"])
+def test_the_sink_is_a_column_with_no_value(method):
+    """lse' = logaddexp(lse, sigma) and O' = O (1 - p_sink), p_sink = exp(sigma - lse'), against the sink-free
+    attention of the same problem: the closed form of one more score whose value is 0."""
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((2, 3, 5, 4)), rng.standard_normal((2, 3, 6, 4)), rng.standard_normal((2, 3, 6, 2))
+    s = rng.standard_normal((3,)) * 3
+    out0, res0 = sdpa_forward(q, k, v, method=method, is_causal=True)
+    out, res = sdpa_forward(q, k, v, method=method, is_causal=True, sinks=s)
+    lse = np.logaddexp(res0.lse, s[:, None])
+    np.testing.assert_allclose(res.lse, lse, rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(out, out0 * -np.expm1(s[:, None, None] - lse[..., None]), rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(res.lse_as(sink=False), res0.lse, rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(res.lse_as(base=2), lse / np.log(2), rtol=1e-14)
+
+
+@pytest.mark.parametrize("method,extra,save_probs", ENGINES, ids=IDS)
+def test_minus_inf_sinks_give_the_sink_free_results(method, extra, save_probs):
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((2, 4, 5, 3)), rng.standard_normal((2, 2, 6, 3)), rng.standard_normal((2, 2, 6, 2))
+    mask = rng.random((2, 4, 5, 6)) < 0.6
+    mask[0, 1, 2] = False
+    opts = dict(enable_gqa=True, attn_mask=mask, softcap=3.0, q_lengths=np.array([5, 3]), fully_masked="uniform")
+    g, gl = rng.standard_normal((2, 4, 5, 2)), rng.standard_normal((2, 4, 5))
+    out0, res0 = sdpa_forward(q, k, v, method=method, save_probs=save_probs, **extra, **opts)
+    out, res = sdpa_forward(q, k, v, method=method, save_probs=save_probs, **extra, sinks=np.full(4, -np.inf), **opts)
+    assert _bits(out, out0) and _bits(res.lse, res0.lse) and _bits(res.lse_as(sink=False), res0.lse)
+    gr0, gr = sdpa_backward(res0, g, grad_lse=gl), sdpa_backward(res, g, grad_lse=gl)
+    for a, b in zip(gr0[:5], gr[:5]):                                # the backward's row sums run in NumPy,
+        assert (a is None) == (b is None)                              # not the compiled row pass: rounding
+        if a is not None:
+            np.testing.assert_allclose(b, a, rtol=1e-14, atol=1e-15)
+    np.testing.assert_array_equal(gr.sinks, np.zeros(4))
+
+
+@pytest.mark.parametrize("method", ["fast", "plain", "tiled"])
+@pytest.mark.parametrize("policy", ["zero", "nan", "uniform"])
+def test_a_row_with_no_key_gives_zero_and_the_sink(method, policy):
+    """The sink takes the whole row: O = 0, lse = sigma, dsink = dlse, whatever the policy; the policy applies
+    only on the heads whose sink is -inf. Padded rows have no sink: lse = -inf, no gradient."""
+    rng = np.random.default_rng(6)
+    q, k, v = rng.standard_normal((1, 2, 3, 2)), rng.standard_normal((1, 2, 4, 2)), rng.standard_normal((1, 2, 4, 2))
+    mask = np.ones((1, 2, 3, 4), bool)
+    mask[:, :, 0] = False                                               # row 0 has no key on both heads
+    s = np.array([0.7, -np.inf])
+    out, res = sdpa_forward(q, k, v, method=method, attn_mask=mask, sinks=s, fully_masked=policy,
+                            q_lengths=np.array([2]))
+    np.testing.assert_array_equal(out[0, 0, 0], 0.0)
+    assert res.lse[0, 0, 0] == 0.7 and res.lse_as(sink=False)[0, 0, 0] == -np.inf
+    assert res.lse_as(sink=False, empty="+inf")[0, 0, 0] == np.inf
+    ref, _ = sdpa_forward(q, k, v, method=method, attn_mask=mask, fully_masked=policy, q_lengths=np.array([2]))
+    np.testing.assert_array_equal(out[0, 1], ref[0, 1])                # the head without a sink: the policy
+    np.testing.assert_array_equal(out[0, :, 2], 0.0)                   # a padded row
+    assert np.all(np.isneginf(res.lse[0, :, 2]))
+    g, gl = rng.standard_normal(out.shape), np.zeros(res.lse.shape)
+    gl[0, 0, 0], gl[0, 0, 2] = 2.5, 100.0                              # the padded row's cotangent is not read
+    gr = sdpa_backward(res, np.where(np.isnan(out), 0.0, g), grad_lse=gl)
+    alone = sdpa_backward(res, np.where(np.isnan(out), 0.0, g), grad_lse=np.where(gl == 2.5, 0.0, gl))
+    assert gr.sinks[0] - alone.sinks[0] == pytest.approx(2.5, rel=1e-15)   # dsink of that row = dlse
+    np.testing.assert_array_equal(gr.query[0, 0, 0], 0.0)
+
+
+def test_the_sink_free_lse_does_not_cancel_when_the_sink_dominates():
+    """Kept by the engine before the fold: lse + log(1 - p_sink) would lose every digit here."""
+    rng = np.random.default_rng(8)
+    q, k, v = rng.standard_normal((1, 2, 3, 4)), rng.standard_normal((1, 2, 5, 4)), rng.standard_normal((1, 2, 5, 2))
+    _, res0 = sdpa_forward(q, k, v)
+    for method in ("fast", "plain", "tiled"):
+        out, res = sdpa_forward(q, k, v, sinks=np.array([60.0, 45.0]), method=method)
+        np.testing.assert_allclose(res.lse_as(sink=False), res0.lse, rtol=1e-14)
+        assert np.all(res.lse[0, 0] == 60.0)                          # exp(lse_keys - 60) < eps
+        assert np.all(np.abs(out) < 1e-18)
+
+
+def _wrong(kind):
+    """sdpa_backward with a wrong sink gradient: the check must catch each."""
+    def backward(res, g, grad_lse=None):
+        gr = sdpa_backward(res, g, grad_lse=grad_lse)
+        if kind == "sign":
+            return gr._replace(sinks=-gr.sinks)
+        if kind == "no_dlse":                                          # -p_sink D, dropping + p_sink dlse
+            no = sdpa_backward(res, g)
+            return gr._replace(sinks=no.sinks)
+        if kind == "unscaled":                                         # -D, without the sink's probability
+            p = np.exp(np.asarray(res.problem.sink)[..., 0] - res.forward.lse)
+            return gr._replace(sinks=gr.sinks / np.maximum(p.mean(axis=-1), 1e-300).reshape(gr.sinks.shape))
+        raise AssertionError(kind)
+    return backward
+
+
+@pytest.mark.parametrize("kind", ["sign", "no_dlse", "unscaled"])
+def test_wrong_sink_gradients_are_caught(kind):
+    rng = np.random.default_rng(9)
+    q, k, v = rng.standard_normal((1, 2, 3, 2)), rng.standard_normal((1, 2, 4, 2)), rng.standard_normal((1, 2, 4, 2))
+    opts = dict(sinks=np.array([0.4, -0.8]))
+    assert _check(q, k, v, opts, "fast", {}, True).ok
+    assert not _check(q, k, v, opts, "fast", {}, True, backward=_wrong(kind)).ok
+
+
+@pytest.mark.parametrize("method", ["fast", "plain"])
+def test_the_jvp_with_sinks_matches_central_differences(method):
+    rng = np.random.default_rng(10)
+    q, k, v = rng.standard_normal((2, 2, 3, 2)), rng.standard_normal((2, 2, 4, 2)), rng.standard_normal((2, 2, 4, 3))
+    opts = dict(sinks=np.array([1.0, -0.5]), softcap=2.0, is_causal=True, bias=rng.standard_normal((2, 3, 4)))
+    report = sdpa_ref.check_jvp(
+        lambda q, k, v, b: sdpa_forward(q, k, v, method=method, **dict(opts, bias=b))[0],
+        lambda t, q, k, v, b: sdpa_jvp((q, k, v), tuple(t), method=method, **dict(opts, bias=b))[1],
+        [q, k, v, opts["bias"]], mode="full")
+    assert report.ok, report
+
+
+def test_non_finite_inputs_poison_the_sink_gradient_of_their_head_only():
+    rng = np.random.default_rng(11)
+    q, k, v = rng.standard_normal((1, 3, 3, 2)), rng.standard_normal((1, 3, 4, 2)), rng.standard_normal((1, 3, 4, 2))
+    q[0, 1, 2, 0] = np.nan
+    for method in ("fast", "plain", "tiled"):
+        out, res = sdpa_forward(q, k, v, sinks=np.zeros(3), method=method)
+        gr = sdpa_backward(res, np.ones(out.shape))
+        assert np.isnan(gr.sinks[1]) and np.all(np.isfinite(gr.sinks[[0, 2]]))
+        gl = np.zeros(res.lse.shape)
+        gl[0, 2, 1] = np.inf
+        q2 = np.where(np.isnan(q), 0.0, q)
+        out, res = sdpa_forward(q2, k, v, sinks=np.zeros(3), method=method)
+        gr = sdpa_backward(res, np.ones(out.shape), grad_lse=gl)
+        assert np.isnan(gr.sinks[2]) and np.all(np.isfinite(gr.sinks[:2]))
+
+
+def test_inputs_are_not_mutated():
+    rng = np.random.default_rng(12)
+    q, k, v = rng.standard_normal((1, 2, 3, 2)), rng.standard_normal((1, 2, 4, 2)), rng.standard_normal((1, 2, 4, 2))
+    s = np.array([0.5, -np.inf])
+    s0 = s.copy()
+    out, res = sdpa_forward(q, k, v, sinks=s)
+    sdpa_backward(res, np.ones(out.shape))
+    s[0] = 9.0                                                         # nothing done afterwards changes a result
+    np.testing.assert_array_equal(s0, [0.5, -np.inf])
+    out2, _ = sdpa_forward(q, k, v, sinks=s0)
+    np.testing.assert_array_equal(out, out2)
+
+
+@pytest.mark.parametrize("sinks,match", [
+    (np.zeros(3), r"`sinks` should have shape \(Hq,\) = \(2,\)"),
+    (np.zeros((3, 2)), r"`sinks` should have shape"),
+    (np.array([0.0, np.nan]), r"`sinks` should be finite or -inf"),
+    (np.array([np.inf, 0.0]), r"`sinks` should be finite or -inf"),
+    ("a", r"`sinks`"),
+    (np.array([True, False]), r"`sinks`"),
+])
+def test_bad_sinks_are_a_clear_error(sinks, match):
+    q, k, v = np.ones((2, 2, 3, 2)), np.ones((2, 2, 4, 2)), np.ones((2, 2, 4, 2))
+    with pytest.raises((ValueError, TypeError), match=match):
+        sdpa_forward(q, k, v, sinks=sinks)
+
+
+def test_engines_without_sinks_refuse_them_by_name():
+    q, k, v = np.ones((1, 2, 3, 2)), np.ones((1, 2, 4, 2)), np.ones((1, 2, 4, 2))
+    with pytest.raises(ValueError, match="`sinks` should be None with precision='reproducible'"):
+        sdpa_forward(q, k, v, sinks=np.zeros(2), precision="reproducible")
+    with pytest.raises(ValueError, match="`sinks` should be None for sdpa_forward_complex"):
+        sdpa_ref.sdpa_forward_complex(q + 0j, k, v, sinks=np.zeros(2))
+    _, res = sdpa_forward(q, k, v, sinks=np.zeros(2))
+    with pytest.raises(TypeError, match="`sink`"):
+        res.lse_as(sink="no")
+
+
+def test_scaled_dot_product_attention_takes_sinks():
+    rng = np.random.default_rng(13)
+    q, k, v = rng.standard_normal((1, 2, 3, 2)), rng.standard_normal((1, 2, 4, 2)), rng.standard_normal((1, 2, 4, 2))
+    out, lse = sdpa_ref.scaled_dot_product_attention(q, k, v, sinks=np.array([0.1, 0.2]), return_lse=True)
+    ref, res = sdpa_forward(q, k, v, sinks=np.array([0.1, 0.2]))
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(lse, res.lse)
