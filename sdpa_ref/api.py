@@ -192,9 +192,6 @@ def _engine(method, block_size, prob, allowed, precision="fast"):
         if method is not None or block_size is not None:
             raise ValueError("`method` and `block_size` should be None with precision='reproducible' (it has its "
                              f"own engine), but got method={method!r}, block_size={block_size!r}")
-        if prob.sink is not None:
-            raise ValueError("`sinks` should be None with precision='reproducible' (its double-double engine has no "
-                             "sink yet), but got sinks; use precision='fast'")
         return "reproducible", None
     if method is None:
         method = "tiled" if block_size is not None else allowed[0]

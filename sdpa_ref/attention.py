@@ -83,9 +83,8 @@ def forward(prob, *, save_probs=True) -> Forward:
     if prob.sink is not None:                                       # a sink: one more score, with no value
         with np.errstate(divide="ignore"):
             lse_keys = (m + np.log(s))[..., 0]                      # the LSE over the keys alone (FlashMLA's)
-        m, s, r = fold_sink(np.where(empty, -np.inf, m), s, prob.sink_rows())
-        P, empty = np.where(empty, P.dtype.type(0), P) * r, m == -np.inf
-        m = np.where(empty, m.dtype.type(0), m)
+        m, s, r, _, empty_ = fold_sink(m, s, empty, prob.sink_rows())
+        P, empty = np.where(empty, P.dtype.type(0), P) * r, empty_
     with np.errstate(divide="ignore"):
         lse = m + np.log(s)                                         # -inf on a row with no key (and no sink)
     P = fill_empty_rows(P, empty, prob.padded_rows(), o.fully_masked, S)

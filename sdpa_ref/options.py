@@ -11,10 +11,9 @@ command line and the adapters take their vocabulary from it too:
 * :data:`ARRAY_OPTIONS`: those that are arrays (stored as such in golden
   vectors); the rest are scalars.
 
-``sinks`` is computed by the ``"fast"``, ``"plain"`` and ``"tiled"``
-engines but not yet judged: the honest ensemble, the double-double engine,
-the cases, the golden vectors and the C client do not have it, so it is
-outside both lists (``judged=False``) until they do.
+``sinks`` is computed by every engine but not yet judged: the honest
+ensemble, the cases, the golden vectors and the C client do not have it,
+so it is outside both lists (``judged=False``) until they do.
 
 The scalar fields are checked and normalised here (``window`` becomes a
 pair of ``int`` or ``None``, ``-1`` meaning unbounded). Array fields are
@@ -188,7 +187,6 @@ DOC_OPTIONS = r"""
             (``lse_as(sink=False)``: the keys' alone); a row with no allowed
             key gives ``O = 0``, ``lse = sink`` (the policy applies only
             where the sink is ``-inf``). Its gradient is ``grads.sinks``.
-            Not with ``precision="reproducible"``.
     method : {"fast", "plain", "tiled"}, optional
         The engine: ``"fast"`` (default; dense, in place, threaded over
         heads), ``"plain"`` (the teaching core, :mod:`sdpa_ref.attention`)

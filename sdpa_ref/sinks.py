@@ -7,16 +7,18 @@ gpt-oss, FlashAttention 4 (``learnable_sink``), FlashInfer, cuDNN, JAX's splash 
 
 so the keys' probabilities sum to :math:`1 - p_\sigma`. It is the softmax over the keys and one more column
 whose score is :math:`\sigma` and whose value is 0; the stages below are that column written once, forward
-(:func:`fold_sink`, :func:`sink_probs`) and backward (:func:`sink_softmax_vjp`), for every engine.
+(:func:`fold_sink_in`, :func:`sink_probs`) and backward (:func:`sink_softmax_vjp_in`), over an arithmetic
+(:mod:`sdpa_ref.arith`), for every engine.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .softmax import row_pivot
+from .arith import NUMPY
 
-__all__ = ["check_sinks", "fold_sink", "sink_probs", "sink_softmax_vjp"]
+__all__ = ["check_sinks", "fold_sink", "fold_sink_in", "sink_grad_in", "sink_probs", "sink_softmax_vjp",
+           "sink_softmax_vjp_in"]
 
 
 def check_sinks(s):
@@ -28,30 +30,41 @@ def check_sinks(s):
     return s
 
 
-def fold_sink(m, s, sink):
-    r"""Fold a sink logit into a row's softmax: the sink is one more score with no value.
+def fold_sink_in(X, m, s, empty, sink):
+    r"""Fold a sink logit into a row's softmax, over an arithmetic ``X`` (:mod:`sdpa_ref.arith`): the sink is
+    one more score with no value.
 
-    ``m`` ``(..., 1)`` is the row's largest score (``-inf`` on a row with no allowed key), ``s`` the sum
-    :math:`\sum_j e^{T_j - m}` (0 there), ``sink`` the logit :math:`\sigma`, broadcastable to ``m``
-    (``-inf``: no sink, exactly). Returns ``(m2, s2, r)`` with
+    ``m`` ``(..., 1)`` is the row's largest score (0 on a row with no allowed key, ``empty``), ``s`` the sum
+    :math:`\sum_j e^{T_j - m}` (not read where ``empty``), ``sink`` the logit :math:`\sigma` (a real array
+    broadcastable to ``m``; ``-inf``: no sink, exactly). Returns ``(m2, s2, r, p_sink, empty2)`` with
 
     .. math:: m_2 = \max(m, \sigma), \qquad s_2 = s\, e^{m - m_2} + e^{\sigma - m_2}, \qquad
               r = e^{m - m_2}\, s / s_2,
 
-    so the keys' probabilities become :math:`P\, r`, the sink's is :math:`e^{\sigma - m_2} / s_2`, and
+    so the keys' probabilities become :math:`P\, r`, the sink's is ``p_sink`` :math:`= e^{\sigma - m_2} / s_2`, and
     :math:`\mathrm{lse} = m_2 + \log s_2` (FlashAttention 4, cuDNN, splash: the LSE includes the sink).
-    ``m2`` is ``-inf`` only where there is neither a key nor a sink; ``r`` is 0 on a row with no key (the sink
-    takes all the mass: ``O = 0``, ``lse = sigma``) and 1 where ``sink`` is ``-inf``. The same fold is the online
-    softmax's step (:mod:`sdpa_ref.engines.tiled` starts each row from it).
+    ``empty2`` are the rows with neither a key nor a sink (``m2 = 0``, ``s2 = 0`` there); ``r`` is 0 on a row
+    with no key (the sink takes all the mass: ``O = 0``, ``lse = sigma``) and exactly 1 where ``sink`` is
+    ``-inf``, where no bit of ``m`` and ``s`` moves. The tiled engine applies it after a row's last key block.
     """
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        m2 = np.maximum(m, sink)
-        safe = np.where(m2 == -np.inf, 0.0, m2)
-        a = np.where(m == -np.inf, 0.0, np.exp(m - safe))
-        b = np.exp(sink - safe)
-        s2 = s * a + b
-        r = np.where(s2 > 0, a * s / np.where(s2 > 0, s2, 1.0), 0.0)
-    return m2, s2, r.astype(np.result_type(s, np.float16), copy=False)
+    none = sink == -np.inf
+    top = ~none & (empty | (sink > X.value(m)))                     # the sink is the row's largest: the new shift
+    shape = np.broadcast_shapes(np.shape(sink), np.shape(X.value(m)))
+    sv = X.lift(np.broadcast_to(np.where(none, 0.0, sink).astype(np.asarray(sink).dtype), shape))
+    m2 = X.where(top, sv, m)
+    a = X.where(empty, X.const(0.0), X.where(top, X.exp_minus(m, m2), X.const(1.0)))     # e^(m - m2)
+    b = X.where(none, X.const(0.0), X.exp_minus(sv, m2))                                  # e^(sigma - m2)
+    s2 = X.add(X.mul(X.where(empty, X.const(0.0), s), a), b)
+    empty2 = empty & none
+    s2_ = X.where(empty2, X.const(1.0), s2)
+    r, p_sink = X.div(X.mul(a, s), s2_), X.div(b, s2_)
+    return m2, s2, X.where(empty2, X.const(0.0), r), p_sink, empty2
+
+
+def fold_sink(m, s, empty, sink):
+    """:func:`fold_sink_in` on NumPy arrays (the ``"fast"``, ``"plain"`` and ``"tiled"`` engines)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return fold_sink_in(NUMPY, np.where(empty, m.dtype.type(0), m), s, empty, sink)
 
 
 def sink_probs(sink, lse):
@@ -61,8 +74,14 @@ def sink_probs(sink, lse):
         return np.where(lse == -np.inf, 0.0, np.exp(sink - np.where(lse == -np.inf, 0.0, lse)))
 
 
-def sink_softmax_vjp(P, dP, p_sink, g_lse=None):
-    r"""The softmax VJP of a row with a sink: ``(dT, dsink)``, ``dsink`` ``(..., 1)`` per row.
+def sink_grad_in(X, p_sink, c, D):
+    r"""The sink's gradient on each row, :math:`d\sigma = p_\sigma\, ((0 - c) - D)`: the softmax VJP's entry of
+    a column whose :math:`dP` is 0, pivoted by :math:`c` (``D`` with ``dlse`` already folded in)."""
+    return X.mul(p_sink, X.neg(X.add(c, D)))
+
+
+def sink_softmax_vjp_in(X, P, dP, p_sink, g_lse=None):
+    r"""The softmax VJP of a row with a sink, over an arithmetic ``X``: ``(dT, dsink)``, ``dsink`` ``(..., 1)``.
 
     The sink is a column with probability ``p_sink`` ``(..., 1)`` and :math:`dP = 0` (it has no value), so
     :func:`softmax_vjp` over the keys and the sink gives, with :math:`D = \sum_j P_j dP_j`,
@@ -72,15 +91,23 @@ def sink_softmax_vjp(P, dP, p_sink, g_lse=None):
 
     the sink gradient of FlashAttention #2706 and splash attention (:math:`\bar\lambda` = ``g_lse``, or 0).
     Pivoted as :func:`row_pivot`: :math:`c` is :math:`dP` at the row's largest probability, 0 when that is the
-    sink's, and :math:`D - c = \sum_j P_j (dP_j - c) - c\, p_\sigma` since the probabilities sum to 1.
+    sink's (the sink is column 0: it wins a tie), and :math:`D - c = \sum_j P_j (dP_j - c) - c\, p_\sigma`
+    since the probabilities sum to 1.
     """
+    Pv, ps = X.value(P), X.value(p_sink)
+    if Pv.shape[-1]:
+        top = ps >= np.max(Pv, axis=-1, keepdims=True)
+        c = X.where(top, X.const(0.0), X.take(dP, np.argmax(Pv, axis=-1)[..., None]))
+    else:                                                           # no key: the sink holds the row
+        c = X.mul(p_sink, X.const(0.0))
+    gc = X.sub(dP, c)
+    D = X.sub(X.sum(X.mul(P, gc), keepdims=True), X.mul(c, p_sink))
+    if g_lse is not None:
+        D = X.add_d(D, -g_lse)
+    return X.mul(P, X.sub(gc, D)), sink_grad_in(X, p_sink, c, D)
+
+
+def sink_softmax_vjp(P, dP, p_sink, g_lse=None):
+    """:func:`sink_softmax_vjp_in` on NumPy arrays."""
     with np.errstate(invalid="ignore"):
-        if P.shape[-1]:
-            c = np.where(p_sink > np.max(P.real, axis=-1, keepdims=True), 0.0, row_pivot(P, dP))
-        else:
-            c = np.zeros(p_sink.shape)
-        gc = dP - c
-        D = np.sum(P * gc, axis=-1, keepdims=True) - c * p_sink
-        if g_lse is not None:
-            D = D - g_lse
-        return P * (gc - D), p_sink * (-c - D)
+        return sink_softmax_vjp_in(NUMPY, P, dP, p_sink, g_lse)

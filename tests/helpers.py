@@ -14,3 +14,27 @@ def assert_close_normwise(x, y, rtol):
     np.testing.assert_array_equal(y[~fin & ~np.isnan(x)], x[~fin & ~np.isnan(x)])   # the same infinities
     scale = max(1.0, float(np.max(np.abs(x[fin]), initial=0.0)))
     np.testing.assert_allclose(y[fin], x[fin], rtol=rtol, atol=rtol * scale)
+
+
+def assert_faithful(x, truth, what):
+    """Every entry of float64 ``x`` is one of the two floats next to the mpmath ``truth`` (the value itself if
+    representable); NaN where the truth is NaN."""
+    import mpmath
+    bad = []
+    for idx, t in np.ndenumerate(truth):
+        xi = float(x[idx])
+        if mpmath.isnan(t):
+            if not np.isnan(xi):
+                bad.append((idx, xi, t))
+            continue
+        with mpmath.workdps(80):                                 # the global context's 53 bits would round the
+            t = mpmath.mpf(t)                                    # truth first: a truth next to the midpoint of
+        a = float(t)                                              # two floats then looked like a float itself
+        if mpmath.mpf(a) == t:
+            ok = xi == a
+        else:
+            b = float(np.nextafter(a, np.inf if t > a else -np.inf))
+            ok = xi in (a, b)
+        if not ok:
+            bad.append((idx, xi, mpmath.nstr(t, 20)))
+    assert not bad, f"{what}: {len(bad)} entries not faithfully rounded, e.g. {bad[:3]}"

@@ -2,7 +2,7 @@
 
     python tests/repro_digest.py [--block-entries N]
 
-The problems cover every option, GQA, several batch and head dims, and shapes
+The problems cover every option (sinks included), GQA, several batch and head dims, and shapes
 large enough to be cut into blocks that run in the package's thread pool.
 Inputs come from ``Generator.uniform`` (integer bits scaled by IEEE
 arithmetic: the same on every machine; ``standard_normal`` is not, its tail
@@ -41,6 +41,8 @@ def problems():
         Hq = qs[-3] if len(qs) >= 3 else 1
         if isinstance(opts.get("alibi_slopes"), str):
             opts["alibi_slopes"] = rng.uniform(0.0, 1.0, size=(Hq,))
+        if isinstance(opts.get("sinks"), str):                      # one head without a sink
+            opts["sinks"] = np.concatenate([[-np.inf], rng.uniform(-2.0, 3.0, size=(Hq - 1,))]).astype(dtype)
         o_shape = np.broadcast_shapes(qs[:-2], vs[:-3] + (Hq,) if len(vs) >= 3 else ()) + (qs[-2], vs[-1])
         out.append((name, (q, k, v), opts, _u(rng, o_shape).astype(dtype)))
 
@@ -64,6 +66,11 @@ def problems():
     for i, dt in enumerate((np.float64, np.float32, np.float16)):
         add(f"honest-{np.dtype(dt).name}", 10 + i, (2, 2, 9, 8), (2, 1, 11, 8), (2, 1, 11, 4), dtype=dt,
             upcast=False, enable_gqa=True, is_causal=True, attn_mask="draw", softcap=4.0, dropout_p=0.25, rng=5)
+    add("sinks-lengths-mask", 13, (2, 4, 7, 5), (2, 2, 8, 5), (2, 2, 8, 3), enable_gqa=True, sinks="draw",
+        q_lengths=[7, 5], kv_lengths=[8, 3], attn_mask=np.random.default_rng(130).random((7, 8)) < 0.5,
+        softcap=3.0, fully_masked="nan")
+    add("sinks-honest-float32", 14, (2, 3, 6, 4), (2, 3, 9, 4), (2, 3, 9, 4), dtype=np.float32, upcast=False,
+        sinks="draw", is_causal=True, causal_alignment="bottom_right", dropout_p=0.2, rng=3)
     return out
 
 
@@ -76,7 +83,8 @@ def digests():
         grads = sdpa_ref.sdpa_backward(r, g)
         tangents = tuple(np.flip(x, axis=-1).copy() for x in (q, k, v))
         _, tan = sdpa_ref.sdpa_jvp((q, k, v), tangents, precision="reproducible", **opts)
-        for a in (out, r.lse, *[x for x in grads if x is not None], tan):
+        keys = () if "sinks" not in opts else (r.lse_as(sink=False),)   # the sink-free LSE too
+        for a in (out, r.lse, *keys, *[x for x in grads if x is not None], tan):
             h.update(np.ascontiguousarray(a).tobytes())
         res[name] = h.hexdigest()
     return res

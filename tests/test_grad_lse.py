@@ -79,7 +79,8 @@ def test_grad_lse_full_jacobian_on_a_dense_case(precision, method, save_probs):
     opts = dict(enable_gqa=True, softcap=2.0, attn_mask=mask, bias=rng.standard_normal((4, 3, 4)),
                 dropout_p=0.25, dropout_mask=rng.random((2, 4, 3, 4)) > 0.25, q_lengths=np.array([3, 2]),
                 fully_masked="uniform")
-    report = _check(q, k, v, opts, precision, method, save_probs, mode="full")
+    mode = "projection" if precision == "reproducible" else "full"    # the double-double engine: projections
+    report = _check(q, k, v, opts, precision, method, save_probs, mode=mode)
     assert report.ok, report
 
 

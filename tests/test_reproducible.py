@@ -16,7 +16,7 @@ from sdpa_ref.exact import dd as D
 from sdpa_ref.exact import ozaki
 from sdpa_ref.softmax import softmax_vjp_in
 
-from helpers import assert_close_normwise
+from helpers import assert_close_normwise, assert_faithful as _faithful
 from oracle import oracle_attention
 from strategies import variant_problem
 
@@ -24,29 +24,6 @@ mpmath = pytest.importorskip("mpmath")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HASHES = os.path.join(HERE, "data", "reproducible_hashes.json")
-
-
-def _faithful(x, truth, what):
-    """Every entry of float64 ``x`` is one of the two floats next to the mpmath ``truth`` (the value itself if
-    representable); NaN where the truth is NaN."""
-    bad = []
-    for idx, t in np.ndenumerate(truth):
-        xi = float(x[idx])
-        if mpmath.isnan(t):
-            if not np.isnan(xi):
-                bad.append((idx, xi, t))
-            continue
-        with mpmath.workdps(80):                                 # the global context's 53 bits would round the
-            t = mpmath.mpf(t)                                    # truth first: a truth next to the midpoint of
-        a = float(t)                                              # two floats then looked like a float itself
-        if mpmath.mpf(a) == t:
-            ok = xi == a
-        else:
-            b = float(np.nextafter(a, np.inf if t > a else -np.inf))
-            ok = xi in (a, b)
-        if not ok:
-            bad.append((idx, xi, mpmath.nstr(t, 20)))
-    assert not bad, f"{what}: {len(bad)} entries not faithfully rounded, e.g. {bad[:3]}"
 
 
 def _oracle_args(q, oracle):

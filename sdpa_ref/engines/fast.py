@@ -114,15 +114,14 @@ def forward(prob, *, save_probs=True) -> Forward:
         else:
             softmax_rows(*rows)
         if sink_g is not None:                            # a sink: one more score with no value (fold_sink)
-            e = empty[idx]
+            e = empty[idx].copy()
             lse_keys[idx] = lse[idx]
+            m2, s2, r, _, empty[idx] = fold_sink(rowmax[idx], rowsum[idx], e, sink_g[idx])
+            np.copyto(Tc, 0.0, where=e)
+            np.multiply(Tc, r, out=Tc)
+            rowmax[idx], rowsum[idx] = m2, s2
             with np.errstate(divide="ignore"):
-                m2, s2, r = fold_sink(np.where(e, -np.inf, rowmax[idx]), rowsum[idx], sink_g[idx])
-                np.copyto(Tc, 0.0, where=e)
-                np.multiply(Tc, r, out=Tc)
-                empty[idx] = m2 == -np.inf
-                rowmax[idx], rowsum[idx] = np.where(empty[idx], 0.0, m2), s2
-                lse[idx] = rowmax[idx] + np.log(s2)
+                lse[idx] = np.where(empty[idx], -np.inf, m2 + np.log(s2))
         Pd = dropout_forward(lay.full_view(Tc), block_of(prob.keep, lay.nd_f, fidx), o.dropout_p)
         np.matmul(Pd.reshape(Tc.shape), v, out=O[idx])
 

@@ -14,7 +14,8 @@ The steps:
   ``tanh``, the float mask, bias and ``slope * distance`` of ALiBi, each
   added exactly), ``-inf`` outside the allowed set;
 * ``P = exp(T - m) / s`` with its own ``exp`` and a fixed-order sum ``s``,
-  ``LSE = m + log s`` with its own ``log``; the fully-masked policy;
+  ``LSE = m + log s`` with its own ``log``; the fully-masked policy; a
+  sink folded in by :func:`sdpa_ref.sinks.fold_sink_in` over the arithmetic;
 * ``P_drop = P * Z / (1 - p)`` (``1 - p`` exact), ``O = P_drop V``;
 * the backward and the JVP as in the core, with the pivoted softmax
   derivative, every sum over keys, over a GQA group and over broadcast
@@ -45,6 +46,7 @@ import functools
 import numpy as np
 
 from ..exact.arith import for_problem
+from ..sinks import fold_sink_in, sink_softmax_vjp_in
 from ..softmax import softmax_vjp_in
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
 from ..transforms import additive_forward_in, alibi_distance, alibi_forward_in, softcap_forward_in, unbroadcast
@@ -78,6 +80,9 @@ def forward(prob, *, save_probs=True) -> Forward:
     Pd = X.empty(full) if prob.keep is not None else P
     sd = X.empty(full) if o.softcap is not None else None                              # sech^2(Traw / cap)
     m, s_val, lse = (np.empty(full[:-1] + (1,), X.dtype) for _ in range(3))
+    sinks = prob.sink_rows()
+    lse_keys = None if sinks is None else np.empty(full[:-1] + (1,), X.dtype)   # the LSE over the keys alone
+    p_sink = None if sinks is None else X.empty(full[:-1] + (1,))
     empty = np.empty(full[:-1] + (1,), dtype=bool)
     excluded = _excluded(prob)
     dist = None if prob.alibi is None else alibi_distance(prob.L, S, o.causal_alignment, prob.q_lengths,
@@ -105,7 +110,14 @@ def forward(prob, *, save_probs=True) -> Forward:
         if excl is not None:
             e = X.where(excl, X.const(0.0), e)
         sm = X.where(em, X.const(1.0), X.sum(e, keepdims=True))
-        p = _fill_rows(X, X.div(e, sm), em, block_of(padded, nd, lead, r), o.fully_masked, S)
+        p = X.div(e, sm)
+        if sinks is not None:                                        # one more score, with no value
+            lse_keys[ix] = np.where(em, -np.inf, X.value(X.add(X.log(sm), mx)))
+            mx, sm, fold, ps, em = fold_sink_in(X, mx, sm, em, block_of(sinks, nd, lead, r))
+            p = X.mul(p, fold)
+            X.put(p_sink, ix, ps)
+            sm = X.where(em, X.const(1.0), sm)
+        p = _fill_rows(X, p, em, block_of(padded, nd, lead, r), o.fully_masked, S)
         X.put(P, ix, p)
         if Pd is not P:
             X.put(Pd, ix, _dropout(X, p, block_of(prob.keep, nd, lead, r), o.dropout_p))
@@ -121,10 +133,10 @@ def forward(prob, *, save_probs=True) -> Forward:
     if zr is not None:                                               # 0 by definition: no value is read
         O = np.where(zr, O.dtype.type(0), O)
     O = _canon(O)
-    extra = {"P": P, "Pd": Pd, "sech2": sd} if save_probs else None
+    extra = {"P": P, "Pd": Pd, "sech2": sd, "p_sink": p_sink} if save_probs else None
     return Forward(out=O, lse=_canon(lse[..., 0]), probs=X.value(P) if save_probs else None,
                    tanh=None if sd is None or not save_probs else X.value(sd), empty=empty, rowmax=m,
-                   rowsum=s_val, extra=extra)
+                   rowsum=s_val, extra=extra, lse_keys=None if lse_keys is None else _canon(lse_keys[..., 0]))
 
 
 @_quiet
@@ -141,14 +153,22 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     keep_dT = prob.mask_float is not None or prob.bias is not None
     dT = X.empty(full) if keep_dT else None
     dTraw = X.empty(full)
+    ps = fwd.extra["p_sink"]
+    dsink = None if ps is None else X.empty(full[:-1] + (1,))
 
     def rows(lead, r):
         ix = lead + (slice(*r),)
         g = _dropout(X, X.at(dP, ix), block_of(prob.keep, nd, lead, r), o.dropout_p)
-        t = softmax_vjp_in(X, X.at(P, ix), g, None if dlse is None else dlse[ix])   # P(dP - D) [+ P dlse]
+        gl = None if dlse is None else dlse[ix]
+        if ps is None:
+            t = softmax_vjp_in(X, X.at(P, ix), g, gl)                # P(dP - D) [+ P dlse]
+        else:                                                        # and the sink's column, dP = 0
+            t, ds = sink_softmax_vjp_in(X, X.at(P, ix), g, X.at(ps, ix), gl)
         cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked)
         if cr is not None:                                           # P does not depend on T there
             t = X.where(cr, X.const(0.0), t)
+        if ps is not None:
+            X.put(dsink, ix, ds if cr is None else X.where(cr, X.const(0.0), ds))
         if dT is not None:
             X.put(dT, ix, t)
         if sd is not None:                                           # * (1 - tanh^2), as sech^2
@@ -169,9 +189,15 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     heads = None if nan_rows is None else np.any(_grouped(nan_rows, prob), axis=(-3, -2))[..., None]
     for x, ok, what in ((dq, nan_rows, "dq"), (dk, heads, "dk"), (dv, heads, "dv")):
         _no_silent_nan(X.value(x), ok, what)
+    dsinks = None
+    if dsink is not None:                                            # summed over the rows, then to (..., Hq)
+        dsinks = unbroadcast(X.sum(X.at(dsink, (Ellipsis, 0)), axis=-1), prob.shapes["sinks"], X)
+        _no_silent_nan(X.value(dsinks), None if nan_rows is None else np.any(nan_rows, axis=(-2, -1)),
+                       "sinks gradient")
+        dsinks = _round(X, dsinks)
     return Grads(dq=_round(X, unbroadcast(dq, prob.shapes["query"], X)),
                  dk=_round(X, unbroadcast(dk, prob.shapes["key"], X)),
-                 dv=_round(X, unbroadcast(dv, prob.shapes["value"], X)), dmask=dmask, dbias=dbias)
+                 dv=_round(X, unbroadcast(dv, prob.shapes["value"], X)), dmask=dmask, dbias=dbias, dsinks=dsinks)
 
 
 @_quiet
@@ -200,7 +226,10 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None)
                 t = X.mul(t, X.at(sd, ix))
             if dbias is not None:
                 t = X.add_d(t, block_of(dbias, nd, lead, r))
-            p = softmax_vjp_in(X, X.at(P, ix), t)                      # J is symmetric: the JVP is the same map
+            if fwd.extra["p_sink"] is None:                          # J is symmetric: the JVP is the same map
+                p = softmax_vjp_in(X, X.at(P, ix), t)
+            else:                                                    # the sink's tangent is 0
+                p = sink_softmax_vjp_in(X, X.at(P, ix), t, X.at(fwd.extra["p_sink"], ix))[0]
             cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked)
             if cr is not None:
                 p = X.where(cr, X.const(0.0), p)

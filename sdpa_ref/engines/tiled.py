@@ -37,7 +37,8 @@ import numpy as np
 
 from ..exact import _native
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, policy_fill
-from ..sinks import fold_sink, sink_probs
+from ..arith import NUMPY
+from ..sinks import fold_sink, sink_grad_in, sink_probs
 from ..transforms import dropout_forward, scores_forward, scores_vjp, transform_scores, transform_scores_vjp, \
     unbroadcast
 from .contract import Forward, Grads
@@ -124,8 +125,8 @@ def forward(prob, *, block_size="auto") -> Forward:
             out = acc / l
             if prob.sink is not None:                               # a sink: one more score, no value (fold_sink)
                 lse_keys[..., i0:i1] = (np.log(l) + m)[..., 0].real
-                m, l, r = fold_sink(m, l, prob.sink_rows((i0, i1)))
-                out, row_empty = np.where(row_empty, ct.type(0), out) * r, m == -np.inf
+                m, l, r, _, empty_ = fold_sink(m, l, row_empty, prob.sink_rows((i0, i1)))
+                out, row_empty = np.where(row_empty, ct.type(0), out) * r, empty_
             m = np.where(row_empty, rt.type(0), m)
             lse[..., i0:i1] = (np.log(l) + m)[..., 0].real
         rowmax[..., i0:i1, :], rowsum[..., i0:i1, :] = m, l
@@ -234,7 +235,7 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
             D = D - dlse[..., i0:i1, :]                             # + P * dlse, folded into D
         if ps is not None:                                          # dsink = p_sink ((0 - c) - D) (sink_softmax_vjp)
             cr = constant_rows(em, pad, o.fully_masked)
-            ds = ps * (-c - D)
+            ds = sink_grad_in(NUMPY, ps, c, D)
             dsink[..., i0:i1] = (ds if cr is None else np.where(cr, ct.type(0), ds))[..., 0]
         # sweep 2: the gradients, dT = P * ((dP - c) - D)
         for job in jobs:
