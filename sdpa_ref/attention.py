@@ -130,26 +130,26 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
                  dsinks=None if dsink is None else dsink[..., 0].sum(axis=-1))
 
 
-def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None):
+def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dsinks=None):
     """The output tangent ``dO`` ``(..., Hq, L, Ev)`` along the input tangents (None means zero).
 
     ``dq`` is in the layout of ``prob.q``; ``dk``, ``dv`` in that of ``prob.k``, ``prob.v``;
     ``dbias`` broadcastable to the scores; ``dv_full`` the value tangent that the fully masked rows of
-    ``"uniform"`` average (``Problem.clean_tangents``).
+    ``"uniform"`` average (``Problem.clean_tangents``); ``dsinks`` the sinks' tangent ``(..., Hq, 1, 1)``.
     """
     o = prob.options
     P, sech2 = fwd.probs, fwd.tanh
     k, v = _kv(prob.k), _kv(prob.v)
     dO = None
-    if dq is not None or dk is not None or dbias is not None:
+    if dq is not None or dk is not None or dbias is not None or dsinks is not None:
         dTraw = scores_jvp(prob.q, k, dq, None if dk is None else _kv(dk), prob.scale)
         dTraw = np.zeros(prob.full_scores, prob.dtype) if dTraw is None else _full(dTraw, prob)
         dT = transform_scores_jvp(dTraw, sech2, dbias)
         dT = np.broadcast_to(dT, P.shape)
         if prob.sink is None:
             dP = softmax_jvp(P, dT)                                 # P * (dT - rowsum(P * dT))
-        else:                                                       # J is symmetric; the sink's tangent is 0
-            dP = sink_softmax_vjp(P, dT, sink_probs(prob.sink, fwd.lse[..., None]))[0]
+        else:                                                       # J is symmetric: the sink's column, d sigma
+            dP = sink_softmax_vjp(P, dT, sink_probs(prob.sink, fwd.lse[..., None]), d_sink=dsinks)[0]
         cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)
         if cr is not None:
             dP = np.where(cr, dP.dtype.type(0), dP)

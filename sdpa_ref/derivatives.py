@@ -9,6 +9,8 @@ the docstrings below, in :mod:`sdpa_ref.attention` and in SEMANTICS.md.
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import _validate as V
 from . import attention, poison
 from ._threads import single_threaded_blas
@@ -150,8 +152,9 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
         ``(query, key, value)``; every other input and option is a keyword,
         as in :func:`sdpa_forward` (``bias=`` included).
     tangents : tuple
-        ``(dquery, dkey, dvalue)`` or ``(dquery, dkey, dvalue, dbias)``, each
-        of its primal's shape and an input dtype, any of them ``None`` for zero.
+        ``(dquery, dkey, dvalue)``, ``(dquery, dkey, dvalue, dbias)`` or
+        ``(dquery, dkey, dvalue, dbias, dsinks)``, each of its primal's shape
+        and an input dtype, any of them ``None`` for zero.
     method : {"fast", "plain"}, optional
         The engine of the primal forward (default ``"fast"``); the tangent is
         the teaching core's :func:`sdpa_ref.attention.jvp` on its ``P``.
@@ -176,14 +179,15 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
         dP &= P \odot (dT - \mathrm{rowsum}(P \odot dT)), \\
         dO &= \frac{dP \odot Z}{1-p} V + P_{drop}\, dV,
 
-    the softcap factor only with softcap. Masked entries have :math:`P = 0`,
+    the softcap factor only with softcap; with sinks the row sum takes the
+    sink's column too, :math:`- p_\sigma\, d\sigma` (``dsinks``). Masked entries have :math:`P = 0`,
     so their :math:`dP` is 0; under ``"uniform"`` a fully masked row's
     :math:`P` is constant and its :math:`dP` is 0.
     """
     if not isinstance(primals, (tuple, list)) or len(primals) != 3:
         raise TypeError(f"`primals` should be a tuple (query, key, value), but got {V.describe(primals)}")
-    if not isinstance(tangents, (tuple, list)) or len(tangents) not in (3, 4):
-        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias]), "
+    if not isinstance(tangents, (tuple, list)) or len(tangents) not in (3, 4, 5):
+        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks]]), "
                         f"but got {V.describe(tangents)}")
     if options.get("block_size") is not None:
         raise ValueError("`block_size` should be None for sdpa_jvp (forward mode has no tiled engine), "
@@ -192,10 +196,12 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
     V.check_choice("fast" if method is None else method, "method", ("fast", "plain"))
     out, res = sdpa_forward(*primals, method=method, precision=precision, **dict(options, save_probs=True))
     prob = res.problem
-    names = ("query", "key", "value", "bias")
-    ts = list(tangents) + [None] * (4 - len(tangents))
+    names = ("query", "key", "value", "bias", "sinks")
+    ts = list(tangents) + [None] * (5 - len(tangents))
     if ts[3] is not None and prob.bias is None:
         raise ValueError("`tangents` should have no bias tangent when no `bias` is given, but got one")
+    if ts[4] is not None and prob.sink is None:
+        raise ValueError("`tangents` should have no sinks tangent when no `sinks` are given, but got one")
     conv = []
     for i, (name, t) in enumerate(zip(names, ts)):
         if t is not None:
@@ -203,17 +209,28 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
             if t.shape != prob.shapes[name]:
                 raise ValueError(f"`tangents[{i}]` should have the shape of `{name}` {prob.shapes[name]}, "
                                  f"but got shape {t.shape}")
-            if name != "bias" and t.ndim == 2:
+            if name in ("query", "key", "value") and t.ndim == 2:
                 t = t[None]
         conv.append(t)
-    dq, dk, dv, db = conv
+    dq, dk, dv, db, ds = conv
     if dq is not None:
         dq = dq.reshape(dq.shape[:-3] + prob.q.shape[-4:])
     (dq, dk, dv, db), (bq, bk, bv, bb), dv_full = prob.clean_tangents(dq, dk, dv, db)   # as the primals are
+    bs = None
+    if ds is not None:                                   # (..., Hq, 1, 1); a head's rows read its sink
+        ds, bs = poison.clean(_cast_real(ds, prob)[..., None, None])
     with single_threaded_blas():
         core = reproducible if res.method == "reproducible" else attention
-        dO = core.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full)
+        dO = core.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dsinks=ds)
     rows = (None if b is None else b.any(axis=-1) for b in (bq, bk))
     dO = poison.nan_where(dO, poison.jvp_taint(prob, res.empty, (*rows, bv, bb)))
-    dO = poison.nan_where(dO, prob.nan_rows_without_keys() if any(t is not None for t in (dq, dk, dv, db)) else None)
+    if bs is not None:                                   # every row with a sink reads its tangent
+        dO = poison.nan_where(dO, bs & (prob.sink_rows() > -np.inf) & (res.forward.lse_keys[..., None] > -np.inf))
+    dO = poison.nan_where(dO, prob.nan_rows_without_keys() if any(t is not None for t in (dq, dk, dv, db, ds))
+                          else None)
     return out, dO.reshape(prob.out_shape).astype(prob.out_dtype, copy=False)
+
+
+def _cast_real(t, prob):
+    """A sinks tangent in the real compute dtype (the sinks' own)."""
+    return np.asarray(t).astype(prob.sink.dtype, copy=False)

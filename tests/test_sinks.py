@@ -294,15 +294,42 @@ def test_wrong_sink_gradients_are_caught(kind):
 
 
 @pytest.mark.parametrize("method", ["fast", "plain", "reproducible"])
-def test_the_jvp_with_sinks_matches_central_differences(method):
+@pytest.mark.parametrize("sinks_shape", [(2,), (2, 2)])
+def test_the_jvp_with_sinks_matches_central_differences(method, sinks_shape):
+    """In (q, k, v, bias, sinks): the sinks' tangent enters the row sum as -p_sink dsigma."""
     rng = np.random.default_rng(10)
     q, k, v = rng.standard_normal((2, 2, 3, 2)), rng.standard_normal((2, 2, 4, 2)), rng.standard_normal((2, 2, 4, 3))
-    opts = dict(sinks=np.array([1.0, -0.5]), softcap=2.0, is_causal=True, bias=rng.standard_normal((2, 3, 4)))
+    mask = np.ones((2, 2, 3, 4), bool)
+    mask[1, 0, 1] = False                                               # a row with no key: O = 0 whatever sigma
+    opts = dict(softcap=2.0, attn_mask=mask, q_lengths=np.array([3, 2]), bias=rng.standard_normal((2, 3, 4)))
+    s = np.broadcast_to(np.array([1.0, -0.5]), sinks_shape).copy()
     report = sdpa_ref.check_jvp(
-        lambda q, k, v, b: sdpa_forward(q, k, v, **_engine(method), **dict(opts, bias=b))[0],
-        lambda t, q, k, v, b: sdpa_jvp((q, k, v), tuple(t), **_engine(method), **dict(opts, bias=b))[1],
-        [q, k, v, opts["bias"]], mode="projection" if method == "reproducible" else "full")
+        lambda q, k, v, b, s: sdpa_forward(q, k, v, **_engine(method), **dict(opts, bias=b, sinks=s))[0],
+        lambda t, q, k, v, b, s: sdpa_jvp((q, k, v), tuple(t), **_engine(method), **dict(opts, bias=b, sinks=s))[1],
+        [q, k, v, opts["bias"], s], mode="projection" if method == "reproducible" else "full")
     assert report.ok, report
+
+
+def test_a_non_finite_sinks_tangent_poisons_the_rows_that_read_it():
+    rng = np.random.default_rng(14)
+    q, k, v = rng.standard_normal((1, 3, 3, 2)), rng.standard_normal((1, 3, 4, 2)), rng.standard_normal((1, 3, 4, 2))
+    mask = np.ones((1, 3, 3, 4), bool)
+    mask[0, 1, 0] = False
+    ds = np.array([0.0, np.nan, 1.0])
+    for method in METHODS[:2] + ["reproducible"]:
+        kw = dict(_engine(method), attn_mask=mask, sinks=np.array([0.5, 0.5, -np.inf]))
+        _, t = sdpa_jvp((q, k, v), (None, None, None, None, ds), **kw)
+        assert np.all(np.isnan(t[0, 1, 1:])) and np.all(t[0, 1, 0] == 0.0)   # the row with no key does not read it
+        assert np.all(np.isfinite(t[0, [0, 2]]))
+        np.testing.assert_array_equal(t[0, 2], 0.0)                      # a head without a sink: no effect
+
+
+def test_a_sinks_tangent_needs_sinks():
+    q, k, v = np.ones((1, 2, 3, 2)), np.ones((1, 2, 4, 2)), np.ones((1, 2, 4, 2))
+    with pytest.raises(ValueError, match="no sinks tangent when no `sinks`"):
+        sdpa_jvp((q, k, v), (None, None, None, None, np.zeros(2)))
+    with pytest.raises(ValueError, match=r"`tangents\[4\]` should have the shape of `sinks` \(2,\)"):
+        sdpa_jvp((q, k, v), (None, None, None, None, np.zeros(3)), sinks=np.zeros(2))
 
 
 def test_non_finite_inputs_poison_the_sink_gradient_of_their_head_only():

@@ -201,7 +201,7 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
 
 
 @_quiet
-def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None):
+def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dsinks=None):
     """The output tangent, the core's JVP (tangents in the core's layouts; None is zero; ``dv_full`` as in
     :func:`sdpa_ref.attention.jvp`)."""
     X = for_problem(prob)
@@ -209,7 +209,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None)
     P, Pd, sd = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["sech2"]
     padded = prob.padded_rows()
     dO = None
-    if dq is not None or dk is not None or dbias is not None:
+    if dq is not None or dk is not None or dbias is not None or dsinks is not None:
         dT = None
         if dq is not None:
             dT = X.matmul(dq, _t(_kv(prob.k)))
@@ -228,8 +228,9 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None)
                 t = X.add_d(t, block_of(dbias, nd, lead, r))
             if fwd.extra["p_sink"] is None:                          # J is symmetric: the JVP is the same map
                 p = softmax_vjp_in(X, X.at(P, ix), t)
-            else:                                                    # the sink's tangent is 0
-                p = sink_softmax_vjp_in(X, X.at(P, ix), t, X.at(fwd.extra["p_sink"], ix))[0]
+            else:                                                    # and the sink's column, d sigma
+                p = sink_softmax_vjp_in(X, X.at(P, ix), t, X.at(fwd.extra["p_sink"], ix),
+                                        d_sink=block_of(dsinks, nd, lead, r))[0]
             cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked)
             if cr is not None:
                 p = X.where(cr, X.const(0.0), p)
