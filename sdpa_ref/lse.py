@@ -29,7 +29,7 @@ import numpy as np
 from . import _validate as V
 from .softmax import softmax_vjp
 
-__all__ = ["LSE_BASES", "check_base", "combine_lse", "combine_lse_vjp", "convert_lse"]
+__all__ = ["LSE_BASES", "check_base", "check_empty", "combine_lse", "combine_lse_vjp", "convert_lse"]
 
 #: The bases an LSE may be given in: ``"e"`` (natural, the package's) and ``2`` (FlashInfer's).
 LSE_BASES = ("e", 2)
@@ -46,6 +46,12 @@ def check_base(base, name="base"):
     if isinstance(base, numbers.Integral) and not isinstance(base, (bool, np.bool_)) and base == 2:
         return 2
     raise ValueError(f"`{name}` should be 'e' or 2, but got {base!r}")
+
+
+def check_empty(empty, name="empty"):
+    """The float a row with no allowed key holds under the convention ``empty`` (``"-inf"``, ``"+inf"`` or a
+    finite number), or a ValueError naming ``name``."""
+    return _empty_value(empty, name)
 
 
 def _empty_value(empty, name="empty"):

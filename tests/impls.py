@@ -21,3 +21,10 @@ def plain_only(q, k, v):
 
 
 plain_only.supports = set()
+
+
+def ref_forward_lse(q, k, v, **o):
+    """``(out, lse)`` in base e, the LSE in float32 below float64 (FlashAttention's convention)."""
+    import numpy as np
+    out, res = sdpa_forward(q, k, v, **o)
+    return out, res.lse.astype(np.float64 if q.dtype == np.float64 else np.float32)

@@ -78,12 +78,16 @@ def expected():
 
 
 def _blas_threads():
-    """The thread count each loaded BLAS reports to the calling thread (``[]`` when threadpoolctl sees none)."""
+    """The thread count each BLAS the package calls reports to the calling thread (``[]`` when threadpoolctl sees
+    none): NumPy's, loaded with it; not one that another library loads later (scipy brings its own OpenBLAS, which
+    a test elsewhere in the same worker may have imported), which no engine calls."""
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
         return []
-    return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    ours = {c.filepath for c in (_threads._BLAS_STATE["controllers"] or [])}
+    return [i["num_threads"] for i in threadpool_info()
+            if i["user_api"] == "blas" and (not ours or i["filepath"] in ours)]
 
 
 def _needs_a_held_blas():

@@ -30,6 +30,19 @@ def _tolerance(text):
     return t
 
 
+def _lse_empty(text):
+    """An argparse type: ``-inf``, ``+inf`` or a finite number (what an LSE holds on a row with no key)."""
+    if text in ("-inf", "+inf", "inf"):
+        return text
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if x != x or x in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"should be -inf, +inf or a finite number, but got {text!r}")
+    return x
+
+
 def _seconds(text):
     """An argparse type: a finite number of seconds > 0."""
     t = _tolerance(text)
@@ -216,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="time limit per case and dtype (forward and backward together); a case that runs past "
                         "it fails and the run goes on (default: 600 in the child process, none --in-process)")
+    p.add_argument("--lse", choices=("e", "2"), default=None,
+                   help="the function returns (out, lse), the log-sum-exp (..., H, L) in this base (e: "
+                        "FlashAttention, cuDNN; 2: FlashInfer), float32 for float32 and narrower inputs: judge it too")
+    p.add_argument("--lse-empty", type=_lse_empty, default="-inf", metavar="VALUE",
+                   help="with --lse, what a row with no allowed key holds: -inf (default; FlashAttention 3/4), "
+                        "+inf (FlashAttention 2) or a number")
+    p.add_argument("--deterministic", action="store_true",
+                   help="run the forward and the backward a second time: other bits fail the case")
     p.add_argument("--in-process", action="store_true",
                    help="run the function in this process, as check_implementation does in Python: faster to "
                         "start, easier to debug, and defenceless against code that exits the process, "

@@ -275,7 +275,8 @@ def _conform(args) -> int:
         rep = conformance.check_implementation(fwd, backward=bwd, supports=args.supports, requires=args.requires,
                                                suite=args.suite, cases=cases, dtypes=args.dtype, rule=rule,
                                                progress=progress, timeout=args.timeout,
-                                               isolate=not args.in_process)
+                                               isolate=not args.in_process, lse=args.lse,
+                                               lse_empty=args.lse_empty, deterministic=args.deterministic)
     except conformance.LoadError as exc:
         progress.done()
         flag = "--backward" if exc.which == "backward" else "MODULE:FUNCTION"

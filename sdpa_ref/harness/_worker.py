@@ -121,7 +121,7 @@ def main(req_fd, rep_fd, parent_pid):
 def _as_arrays(res, which):
     import numpy as np
 
-    items = list(res) if which == "backward" else [res]
+    items = list(res) if which == "backward" or (which == "forward" and isinstance(res, tuple)) else [res]
     out = []
     for x in items:
         try:

@@ -75,6 +75,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Union
 import numpy as np
 
 from .._validate import check_choice, check_tolerance
+from ..lse import check_base, check_empty
 from ..options import OPTION_NAMES, check_bool
 from ._limits import CaseTimeout, call_in_process
 from .casefile import load_cases
@@ -177,6 +178,8 @@ def check_implementation(
     progress: Optional[Callable[[int, int, str], None]] = None,
     timeout: Optional[float] = None,
     isolate: bool = False,
+    lse=None,
+    lse_empty="-inf",
 ) -> ConformanceReport:
     r"""Run ``forward`` (and ``backward``, ``jvp``) over a case suite and judge them.
 
@@ -219,7 +222,9 @@ def check_implementation(
     layout : {"bhld", "blhd"}
         See :data:`LAYOUTS`.
     deterministic : bool
-        Also run the forward a second time: other bits fail the case.
+        Also run the forward (and the backward) a second time on the same
+        inputs: other bits in any result fail the case (rows
+        ``determinism`` and ``determinism-backward``).
     poison : bool
         Also run the forward with NaN written into the keys and values that
         no row attends to and into the padded query rows: the output must
@@ -251,6 +256,19 @@ def check_implementation(
         in this process, which the implementation can subvert (see the
         module docstring).
 
+    lse : {None, "e", 2}, optional
+        The forward also returns the log-sum-exp, ``(out, lse)``, in base e
+        (FlashAttention, cuDNN, FlexAttention) or 2 (FlashInfer), of shape
+        ``(..., H, L)`` in either layout, in float32 for float32 and
+        narrower inputs (float64 for float64): the quantity ``lse``,
+        judged against the reference's LSE and the honest ensemble's own
+        (their softmax statistics in the work dtype).
+    lse_empty : {"-inf", "+inf"} or float
+        What the LSE of a row with no allowed key holds: ``"-inf"`` (the
+        empty sum; FlashAttention 3/4, FlexAttention), ``"+inf"``
+        (FlashAttention 2) or a number; met exactly. See
+        :func:`sdpa_ref.convert_lse`.
+
     Returns
     -------
     ConformanceReport
@@ -272,6 +290,9 @@ def check_implementation(
         if timeout == 0:
             raise ValueError("`timeout` should be a finite number of seconds > 0, or None, but got 0")
     deterministic, poison = check_bool(deterministic, "deterministic"), check_bool(poison, "poison")
+    if lse is not None:
+        check_base(lse, "lse")
+        check_empty(lse_empty, "lse_empty")                # here, before any child starts
     if supports is not None:                               # the caller's own lists: refused before any child starts
         resolve_supports(None, supports)
     if requires is not None:
@@ -288,7 +309,8 @@ def check_implementation(
                         f"{type(bad).__name__}")
     if not isolate:
         return _run(cases, dtypes, (forward, backward, jvp), (forward, backward), supports, requires, layout,
-                    deterministic, poison, call_in_process, rule, suite_name, meta, progress, timeout)
+                    deterministic, poison, call_in_process, rule, suite_name, meta, progress, timeout,
+                    (lse, lse_empty))
     limit = DEFAULT_TIME_LIMIT if timeout is None else timeout
     with Isolated({"forward": forward, "backward": backward, "jvp": jvp}, limit) as child:
         remote = child.start()
@@ -296,17 +318,17 @@ def check_implementation(
         declared = tuple(f if callable(f) else remote.get(n)       # a callable's attributes as this process has them
                          for n, f in (("forward", forward), ("backward", backward)))
         return _run(cases, dtypes, fns, declared, supports, requires, layout, deterministic, poison, child.run,
-                    rule, suite_name, dict(meta, isolated=True), progress, limit)
+                    rule, suite_name, dict(meta, isolated=True), progress, limit, (lse, lse_empty))
 
 
 def _run(cases, dtypes, fns, declared, supports, requires, layout, deterministic, poison, limit, rule, suite_name,
-         meta, progress, timeout):
+         meta, progress, timeout, lse=(None, "-inf")):
     """The loop of :func:`check_implementation` over ``cases`` and ``dtypes``: ``fns`` are the functions to call,
     ``declared`` the forward and backward whose attributes and signatures say what they support."""
     sup = resolve_supports(declared[0], supports, declared[1])
     req = resolve_requires(declared[0], requires)
     impl = Implementation(*fns, layout=layout, deterministic=deterministic, poison=poison, implied=req - sup,
-                          limit=limit)
+                          limit=limit, lse=lse[0], lse_empty=lse[1])
     sup = sup | req
     rows: List[ConformanceRow] = []
     t0 = time.perf_counter()
@@ -327,7 +349,8 @@ def _run(cases, dtypes, fns, declared, supports, requires, layout, deterministic
                              seconds=time.perf_counter() - t0,
                              meta=dict(meta, dtypes=list(dtypes), layout=layout, supports=sorted(sup),
                                        requires=sorted(req), isolated=meta.get("isolated", False),
-                                       time_limit=timeout))
+                                       time_limit=timeout, lse=None if lse[0] is None else
+                                       {"base": "e" if impl.lse == "e" else 2, "empty": lse[1]}))
 
 
 def assert_conforms(forward: Callable, backward: Optional[Callable] = None, **kwargs) -> ConformanceReport:

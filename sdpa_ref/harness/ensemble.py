@@ -130,7 +130,7 @@ def _worst(results, ref64):
         for q, ref in ref64.items():
             if q not in got:
                 continue
-            fin = ~np.isnan(ref)
+            fin = np.isfinite(ref)                           # NaN, and the LSE's -inf on rows with no key
             with np.errstate(invalid="ignore"):
                 d = np.abs(np.where(fin, got[q].astype(np.float64) - ref, 0.0))
             d = np.where(np.isnan(d), np.inf, d)            # a member NaN where the truth is a number: unbounded
@@ -140,8 +140,8 @@ def _worst(results, ref64):
 
 @functools.lru_cache(maxsize=4096)
 def member_quantities(case, dtype, member: Member):
-    """``member``'s ``out, dq, dk, dv`` (and ``dbias``) on ``case``'s inputs drawn in ``dtype``, in that dtype;
-    read-only (cached)."""
+    """``member``'s ``out, dq, dk, dv`` (and ``dbias``) on ``case``'s inputs drawn in ``dtype``, in that dtype,
+    and its ``lse`` (base e) in the work dtype; read-only (cached)."""
     dt = np.dtype(dtype)
     prob, desc = _problem(case.make_inputs(dt), "ensemble")
     dO = grad_out_for(case, prob.out_shape, output_dtype(dt))
@@ -250,7 +250,8 @@ class _Kernel:
     # -- the two passes
     def run(self, dO):
         fw = self.forward()
-        out = {"out": fw["O"].astype(self.out_dt).reshape(self.p.out_shape)}
+        out = {"out": fw["O"].astype(self.out_dt).reshape(self.p.out_shape),
+               "lse": fw["lse"][..., 0].reshape(self.p.out_shape[:-1])}     # in the work dtype, as kernels keep it
         if dO is not None:
             out.update(self.backward(fw, np.asarray(dO).reshape(fw["O"].shape)))
         return out

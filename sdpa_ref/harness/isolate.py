@@ -128,7 +128,8 @@ class Isolated:
             self._deadline = None
 
     def call(self, which, args, kwargs):
-        """One call of ``which`` in the child: its result (an array, or for ``"backward"`` a list of them)."""
+        """One call of ``which`` in the child: its result (an array; for ``"backward"`` a list of them; a forward
+        that returns a tuple, ``(out, lse)``, a tuple)."""
         if self._proc is None:
             self._restart()
         deadline = self._deadline if self._deadline is not None else time.monotonic() + self.time_limit
@@ -148,6 +149,8 @@ class Isolated:
             if header.get("kind") == "skip":
                 raise NotImplementedError(str(header.get("message", "")))
             raise ImplementationFailure(str(header.get("error", "failed")))
+        if which == "forward" and len(arrays) == 2:    # (out, lse)
+            return tuple(arrays)
         if which != "backward":
             if len(arrays) != 1:
                 self._kill()

@@ -17,22 +17,25 @@ import numpy as np
 
 from ..api import sdpa_forward
 from ..derivatives import sdpa_backward, sdpa_jvp
+from ..lse import check_base, convert_lse
 from ..options import AttentionOptions
 from ..problem import Problem
 from ..transforms import unbroadcast
 from ._limits import CaseTimeout, ImplementationFailure, call_in_process
 from .cases import Case, grad_out_for, tangents_for
 from .ensemble import MEMBERS, ensemble_errors, member_quantities
-from .lowp import DESCALES, dequantized, is_fp8, is_low, output_dtype, ulp, widen
+from .lowp import DESCALES, dequantized, is_fp8, is_low, output_dtype, ulp, widen, work_dtype
 from .report import ConformanceRow
 from .rules import FixedRule, RelativeRule, lean
 
 __all__ = ["Implementation", "dead_positions", "grad_out_for", "judge_case", "reference_quantities", "tangents_for"]
 
 
-def reference_quantities(case: Case, dtype="float64", *, naive=False):
-    """See :func:`_reference_quantities`; each call gets its own copies of the (cached) arrays."""
-    return {n: a.copy() for n, a in _reference_quantities(case, np.dtype(dtype).name, naive).items()}
+def reference_quantities(case: Case, dtype="float64", *, naive=False, lse=False):
+    """See :func:`_reference_quantities`; each call gets its own copies of the (cached) arrays. With ``lse=True``
+    the dict holds ``lse`` too (base e, ``-inf`` on rows with no allowed key)."""
+    return {n: a.copy() for n, a in _reference_quantities(case, np.dtype(dtype).name, naive).items()
+            if lse or n != "lse"}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -44,7 +47,7 @@ def _reference_quantities(case: Case, dtype="float64", naive=False):
     same-precision implementation of the relative rule. Both with
     ``precision="reproducible"``: the same bits, so the same verdict, on
     every machine. Returns a dict of
-    float64 arrays: ``out, dq, dk, dv`` and ``dbias`` with a bias.
+    float64 arrays: ``out, dq, dk, dv``, ``dbias`` with a bias, and ``lse``.
     """
     dt = np.dtype(dtype)
     inp = case.make_inputs(dt)
@@ -61,6 +64,7 @@ def _reference_quantities(case: Case, dtype="float64", naive=False):
     quant = {"out": out, "dq": gr.query, "dk": gr.key, "dv": gr.value}
     if gr.bias is not None:
         quant["dbias"] = gr.bias
+    quant["lse"] = res.lse                                     # base e, -inf on rows with no key
     return {n: np.asarray(a, dtype=np.float64) for n, a in quant.items()}
 
 
@@ -112,15 +116,26 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
     rows = []
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        out = impl.limit(deadline, impl.call_forward, q, k, v, inp)
+        first = impl.limit(deadline, impl.call_forward, q, k, v, inp)
     except NotImplementedError as exc:
         return [ConformanceRow(case.name, dt, "all", "skip", note=f"not implemented: {exc}")]
     except KeyboardInterrupt:                              # the user's own Ctrl-C stops the run
         raise
     except BaseException as exc:  # a crash, SystemExit included, is a failure of the case, and the run goes on
         return [ConformanceRow(case.name, dt, "out", "error", note=_what(exc, timeout))]
-    got = {"out": out}
+    if impl.lse is not None:
+        if not isinstance(first, tuple) or len(first) != 2:
+            return [ConformanceRow(case.name, dt, "out", "error",
+                                   note=f"with lse={impl.lse!r} the forward should return (out, lse), but returned "
+                                        f"{type(first).__name__}" + (f" of {len(first)}" if isinstance(first, tuple)
+                                                                     else ""))]
+        ref64["lse"] = convert_lse(reference_quantities(case, dt, lse=True)["lse"], base=impl.lse,
+                                   empty=impl.lse_empty)
+        if honest is not None:
+            honest["lse"] = _honest_lse(case, dt, ref64["lse"], impl.lse)
+    got = {"out": first[0], "lse": first[1]} if impl.lse is not None else {"out": first}
     g = grad_out_for(case, ref64["out"].shape, output_dtype(dt))
+    grads = None
     extra = [("grads", impl.backward is not None, lambda: impl.call_backward(g, q, k, v, inp)),
              ("jvp", want_jvp,
               lambda: impl.call_jvp(tuple(t.astype(q.dtype) for t in tangents_for(case, q, k, v)), q, k, v, inp))]
@@ -133,7 +148,7 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
                 got["jvp"] = res
                 continue
             names = ["dq", "dk", "dv"] + (["dbias"] if "dbias" in ref64 else [])
-            res = list(res)
+            res = grads = list(res)
             got.update(zip(names, res))
             if len(res) < len(names):
                 rows.append(ConformanceRow(case.name, dt, names[len(res)], "error",
@@ -148,9 +163,13 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
         rows.append(ConformanceRow(case.name, dt, "jvp", "skip", note="no JVP check at fp8"))
     for qty, val in got.items():
         rows.append(_compare(case.name, dt, qty, val, ref64[qty], None if honest is None else honest[qty], rule,
-                             leans.get(qty)))
+                             leans.get(qty), want=work_dtype(dt) if qty == "lse" else None))
     if impl.deterministic:
-        rows.append(_determinism(case.name, dt, impl, q, k, v, inp, out, deadline, timeout))
+        rows.append(_determinism(case.name, dt, "determinism", lambda: impl.call_forward(q, k, v, inp), first,
+                                 impl, deadline, timeout))
+        if grads is not None:                              # the backward too: atomics in dK, dV change bits
+            rows.append(_determinism(case.name, dt, "determinism-backward",
+                                     lambda: impl.call_backward(g, q, k, v, inp), grads, impl, deadline, timeout))
     if impl.poison:
         row = _poisoned(case, dt, impl, q, k, v, inp, ref64, honest, rule, deadline, timeout)
         if row is not None:
@@ -165,8 +184,10 @@ class Implementation:
     array afterwards cannot change what is judged."""
 
     def __init__(self, forward, backward=None, jvp=None, layout="bhld", deterministic=False, poison=False,
-                 implied=frozenset(), limit=call_in_process):
+                 implied=frozenset(), limit=call_in_process, lse=None, lse_empty="-inf"):
         self.forward, self.backward, self.jvp = forward, backward, jvp
+        self.lse = None if lse is None else check_base(lse, "lse")   # the forward returns (out, lse) in this base
+        self.lse_empty = lse_empty
         self.layout, self.deterministic, self.poison = layout, deterministic, poison
         self.implied = frozenset(implied)        # required options it applies without a keyword: never passed
         self.limit = limit
@@ -183,7 +204,12 @@ class Implementation:
         return np.swapaxes(a, -3, -2) if self.layout == "blhd" and a.ndim >= 3 else a
 
     def call_forward(self, q, k, v, inp):
-        return self._out(self.forward(self._in(q), self._in(k), self._in(v), **self._opts(inp)))
+        """The output, or ``(out, lse)`` with :attr:`lse` (the LSE ``(..., H, L)`` in either layout, as
+        FlashAttention returns its ``softmax_lse``)."""
+        res = self.forward(self._in(q), self._in(k), self._in(v), **self._opts(inp))
+        if self.lse is not None and isinstance(res, (tuple, list)) and len(res) == 2:
+            return self._out(res[0]), np.array(res[1])
+        return self._out(res)
 
     def call_backward(self, g, q, k, v, inp):
         res = list(self.backward(self._in(g), self._in(q), self._in(k), self._in(v), **self._opts(inp)))
@@ -194,18 +220,40 @@ class Implementation:
                                   **self._opts(inp)))
 
 
-def _determinism(case, dt, impl, q, k, v, inp, out, deadline, timeout):
-    """A second forward on the same inputs must give the same bits."""
+def _determinism(case, dt, qty, call, first, impl, deadline, timeout):
+    """A second call (the forward, or the backward) on the same inputs must give the same bits, every result
+    of it (``out`` and ``lse``; each gradient)."""
     try:
-        again = impl.limit(deadline, impl.call_forward, q, k, v, inp)
+        again = impl.limit(deadline, call)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
-        return ConformanceRow(case, dt, "determinism", "error", note=_what(exc, timeout))
-    a, b = np.asarray(out), np.asarray(again)
-    same = a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
-    return ConformanceRow(case, dt, "determinism", "pass" if same else "FAIL",
-                          note="" if same else "a second run on the same inputs gave other bits")
+        return ConformanceRow(case, dt, qty, "error", note=_what(exc, timeout))
+    firsts = list(first) if isinstance(first, (tuple, list)) else [first]
+    agains = list(again) if isinstance(again, (tuple, list)) else [again]
+    same = len(firsts) == len(agains) and all(_same_bits(a, b) for a, b in zip(firsts, agains))
+    what = "forward" if qty == "determinism" else "backward"
+    return ConformanceRow(case, dt, qty, "pass" if same else "FAIL",
+                          note="" if same else f"a second {what} on the same inputs gave other bits")
+
+
+def _same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def _honest_lse(case, dt, ref, base):
+    """The largest ``|member - ref|`` of the ensemble's LSEs (work dtype; in ``base`` by one more rounding there)
+    over the rows where ``ref`` is finite."""
+    w, worst = work_dtype(dt), 0.0
+    fin = np.isfinite(ref)
+    for m in MEMBERS:
+        got = member_quantities(case, np.dtype(dt).name, m)["lse"].astype(np.float64)
+        got = convert_lse(got, base=base).astype(w).astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            d = np.abs(np.where(fin, got - ref, 0.0))
+        worst = max(worst, float(np.where(np.isnan(d), np.inf, d).max(initial=0.0)))
+    return worst
 
 
 def dead_positions(q, k, inp):
@@ -246,6 +294,7 @@ def _poisoned(case, dt, impl, q, k, v, inp, ref64, honest, rule, deadline, timeo
     q2 = q if rows is None else np.where(rows, nan, q)
     try:
         out = impl.limit(deadline, impl.call_forward, q2, k2, v2, inp)
+        out = out[0] if impl.lse is not None and isinstance(out, tuple) else out
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
@@ -275,9 +324,11 @@ def _what(exc, timeout=None):
     return f"{type(exc).__name__}: {exc}"
 
 
-def _compare(case, dt, qty, val, ref64, honest, rule, honest_lean=None):
+def _compare(case, dt, qty, val, ref64, honest, rule, honest_lean=None, want=None):
     """One row: ``val`` against ``ref64`` by ``rule``; ``honest`` is the honest ensemble's error (relative
-    rule), else None; ``honest_lean`` its members' largest ``|beta|`` (None: the lean is not judged)."""
+    rule), else None; ``honest_lean`` its members' largest ``|beta|`` (None: the lean is not judged); ``want``
+    the dtype the result must have (default: :func:`~.lowp.output_dtype`; the LSE's is the work dtype). An
+    infinite reference entry (the LSE of a row with no key) must be met exactly."""
     try:
         got = np.asarray(val)
     except Exception as exc:
@@ -287,7 +338,7 @@ def _compare(case, dt, qty, val, ref64, honest, rule, honest_lean=None):
     if got.dtype.kind not in "fiu" and not is_low(got.dtype):   # a complex result would lose its imaginary part
         return ConformanceRow(case, dt, qty, "FAIL", error=float("inf"), allowed=None, ratio=float("inf"),
                               note=f"returned dtype {got.dtype}: attention of real inputs is real")
-    want = output_dtype(dt)                               # the inputs' dtype; bfloat16 for fp8 inputs
+    want = output_dtype(dt) if want is None else want     # the inputs' dtype; bfloat16 for fp8 inputs
     if got.dtype != want:                                 # a float32 result for float16 inputs is not that kernel
         return ConformanceRow(case, dt, qty, "FAIL", error=float("inf"), allowed=None, ratio=float("inf"),
                               note=f"returned dtype {got.dtype}, expected {want.name}")
@@ -300,8 +351,15 @@ def _compare(case, dt, qty, val, ref64, honest, rule, honest_lean=None):
                               worst_index=idx, impl_value=float(got[idx]), ref_value=float(ref64[idx]),
                               note=("NaN where the reference has a number" if nan_got[idx]
                                     else "a number where the reference has NaN") + (f"; {note}" if note else ""))
-    fin = ~nan_ref
-    diff = np.where(fin, np.abs(got - ref64), 0.0)
+    inf_ref = np.isinf(ref64)
+    if np.any(inf_ref & (got != ref64)):
+        idx = tuple(int(i) for i in np.argwhere(inf_ref & (got != ref64))[0])
+        return ConformanceRow(case, dt, qty, "FAIL", error=float("inf"), allowed=None, ratio=float("inf"),
+                              worst_index=idx, impl_value=float(got[idx]), ref_value=float(ref64[idx]),
+                              note=f"{float(got[idx])} where the reference has {float(ref64[idx])} (a row with no key)")
+    fin = ~nan_ref & ~inf_ref
+    with np.errstate(invalid="ignore"):
+        diff = np.where(fin, np.abs(got - ref64), 0.0)
     if isinstance(rule, RelativeRule):
         allowed = rule.bound(qty, np.where(fin, ref64, 0.0), honest, want)
         err = float(diff.max(initial=0.0))

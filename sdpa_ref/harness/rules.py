@@ -74,11 +74,11 @@ class RelativeRule:
         """How far :func:`lean`'s ``beta`` may go, in ulps; inf where the lean is not judged."""
         if not self.judge_lean or honest_lean is None:
             return float("inf")
-        k = self.k_out if quantity == "out" else self.k_grad
+        k = self.k_out if quantity in ("out", "lse") else self.k_grad
         return 0.5 + k * honest_lean + 4.0 * se
 
     def bound(self, quantity, ref64, honest_err, dtype):
-        k = self.k_out if quantity == "out" else self.k_grad
+        k = self.k_out if quantity in ("out", "lse") else self.k_grad
         return k * honest_err + rounding_floor(ref64, dtype)
 
     def describe(self):

@@ -22,7 +22,7 @@ from ..masks import alignment_offset
 from ..options import AttentionOptions
 from ..problem import Problem
 from .ensemble import Member, run_member
-from .lowp import DESCALES, output_dtype, widen
+from .lowp import DESCALES, output_dtype, widen, work_dtype
 
 __all__ = ["HONEST", "MUTANTS", "Specimen"]
 
@@ -60,7 +60,7 @@ class Specimen:
         prob = Problem.build(q64, k64, v64, AttentionOptions.from_kwargs(self.name, **x64))
         g = None if dO is None else np.asarray(dO).astype(output_dtype(inner)).astype(np.float64)
         res = run_member(prob, inner, self.member, g, desc)
-        return {n: a.astype(output_dtype(dt)) for n, a in res.items()}, prob
+        return {n: a.astype(work_dtype(dt) if n == "lse" else output_dtype(dt)) for n, a in res.items()}, prob
 
     def forward(self, q, k, v, **opts):
         res, prob = self._run(q, k, v, opts)
@@ -73,6 +73,12 @@ class Specimen:
         elif self.bug == "shuffled_rows" and out.shape[-2] > 1:
             out = np.roll(out, 1, axis=-2)
         return out
+
+    def forward_lse(self, q, k, v, **opts):
+        """``(out, lse)``: the output and its log-sum-exp in base e, in the work dtype (float32 below float64), as
+        FlashAttention returns its ``softmax_lse``."""
+        res, _ = self._run(q, k, v, opts)
+        return self.forward(q, k, v, **opts), res["lse"]
 
     def backward(self, g, q, k, v, **opts):
         res, _ = self._run(q, k, v, opts, dO=g)
