@@ -14,9 +14,11 @@ same initial weights and see the same batches; the only difference is the
 attention scale: 1/sqrt(d_k) or 1.
 
 With the default one head, d_k = 64 as in the classic worked example;
-``--heads 4`` gives d_k = 16.
+``--heads 4`` gives d_k = 16. ``--method plain`` trains through the teaching
+core (sdpa_ref.attention), whose forward and backward read next to the
+derivation in SEMANTICS.md: the same losses as the default fast engine.
 
-Run: python examples/copy_task.py [--steps N] [--heads H] [--plot FILE.png] [--csv FILE]
+Run: python examples/copy_task.py [--steps N] [--heads H] [--method M] [--plot FILE.png] [--csv FILE]
 Exits 1 if the scaled model does not reach --min-accuracy (default 0.95).
 """
 
@@ -44,6 +46,9 @@ def parse_args(argv=None):
                     help="the scaled run must reach this copy accuracy, else exit 1 (default: 0.95)")
     ap.add_argument("--plot", metavar="FILE.png", help="plot both loss curves (needs matplotlib)")
     ap.add_argument("--csv", metavar="FILE", help="write the evaluation history as CSV")
+    ap.add_argument("--method", choices=("fast", "plain", "tiled"), default="fast",
+                    help="the attention engine: fast (default), plain (the teaching core, sdpa_ref.attention, "
+                         "whose every line is derived in SEMANTICS.md) or tiled")
     return ap.parse_args(argv)
 
 
@@ -85,7 +90,7 @@ def init_params(rng, vocab_in, vocab_out, T):
     return p
 
 
-def forward(p, inputs, heads, scale):
+def forward(p, inputs, heads, scale, method="fast"):
     caches = {}
     B, T = inputs.shape
     x, caches["tok"] = nn.embedding(inputs, p["tok"])
@@ -93,7 +98,8 @@ def forward(p, inputs, heads, scale):
     for i in range(N_LAYERS):
         h, caches[f"{i}.ln1"] = nn.layer_norm(x, p[f"{i}.ln1_g"], p[f"{i}.ln1_b"])
         a, caches[f"{i}.attn"] = nn.multi_head_attention(
-            h, p[f"{i}.wq"], p[f"{i}.wk"], p[f"{i}.wv"], p[f"{i}.wo"], heads, is_causal=True, scale=scale)
+            h, p[f"{i}.wq"], p[f"{i}.wk"], p[f"{i}.wv"], p[f"{i}.wo"], heads, is_causal=True, scale=scale,
+            method=method)
         x = x + a
         h, caches[f"{i}.ln2"] = nn.layer_norm(x, p[f"{i}.ln2_g"], p[f"{i}.ln2_b"])
         u, caches[f"{i}.fc1"] = nn.linear(h, p[f"{i}.w1"], p[f"{i}.b1"])
@@ -125,9 +131,9 @@ def backward(p, caches, dlogits, T):
     return g
 
 
-def evaluate(p, data, heads, scale):
+def evaluate(p, data, heads, scale, method="fast"):
     inputs, targets, weights = data
-    logits, _ = forward(p, inputs, heads, scale)
+    logits, _ = forward(p, inputs, heads, scale, method)
     loss, _ = nn.softmax_cross_entropy(logits, targets, weights)
     correct = (logits.argmax(-1) == targets) & (weights > 0)
     return loss, float(correct.sum() / weights.sum())
@@ -144,13 +150,13 @@ def train(args, scaled):
     history = []
     for step in range(args.steps + 1):
         if step % args.eval_every == 0 or step == args.steps:
-            loss, acc = evaluate(p, held_out, args.heads, scale)
+            loss, acc = evaluate(p, held_out, args.heads, scale, args.method)
             history.append({"run": "scaled" if scaled else "unscaled", "d_k": d_k, "step": step,
                             "loss": loss, "accuracy": acc})
         if step == args.steps:
             break
         inputs, targets, weights = make_batch(data_rng, args.batch, args.length, args.vocab)
-        logits, caches = forward(p, inputs, args.heads, scale)
+        logits, caches = forward(p, inputs, args.heads, scale, args.method)
         _, ce = nn.softmax_cross_entropy(logits, targets, weights)
         grads = backward(p, caches, nn.softmax_cross_entropy_backward(ce), T)
         p, state = nn.adam_update(p, grads, state, lr=args.lr, max_grad_norm=1.0)

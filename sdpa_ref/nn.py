@@ -169,12 +169,13 @@ class _MHACache(NamedTuple):
     n_heads: int
 
 
-def multi_head_attention(x, wq, wk, wv, wo, n_heads, *, is_causal=True, scale=None):
+def multi_head_attention(x, wq, wk, wv, wo, n_heads, *, is_causal=True, scale=None, method=None):
     r"""Self-attention with ``n_heads`` heads through :func:`sdpa_ref.sdpa_forward`.
 
     x : (B, T, D); wq, wk, wv, wo : (D, D). Head ``h`` uses columns
     ``h*D/H : (h+1)*D/H`` of the projections, so ``d_k = D / H``. ``scale``
-    is passed to attention (``None``: ``1/sqrt(d_k)``).
+    is passed to attention (``None``: ``1/sqrt(d_k)``), and ``method`` picks its engine (``"plain"``: the
+    teaching core, :mod:`sdpa_ref.attention`; the backward uses the same one).
     """
     B, T, D = x.shape
     if D % n_heads:
@@ -186,7 +187,7 @@ def multi_head_attention(x, wq, wk, wv, wo, n_heads, *, is_causal=True, scale=No
 
     with threads_for(x.size * D):
         q, k, v = heads(x @ wq), heads(x @ wk), heads(x @ wv)
-        o, res = sdpa_forward(q, k, v, is_causal=is_causal, scale=scale)
+        o, res = sdpa_forward(q, k, v, is_causal=is_causal, scale=scale, method=method)
         merged = o.transpose(0, 2, 1, 3).reshape(B, T, D)
         y = merged @ wo
     return y, _MHACache(x, wq, wk, wv, wo, merged, res, n_heads)
