@@ -113,16 +113,21 @@ __all__ = [
     # judging another implementation (sdpa_ref.harness, imported on first use)
     "check_implementation",
     "assert_conforms",
+    "check_merge",
 ]
 
 _HARNESS = ("check_implementation", "assert_conforms")
 
 
 def __getattr__(name):
-    """``sdpa_ref.check_implementation`` and ``sdpa_ref.assert_conforms`` load the harness on first use, so that
-    ``import sdpa_ref`` stays light."""
+    """``sdpa_ref.check_implementation``, ``sdpa_ref.assert_conforms`` and ``sdpa_ref.check_merge`` load the
+    harness on first use, so that ``import sdpa_ref`` stays light."""
     if name in _HARNESS:
         from .harness import conformance
 
         return getattr(conformance, name)
+    if name == "check_merge":
+        from .harness.merge_check import check_merge
+
+        return check_merge
     raise AttributeError(f"module 'sdpa_ref' has no attribute {name!r}")
