@@ -72,62 +72,82 @@ __all__ = ["forward", "backward", "jvp"]
 
 def forward(prob, *, save_probs=True) -> Forward:
     """The plain forward: ``(O, LSE, P, tanh, empty)`` in the layouts of the legend."""
-    o, S = prob.options, prob.S
+    o = prob.options
     k, v = _kv(prob.k), _kv(prob.v)
-    Traw = scores_forward(prob.q, k, prob.scale)                    # (..., Hkv, G, L, S)
-    T = _full(Traw, prob, copy=True)                                # (..., Hq, L, S)
-    T, sech2 = transform_scores(prob, T, sech2=save_probs)            # sech2 = 1 - tanh^2: softcap's slope
-    P, m, s = softmax_parts(T)                                       # exp(-inf) = 0 outside A
-    empty = np.max(T.real, axis=-1, keepdims=True, initial=-np.inf) == -np.inf
+    Traw = scores_forward(prob.q, k, prob.scale)                    # Traw = scale Q K^T   (..., Hkv, G, L, S)
+    T = _full(Traw, prob, copy=True)                                # the same scores as (..., Hq, L, S)
+    T, sech2 = transform_scores(prob, T, sech2=save_probs)          # T = c tanh(Traw/c) + M + B + ALiBi; -inf
+    #                                                                 outside A; sech2 = 1 - tanh^2(Traw/c)
+    P, m, s = softmax_parts(T)                                      # P = exp(T - m) / s; exp(-inf) = 0
+    empty = np.max(T.real, axis=-1, keepdims=True, initial=-np.inf) == -np.inf   # rows with no allowed key
     lse_keys = None
     if prob.sink is not None:                                       # a sink: one more score, with no value
         with np.errstate(divide="ignore"):
             lse_keys = (m + np.log(s))[..., 0]                      # the LSE over the keys alone (FlashMLA's)
-        m, s, r, _, empty_ = fold_sink(m, s, empty, prob.sink_rows())
-        P, empty = np.where(empty, P.dtype.type(0), P) * r, empty_
+        m, s, r, _, empty_ = fold_sink(m, s, empty, prob.sink_rows())   # m' = max(m, sink), s' = s e^(m-m') + ..
+        P, empty = np.where(empty, P.dtype.type(0), P) * r, empty_  # P' = P s e^(m-m') / s'
     with np.errstate(divide="ignore"):
-        lse = m + np.log(s)                                         # -inf on a row with no key (and no sink)
-    P = fill_empty_rows(P, empty, prob.padded_rows(), o.fully_masked, S)
-    P_drop = dropout_forward(P, prob.keep, o.dropout_p)
+        lse = m + np.log(s)                                         # LSE = m + log s; -inf on a row with no key
+    P = fill_empty_rows(P, empty, prob.padded_rows(), o.fully_masked, prob.S)   # the policy's P on such rows
+    P_drop = dropout_forward(P, prob.keep, o.dropout_p)             # P_drop = P Z / (1 - p)
     O = _full(_grouped(P_drop, prob) @ v, prob)                     # O = P_drop V
-    vu = prob.averaged_values(empty)
-    if vu is not prob.v:                                            # "uniform": such a row reads every value
-        O = np.where(empty, _full(_grouped(P_drop, prob) @ _kv(vu), prob), O)
-    O = fill_output_without_keys(O, o.fully_masked, S, prob.padded_rows())
-    zr = zero_output_rows(empty, prob.padded_rows(), o.fully_masked)
-    if zr is not None:                                              # 0 by definition: no value is read
-        O = np.where(zr, O.dtype.type(0), O)
+    O = _policy_output(prob, O, P_drop, empty)                      # rows with no key: as the policy says
     return Forward(out=O, lse=lse[..., 0], probs=P if save_probs else None,
                    tanh=sech2 if save_probs else None, empty=empty, rowmax=m, rowsum=s, lse_keys=lse_keys)
 
 
+def _policy_output(prob, O, P_drop, empty):
+    """``O`` on the rows with no allowed key, by the ``fully_masked`` policy: ``"uniform"`` averages every value
+    (even those the other rows skip), ``"zero"`` and padded rows are 0 without reading a value, ``S = 0`` as the
+    policy says. Layout and policy only: no derivative flows through these lines."""
+    o, S, pad = prob.options, prob.S, prob.padded_rows()
+    vu = prob.averaged_values(empty)
+    if vu is not prob.v:                                            # "uniform": such a row reads every value
+        O = np.where(empty, _full(_grouped(P_drop, prob) @ _kv(vu), prob), O)
+    O = fill_output_without_keys(O, o.fully_masked, S, pad)
+    zr = zero_output_rows(empty, pad, o.fully_masked)
+    return O if zr is None else np.where(zr, O.dtype.type(0), O)    # 0 by definition: no value is read
+
+
 def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     """The plain backward from the saved ``P``: see the module docstring. ``dlse`` ``(*batch, Hq, L, 1)``, the
-    cotangent of the LSE, or None (zero)."""
+    cotangent of the LSE, or None (zero).
+
+    Each step inverts one line of :func:`forward`, last line first; the comment names the line and the rule
+    that gives the gradient (for a product ``C = A B``: ``dA = dC B^T``, ``dB = A^T dC``).
+    """
     o = prob.options
     P, sech2 = fwd.probs, fwd.tanh
     k, v = _kv(prob.k), _kv(prob.v)
     dO = _grouped(dO, prob)                                         # (..., Hkv, G, L, Ev)
     P_drop = dropout_forward(P, prob.keep, o.dropout_p)
-    dv = (np.swapaxes(_grouped(P_drop, prob), -1, -2) @ dO).sum(axis=-3)   # dV = P_drop^T dO, summed over G
+    # O = P_drop V  =>  dV = P_drop^T dO (summed over the G query heads that share the kv head), dP_drop = dO V^T
+    dv = (np.swapaxes(_grouped(P_drop, prob), -1, -2) @ dO).sum(axis=-3)
+    # P_drop = P Z / (1 - p), element-wise  =>  dP = dP_drop Z / (1 - p)
     dP = dropout_vjp(_full(dO @ np.swapaxes(v, -1, -2), prob), prob.keep, o.dropout_p)
+    # P = softmax(T), J = diag(P) - P P^T (symmetric)  =>  dT = J dP = P * (dP - D), D = rowsum(P * dP);
+    # LSE = log sum exp T, d LSE / dT = P  =>  dT += P * dlse;  a sink is a column with dP = 0, P = p_sink,
+    # so dsink = -p_sink (D - dlse)
     dsink = None
-    if prob.sink is not None:                                       # the sink's column: dP = 0 there
+    if prob.sink is not None:
         dT, dsink = sink_softmax_vjp(P, dP, sink_probs(prob.sink, fwd.lse[..., None]), dlse)
     elif dlse is None:
-        dT = softmax_vjp(P, dP)                                     # P * (dP - rowsum(P * dP))
-    else:                                                           # ... + P * dlse: d lse / dT = P
-        dT = softmax_lse_vjp(P, dP, dlse)
+        dT = softmax_vjp(P, dP)                                     # P * (dP - rowsum(P * dP)), pivoted
+    else:
+        dT = softmax_lse_vjp(P, dP, dlse)                           # P * (dP - rowsum(P * dP) + dlse)
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)
-    if cr is not None:                                               # such a row's P does not depend on T
+    if cr is not None:                                              # the policy's P there is a constant: dT = 0
         dT = np.where(cr, dT.dtype.type(0), dT)
         dsink = None if dsink is None else np.where(cr, dsink.dtype.type(0), dsink)
+    # T = ... + M + B, broadcast  =>  dM = dB = dT summed over the axes M and B were broadcast along
     dmask = None if prob.mask_float is None else additive_vjp(dT, prob.shapes["attn_mask"])
     dbias = None if prob.bias is None else additive_vjp(dT, prob.shapes["bias"])
-    dTraw = transform_scores_vjp(dT, sech2)                         # through softcap
+    # T = c tanh(Traw / c)  =>  dTraw = dT * (1 - tanh^2(Traw / c))   (sech2, computed without cancellation)
+    dTraw = transform_scores_vjp(dT, sech2)
+    # Traw = scale Q K^T  =>  dQ = scale dTraw K, dK = scale dTraw^T Q (summed over the group)
     dq, dk = scores_vjp(_grouped(dTraw, prob), prob.q, k, prob.scale)
     return Grads(dq=_full(dq, prob), dk=dk.sum(axis=-3), dv=dv, dmask=dmask, dbias=dbias,
-                 dsinks=None if dsink is None else dsink[..., 0].sum(axis=-1))
+                 dsinks=None if dsink is None else dsink[..., 0].sum(axis=-1))   # dsink summed over the rows
 
 
 def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dsinks=None):
