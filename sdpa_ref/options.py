@@ -11,10 +11,6 @@ command line and the adapters take their vocabulary from it too:
 * :data:`ARRAY_OPTIONS`: those that are arrays (stored as such in golden
   vectors); the rest are scalars.
 
-``sinks`` is computed by every engine but not yet judged: the honest
-ensemble, the cases, the golden vectors and the C client do not have it,
-so it is outside both lists (``judged=False``) until they do.
-
 The scalar fields are checked and normalised here (``window`` becomes a
 pair of ``int`` or ``None``, ``-1`` meaning unbounded). Array fields are
 checked against the shapes of ``query``, ``key`` and ``value`` when the
@@ -79,7 +75,7 @@ class AttentionOptions:
     alibi_slopes: Any = _opt(None, array=True)
     q_lengths: Any = _opt(None, array=True)
     kv_lengths: Any = _opt(None, array=True)
-    sinks: Any = _opt(None, array=True, judged=False)   # not yet in the harness: see the module docstring
+    sinks: Any = _opt(None, array=True)
 
     @classmethod
     def from_kwargs(cls, where: str = "sdpa_forward", **kwargs) -> "AttentionOptions":

@@ -166,7 +166,7 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
                             acc += J_lj * dP[l]
                         dT[j] = acc
                 # the sink's column: dP_l / dsigma = -P_l p_sink
-                if p_sink != 0:
+                if sinks is not None:          # IEEE: a "nan" row makes its head's dsink NaN, sink or none
                     dsink[b, h] += sum(-P[l] * p_sink * dP[l] for l in range(S))
                 for j in range(S):
                     dT_all[b, h, i, j] = dT[j]

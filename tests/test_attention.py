@@ -9,7 +9,7 @@ from sdpa_ref import (
     sdpa_backward,
     sdpa_forward,
 )
-from sdpa_ref.harness.cases import gradcheck_grid as attention_cases
+from sdpa_ref.harness.grid import gradcheck_grid as attention_cases
 from sdpa_ref.harness.selfcheck import CHECK_RTOL, COMPLEX_RTOL, LSE_RTOL, run_attention_case
 
 from oracle import oracle_attention

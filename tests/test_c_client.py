@@ -136,6 +136,12 @@ def write_base(folder, dtype):
     return Base(folder, dtype)
 
 
+def write_sinks_base(folder, dtype):
+    from sdpa_ref.harness.cases import get_suite
+    vectors.write_vectors(str(folder), dtype=dtype, cases=[c for c in get_suite("full") if "sinks" in c.arrays])
+    return Base(folder, dtype)
+
+
 def zip_members(data):
     """``[(name, header offset, data offset, data size)]`` of the stored entries, by their local headers."""
     out, at = [], 0
@@ -582,7 +588,8 @@ def make_mutant(seed, bases, out):
     base = bases[rng.choice(sorted(bases))]
     names = base.fuzz_names()
     target = rng.choice(names)
-    listed = [target] + rng.sample([n for n in names if n != target], k=rng.choice([0, 0, 1, 2]))
+    others = [n for n in names if n != target]
+    listed = [target] + rng.sample(others, k=min(len(others), rng.choice([0, 0, 1, 2])))
     files = {n: base.blob(n) for n in listed}
     manifest = dict(base.manifest, files=[e for e in base.manifest["files"] if e["file"] in listed])
     funcs, weights = zip(*MUTATIONS)
@@ -647,6 +654,7 @@ def apply_recipe(recipe, base, out):
 # ------------------------------------------------------------------ fixtures
 
 BREAKS = {1: "out", 2: "dq", 3: "dk", 4: "dv", 5: "dbias"}     # -DSDPA_CHECK_BREAK=n: that quantity 1% off
+SINK_BREAKS = {6: "dsinks", 7: "out"}                            # dsinks 1% off; the sink forgotten (out fails)
 
 
 @pytest.fixture(scope="module")
@@ -656,7 +664,8 @@ def exes(tmp_path_factory):
     d = tmp_path_factory.mktemp("c")
     jobs = {"asan": (SAN_FLAGS, ()), "plain": (WARN_FLAGS, ()),
             "no_backward": (["-std=c99", "-O0"], ["SDPA_CHECK_NO_BACKWARD"])}
-    jobs.update({f"break{n}": (["-std=c99", "-O0"], [f"SDPA_CHECK_BREAK={n}"]) for n in BREAKS})
+    jobs.update({f"break{n}": (["-std=c99", "-O0"], [f"SDPA_CHECK_BREAK={n}"])
+                 for n in list(BREAKS) + list(SINK_BREAKS)})
 
     def one(name):
         try:
@@ -700,7 +709,9 @@ def bases(tmp_path_factory):
     """Quick vector sets: float64 and float32, and bfloat16 and float8_e4m3fn where ml_dtypes is."""
     dtypes = ["float64", "float32"] + (["bfloat16", "float8_e4m3fn"] if _have_lowp() else [])
     root = tmp_path_factory.mktemp("vectors")
-    return {dt: write_base(root / dt, dt) for dt in dtypes}
+    out = {dt: write_base(root / dt, dt) for dt in dtypes}
+    out["sinks-float32"] = write_sinks_base(root / "sinks", "float32")   # the full suite's cases with sinks
+    return out
 
 
 def small_set(base, out, n=16):
@@ -756,6 +767,21 @@ def test_forward_only_reports_the_gradients_as_not_judged(client, exes, bases, t
         assert cp.returncode == 0, cp.stdout + cp.stderr
         cases = cp.stdout.splitlines()[:-1]
         assert cases and all("out " in ln and "gradients not judged" in ln and "dq" not in ln for ln in cases)
+
+
+@pytest.mark.parametrize("n", sorted(SINK_BREAKS), ids=["dsinks-off", "sink-forgotten"])
+def test_a_wrong_sink_kernel_fails(exes, bases, asan_client, n):
+    """The client judges sinks and their gradient (under the sanitizers); a dsinks 1% off, or a forward that
+    forgets the sink, fails exactly that quantity."""
+    base = bases["sinks-float32"]
+    cp = run(asan_client, base.path)
+    assert contract_problem(cp) is None and cp.returncode == 0, cp.stdout[-2000:] + cp.stderr[-2000:]
+    assert all("dsinks " in ln for ln in cp.stdout.splitlines()[:-1])
+    cp = run(_exe(exes, f"break{n}"), base.path)
+    assert cp.returncode == 1, cp.stdout[-2000:]
+    failed = [ln for ln in cp.stdout.splitlines() if ln.startswith("FAIL")]
+    assert len(failed) == len(base.names)
+    assert all(re.search(rf"\b{SINK_BREAKS[n]} [0-9.e+inf]+ FAIL", ln) for ln in failed), failed
 
 
 @pytest.mark.parametrize("n", sorted(BREAKS), ids=BREAKS.get)

@@ -31,7 +31,7 @@ def _failed_cases(rep):
 
 def test_suite_is_named_versioned_deterministic_and_covering():
     quick, full = get_suite("quick"), get_suite("full")
-    assert SUITE_VERSION == "3"
+    assert SUITE_VERSION == "4"
     assert {c.name for c in quick} <= {c.name for c in full}
     assert "gqa-causal-bottom_right-L7-S13" in {c.name for c in quick}
     a, b = quick[3].make_inputs("float32"), quick[3].make_inputs("float32")

@@ -10,7 +10,8 @@ import pytest
 import sdpa_ref
 from sdpa_ref import check_vjp, sdpa_backward, sdpa_forward, sdpa_forward_complex, sdpa_jvp
 from sdpa_ref.harness import selfcheck
-from sdpa_ref.harness.cases import get_suite, gradcheck_grid
+from sdpa_ref.harness.cases import get_suite
+from sdpa_ref.harness.grid import gradcheck_grid
 
 from oracle import oracle_attention
 

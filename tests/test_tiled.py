@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sdpa_ref import scaled_dot_product_attention, sdpa_backward, sdpa_forward
-from sdpa_ref.harness.cases import gradcheck_grid as attention_cases
+from sdpa_ref.harness.grid import gradcheck_grid as attention_cases
 from sdpa_ref.harness.selfcheck import differentiable_inputs as make_attention_inputs
 from sdpa_ref.engines.tiled import auto_block_size
 

@@ -10,7 +10,7 @@
  *     by its header (descr, fortran_order, shape), and checks every shape against the others;
  *  3. runs attention_forward() and attention_backward() below -- the parts you replace with calls to your
  *     kernel -- on the case's inputs, options (options_json) and seeded grad_out;
- *  4. judges out, dq, dk, dv (and dbias with a bias) by the manifest's rule, the same as the harness:
+ *  4. judges out, dq, dk, dv (dbias with a bias, dsinks with sinks) by the manifest's rule, as the harness:
  *     float64: |got - ref| <= 1e-12 + 1e-12 |ref| element-wise;
  *     below:   max|got - ref| <= k * honest + atol, with honest the honest ensemble's error stored in the
  *              file (honest_out, honest_dq, ...), k = k_out or k_grad from the manifest ("relative_rule"),
@@ -39,9 +39,9 @@
  * steps) is skipped.
  *
  * The kernels cover every option of the suite: scale, causal and window with both alignments, bool and
- * float masks, bias, ALiBi, q/kv lengths, softcap, GQA, the fully-masked policies and dropout by its keep
- * mask; the inputs' leading (batch) dims broadcast as in NumPy, and gradients are summed back to each
- * input's own shape. They compute in double; the judge rounds to the output dtype: float64, float32,
+ * float masks, bias, ALiBi, q/kv lengths, softcap, GQA, the fully-masked policies, dropout by its keep
+ * mask and attention sinks (one logit per query head in the softmax's normaliser, with its gradient); the
+ * inputs' leading (batch) dims broadcast as in NumPy, and gradients are summed back to each input's own shape. They compute in double; the judge rounds to the output dtype: float64, float32,
  * float16, and bfloat16, float8_e4m3fn and float8_e5m2, whose arrays the files store as uint16 / uint8 bit
  * patterns (decoded by at() below). fp8 inputs come with per-(batch, kv-head) q_descale, k_descale and
  * v_descale (FlashAttention 3's): dequantize() multiplies them in, an fp8 kernel's output is bfloat16 (the
@@ -951,7 +951,7 @@ static int parse_options(const Arr *oj, Opts *o)
 
 /* What the kernels get: arrays whose shapes were checked against each other, and the options. */
 typedef struct {
-    const Arr *q, *k, *v, *mask, *bias, *slopes, *qlen, *kvlen, *keep;
+    const Arr *q, *k, *v, *mask, *bias, *slopes, *qlen, *kvlen, *keep, *sinks;
     Opts o;
     int nb;                                     /* batch dims; the scores are (batch..., Hq, L, S) */
     size_t batch[MAXD], nbatch;
@@ -1044,6 +1044,17 @@ static int check_problem(Npz *z, const Opts *o, Problem *p, char *skip, size_t s
             !broadcasts(a, full, nb + 1))
             return bad("alibi_slopes %s should be floating, of shape (Hq,) = (%zu,) or (..., Hq) broadcasting to the "
                        "batch", s2, p->Hq);
+    }
+    if ((p->sinks = get(z, "sinks")) != NULL) {    /* one logit per query head, finite or -inf (no sink) */
+        const Arr *a = p->sinks;
+        shape_str(a, s2, sizeof s2);
+        if (!is_float(a) || a->ndim < 1 || a->ndim > nb + 1 || a->shape[a->ndim - 1] != p->Hq ||
+            !broadcasts(a, full, nb + 1))
+            return bad("sinks %s should be floating, of shape (Hq,) = (%zu,) or (..., Hq) broadcasting to the batch",
+                       s2, p->Hq);
+        for (size_t i = 0; i < a->count; i++)
+            if (at(a, i) != at(a, i) || at(a, i) == INFINITY)
+                return bad("sinks should be finite or -inf, but holds %g", at(a, i));
     }
     static const char *lens[2] = {"q_lengths", "kv_lengths"};
     const Arr **lslot[2] = {&p->qlen, &p->kvlen};
@@ -1138,6 +1149,7 @@ typedef struct {
     double *pr;                                 /* the probabilities, before dropout */
     double *dp;                                 /* the backward's dO . v_j, times the dropout factor */
     unsigned char *ok;                          /* 1 where the key takes part */
+    double psink;                               /* the sink's probability (0 without a sink) */
 } Row;
 
 static void row_free(Row *r)
@@ -1188,9 +1200,14 @@ static int score_row(const Problem *p, size_t *idx, size_t h, size_t i, Row *r)
     long long off = o->bottom_right ? kl - ql : 0, ii = (long long)i;
     idx[nb] = h;
     idx[nb + 1] = i;
+    r->psink = 0.0;
     if (ii >= ql)
-        return ROW_PADDED;
+        return ROW_PADDED;                      /* a padded row has no sink either */
     double slope = p->slopes ? at_index(p->slopes, idx, nb + 1) : 0.0, m = -INFINITY;
+    double sink = p->sinks ? at_index(p->sinks, idx, nb + 1) : -INFINITY;   /* a score with no value */
+#if defined(SDPA_CHECK_BREAK) && SDPA_CHECK_BREAK == 7          /* the tests' wrong kernel: the sink forgotten */
+    sink = -INFINITY;
+#endif
     size_t ki[MAXD + 3], qrow;
     memcpy(ki, idx, sizeof ki);
     qrow = row_of(p->q, ki, full);              /* q_i */
@@ -1222,18 +1239,20 @@ static int score_row(const Problem *p, size_t *idx, size_t h, size_t i, Row *r)
         r->th[j] = th;
         if (a) { any = 1; if (t > m) m = t; }
     }
-    if (!any) {
+    if (!any && sink == -INFINITY) {
         for (size_t j = 0; j < p->S; j++)
             r->pr[j] = o->policy == POLICY_UNIFORM ? 1.0 / (double)p->S : 0.0;
         return ROW_EMPTY;
     }
-    double sum = 0;
+    if (sink > m) m = sink;                     /* the sink takes part in the max and the sum */
+    double sum = sink == -INFINITY ? 0.0 : exp(sink - m);
     for (size_t j = 0; j < p->S; j++) {
         r->pr[j] = r->ok[j] ? exp(r->t[j] - m) : 0.0;
         sum += r->pr[j];
     }
     for (size_t j = 0; j < p->S; j++)
         r->pr[j] /= sum;
+    r->psink = sink == -INFINITY ? 0.0 : exp(sink - m) / sum;   /* a row with no key: 1, and O = 0 */
     return ROW_LIVE;
 }
 
@@ -1297,13 +1316,14 @@ static int attention_forward(const Problem *p, double *out, char *why, size_t wh
 
 /* The gradients, each in its input's own layout (summed over broadcast dims and GQA groups). */
 typedef struct {
-    double *dq, *dk, *dv, *dbias;               /* dbias: NULL without a bias */
+    double *dq, *dk, *dv, *dbias, *dsinks;      /* dbias, dsinks: NULL without a bias, without sinks */
 } Grads;
 
 /*
  * The gradients for the cotangent grad_out (the out's shape), by the textbook backward (SEMANTICS.md):
  *     dV = P_drop^T dO;  dP = (dO V^T) Z / (1 - p);  dT = P (dP - rowsum(P dP));  dbias = dT;
- *     dTraw = dT (1 - tanh^2(raw / cap)) with softcap;  dQ = scale dTraw K;  dK = scale dTraw^T Q
+ *     dTraw = dT (1 - tanh^2(raw / cap)) with softcap;  dQ = scale dTraw K;  dK = scale dTraw^T Q;
+ *     dsink = -sum_i p_sink,i rowsum(P dP)_i (the sink is a column with dP = 0)
  * on zeroed buffers g. A padded row adds nothing; an empty row adds nothing under "zero", NaN under "nan",
  * and under "uniform" only to dV (its P is 1/S whatever the scores). Put your kernel's backward here.
  * Returns 0, or -1 with a reason in `why` for a case it cannot run (a skip).
@@ -1345,6 +1365,8 @@ static int attention_backward(const Problem *p, const Arr *grad_out, Grads *g, c
                     r.dp[j] = dp * z;
                     D += r.pr[j] * r.dp[j];
                 }
+                if (g->dsinks && (r.psink != 0.0 || poison != 0.0))
+                    g->dsinks[offset_of(p->sinks, idx, nb + 1)] += -r.psink * D + poison;
                 if (st == ROW_EMPTY && p->o.policy == POLICY_UNIFORM)
                     continue;                   /* the scores do not reach this row's output */
                 for (size_t j = 0; j < p->S; j++) {                           /* dT, then dbias, dQ, dK */
@@ -1508,7 +1530,7 @@ static int check_ref(const Arr *ref, const char *name, const Arr *like, const ch
 static const char *const KNOWN[] = {
     "query", "key", "value", "attn_mask", "bias", "alibi_slopes", "dropout_mask", "q_lengths", "kv_lengths",
     "q_descale", "k_descale", "v_descale", "options_json", "out", "lse", "grad_out", "dq", "dk", "dv", "dbias",
-    "honest_out", "honest_dq", "honest_dk", "honest_dv", "honest_dbias", NULL};
+    "honest_out", "honest_dq", "honest_dk", "honest_dv", "honest_dbias", "sinks", "dsinks", "honest_dsinks", NULL};
 
 /* the arrays stored in the vectors' dtype (bit patterns below float16) */
 static const char *const IN_DTYPE[] = {"query", "key", "value", "attn_mask", "bias", "alibi_slopes", "grad_out", NULL};
@@ -1532,7 +1554,7 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
     Opts o;
     Problem p;
     Line l;
-    Grads g = {NULL, NULL, NULL, NULL};
+    Grads g = {NULL, NULL, NULL, NULL, NULL};
     double *out = NULL;
     char skip[sizeof why_bad] = "";
     int rc = -1;
@@ -1600,11 +1622,11 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
         bad("grad_out should be floating, of the shape of out");
         goto done;
     }
-    static const char *gnames[4] = {"dq", "dk", "dv", "dbias"};
-    const Arr *like[4] = {p.q, p.k, p.v, p.bias}, *gref[4], *ghonest[4] = {NULL, NULL, NULL, NULL};
-    for (int t = 0; t < 4; t++) {
+    static const char *gnames[5] = {"dq", "dk", "dv", "dbias", "dsinks"}, *lnames[2] = {"bias", "sinks"};
+    const Arr *like[5] = {p.q, p.k, p.v, p.bias, p.sinks}, *gref[5], *ghonest[5] = {NULL, NULL, NULL, NULL, NULL};
+    for (int t = 0; t < 5; t++) {
         gref[t] = like[t] ? get(&z, gnames[t]) : NULL;
-        if (gref[t] && (check_ref(gref[t], gnames[t], like[t], t < 3 ? inputs[t] : "bias") != 0 ||
+        if (gref[t] && (check_ref(gref[t], gnames[t], like[t], t < 3 ? inputs[t] : lnames[t - 3]) != 0 ||
                         honest_for(&z, gnames[t], fmt, &ghonest[t]) != 0))
             goto done;
     }
@@ -1639,8 +1661,8 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
     } else if (!go) {
         say(&l, "; gradients not judged (the file has no grad_out)");
     } else {
-        double **bufs[4] = {&g.dq, &g.dk, &g.dv, &g.dbias};
-        for (int t = 0; t < 4; t++)
+        double **bufs[5] = {&g.dq, &g.dk, &g.dv, &g.dbias, &g.dsinks};
+        for (int t = 0; t < 5; t++)
             if (like[t] && (*bufs[t] = xcalloc(like[t]->count, sizeof(double))) == NULL) {
                 rc = -1;
                 goto done;
@@ -1648,17 +1670,18 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
         if (attention_backward(&p, go, &g, skip, sizeof skip) != 0) {
             say(&l, "; gradients not judged (%s)", skip);
         } else {
-#if defined(SDPA_CHECK_BREAK) && SDPA_CHECK_BREAK >= 2 && SDPA_CHECK_BREAK <= 5  /* dq, dk, dv or dbias 1% off */
+#if defined(SDPA_CHECK_BREAK) && SDPA_CHECK_BREAK >= 2 && SDPA_CHECK_BREAK <= 6  /* dq, dk, dv, dbias, dsinks 1% off */
             for (size_t i = 0; like[SDPA_CHECK_BREAK - 2] && i < like[SDPA_CHECK_BREAK - 2]->count; i++)
                 (*bufs[SDPA_CHECK_BREAK - 2])[i] *= 1.01;
 #endif
-            for (int t = 0; t < 4; t++) {
+            for (int t = 0; t < 5; t++) {
                 if (!like[t])
                     continue;
                 if (!gref[t])
                     say(&l, ", %s not judged (not in the file)", gnames[t]);
-                else
-                    judge_into(&l, gnames[t], *bufs[t], gref[t], ghonest[t], m->k_grad, ofmt);
+                else                            /* dsinks in the sinks' own dtype: float32 below float64 */
+                    judge_into(&l, gnames[t], *bufs[t], gref[t], ghonest[t], m->k_grad,
+                               t == 4 && ofmt->bits < 32 ? &FORMATS[1] : ofmt);
             }
         }
     }
@@ -1676,6 +1699,7 @@ done:
     free(g.dk);
     free(g.dv);
     free(g.dbias);
+    free(g.dsinks);
     free(out);
     free(z.buf);
     return rc;

@@ -24,7 +24,7 @@ from ..transforms import unbroadcast as _unbroadcast
 __all__ = ["jax_dpa", "forward", "backward", "SUPPORTS"]
 
 #: What jax.nn.dot_product_attention can be asked for: the options of sdpa_ref but these.
-SUPPORTS = frozenset(OPTION_NAMES) - {"softcap", "alibi_slopes", "dropout_p", "dropout_mask"}
+SUPPORTS = frozenset(OPTION_NAMES) - {"sinks", "softcap", "alibi_slopes", "dropout_p", "dropout_mask"}
 
 
 def jax_dpa(implementation=None):

@@ -20,9 +20,9 @@ from ..options import OPTION_NAMES
 
 __all__ = ["torch_sdpa", "forward", "backward", "SUPPORTS"]
 
-#: What PyTorch's SDPA can be asked for: the options of sdpa_ref but these.
-SUPPORTS = frozenset(OPTION_NAMES) - {"window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "dropout_p",
-                                      "dropout_mask"}
+#: What PyTorch's SDPA can be asked for, among sdpa_ref's options (a new option is not supported until listed).
+SUPPORTS = frozenset(OPTION_NAMES) & {"attn_mask", "is_causal", "scale", "enable_gqa", "fully_masked", "bias",
+                                      "causal_alignment"}
 
 
 def torch_sdpa(device="cpu", backend=None):

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Prints one line per case and exits 1 if any case fails."
         ),
     )
-    from ..harness.cases import gradcheck_grid
+    from ..harness.grid import gradcheck_grid
 
     share = round(100 * len(gradcheck_grid(quick=True)) / len(gradcheck_grid()))
     p.add_argument("--quick", action="store_true", help=f"run a covering subset of the grid ({share}%% of its cases)")

@@ -3,7 +3,8 @@
 Every part takes its problems from one :class:`~.cases.Case` type.
 """
 
-from .cases import SUITE_VERSION, Case, get_suite, gradcheck_grid
+from .cases import SUITE_VERSION, Case, get_suite
+from .grid import gradcheck_grid
 from .conformance import FixedRule, RelativeRule, ULPRule, assert_conforms, check_implementation
 from .report import ConformanceReport, ConformanceRow
 

@@ -50,7 +50,9 @@ The fields of a case, with their defaults:
     Arrays to draw, among :data:`~.cases.ARRAY_KINDS`: ``mask``,
     ``masked_rows``, ``float_mask``, ``bias``, ``alibi``, ``lengths``,
     ``zero_kv``, ``dropout`` (``dropout`` needs ``dropout_p`` and is the
-    only way to ask for dropout: a kernel is judged on an explicit keep mask).
+    only way to ask for dropout: a kernel is judged on an explicit keep mask),
+    ``sinks`` (one logit per query head, float32 below float64; the last
+    head has none when there are several).
 
 A file holds at most :data:`MAX_CASES` cases, each at most
 :data:`MAX_SCORES` score entries (batch x Hq x L x S) and

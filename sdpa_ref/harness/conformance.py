@@ -197,7 +197,9 @@ def check_implementation(
         the module docstring).
     backward : callable, optional
         ``backward(grad_out, query, key, value, **case_options)`` returning
-        ``(dq, dk, dv)`` or, for a case with a bias, ``(dq, dk, dv, dbias)``.
+        ``(dq, dk, dv)``, then ``dbias`` for a case with a bias and
+        ``dsinks`` (in the sinks' dtype: float32 below float64) for a case
+        with ``sinks``.
     jvp : callable, optional
         ``jvp((query, key, value), (dquery, dkey, dvalue), **case_options)``
         returning the output's tangent, judged like a gradient.

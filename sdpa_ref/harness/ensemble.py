@@ -54,7 +54,7 @@ from ..masks import constant_rows, nan_rows, zero_output_rows
 from ..transforms import (additive_forward_in, alibi_distance, alibi_forward_in, dropout_forward, softcap_forward,
                           softcap_forward_in, unbroadcast)
 from .cases import grad_out_for
-from .lowp import DESCALES, output_dtype, widen, work_dtype
+from .lowp import DESCALES, output_dtype, tf32 as _tf32, widen, work_dtype
 
 __all__ = ["MEMBERS", "Member", "ensemble_errors", "honest_errors", "member_quantities", "run_member"]
 
@@ -297,6 +297,9 @@ class _Kernel:
             dist = alibi_distance(p.L, p.S, o.causal_alignment, p.q_lengths, p.kv_lengths)
             T = alibi_forward_in(self.X, T, p.alibi, dist)
         empty = excl.all(axis=-1, keepdims=True) if p.S else np.ones(p.full_scores[:-1] + (1,), bool)
+        sink = None if p.sink is None else np.broadcast_to(self.W(p.sink_rows()), empty.shape)
+        if sink is not None:                            # a row with a sink is not empty: O = 0, no policy
+            empty = empty & (sink == -np.inf)
         if o.fully_masked == "uniform":                 # every key alike: a row of equal scores
             excl = excl & ~empty
             T = np.where(empty, self.w.type(0), T)
@@ -306,9 +309,13 @@ class _Kernel:
         vd = None if self.desc is None else self.desc[2]
         if m.block is None:
             mx = T.max(axis=-1, keepdims=True, initial=-np.inf)
+            if sink is not None:                        # the sink: one more score, with no value
+                mx = np.maximum(mx, sink)
             mx = np.where(np.isfinite(mx), mx, 0).astype(self.w)
             e = self.exp(T - mx)
             lsum = self.rowsum(e)
+            if sink is not None:
+                lsum = self.W(lsum + np.where(sink == -np.inf, self.w.type(0), self.exp(sink - mx)))
             if m.normalize == "early":
                 P = self.div(e, lsum)
                 O = self.descale(self.mm(self.drop(self.rd(P), keep, rdrop), v), vd)
@@ -329,11 +336,17 @@ class _Kernel:
                 pv = self.mm(self.drop(self.rd(ej), kj, rdrop), v[..., j0:j0 + m.block, :])
                 acc = self.W(self.W(alpha * acc) + pv)
                 mx = new
+            if sink is not None:                        # the sink folded in after the last block of keys
+                new = np.maximum(mx, sink)
+                safe = np.where(np.isfinite(new), new, 0).astype(self.w)
+                alpha = self.exp(np.where(np.isfinite(mx), mx - safe, -np.inf))
+                b = np.where(sink == -np.inf, self.w.type(0), self.exp(sink - safe))
+                lsum, acc, mx = self.W(self.W(alpha * lsum) + b), self.W(alpha * acc), new
             mx = np.where(np.isfinite(mx), mx, 0).astype(self.w)
             O = self.div(self.descale(acc, vd), lsum)
         lse = self.W(mx + self.log(lsum))
         O = self.fill_rows(O, empty)
-        return {"O": self.rd_out(O), "T": T, "sd": sd, "lse": lse, "empty": empty,
+        return {"O": self.rd_out(O), "T": T, "sd": sd, "lse": lse, "empty": empty, "sink": sink,
                 "P": P if m.normalize == "early" and m.block is None else None}
 
     def descale(self, x, d):
@@ -375,6 +388,13 @@ class _Kernel:
         const = constant_rows(fw["empty"], p.padded_rows(), p.options.fully_masked)
         dS = dS if const is None else np.where(const, self.w.type(0), dS)      # P is a constant there
         res = {}
+        if fw["sink"] is not None:                      # dsink = -sum_i p_sink,i D_i, p_sink = e^(sink - lse)
+            sk = fw["sink"]
+            ps = np.where(sk == -np.inf, self.w.type(0), self.exp(self.W(sk - fw["lse"])))
+            ds = self.W(-ps * D)
+            ds = ds if const is None else np.where(const, self.w.type(0), ds)
+            ds = self.X.sum(ds[..., 0], axis=-1)                       # over the rows, by a fixed tree
+            res["dsinks"] = self.sum_to(ds, p.shapes["sinks"]).reshape(p.shapes["sinks"])
         if p.bias is not None:
             res["dbias"] = self.sum_to(dS, p.shapes["bias"]).reshape(p.shapes["bias"])
         if fw["sd"] is not None and m.softcap_grad:
@@ -393,10 +413,4 @@ class _Kernel:
             dq = dq if rq is None else self.W(dq * rq)
             dk = dk if rk is None else self.W(dk * rk)
         res.update(dq=self.to_input(dq, "query"), dk=self.to_input(dk, "key"), dv=self.to_input(dv, "value"))
-        return {n: a.astype(self.out_dt) for n, a in res.items()}
-
-
-def _tf32(x):
-    """float32 values rounded (to nearest, ties away) to TF32's 10-bit fraction."""
-    b = np.asarray(x, np.float32).view(np.uint32)
-    return ((b + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+        return {n: a.astype(self.w if n == "dsinks" else self.out_dt) for n, a in res.items()}   # dsinks: as sinks

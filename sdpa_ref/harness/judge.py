@@ -47,7 +47,7 @@ def _reference_quantities(case: Case, dtype="float64", naive=False):
     same-precision implementation of the relative rule. Both with
     ``precision="reproducible"``: the same bits, so the same verdict, on
     every machine. Returns a dict of
-    float64 arrays: ``out, dq, dk, dv``, ``dbias`` with a bias, and ``lse``.
+    float64 arrays: ``out, dq, dk, dv``, ``dbias`` with a bias, ``dsinks`` with sinks, and ``lse``.
     """
     dt = np.dtype(dtype)
     inp = case.make_inputs(dt)
@@ -64,6 +64,8 @@ def _reference_quantities(case: Case, dtype="float64", naive=False):
     quant = {"out": out, "dq": gr.query, "dk": gr.key, "dv": gr.value}
     if gr.bias is not None:
         quant["dbias"] = gr.bias
+    if gr.sinks is not None:
+        quant["dsinks"] = gr.sinks
     quant["lse"] = res.lse                                     # base e, -inf on rows with no key
     return {n: np.asarray(a, dtype=np.float64) for n, a in quant.items()}
 
@@ -147,7 +149,7 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
             if what == "jvp":
                 got["jvp"] = res
                 continue
-            names = ["dq", "dk", "dv"] + (["dbias"] if "dbias" in ref64 else [])
+            names = ["dq", "dk", "dv"] + [n for n in ("dbias", "dsinks") if n in ref64]
             res = grads = list(res)
             got.update(zip(names, res))
             if len(res) < len(names):
@@ -163,7 +165,7 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
         rows.append(ConformanceRow(case.name, dt, "jvp", "skip", note="no JVP check at fp8"))
     for qty, val in got.items():
         rows.append(_compare(case.name, dt, qty, val, ref64[qty], None if honest is None else honest[qty], rule,
-                             leans.get(qty), want=work_dtype(dt) if qty == "lse" else None))
+                             leans.get(qty), want=work_dtype(dt) if qty in ("lse", "dsinks") else None))
     if impl.deterministic:
         rows.append(_determinism(case.name, dt, "determinism", lambda: impl.call_forward(q, k, v, inp), first,
                                  impl, deadline, timeout))
@@ -213,7 +215,7 @@ class Implementation:
 
     def call_backward(self, g, q, k, v, inp):
         res = list(self.backward(self._in(g), self._in(q), self._in(k), self._in(v), **self._opts(inp)))
-        return [self._out(x) if i < 3 else np.array(x) for i, x in enumerate(res)]  # dbias: the mask's layout
+        return [self._out(x) if i < 3 else np.array(x) for i, x in enumerate(res)]  # dbias, dsinks: as given
 
     def call_jvp(self, ts, q, k, v, inp):
         return self._out(self.jvp((self._in(q), self._in(k), self._in(v)), tuple(self._in(t) for t in ts),
@@ -311,7 +313,8 @@ def _honest_leans(case, dt, ref64):
     """Per quantity, the largest ``|beta|`` (:func:`.rules.lean`) of the honest ensemble's members."""
     got = [member_quantities(case, np.dtype(dt).name, m) for m in MEMBERS]
     want = output_dtype(dt)
-    return {q: max((abs(lean(g[q], ref, want)[0]) for g in got if q in g), default=0.0) for q, ref in ref64.items()}
+    return {q: max((abs(lean(g[q], ref, want)[0]) for g in got if q in g), default=0.0) for q, ref in ref64.items()
+            if q != "dsinks"}                    # one number per head: no lean to judge
 
 
 def _what(exc, timeout=None):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["DESCALES", "LOW_DTYPES", "TEST_DTYPES", "as_test_dtype", "dequantized", "finfo", "is_fp8", "is_low",
-           "output_dtype", "quantize", "ulp", "widen", "work_dtype"]
+           "output_dtype", "quantize", "tf32", "ulp", "widen", "work_dtype"]
 
 #: The dtypes that need ``ml_dtypes``.
 LOW_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
@@ -124,3 +124,9 @@ def dequantized(inputs):
         g = a.reshape(a.shape[:-3] + (hkv, a.shape[-3] // hkv) + a.shape[-2:])
         x[name] = (g * s[..., None, None, None]).reshape(a.shape)
     return x
+
+
+def tf32(x):
+    """float32 values rounded (to nearest, ties away) to TF32's 10-bit fraction."""
+    b = np.asarray(x, np.float32).view(np.uint32)
+    return ((b + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)

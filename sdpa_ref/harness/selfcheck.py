@@ -1,7 +1,7 @@
 """The installation self-check behind ``sdpa-ref check``.
 
 It proves every backward in the package (the softmax family and attention)
-over the grid of :func:`sdpa_ref.harness.cases.gradcheck_grid` and reports
+over the grid of :func:`sdpa_ref.harness.grid.gradcheck_grid` and reports
 one row per case. Shapes are tiny, so the full grid runs in well under a
 minute.
 
@@ -40,7 +40,8 @@ from ..api import sdpa_forward, sdpa_forward_complex
 from ..derivatives import sdpa_backward, sdpa_jvp
 from ..gradcheck import check_jvp, check_vjp
 from ..softmax import log_softmax, log_softmax_vjp, softmax, softmax_jvp, softmax_vjp
-from .cases import Case, gradcheck_grid
+from .cases import Case
+from .grid import gradcheck_grid
 
 __all__ = [
     "CHECK_RTOL", "CHECK_ATOL", "COMPLEX_RTOL", "COMPLEX_ATOL", "LSE_RTOL",

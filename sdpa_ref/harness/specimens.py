@@ -60,7 +60,8 @@ class Specimen:
         prob = Problem.build(q64, k64, v64, AttentionOptions.from_kwargs(self.name, **x64))
         g = None if dO is None else np.asarray(dO).astype(output_dtype(inner)).astype(np.float64)
         res = run_member(prob, inner, self.member, g, desc)
-        return {n: a.astype(work_dtype(dt) if n == "lse" else output_dtype(dt)) for n, a in res.items()}, prob
+        return {n: a.astype(work_dtype(dt) if n in ("lse", "dsinks") else output_dtype(dt)) for n, a in res.items()}, \
+            prob
 
     def forward(self, q, k, v, **opts):
         res, prob = self._run(q, k, v, opts)
@@ -82,7 +83,7 @@ class Specimen:
 
     def backward(self, g, q, k, v, **opts):
         res, _ = self._run(q, k, v, opts, dO=g)
-        return tuple(res[n] for n in ("dq", "dk", "dv", "dbias") if n in res)
+        return tuple(res[n] for n in ("dq", "dk", "dv", "dbias", "dsinks") if n in res)
 
 
 def _empty_rows(prob):

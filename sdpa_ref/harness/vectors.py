@@ -25,18 +25,20 @@ give the same hashes:
     (batch, kv-head) as FlashAttention 3 takes them, and the problem's values
     are ``query * q_descale`` and so on. An fp8 kernel returns bfloat16 (the
     manifest's ``output_dtype``), and ``grad_out`` is bfloat16 too.
-``attn_mask`` (bool), ``bias``, ``alibi_slopes``, ``dropout_mask`` (bool), ``q_lengths``, ``kv_lengths`` (int64)
+``attn_mask`` (bool), ``bias``, ``alibi_slopes``, ``dropout_mask`` (bool), ``q_lengths``, ``kv_lengths`` (int64),
+``sinks`` (float32 below float64)
     Present when the case uses them.
 ``options_json``
     uint8: the UTF-8 bytes of a JSON object with the scalar options
     (``is_causal``, ``causal_alignment``, ``window``, ``softcap``, ``scale``,
     ``fully_masked``, ``dropout_p``, ``enable_gqa``) and ``arrays``.
-``out``, ``lse``, ``grad_out``, ``dq``, ``dk``, ``dv``, ``dbias``
+``out``, ``lse``, ``grad_out``, ``dq``, ``dk``, ``dv``, ``dbias``, ``dsinks``
     The reference on the stored inputs with ``precision="reproducible"``:
     float64, faithfully rounded, the same bits on every machine;
     ``grad_out`` (the seeded cotangent) is in the vectors' dtype; ``dbias``
-    only with a bias. ``lse`` is ``-inf`` on rows with no key.
-``honest_out``, ``honest_dq``, ``honest_dk``, ``honest_dv`` (``honest_dbias``)
+    only with a bias, ``dsinks`` only with sinks. ``lse`` is ``-inf`` on rows
+    with no key (and no sink; it includes the sink).
+``honest_out``, ``honest_dq``, ``honest_dk``, ``honest_dv`` (``honest_dbias``, ``honest_dsinks``)
     Only below float64, float64 arrays of one entry: the largest error
     ``max|honest - out|`` of the honest ensemble (:mod:`.ensemble`, kernels
     computing in the vectors' dtype in a fixed order: the same bits
@@ -221,8 +223,11 @@ def expected(arrays, opts, dt, case=None, grad_out=None) -> Dict[str, np.ndarray
     result = {"out": out, "lse": res.lse, "grad_out": g, "dq": gr.query, "dk": gr.key, "dv": gr.value}
     if gr.bias is not None:
         result["dbias"] = gr.bias
+    if gr.sinks is not None:
+        result["dsinks"] = gr.sinks
     if dt != np.dtype(np.float64):
-        ref = {n: np.asarray(result[n], np.float64) for n in ("out", "dq", "dk", "dv", "dbias") if n in result}
+        ref = {n: np.asarray(result[n], np.float64) for n in ("out", "dq", "dk", "dv", "dbias", "dsinks")
+               if n in result}
         honest = ensemble_errors(case, dt, ref) if case is not None and grad_out is None else \
             honest_errors(dict(kw, query=q, key=k, value=v), g, dt, ref)
         result.update({f"honest_{n}": np.array([e]) for n, e in honest.items()})

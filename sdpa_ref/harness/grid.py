@@ -1,0 +1,103 @@
+"""The finite-difference grid: every option, alone and combined, on tiny shapes, for the self-check and the
+gradient tests (:func:`gradcheck_grid`)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import List
+
+from .cases import ARRAY_KINDS, Case
+
+__all__ = ["gradcheck_grid"]
+
+
+# name -> (batch_q, batch_kv, L, S, E, Ev)
+_GRID_SHAPES = {
+    "L=S": ((2,), (2,), 4, 4, 3, 2),
+    "L<S": ((2,), (2,), 3, 5, 4, 3),
+    "L>S": ((2,), (2,), 5, 3, 2, 3),
+    "bcast": ((2,), (1,), 3, 4, 3, 2),
+}
+
+
+def _grid_case(shape, *, gqa=False, dropout=False, arrays=(), **options):
+    bq, bkv, L, S, E, Ev = _GRID_SHAPES[shape]
+    arrays = tuple(arrays) + (("dropout",) if dropout else ())
+    if dropout:
+        options["dropout_p"] = 0.3
+    label = {"mask": "mask=bool", "float_mask": "mask=float", "masked_rows": None, "zero_kv": "kv_len=0",
+             "dropout": None}
+    parts = [shape] + [label.get(a, a) for a in ARRAY_KINDS if a in arrays and label.get(a, a)]
+    br = options.get("causal_alignment") == "bottom_right"
+    if options.get("is_causal"):
+        parts.append("causal" + ("-br" if br else ""))
+    if options.get("window") is not None:
+        parts.append("window=(" + ",".join("-" if b is None else str(b) for b in options["window"]) + ")"
+                     + ("-br" if br else ""))
+    if br and not (options.get("is_causal") or options.get("window") is not None):
+        parts.append("bottom_right")
+    for k in ("softcap",):
+        if options.get(k) is not None:
+            parts.append(f"{k}={options[k]:g}")
+    if gqa:
+        parts.append("gqa")
+    if dropout:
+        parts.append("dropout")
+    if options.get("fully_masked", "zero") != "zero" or "masked_rows" in arrays:
+        parts.append(f"fully_masked={options.get('fully_masked', 'zero')}")
+    return Case(name=" ".join(parts), L=L, S=S, E=E, Ev=Ev, Hq=4 if gqa else 2, Hkv=2, batch_q=bq, batch_kv=bkv,
+                options=tuple(sorted(options.items())), arrays=arrays)
+
+
+def gradcheck_grid(quick: bool = False) -> List[Case]:
+    """The self-check's grid of tiny cases; ``quick`` keeps a covering subset (see the CLI's ``--quick``).
+
+    A core product of shapes x no / bool / float mask x causal x GQA x dropout;
+    every ``fully_masked`` policy on inputs with fully masked rows; the
+    variants of FlashAttention, JAX and xformers; and rows emptied by
+    alignment, a window or a zero length, under each policy. ``quick`` keeps
+    the core cases where GQA and dropout go together and causal goes with the
+    mask kind, and every other variant (all those with a non-default policy).
+    """
+    masks = {"none": (), "bool": ("mask",), "float": ("float_mask",)}
+    core = [_grid_case(s, arrays=masks[m], is_causal=c, gqa=g, dropout=d)
+            for s, m, c, g, d in itertools.product(_GRID_SHAPES, masks, (False, True), (False, True),
+                                                   (False, True))]
+    rows = {"bool": ("masked_rows",), "float": ("float_mask", "masked_rows")}
+    masked = [_grid_case(s, arrays=rows[m], gqa=g, dropout=d, fully_masked=p)
+              for s, m, p, g, d in itertools.product(("L=S", "L>S"), rows, ("zero", "nan", "uniform"),
+                                                     (False, True), (False, True))]
+    br = "bottom_right"
+    base = [
+        dict(arrays=("bias",)), dict(arrays=("mask", "bias")), dict(arrays=("float_mask", "bias")),
+        dict(is_causal=True, causal_alignment=br),
+        dict(window=(2, 1)), dict(window=(2, 1), causal_alignment=br), dict(window=(None, 1), causal_alignment=br),
+        dict(window=(1, None)), dict(window=(1, 0), is_causal=True, causal_alignment=br),
+        dict(softcap=1.5), dict(softcap=1.5, arrays=("bias",), is_causal=True),
+        dict(arrays=("alibi",)), dict(arrays=("alibi",), causal_alignment=br),
+        dict(arrays=("alibi",), is_causal=True, causal_alignment=br),
+        dict(arrays=("lengths",)), dict(arrays=("lengths",), causal_alignment=br, is_causal=True),
+        dict(arrays=("lengths",), window=(1, 1), causal_alignment=br),
+        dict(arrays=("mask", "bias", "alibi", "lengths"), is_causal=True, causal_alignment=br, window=(3, None),
+             softcap=2.0),
+    ]
+    variants = [_grid_case(shape, gqa=gd, dropout=gd, **dict(opts))
+                for shape in ("L<S", "L>S", "bcast") for opts in base for gd in (False, True)]
+    emptied = [dict(shape="L>S", is_causal=True, causal_alignment=br),       # rows i < L - S see no key
+               dict(shape="L>S", window=(0, 0)),                             # rows i >= S see no key
+               dict(shape="L=S", arrays=("zero_kv",)),                       # a batch entry with no keys
+               dict(shape="L>S", arrays=("lengths",), is_causal=True, causal_alignment=br)]
+    for opts, policy, gd in itertools.product(emptied, ("zero", "nan", "uniform"), (False, True)):
+        variants.append(_grid_case(gqa=gd, dropout=gd, fully_masked=policy, **dict(opts)))
+    cases = core + masked + variants
+    if quick:
+        keep = []
+        for i, c in enumerate(cases):
+            gqa, drop = c.Hq != c.Hkv, "dropout" in c.arrays
+            if i < len(core):
+                if gqa == drop and c.opts.get("is_causal", False) == ("float_mask" not in c.arrays):
+                    keep.append(c)
+            elif gqa == drop and (i % 2 == 0 or c.opts.get("fully_masked", "zero") != "zero"):
+                keep.append(c)
+        cases = keep
+    return cases
