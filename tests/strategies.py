@@ -84,3 +84,13 @@ def variant_problem(draw, max_len=5):
         opts["dropout_p"], opts["dropout_mask"] = 0.3, keep
         oracle["p"], oracle["keep"] = 0.3, keep
     return q, k, v, opts, oracle
+
+
+def differentiable(opts, float_mask):
+    """``variant_problem``'s options made fit for finite differences: no NaN policy rows (no difference to
+    take), and with ``float_mask`` the bool mask as a float one (0.5 or -inf), so its gradient is checked too."""
+    if opts["fully_masked"] == "nan":
+        opts["fully_masked"] = "zero"
+    if float_mask and "attn_mask" in opts:
+        opts["attn_mask"] = np.where(opts["attn_mask"], 0.5, -np.inf)
+    return opts

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import sdpa_ref
 from sdpa_ref import sdpa_backward, sdpa_forward
 
-from strategies import variant_problem
+from strategies import differentiable, variant_problem
 
 ENGINES = [("fast", "fast", True), ("fast", "plain", True), ("fast", "tiled", True), ("fast", None, False),
            ("reproducible", None, True)]
@@ -61,10 +61,7 @@ def _check(q, k, v, opts, precision, method, save_probs, mode="projection", back
 def test_grad_lse_matches_central_differences_over_the_option_grid(precision, method, save_probs, problem,
                                                                    float_mask):
     q, k, v, opts, _ = problem
-    if opts["fully_masked"] == "nan":                        # NaN rows: no difference to take
-        opts["fully_masked"] = "zero"
-    if float_mask and "attn_mask" in opts:
-        opts["attn_mask"] = np.where(opts["attn_mask"], 0.5, -np.inf)
+    opts = differentiable(opts, float_mask)
     report = _check(q, k, v, opts, precision, method, save_probs)
     assert report.ok, report
 

@@ -18,7 +18,7 @@ from sdpa_ref import sdpa_backward, sdpa_forward, sdpa_jvp
 
 from helpers import assert_faithful
 from oracle import oracle_attention
-from strategies import variant_problem
+from strategies import differentiable, variant_problem
 
 ENGINES = [("fast", {}, True), ("plain", {}, True), ("tiled", {}, True), ("tiled", {"block_size": 2}, True),
            ("fast", {}, False), ("plain", {}, False), ("reproducible", {}, True),
@@ -136,10 +136,7 @@ def _check(q, k, v, opts, method, extra, save_probs, backward=None, with_lse=Tru
 def test_gradients_match_central_differences_over_the_option_grid(method, extra, save_probs, problem, float_mask,
                                                                   with_lse):
     q, k, v, opts, _ = problem
-    if opts["fully_masked"] == "nan":                                # NaN rows: no difference to take
-        opts["fully_masked"] = "zero"
-    if float_mask and "attn_mask" in opts:
-        opts["attn_mask"] = np.where(opts["attn_mask"], 0.5, -np.inf)
+    opts = differentiable(opts, float_mask)
     opts["sinks"] = np.where(np.isneginf(opts["sinks"]), 0.3, opts["sinks"])   # a difference needs a finite sink
     report = _check(q, k, v, opts, method, extra, save_probs, with_lse=with_lse)
     assert report.ok, report
