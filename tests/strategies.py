@@ -94,3 +94,15 @@ def differentiable(opts, float_mask):
     if float_mask and "attn_mask" in opts:
         opts["attn_mask"] = np.where(opts["attn_mask"], 0.5, -np.inf)
     return opts
+
+
+def dense_case(**extra):
+    """``(q, k, v, opts)`` of the full-Jacobian checks: softcap, a float mask with a fully masked row, a bias,
+    GQA, dropout and padding (``extra`` adds options)."""
+    rng = np.random.default_rng(4)
+    q, k, v = rng.standard_normal((2, 4, 3, 2)), rng.standard_normal((2, 2, 4, 2)), rng.standard_normal((2, 2, 4, 3))
+    mask = np.where(rng.random((2, 4, 3, 4)) < 0.7, 0.25, -np.inf)
+    mask[1, 2, 0] = -np.inf
+    opts = dict(enable_gqa=True, softcap=2.0, attn_mask=mask, bias=rng.standard_normal((4, 3, 4)),
+                dropout_p=0.25, dropout_mask=rng.random((2, 4, 3, 4)) > 0.25, q_lengths=np.array([3, 2]), **extra)
+    return q, k, v, opts

@@ -26,7 +26,7 @@ def fwd(q, k, v, **o):
     return sdpa_forward(q, k, v, **o)[0]
 
 
-def bwd(g, q, k, v, **o, ):
+def bwd(g, q, k, v, **o):
     gr = sdpa_backward(sdpa_forward(q, k, v, **o)[1], g)
     return tuple(x for x in (gr.query, gr.key, gr.value, gr.bias) if x is not None) + (
         (gr.sinks.astype(np.asarray(o["sinks"]).dtype),) if gr.sinks is not None else ())

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import sdpa_ref
 from sdpa_ref import sdpa_backward, sdpa_forward
 
-from strategies import differentiable, variant_problem
+from strategies import dense_case, differentiable, variant_problem
 
 ENGINES = [("fast", "fast", True), ("fast", "plain", True), ("fast", "tiled", True), ("fast", None, False),
            ("reproducible", None, True)]
@@ -69,13 +69,7 @@ def test_grad_lse_matches_central_differences_over_the_option_grid(precision, me
 @pytest.mark.parametrize("precision,method,save_probs", ENGINES, ids=IDS)
 def test_grad_lse_full_jacobian_on_a_dense_case(precision, method, save_probs):
     """Entry by entry, with softcap, a float mask with a fully masked row, a bias, GQA, dropout and padding."""
-    rng = np.random.default_rng(4)
-    q, k, v = rng.standard_normal((2, 4, 3, 2)), rng.standard_normal((2, 2, 4, 2)), rng.standard_normal((2, 2, 4, 3))
-    mask = np.where(rng.random((2, 4, 3, 4)) < 0.7, 0.25, -np.inf)
-    mask[1, 2, 0] = -np.inf
-    opts = dict(enable_gqa=True, softcap=2.0, attn_mask=mask, bias=rng.standard_normal((4, 3, 4)),
-                dropout_p=0.25, dropout_mask=rng.random((2, 4, 3, 4)) > 0.25, q_lengths=np.array([3, 2]),
-                fully_masked="uniform")
+    q, k, v, opts = dense_case(fully_masked="uniform")
     mode = "projection" if precision == "reproducible" else "full"    # the double-double engine: projections
     report = _check(q, k, v, opts, precision, method, save_probs, mode=mode)
     assert report.ok, report

@@ -18,7 +18,7 @@ from sdpa_ref import sdpa_backward, sdpa_forward, sdpa_jvp
 
 from helpers import assert_faithful
 from oracle import oracle_attention
-from strategies import differentiable, variant_problem
+from strategies import dense_case, differentiable, variant_problem
 
 ENGINES = [("fast", {}, True), ("plain", {}, True), ("tiled", {}, True), ("tiled", {"block_size": 2}, True),
            ("fast", {}, False), ("plain", {}, False), ("reproducible", {}, True),
@@ -146,13 +146,8 @@ def test_gradients_match_central_differences_over_the_option_grid(method, extra,
 def test_full_jacobian_on_a_dense_case(method, extra, save_probs):
     """Entry by entry, with softcap, a float mask with a fully masked row, a bias, GQA, dropout, padding and
     a sink that dominates one head."""
-    rng = np.random.default_rng(4)
-    q, k, v = rng.standard_normal((2, 4, 3, 2)), rng.standard_normal((2, 2, 4, 2)), rng.standard_normal((2, 2, 4, 3))
-    mask = np.where(rng.random((2, 4, 3, 4)) < 0.7, 0.25, -np.inf)
-    mask[1, 2, 0] = -np.inf
-    opts = dict(enable_gqa=True, softcap=2.0, attn_mask=mask, bias=rng.standard_normal((4, 3, 4)),
-                dropout_p=0.25, dropout_mask=rng.random((2, 4, 3, 4)) > 0.25, q_lengths=np.array([3, 2]),
-                sinks=np.array([[0.5, -1.0, 4.0, 0.0], [1.5, 0.2, -0.3, 2.0]]))
+    q, k, v, opts = dense_case(sinks=np.array([[0.5, -1.0, 4.0, 0.0], [1.5, 0.2, -0.3, 2.0]]))
+    mask = opts["attn_mask"]
     out, res = sdpa_forward(q, k, v, **_engine(method), **extra, **opts)
     f = lambda q, k, v, s, m, b: np.concatenate([                      # noqa: E731
         sdpa_forward(q, k, v, **_engine(method), **extra, **dict(opts, sinks=s, attn_mask=m, bias=b))[0].ravel(),
