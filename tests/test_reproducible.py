@@ -315,3 +315,51 @@ def test_every_compiled_dd_kernel_gives_the_numpy_bits(monkeypatch):
     for g, w in zip(got, want):
         for u, v in zip(g, w):
             assert np.array_equal(np.asarray(u).view(np.int64), np.asarray(v).view(np.int64))
+
+
+def test_the_compiled_slicer_reads_every_layout_in_place_and_normalises_with_the_numpy_bits():
+    """The Ozaki slicer reads rows in place (transposed, batched, broadcast, sliced views) and scales each row as
+    ``_normalise`` does; slices, remainders, statistics and exponents are the NumPy definition's bits, rows whose
+    scaling underflows (the ``ldexp`` branch) and zero rows included."""
+    from sdpa_ref.exact import _native, ozaki
+    lib = _native.kernels()
+    if lib is None:
+        pytest.skip(f"compiled kernels not in use ({_native.status()['reason']}): the NumPy loops run, and the "
+                    "hashes above hold them")
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal((2, 3, 17, 21)) * np.exp(rng.standard_normal((2, 3, 17, 1)) * 8)
+    base[0, 0, 1] = 0.0                                             # a zero row: e = 0
+    base[0, 1, 2, :3] = [1e300, -3e-300, 5e-320]                    # its scaling underflows: ldexp, rounded
+    base[1, 2, 3] = 2.0 ** -1060 * rng.standard_normal(21)          # subnormal: e below -1022
+    lo = base * rng.standard_normal(base.shape) * 2.0 ** -56
+    before = base.copy(), lo.copy()
+    views = {"contiguous": (base, lo), "transposed": (np.swapaxes(base, -1, -2), np.swapaxes(lo, -1, -2)),
+             "heads swapped": (np.swapaxes(base, 0, 1), np.swapaxes(lo, 0, 1)),
+             "a column block": (base[..., 2:19], lo[..., 2:19]), "every other row": (base[:, :, ::2], lo[:, :, ::2]),
+             "broadcast": (np.broadcast_to(base[:1], base.shape), np.broadcast_to(lo[:1], base.shape)),
+             "lo laid out otherwise": (base, np.asfortranarray(lo)), "float64": (base, None)}
+
+    def same(u, w):
+        return np.array_equal(np.asarray(u).view(np.int64), np.asarray(w).view(np.int64)) if np.asarray(
+            u).dtype == np.float64 else np.array_equal(u, w)
+
+    for what, (h, l) in views.items():
+        xn, e = ozaki._normalise((h, l), -1)
+        for n in (1, 4, 6):
+            want, (rh, rl) = ozaki._slices_numpy(xn, -1, n, 30)
+            got, (gh, gl), ge = _native.slice_rows(lib, h, l, n, 30, normalise=True)
+            assert all(same(u, w) for u, w in zip(got + [gh, gl], want + [rh, rl])), (what, n)
+            assert np.array_equal(ge, e), what
+            sq, (smax, ssum), rmax, se = _native.slice_rows(lib, h, l, n, 30, stats=True, normalise=True)
+            assert all(same(u, w) for u, w in zip(sq, want)) and np.array_equal(se, e), (what, n)
+            assert all(same(m, np.max(np.abs(w), axis=-1, keepdims=True)) for m, w in zip(smax, want))
+            assert all(same(s, np.sum(np.abs(w), axis=-1, keepdims=True)) for s, w in zip(ssum, want))
+            assert same(rmax, np.max(np.abs(rh), axis=-1, keepdims=True) + np.max(np.abs(rl), axis=-1,
+                                                                                   keepdims=True))
+        for axis in (-1, -2):                                       # and through ozaki's own entry point
+            got = ozaki._normalised_slices((h, l), axis, 5, 30)
+            xa, ea = ozaki._normalise((h, l), axis)
+            want = ozaki._slices_numpy(xa, axis, 5, 30)
+            assert all(same(u, w) for u, w in zip(got[0] + list(got[1]), want[0] + list(want[1]))), (what, axis)
+            assert np.array_equal(got[2], ea), (what, axis)
+    assert same(base, before[0]) and same(lo, before[1])            # the inputs are not written

@@ -4,80 +4,146 @@
 #include <math.h>
 #include <stddef.h>
 
-/* n slices of each row of (hi, lo) [rows x k, contiguous; lo may be NULL for a float64 input], as ozaki._slices:
- * slice p of row r goes to out[(p * rows + r) * k ...]; the remainder to (rem_hi, rem_lo) when they are given.
+/* The largest |x[j]|, 0 <= j < k: four running maxima (a maximum is exact in any order). */
+static double abs_max(const double *x, ptrdiff_t k)
+{
+    double m0 = 0.0, m1 = 0.0, m2 = 0.0, m3 = 0.0;
+    ptrdiff_t j = 0;
+    for (; j + 4 <= k; j += 4) {
+        double a0 = fabs(x[j]), a1 = fabs(x[j + 1]), a2 = fabs(x[j + 2]), a3 = fabs(x[j + 3]);
+        m0 = a0 > m0 ? a0 : m0;
+        m1 = a1 > m1 ? a1 : m1;
+        m2 = a2 > m2 ? a2 : m2;
+        m3 = a3 > m3 ? a3 : m3;
+    }
+    for (; j < k; j++) {
+        double a = fabs(x[j]);
+        m0 = a > m0 ? a : m0;
+    }
+    m0 = m1 > m0 ? m1 : m0;
+    m2 = m3 > m2 ? m3 : m2;
+    return m2 > m0 ? m2 : m0;
+}
+
+/* The sum of |x[j]| for x one slice of a row: exact in any order (its entries lie on one grid, with at most
+ * 53 - rho bits each, and 2 rho >= 54 + log2 k), so four running sums give the bits of one. */
+static double abs_sum(const double *x, ptrdiff_t k)
+{
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    ptrdiff_t j = 0;
+    for (; j + 4 <= k; j += 4) {
+        s0 += fabs(x[j]);
+        s1 += fabs(x[j + 1]);
+        s2 += fabs(x[j + 2]);
+        s3 += fabs(x[j + 3]);
+    }
+    for (; j < k; j++)
+        s0 += fabs(x[j]);
+    return (s0 + s1) + (s2 + s3);
+}
+
+/* Rows gathered at once from a transposed layout (one cache line of each of their columns). */
+#define SLICE_GATHER 8
+
+/* n slices of each row of (hi, lo), as ozaki._slices: slice p of row r goes to out[(p * rows + r) * k ...]
+ * (contiguous); the remainder to (rem_hi, rem_lo) [rows x k, contiguous] when they are given. lo may be NULL
+ * for a float64 input. The rows are read in place: row r starts at element (r / per) * bs + (r % per) * rs of
+ * hi (and of lo, which has the same layout), its entries cs elements apart, so a transposed block (the rows of
+ * A^T, the columns of B) is cut without a copy. With eout, each row is first scaled as ozaki._normalise does,
+ * by 2**-e with its max|hi| = f 2**e, f in [1/2, 1) (e = 0 for a zero row; exact, or the correctly rounded
+ * ldexp where an entry underflows), and e goes to eout[r].
  * Optionally, per slice and row, the max and the sum of the absolute values (smax, ssum [n x rows]: the sum is
  * exact, its entries lie on one grid with few bits) and the remainder's max|hi| + max|lo| (rmax [rows]).
- * scratch: 2 k doubles. The inputs are not written. */
-void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t k, int n, int rho, double *out,
-                     double *rem_hi, double *rem_lo, double *smax, double *ssum, double *rmax, double *scratch)
+ * The element-wise steps and the reductions are separate loops (the first vectorises); every maximum and
+ * slice sum is exact, so its order does not matter. scratch: 2 SLICE_GATHER k doubles. The inputs are not
+ * written. */
+void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t k, ptrdiff_t per, ptrdiff_t bs,
+                     ptrdiff_t rs, ptrdiff_t cs, int n, int rho, double *out, double *rem_hi, double *rem_lo,
+                     double *smax, double *ssum, double *rmax, int *eout, double *scratch)
 {
-    double *h = scratch, *l = scratch + k;
-    for (ptrdiff_t r = 0; r < rows; r++) {
-        for (ptrdiff_t j = 0; j < k; j++) {
-            h[j] = hi[r * k + j];
-            l[j] = lo ? lo[r * k + j] : 0.0;
-        }
-        double mx = 0.0;                                     /* max |hi| of what is left, kept as we cut */
-        for (ptrdiff_t j = 0; j < k; j++) {
-            double a = fabs(h[j]);
-            mx = a > mx ? a : mx;
-        }
-        for (int p = 0; p < n; p++) {
-            int e;
-            frexp(mx, &e);
-            int ee = e + rho;
-            if (ee < -1022)
-                ee = -1022;
-            double sigma = ldexp(1.0, ee);
-            double *s = out + ((ptrdiff_t)p * rows + r) * k;
-            double smx = 0.0, ssm = 0.0, nmx = 0.0;
-            if (lo) {
+    double *H = scratch, *L = scratch + SLICE_GATHER * k;
+    for (ptrdiff_t r0 = 0; r0 < rows; r0 += SLICE_GATHER) {
+        ptrdiff_t nr = rows - r0 < SLICE_GATHER ? rows - r0 : SLICE_GATHER;
+        if (cs == 1) {                                       /* gather: contiguous rows, one by one */
+            for (ptrdiff_t i = 0; i < nr; i++) {
+                ptrdiff_t at = ((r0 + i) / per) * bs + ((r0 + i) % per) * rs;
                 for (ptrdiff_t j = 0; j < k; j++) {
-                    double sj = (h[j] + sigma) - sigma;
-                    double a = h[j] - sj, b = l[j];          /* two_sum(hi - s, lo) */
-                    double t = a + b;
-                    double bb = t - a;
-                    s[j] = sj;
-                    h[j] = t;
-                    l[j] = (a - (t - bb)) + (b - bb);
-                    double as = fabs(sj), at = fabs(t);
-                    smx = as > smx ? as : smx;
-                    ssm += as;
-                    nmx = at > nmx ? at : nmx;
-                }
-            } else {
-                for (ptrdiff_t j = 0; j < k; j++) {
-                    double sj = (h[j] + sigma) - sigma;
-                    double t = h[j] - sj;
-                    s[j] = sj;
-                    h[j] = t;
-                    double as = fabs(sj), at = fabs(t);
-                    smx = as > smx ? as : smx;
-                    ssm += as;
-                    nmx = at > nmx ? at : nmx;
+                    H[i * k + j] = hi[at + j];
+                    L[i * k + j] = lo ? lo[at + j] : 0.0;
                 }
             }
-            mx = nmx;
-            if (smax)
-                smax[(ptrdiff_t)p * rows + r] = smx;
-            if (ssum)
-                ssum[(ptrdiff_t)p * rows + r] = ssm;
-        }
-        if (rem_hi) {
+        } else {                                             /* a transposed block: across the rows, j by j */
+            ptrdiff_t at[SLICE_GATHER];
+            for (ptrdiff_t i = 0; i < nr; i++)
+                at[i] = ((r0 + i) / per) * bs + ((r0 + i) % per) * rs;
             for (ptrdiff_t j = 0; j < k; j++) {
-                rem_hi[r * k + j] = h[j];
-                rem_lo[r * k + j] = l[j];
+                for (ptrdiff_t i = 0; i < nr; i++) {
+                    H[i * k + j] = hi[at[i] + j * cs];
+                    L[i * k + j] = lo ? lo[at[i] + j * cs] : 0.0;
+                }
             }
         }
-        if (rmax) {
-            double mh = 0.0, ml = 0.0;
-            for (ptrdiff_t j = 0; j < k; j++) {
-                double a = fabs(h[j]), b = fabs(l[j]);
-                mh = a > mh ? a : mh;
-                ml = b > ml ? b : ml;
+        for (ptrdiff_t i = 0; i < nr; i++) {
+            ptrdiff_t r = r0 + i;
+            double *restrict h = H + i * k, *restrict l = L + i * k;
+            double mx = abs_max(h, k);                       /* max |hi| of what is left, kept as we cut */
+            if (eout) {                                      /* ozaki._normalise: the row's max into [1/2, 1) */
+                int e;
+                frexp(mx, &e);
+                eout[r] = e;
+                if (e >= -1022 && e <= 1022) {
+                    double f = ldexp(1.0, -e);               /* a power of two: exact products */
+                    for (ptrdiff_t j = 0; j < k; j++) {
+                        h[j] *= f;
+                        l[j] *= f;
+                    }
+                } else {
+                    for (ptrdiff_t j = 0; j < k; j++) {
+                        h[j] = ldexp(h[j], -e);
+                        l[j] = ldexp(l[j], -e);
+                    }
+                }
+                mx = abs_max(h, k);
             }
-            rmax[r] = mh + ml;
+            for (int p = 0; p < n; p++) {
+                int e;
+                frexp(mx, &e);
+                int ee = e + rho;
+                if (ee < -1022)
+                    ee = -1022;
+                const double sigma = ldexp(1.0, ee);
+                double *restrict s = out + ((ptrdiff_t)p * rows + r) * k;
+                if (lo) {
+                    for (ptrdiff_t j = 0; j < k; j++) {
+                        double sj = (h[j] + sigma) - sigma;
+                        double a = h[j] - sj, b = l[j];      /* two_sum(hi - s, lo) */
+                        double t = a + b;
+                        double bb = t - a;
+                        s[j] = sj;
+                        h[j] = t;
+                        l[j] = (a - (t - bb)) + (b - bb);
+                    }
+                } else {
+                    for (ptrdiff_t j = 0; j < k; j++) {
+                        double sj = (h[j] + sigma) - sigma;
+                        s[j] = sj;
+                        h[j] = h[j] - sj;
+                    }
+                }
+                mx = abs_max(h, k);
+                if (smax)
+                    smax[(ptrdiff_t)p * rows + r] = abs_max(s, k);
+                if (ssum)
+                    ssum[(ptrdiff_t)p * rows + r] = abs_sum(s, k);
+            }
+            if (rem_hi) {
+                for (ptrdiff_t j = 0; j < k; j++) {
+                    rem_hi[r * k + j] = h[j];
+                    rem_lo[r * k + j] = l[j];
+                }
+            }
+            if (rmax)
+                rmax[r] = abs_max(h, k) + abs_max(l, k);
         }
     }
 }

@@ -92,7 +92,8 @@ def _load():
 
 def _declare(lib):
     dp, n = ctypes.c_void_p, ctypes.c_ssize_t                 # addresses passed as ints: cheaper than data_as
-    lib.sdpa_slice_rows.argtypes = [dp, dp, n, n, ctypes.c_int, ctypes.c_int, dp, dp, dp, dp, dp, dp, dp]
+    lib.sdpa_slice_rows.argtypes = [dp, dp, n, n, n, n, n, n, ctypes.c_int, ctypes.c_int, dp, dp, dp, dp, dp, dp, dp,
+                                    dp]
     lib.sdpa_slice_rows.restype = None
     lib.sdpa_dd_add_d.argtypes = [dp, dp, dp, n]
     lib.sdpa_dd_add_d.restype = None
@@ -195,32 +196,58 @@ def _ptr(a):
     return a.ctypes.data
 
 
-def slice_rows(lib, hi, lo, n, rho, stats=False):
-    """``(slices, (hi, lo))`` of :func:`.ozaki._slices` along the last axis, by the compiled loop; with
-    ``stats=True`` ``(slices, (slice maxima, slice sums), remainder max|hi| + max|lo|)``, each ``(..., 1)``, and no
-    remainder array."""
-    hi = np.ascontiguousarray(hi, dtype=np.float64)
-    lo = None if lo is None else np.ascontiguousarray(lo, dtype=np.float64)
-    k = hi.shape[-1]
+#: Rows the slicing loop gathers at once (``SLICE_GATHER`` in ``_kernels.c``): its scratch is ``2 _GATHER k``.
+_GATHER = 8
+
+
+def _row_layout(hi, lo):
+    """``(hi, lo, per, bs, rs, cs)``: the arrays and, in elements, the layout the slicing loop reads them in
+    place with (row ``r`` at ``(r // per) bs + (r % per) rs``, entries ``cs`` apart); contiguous copies where the
+    leading axes do not fold into one stride or ``lo`` is laid out otherwise than ``hi``."""
+    hi = np.asarray(hi, dtype=np.float64)
+    per = hi.shape[-2] if hi.ndim >= 2 else 1
+    lead = [(d, st) for d, st in zip(hi.shape[:-2], hi.strides[:-2]) if d != 1]
+    bs = lead[-1][1] if lead else 0
+    ok = (lo is None or (np.shape(lo) == hi.shape and np.asarray(lo).strides == hi.strides
+                         and np.asarray(lo).dtype == np.float64)) \
+        and all(st >= 0 and st % 8 == 0 for st in hi.strides) \
+        and all(lead[i][1] == lead[i + 1][0] * lead[i + 1][1] for i in range(len(lead) - 1))
+    if not ok:
+        hi = np.ascontiguousarray(hi)
+        lo = None if lo is None else np.ascontiguousarray(np.broadcast_to(lo, hi.shape), dtype=np.float64)
+        return hi, lo, per, per * hi.shape[-1], hi.shape[-1], 1
+    st = hi.strides
+    return hi, lo, per, bs // 8, (st[-2] // 8 if hi.ndim >= 2 else 0), st[-1] // 8
+
+
+def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False):
+    """``(slices, (hi, lo))`` of :func:`.ozaki._slices` along the last axis, by the compiled loop, which reads
+    the rows in place (a transposed block needs no copy); with ``stats=True`` ``(slices, (slice maxima, slice
+    sums), remainder max|hi| + max|lo|)``, each ``(..., 1)``, and no remainder array. ``normalise=True`` scales
+    each row first as :func:`.ozaki._normalise` does and appends its exponents ``e`` ``(..., 1)`` to the
+    result."""
+    shape = np.shape(hi)
+    hi, lo, per, bs, rs, cs = _row_layout(hi, lo)
+    k = shape[-1]
     rows = hi.size // k if k else 0
-    out = np.empty((n,) + hi.shape)
+    out = np.empty((n,) + shape)
     if stats:
-        smax, ssum = np.zeros((n,) + hi.shape[:-1] + (1,)), np.zeros((n,) + hi.shape[:-1] + (1,))
-        rmax = np.zeros(hi.shape[:-1] + (1,))
+        smax, ssum = np.zeros((n,) + shape[:-1] + (1,)), np.zeros((n,) + shape[:-1] + (1,))
+        rmax = np.zeros(shape[:-1] + (1,))
         rh = rl = None
     else:
         smax = ssum = rmax = None
-        rh, rl = np.empty_like(hi), np.empty_like(hi)
+        rh, rl = np.empty(shape), np.empty(shape)
+    e = np.zeros(shape[:-1] + (1,), np.intc) if normalise else None
     if rows and k:
-        p = [None if x is None else _ptr(x) for x in (rh, rl, smax, ssum, rmax)]
-        scratch = np.empty(2 * k)                          # held here: the C code gets only its address
-        lib.sdpa_slice_rows(_ptr(hi), None if lo is None else _ptr(lo), rows, k, n, rho, _ptr(out), *p,
-                            _ptr(scratch))
+        p = [None if x is None else _ptr(x) for x in (rh, rl, smax, ssum, rmax, e)]
+        scratch = np.empty(2 * _GATHER * k)                # held here: the C code gets only its address
+        lib.sdpa_slice_rows(_ptr(hi), None if lo is None else _ptr(lo), rows, k, per, bs, rs, cs, n, rho,
+                            _ptr(out), *p, _ptr(scratch))
     elif not stats:
-        rh, rl = hi.copy(), np.zeros_like(hi) if lo is None else lo.copy()
-    if stats:
-        return list(out), (list(smax), list(ssum)), rmax
-    return list(out), (rh, rl)
+        rh, rl = np.array(hi, copy=True).reshape(shape), np.zeros(shape) if lo is None else np.array(lo).reshape(shape)
+    res = (list(out), (list(smax), list(ssum)), rmax) if stats else (list(out), (rh, rl))
+    return res + (e,) if normalise else res
 
 
 def dd_add_d_inplace(lib, acc, c):

@@ -39,7 +39,8 @@ from .dd import dd_add_d, dd_mul_d, fast_two_sum, pow2, two_sum
 __all__ = ["matmul", "n_slices"]
 
 
-#: Entries of one block of the result whose sums are formed together (1 MiB of float64).
+#: Entries (1 MiB of float64) of the larger of one block of the result, whose sums are formed together, and one
+#: slice of that block's rows of ``A``.
 _BLOCK_ENTRIES = 1 << 17
 #: Products (``M N K``) below which the blocks run one after the other rather than in the pool.
 _PARALLEL_WORK = 1 << 21
@@ -89,9 +90,27 @@ def _slices(x, axis, n, rho):
         if axis == -1:
             return slice_rows(lib, hi, lo, n, rho)
         out, (h, l) = slice_rows(lib, np.swapaxes(hi, -1, -2), None if lo is None else np.swapaxes(lo, -1, -2),
-                                 n, rho)
+                                 n, rho)                   # the columns, read in place
         return [np.swapaxes(o, -1, -2) for o in out], (np.swapaxes(h, -1, -2), np.swapaxes(l, -1, -2))
     return _slices_numpy(x, axis, n, rho)
+
+
+def _normalised_slices(x, axis, n, rho):
+    """``(slices, remainder, e)``: :func:`_slices` of ``x`` normalised by :func:`_normalise` along ``axis``, and
+    its exponents; the compiled loop scales each line as it cuts it (no normalised copy is formed)."""
+    lib = kernels()
+    hi, lo = x
+    if lib is not None and hi.ndim >= 2:
+        if axis == -1:
+            out, rem, e = slice_rows(lib, hi, lo, n, rho, normalise=True)
+            return out, rem, e
+        out, (h, l), e = slice_rows(lib, np.swapaxes(hi, -1, -2), None if lo is None else np.swapaxes(lo, -1, -2),
+                                    n, rho, normalise=True)
+        return ([np.swapaxes(o, -1, -2) for o in out], (np.swapaxes(h, -1, -2), np.swapaxes(l, -1, -2)),
+                np.swapaxes(e, -1, -2))
+    x, e = _normalise(x, axis)
+    out, rem = _slices_numpy(x, axis, n, rho)
+    return out, rem, e
 
 
 def _slices_numpy(x, axis, n, rho):
@@ -194,32 +213,31 @@ def matmul(A, B, bits=104, final=False, scale=None):
         return z, z.copy()
     rho, n = _rho(K), n_slices(K, bits)
     M, N = shape[-2], shape[-1]
-    B, eb = _normalise(B, -2)
-    sb, rest_b = _slices(B, -2, n, rho)
+    sb, _, eb = _normalised_slices(B, -2, n, rho)
     t = QUICK_LEVELS
     quick = final and n > t
     if quick:
         mbq = [np.broadcast_to(_line_max(x, -2), shape[:-2] + (1, N)).reshape(-1, 1, N) for x in sb[:t]]
         sbq = [np.broadcast_to(np.sum(np.abs(x), axis=-2, keepdims=True), shape[:-2] + (1, N)).reshape(-1, 1, N)
                for x in sb[:t]]                            # exact: K entries on one grid of few bits
-        _, rbq = _slices(B, -2, t, rho)
+        _, rbq, _ = _normalised_slices(B, -2, t, rho)
         rbq = np.broadcast_to(_line_max(rbq[0], -2) + _line_max(rbq[1], -2), shape[:-2] + (1, N)).reshape(-1, 1, N)
     sb = [np.broadcast_to(x, shape[:-2] + (K, N)).reshape(-1, K, N) for x in sb]
     eb = np.broadcast_to(eb, shape[:-2] + (1, N)).reshape(-1, 1, N)
     Ah, Al = (None if x is None else np.broadcast_to(x, shape[:-2] + (M, K)).reshape(-1, M, K) for x in A)
     hi = np.empty((sb[0].shape[0], M, N))
     lo = np.empty_like(hi)
-    mb = max(8, _BLOCK_ENTRIES // max(N, 1))               # rows per block: the sums stay in cache
+    mb = max(8, _BLOCK_ENTRIES // max(N, K, 1))            # rows per block: its slices and sums stay in cache
 
     def block(item):
         b, m0 = item                                       # b: a range of batch entries
-        a, ea = _normalise((Ah[b, m0:m0 + mb], None if Al is None else Al[b, m0:m0 + mb]), -1)
+        a = (Ah[b, m0:m0 + mb], None if Al is None else Al[b, m0:m0 + mb])           # not yet normalised
         if quick:
             lib = kernels()
-            if lib is not None:                            # the slices with their maxima and sums, compiled
-                aq, (amax, asum), ra = slice_rows(lib, a[0], a[1], t, rho, stats=True)
+            if lib is not None:                            # normalised, sliced, with maxima and sums, compiled
+                aq, (amax, asum), ra, ea = slice_rows(lib, a[0], a[1], t, rho, stats=True, normalise=True)
             else:
-                aq, raq = _slices(a, -1, t, rho)
+                aq, raq, ea = _normalised_slices(a, -1, t, rho)
                 ra = _line_max(raq[0], -1) + _line_max(raq[1], -1)
                 amax = [_line_max(x, -1) for x in aq]
                 asum = [np.sum(np.abs(x), axis=-1, keepdims=True) for x in aq]   # exact, in any order
@@ -228,11 +246,12 @@ def matmul(A, B, bits=104, final=False, scale=None):
             redo = ~np.all(bound <= 2.0 ** -55 * np.abs(h), axis=-1)            # (batch entries, rows)
             for i in np.flatnonzero(redo.any(axis=-1)):     # those rows take every level (rows are independent)
                 r = np.flatnonzero(redo[i])
-                h[i, r], l[i, r] = _products(_slices((a[0][i, r], None if a[1] is None else a[1][i, r]), -1, n,
-                                                     rho)[0],
+                h[i, r], l[i, r] = _products(_normalised_slices((a[0][i, r], None if a[1] is None else a[1][i, r]),
+                                                                -1, n, rho)[0],
                                              [x[b][i] for x in sb], n)
         else:
-            h, l = _products(_slices(a, -1, n, rho)[0], [x[b] for x in sb], n)
+            aq, _, ea = _normalised_slices(a, -1, n, rho)
+            h, l = _products(aq, [x[b] for x in sb], n)
         if scale is not None:                              # scale * (A B), before the result leaves [1/2, K)
             lib = kernels()
             h, l = dd_mul_d_scalar(lib, (h, l), scale) if lib is not None else dd_mul_d((h, l), np.float64(scale))
