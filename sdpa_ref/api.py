@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _validate as V
 from . import attention, poison
-from .engines import fast, reproducible, tiled
+from .engines import blocks, fast, reproducible, tiled
 from ._threads import single_threaded_blas
 from .residuals import AttentionResiduals
 from .options import DOC_OPTIONS, FULLY_MASKED_POLICIES, AttentionOptions, check_bool
@@ -201,7 +201,7 @@ def _engine(method, block_size, prob, allowed, precision="fast"):
             raise ValueError(f"`block_size` should be None with method={method!r} (it is the tiled engine's), "
                              f"but got {block_size!r}")
         return method, None
-    return method, tiled.check_block_size("auto" if block_size is None else block_size, prob)
+    return method, blocks.check_block_size("auto" if block_size is None else block_size, prob)
 
 
 def _read_only(fwd):

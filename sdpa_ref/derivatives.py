@@ -15,7 +15,7 @@ from . import _validate as V
 from . import attention, poison
 from ._threads import single_threaded_blas
 from .api import ENGINES, METHODS, sdpa_forward
-from .engines import reproducible, tiled
+from .engines import blocks, reproducible, tiled
 from .residuals import AttentionGrads, AttentionResiduals
 from .transforms import unbroadcast
 
@@ -127,7 +127,7 @@ def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
         dlse, dl_bad = prob.clean_grad_lse(gl, residuals.empty)
     with single_threaded_blas():
         if name == "tiled":
-            block = residuals.block_size or tiled.lse_blocks(prob.L, prob.S)
+            block = residuals.block_size or blocks.lse_blocks(prob.L, prob.S)
             gr = tiled.backward(prob, residuals.forward, dO, dlse, block_size=block)
         else:
             gr = ENGINES[name].backward(prob, residuals.forward, dO, dlse)
@@ -155,10 +155,13 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
         ``(dquery, dkey, dvalue)``, ``(dquery, dkey, dvalue, dbias)`` or
         ``(dquery, dkey, dvalue, dbias, dsinks)``, each of its primal's shape
         and an input dtype, any of them ``None`` for zero.
-    method : {"fast", "plain"}, optional
-        The engine of the primal forward (default ``"fast"``); the tangent is
-        the teaching core's :func:`sdpa_ref.attention.jvp` on its ``P``.
-        Forward mode has no tiled engine.
+    method : {"fast", "plain", "tiled"}, optional
+        The engine (default ``"fast"``, or ``"tiled"`` when ``block_size`` is
+        given). ``"fast"`` and ``"plain"`` compute the tangent by the
+        teaching core's :func:`sdpa_ref.attention.jvp` on the forward's
+        ``P``; ``"tiled"`` block by block from the row max and sum, in the
+        forward's bounded memory (:func:`sdpa_ref.engines.tiled.jvp`; no
+        ``L x S`` array).
     precision : {"fast", "reproducible"}, optional
         As in :func:`sdpa_forward`; ``"reproducible"`` computes the tangent
         in double-double too, faithfully rounded and the same bits everywhere.
@@ -189,11 +192,7 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
     if not isinstance(tangents, (tuple, list)) or len(tangents) not in (3, 4, 5):
         raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks]]), "
                         f"but got {V.describe(tangents)}")
-    if options.get("block_size") is not None:
-        raise ValueError("`block_size` should be None for sdpa_jvp (forward mode has no tiled engine), "
-                         f"but got {options['block_size']!r}")
-    options.pop("block_size", None)
-    V.check_choice("fast" if method is None else method, "method", ("fast", "plain"))
+    V.check_choice("fast" if method is None else method, "method", ("fast", "plain", "tiled"))
     out, res = sdpa_forward(*primals, method=method, precision=precision, **dict(options, save_probs=True))
     prob = res.problem
     names = ("query", "key", "value", "bias", "sinks")
@@ -220,8 +219,11 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
     if ds is not None:                                   # (..., Hq, 1, 1); a head's rows read its sink
         ds, bs = poison.clean(_cast_real(ds, prob)[..., None, None])
     with single_threaded_blas():
-        core = reproducible if res.method == "reproducible" else attention
-        dO = core.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dsinks=ds)
+        if res.method == "tiled":
+            dO = tiled.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dsinks=ds, block_size=res.block_size)
+        else:
+            core = reproducible if res.method == "reproducible" else attention
+            dO = core.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dsinks=ds)
     rows = (None if b is None else b.any(axis=-1) for b in (bq, bk))
     dO = poison.nan_where(dO, poison.jvp_taint(prob, res.empty, (*rows, bv, bb)))
     if bs is not None:                                   # every row with a sink reads its tangent

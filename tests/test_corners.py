@@ -107,8 +107,7 @@ def _results(how, q, k, v, g, tangents, **opts):
         out, res = sdpa_ref.sdpa_forward(q, k, v, **opts, **HOWS[how])
         gr = sdpa_ref.sdpa_backward(res, g)
         got = {"out": out, "lse": res.lse, "dq": gr.query, "dk": gr.key, "dv": gr.value}
-        if how != "tiled":
-            got["jvp"] = sdpa_ref.sdpa_jvp((q, k, v), tangents, **opts, **HOWS[how])[1]
+        got["jvp"] = sdpa_ref.sdpa_jvp((q, k, v), tangents, **opts, **HOWS[how])[1]
     return got
 
 

@@ -147,9 +147,8 @@ def _results(how, arrays, opts, upcast):
     gr = sdpa_ref.sdpa_backward(res, arrays["g"])
     got = {"out": out, "lse": res.lse, "dq": gr.query, "dk": gr.key, "dv": gr.value, "dmask": gr.attn_mask,
            "dbias": gr.bias}
-    if how != "tiled":                                              # forward mode has no tiled engine
-        tangents = (arrays["tq"], arrays["tk"], arrays["tv"]) + ((arrays["tbias"],) if "bias" in arrays else ())
-        got["jvp"] = sdpa_ref.sdpa_jvp(qkv, tangents, **kw, **HOWS[how])[1]
+    tangents = (arrays["tq"], arrays["tk"], arrays["tv"]) + ((arrays["tbias"],) if "bias" in arrays else ())
+    got["jvp"] = sdpa_ref.sdpa_jvp(qkv, tangents, **kw, **HOWS[how])[1]
     return {n: x for n, x in got.items() if x is not None}
 
 

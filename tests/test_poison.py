@@ -61,7 +61,7 @@ def _jvp(how, arrays, tangents, opts):
     a = dict(arrays)
     a.pop("grad_out")
     q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
-    kw = dict(opts, **a, precision="reproducible") if how == "reproducible" else dict(opts, **a, method=how)
+    kw = dict(opts, **a, **HOWS[how])
     return {"jvp": sdpa_ref.sdpa_jvp((q, k, v), tangents, **kw)[1]}
 
 
@@ -97,7 +97,7 @@ def test_poison_reaches_exactly_what_depends_on_it(setting, how):
                        f"{how}, {name}{pos} = {bad}")
 
 
-@pytest.mark.parametrize("how", ["fast", "plain", "reproducible"])
+@pytest.mark.parametrize("how", ["fast", "plain", "tiled", "reproducible"])
 def test_a_poisoned_tangent_or_primal_reaches_exactly_the_jvp_entries_that_depend_on_it(how):
     arrays, opts = _problem("causal-lengths-gqa-bias-dropout")
     rng = np.random.default_rng(12)

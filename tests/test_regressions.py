@@ -209,7 +209,9 @@ def test_method_selects_the_engine_on_every_entry_point(monkeypatch, method):
     mod = importlib.import_module({"fast": "sdpa_ref.engines.fast", "plain": "sdpa_ref.attention",
                                    "tiled": "sdpa_ref.engines.tiled"}[method])
     calls = []
-    for fn in ("forward", "backward"):
+    for fn in ("forward", "backward", "jvp"):
+        if not hasattr(mod, fn):                                    # fast: forward mode runs the core on its P
+            continue
         real = getattr(mod, fn)
         monkeypatch.setattr(mod, fn, lambda *a, _real=real, _fn=fn, **kw: (calls.append(_fn), _real(*a, **kw))[1])
     q = rng.standard_normal((1, 2, 5, 3))
@@ -218,10 +220,9 @@ def test_method_selects_the_engine_on_every_entry_point(monkeypatch, method):
     sdpa_backward(res, np.ones_like(out))
     sdpa_ref.scaled_dot_product_attention(q, q, q, method=method)
     assert calls == ["forward", "backward", "forward"]
-    if method != "tiled":
-        calls.clear()
-        sdpa_jvp((q, q, q), (q, None, None), method=method)
-        assert calls == ["forward"]
+    calls.clear()
+    sdpa_jvp((q, q, q), (q, None, None), method=method)
+    assert calls == (["forward", "jvp"] if method != "fast" else ["forward"])
 
 
 def test_engine_and_option_errors_name_the_argument():
@@ -231,7 +232,9 @@ def test_engine_and_option_errors_name_the_argument():
     with pytest.raises(ValueError, match="`block_size`"):
         sdpa_forward(q, q, q, method="plain", block_size=4)
     with pytest.raises(ValueError, match="`method`"):
-        sdpa_jvp((q, q, q), (q, None, None), method="tiled")
+        sdpa_jvp((q, q, q), (q, None, None), method="dense")
+    with pytest.raises(ValueError, match="`block_size`"):
+        sdpa_jvp((q, q, q), (q, None, None), method="plain", block_size=4)
     with pytest.raises(TypeError, match="sdpa_forward.*windw"):
         sdpa_forward(q, q, q, windw=(1, 0))
     with pytest.raises(TypeError, match="`window`"):

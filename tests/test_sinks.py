@@ -30,6 +30,8 @@ METHODS = ["fast", "plain", "tiled", "reproducible"]
 
 def _engine(name):
     """The keywords that pick an engine: a ``method``, or ``precision="reproducible"`` (double-double)."""
+    if name == "tiled-2":                                               # the tiled engine over blocks of 2
+        return {"block_size": 2}
     return {"precision": "reproducible"} if name == "reproducible" else {"method": name}
 
 
@@ -285,7 +287,7 @@ def test_wrong_sink_gradients_are_caught(kind):
     assert not _check(q, k, v, opts, "fast", {}, True, backward=_wrong(kind)).ok
 
 
-@pytest.mark.parametrize("method", ["fast", "plain", "reproducible"])
+@pytest.mark.parametrize("method", ["fast", "plain", "tiled-2", "reproducible"])
 @pytest.mark.parametrize("sinks_shape", [(2,), (2, 2)])
 def test_the_jvp_with_sinks_matches_central_differences(method, sinks_shape):
     """In (q, k, v, bias, sinks): the sinks' tangent enters the row sum as -p_sink dsigma."""

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sdpa_ref import scaled_dot_product_attention, sdpa_backward, sdpa_forward
+from sdpa_ref import scaled_dot_product_attention, sdpa_backward, sdpa_forward, sdpa_jvp
 from sdpa_ref.harness.grid import gradcheck_grid as attention_cases
 from sdpa_ref.harness.selfcheck import differentiable_inputs as make_attention_inputs
-from sdpa_ref.engines.tiled import auto_block_size
+from sdpa_ref.engines.blocks import auto_block_size
 
 from helpers import assert_close_normwise
 from strategies import variant_problem
@@ -32,6 +32,11 @@ def _compare(q, k, v, opts, block):
     g = np.random.default_rng(0).standard_normal(out.shape)
     for a, b in zip(sdpa_backward(res, g), sdpa_backward(res_t, g)):
         _close(a, b)
+    rng = np.random.default_rng(1)                       # forward mode: the core's JVP on P, and block by block
+    ts = [rng.standard_normal(np.shape(x)) for x in (q, k, v)]
+    for extra in ("bias", "sinks"):
+        ts.append(None if opts.get(extra) is None else rng.standard_normal(np.shape(opts[extra])))
+    _close(sdpa_jvp((q, k, v), tuple(ts), **opts)[1], sdpa_jvp((q, k, v), tuple(ts), block_size=block, **opts)[1])
 
 
 @given(variant_problem(max_len=7), st.sampled_from([1, 2, 3, 5, 64]))
@@ -97,6 +102,15 @@ def test_tiled_path_allocates_nothing_of_size_L_times_S():
     ref = scaled_dot_product_attention(q[:, :256], k, v, is_causal=True, window=(300, None))
     np.testing.assert_allclose(out[:, :256], ref, rtol=1e-12, atol=1e-13)
     assert np.isfinite(grads.key).all()
+    tracemalloc.start()                                  # forward mode too: no L x S array
+    try:
+        _, dout = sdpa_jvp((q, k, v), (g, g, g), is_causal=True, window=(300, None), block_size=128)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < dense_bytes / 4, f"JVP peak {peak / 2**20:.1f} MiB"
+    _, ref_t = sdpa_jvp((q[:, :256], k, v), (g[:, :256], g, g), is_causal=True, window=(300, None))
+    np.testing.assert_allclose(dout[:, :256], ref_t, rtol=1e-11, atol=1e-12)
 
 
 @given(variant_problem(max_len=6), st.sampled_from([1, 4]))

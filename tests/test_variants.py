@@ -73,8 +73,9 @@ def test_lse_backward_equals_probs_backward(problem):
         np.testing.assert_array_equal(y, z)
 
 
-@given(variant_problem())
-def test_jvp_vjp_inner_product_identity(problem):
+@pytest.mark.parametrize("engine", [{}, {"block_size": 2}], ids=["fast", "tiled-2"])
+@given(problem=variant_problem())
+def test_jvp_vjp_inner_product_identity(problem, engine):
     q, k, v, opts, _ = problem
     if opts["fully_masked"] == "nan":
         opts = dict(opts, fully_masked="zero")
@@ -82,7 +83,7 @@ def test_jvp_vjp_inner_product_identity(problem):
     ts = [rng.standard_normal(a.shape) for a in (q, k, v)]
     if "bias" in opts:
         ts.append(rng.standard_normal(opts["bias"].shape))
-    out, dout = sdpa_jvp((q, k, v), tuple(ts), **opts)
+    out, dout = sdpa_jvp((q, k, v), tuple(ts), **engine, **opts)
     g = rng.standard_normal(out.shape)
     gr = _grads(sdpa_forward(q, k, v, **opts)[1], g)
     lhs = np.sum(g * dout)
@@ -97,10 +98,12 @@ def test_jvp_matches_the_complex_step_directly():
     opts = dict(softcap=1.3, is_causal=True, causal_alignment="bottom_right", alibi_slopes=np.array([0.3, 0.7]))
     ts = [rng.standard_normal(a.shape) for a in (q, k, v, b)]
     _, dout = sdpa_jvp((q, k, v), tuple(ts), bias=b, **opts)
+    _, dout_tiled = sdpa_jvp((q, k, v), tuple(ts), bias=b, block_size=2, **opts)
     h = 1e-30
     cs = sdpa_forward_complex(q + 1j * h * ts[0], k + 1j * h * ts[1], v + 1j * h * ts[2], bias=b + 1j * h * ts[3],
                               **opts).imag / h
     np.testing.assert_allclose(dout, cs, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(dout_tiled, cs, rtol=1e-13, atol=1e-15)
     np.testing.assert_allclose(sdpa_forward_complex(q, k, v, bias=b, **opts).real,
                                sdpa_forward(q, k, v, bias=b, **opts)[0], rtol=1e-15, atol=1e-15)
 

@@ -1,9 +1,12 @@
 r"""The contract every engine implements, and what the public API hands the user between passes.
 
-An engine is a module with two functions::
+An engine is a module with these functions::
 
     forward(prob, *, save_probs=True) -> Forward      (the tiled engine: block_size= instead)
-    backward(prob, fwd, dO) -> Grads                  (the tiled engine: block_size= too)
+    backward(prob, fwd, dO, dlse=None) -> Grads       (the tiled engine: block_size= too)
+    jvp(prob, fwd, dq, dk, dv, dbias, dv_full, dsinks) -> dO
+                                                      (the tiled engine: block_size= too; the fast engine
+                                                      has none: forward mode runs the core's on its P)
 
 ``prob`` is a validated :class:`~sdpa_ref.problem.Problem` (compute dtype,
 ``q`` as ``(..., Hkv, G, L, E)``); ``dO`` is ``(*batch, Hq, L, Ev)`` in the

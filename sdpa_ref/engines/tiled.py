@@ -31,60 +31,17 @@ one in a second pass over the keys for the row blocks that have such rows).
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
-from ..exact import _native
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, policy_fill
 from ..arith import NUMPY
 from ..sinks import fold_sink, sink_grad_in, sink_probs
-from ..transforms import dropout_forward, scores_forward, scores_vjp, transform_scores, transform_scores_vjp, \
+from ..transforms import dropout_forward, scores_jvp, scores_vjp, transform_scores_jvp, transform_scores_vjp, \
     unbroadcast
+from .blocks import Blocks, check_block_size, exp_inplace as _exp, ranges as _ranges
 from .contract import Forward, Grads
 
-__all__ = ["DEFAULT_BLOCK_BUDGET", "auto_block_size", "backward", "check_block_size", "forward", "lse_blocks"]
-
-#: Memory budget (bytes) for the block temporaries of ``block_size="auto"``.
-DEFAULT_BLOCK_BUDGET = 64 * 2**20
-#: How many block-sized temporaries a backward step holds at once.
-_TEMPS = 6
-
-
-def check_block_size(block_size, prob):
-    """``None``, a positive int, or ``"auto"`` (resolved here)."""
-    if block_size is None:
-        return None
-    if isinstance(block_size, str):
-        if block_size != "auto":
-            raise ValueError(f"`block_size` should be None, a positive int or 'auto', but got {block_size!r}")
-        return auto_block_size(prob)
-    if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (numbers.Integral, np.integer)) \
-            or block_size < 1:
-        raise ValueError(f"`block_size` should be None, a positive int or 'auto', but got {block_size!r}")
-    return int(block_size)
-
-
-def lse_blocks(L, S):
-    """The ``(rows, keys)`` blocks of the ``"lse"`` backward of dense residuals: every key in one block (one sweep),
-    the rows in four blocks of at least 128, so that it peaks below the default path (``benchmarks/bench_memory.py``:
-    about 1.1 to 1.3 ``L x S`` arrays against 1.5 to 3.3)."""
-    return max(128, -(-L // 4)), max(S, 1)
-
-
-def auto_block_size(prob, budget: int = DEFAULT_BLOCK_BUDGET) -> int:
-    """The largest multiple of 16 (at least 16) whose block temporaries fit ``budget``.
-
-    A block holds ``n_heads_total * b * b`` entries, ``n_heads_total`` being the
-    product of the batch dims and ``Hq``; about six such arrays live at once.
-    """
-    L, S = prob.L, prob.S
-    heads = int(np.prod(prob.full_scores[:-2])) or 1
-    itemsize = np.dtype(prob.dtype).itemsize
-    b = int(np.sqrt(budget / (_TEMPS * itemsize * heads)))
-    b = max(16, (b // 16) * 16)
-    return max(1, min(b, max(L, S, 1)))
-
+__all__ = ["backward", "forward", "jvp"]
 
 # ----------------------------------------------------------------- forward
 
@@ -92,7 +49,7 @@ def auto_block_size(prob, budget: int = DEFAULT_BLOCK_BUDGET) -> int:
 def forward(prob, *, block_size="auto") -> Forward:
     """Online-softmax forward; ``probs`` and softcap's slope are never kept (there is no ``L x S`` array to keep)."""
     block = check_block_size(block_size, prob)
-    o, bl = prob.options, _Blocks(prob)
+    o, bl = prob.options, Blocks(prob)
     L, S = prob.L, prob.S
     lead = prob.batch + (prob.Hq,)
     Ev, ct = prob.v.shape[-1], prob.dtype
@@ -155,17 +112,88 @@ def _policy_rows(prob, bl, out, row_empty, i0, i1):
     return out if padded is None else np.where(padded, out.dtype.type(0), out)
 
 
-# ---------------------------------------------------------------- backward
+# ------------------------------------------------------- backward and JVP
+
+
+class _Sweeps:
+    r"""The softmax VJP of one block of rows, key block by key block, in the pivoted form.
+
+    The softmax Jacobian :math:`J = \mathrm{diag}(P) - P P^T` is symmetric, so the backward (``g`` the
+    probabilities' cotangent :math:`dP`) and the JVP (``g`` the scores' tangent :math:`dT`) both compute
+    :math:`P \odot (g - \mathrm{rowsum}(P \odot g))`. The first sweep finds, from each key block's own pivot,
+    one pivot ``c`` (``g`` at the row's largest ``P``) and :math:`D = \mathrm{rowsum}(P (g - c))`
+    (:func:`_pivot_and_D`); :meth:`second` recomputes each block and yields
+    :math:`P \odot ((g - c) - D)`. A sink is one more column with probability ``ps`` and no value, whose
+    ``g`` is ``g_sink`` (the backward: 0; the JVP: the sink's tangent). With one key block the two sweeps
+    share one recomputation.
+
+    ``g_block(j0, j1, P, keep, sech2)`` gives a fresh array ``g`` for one block.
+    """
+
+    def __init__(self, prob, bl, fwd, i0, i1, cb, g_block, g_sink=None):
+        o, ct = prob.options, prob.dtype
+        self.prob, self.bl, self.i0, self.i1, self.g_block = prob, bl, i0, i1, g_block
+        self.em = fwd.empty[..., i0:i1, :]
+        self.pad = prob.padded_rows((i0, i1))
+        self.m = fwd.rowmax.reshape(prob.full_scores[:-1] + (1,))[..., i0:i1, :]
+        self.s = np.where(self.em, ct.type(1), fwd.rowsum.reshape(prob.full_scores[:-1] + (1,))[..., i0:i1, :])
+        self.const = constant_rows(self.em, self.pad, o.fully_masked)         # P does not depend on T there
+        self.jobs = []
+        for j0, j1 in _ranges(prob.S, cb):
+            allowed = prob.allowed((i0, i1), (j0, j1))
+            skip = allowed is not None and not np.any(allowed)
+            if skip and not (o.fully_masked in ("uniform", "nan") and np.any(self.em)):
+                continue                                            # P = 0 on the whole block
+            self.jobs.append((j0, j1, skip, allowed))
+        self.cached = self._recompute(*self.jobs[0]) if len(self.jobs) == 1 else None
+        self.ps = None if prob.sink is None else sink_probs(prob.sink, fwd.lse[..., i0:i1, None])
+        parts = []
+        if self.ps is not None:                                     # the sink's column: g_sink, its own pivot
+            gs = np.zeros(self.ps.shape) if g_sink is None else np.broadcast_to(g_sink, self.ps.shape)
+            parts.append((self.ps, gs, np.zeros(self.ps.shape), self.ps))
+        for job in self.jobs:
+            P, g, _, _ = self.cached if self.cached is not None else self._recompute(*job)
+            idx = np.argmax(P.real, axis=-1, keepdims=True)
+            c_b = np.take_along_axis(g, idx, axis=-1)
+            np.subtract(g, c_b, out=g)
+            parts.append((np.take_along_axis(P.real, idx, axis=-1), c_b, _rowdot(P, g), _rowdot(P, None)))
+        self.parts = parts
+        self.c, self.D = _pivot_and_D(parts) if parts else (None, None)
+
+    def _recompute(self, j0, j1, skip, allowed):
+        """``(P, g, sech2, keep)`` of one block; ``g`` is a fresh array."""
+        prob, o, ct, i0, i1 = self.prob, self.prob.options, self.prob.dtype, self.i0, self.i1
+        if skip:
+            T, sech2 = np.full(prob.batch + (prob.Hq, i1 - i0, j1 - j0), -np.inf, dtype=ct), None
+        else:
+            T, sech2 = self.bl.scores(i0, i1, j0, j1, allowed, sech2=True)
+        with np.errstate(invalid="ignore", over="ignore"):
+            P = _exp(T - self.m) / self.s                           # as the forward made it
+        P = fill_empty_rows(P, self.em, self.pad, o.fully_masked, prob.S)
+        keep = self.bl.keep(i0, i1, j0, j1)
+        return P, self.g_block(j0, j1, P, keep, sech2), sech2, keep
+
+    def second(self, D):
+        """``(j0, j1, P, keep, sech2, t)`` per key block, ``t = P ((g - c) - D)`` (0 on the constant rows)."""
+        ct = self.prob.dtype
+        for job in self.jobs:
+            if self.cached is not None:
+                P, g, sech2, keep = self.cached                     # g - c already ...
+                if self.ps is not None:                             # ... unless the sink holds the pivot
+                    np.add(g, self.parts[1][1] - self.c, out=g)
+            else:
+                P, g, sech2, keep = self._recompute(*job)
+                np.subtract(g, self.c, out=g)
+            np.subtract(g, D, out=g)
+            t = np.multiply(P, g, out=g)
+            if self.const is not None:
+                t = np.where(self.const, ct.type(0), t)
+            yield job[0], job[1], P, keep, sech2, t
 
 
 def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
-    """Blockwise recomputation backward: ``P = exp(T - m) / s`` block by block, the softmax VJP pivoted.
-
-    For each block of rows, a first sweep over the key blocks finds the
-    pivot ``c`` (``dP`` at the row's largest ``P``) and
-    ``D = rowsum(P * (dP - c))``; the second computes the gradients with
-    ``dT = P * ((dP - c) - D)``. With one key block (the dense ``"lse"``
-    backward) the two sweeps share one recomputation.
+    """Blockwise recomputation backward: ``P = exp(T - m) / s`` block by block, the softmax VJP pivoted
+    (:class:`_Sweeps` with ``g = dP = (dO V^T) Z / (1 - p)``).
 
     ``dlse`` ``(*batch, Hq, L, 1)``, the LSE's cotangent (or None), is folded into ``D`` as FlashAttention 4
     does: ``dT = P * ((dP - c) - (D - dlse))`` (:func:`sdpa_ref.softmax.softmax_lse_vjp`, as
@@ -176,12 +204,10 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
     temporaries stay below one ``L x S`` array.
     """
     rb, cb = block_size if isinstance(block_size, tuple) else (check_block_size(block_size, prob),) * 2
-    o, bl = prob.options, _Blocks(prob)
+    o, bl = prob.options, Blocks(prob)
     L, S, Hq, Hkv = prob.L, prob.S, prob.Hq, prob.Hkv
     ct, full = prob.dtype, prob.full_scores
     nd = len(full)
-    rowmax = fwd.rowmax.reshape(full[:-1] + (1,))
-    rowsum = fwd.rowsum.reshape(full[:-1] + (1,))
     E = prob.q.shape[-1]
     dq = np.zeros(full[:-1] + (E,), dtype=ct)
     dk = np.zeros(prob.batch + (Hkv, S, E), dtype=ct)
@@ -192,68 +218,22 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
 
     def rows(i0, i1):
         """One block of rows; its temporaries die with the call, before the next block makes its own."""
-        em = fwd.empty[..., i0:i1, :]
-        pad = prob.padded_rows((i0, i1))
-        m_i = rowmax[..., i0:i1, :]
-        s_i = np.where(em, ct.type(1), rowsum[..., i0:i1, :])
         dOg = bl.grouped(dO[..., i0:i1, :])
-        jobs = []
-        for j0, j1 in _ranges(S, cb):
-            allowed = prob.allowed((i0, i1), (j0, j1))
-            skip = allowed is not None and not np.any(allowed)
-            if skip and not (o.fully_masked in ("uniform", "nan") and np.any(em)):
-                continue                                            # P = 0 on the whole block
-            jobs.append((j0, j1, skip, allowed))
 
-        def recompute(j0, j1, skip, allowed):
-            """``(P, dP, sech2, keep)`` of one block; ``dP`` is a fresh array."""
-            if skip:
-                T, sech2 = np.full(prob.batch + (Hq, i1 - i0, j1 - j0), -np.inf, dtype=ct), None
-            else:
-                T, sech2 = bl.scores(i0, i1, j0, j1, allowed, sech2=True)
-            with np.errstate(invalid="ignore", over="ignore"):
-                P = _exp(T - m_i) / s_i                             # as the forward made it
-            P = fill_empty_rows(P, em, pad, o.fully_masked, S)
-            keep = bl.keep(i0, i1, j0, j1)
+        def dP_of(j0, j1, P, keep, sech2):                          # dO V^T Z / (1 - p)
             dP = (dOg @ np.swapaxes(prob.v[..., None, j0:j1, :], -1, -2)).reshape(P.shape)
-            return P, dropout_forward(dP, keep, o.dropout_p), sech2, keep     # dO V^T Z/(1-p)
+            return dropout_forward(dP, keep, o.dropout_p)
 
-        # sweep 1: per key block its own pivot c_b, rowsum(P (dP - c_b)) and rowsum(P); then one c and D
-        cached = recompute(*jobs[0]) if len(jobs) == 1 else None
-        ps = None if prob.sink is None else sink_probs(prob.sink, fwd.lse[..., i0:i1, None])
-        parts = [] if ps is None else [(ps, np.zeros(ps.shape), np.zeros(ps.shape), ps)]   # the sink: dP = 0
-        for job in jobs:
-            P, dP, _, _ = cached if cached is not None else recompute(*job)
-            idx = np.argmax(P.real, axis=-1, keepdims=True)
-            c_b = np.take_along_axis(dP, idx, axis=-1)
-            np.subtract(dP, c_b, out=dP)
-            parts.append((np.take_along_axis(P.real, idx, axis=-1), c_b, _rowdot(P, dP), _rowdot(P, None)))
-        if not parts:
+        sw = _Sweeps(prob, bl, fwd, i0, i1, cb, dP_of)
+        if sw.c is None:
             return
-        c, D = _pivot_and_D(parts)
-        if dlse is not None:
-            D = D - dlse[..., i0:i1, :]                             # + P * dlse, folded into D
-        if ps is not None:                                          # dsink = p_sink ((0 - c) - D) (sink_softmax_vjp)
-            cr = constant_rows(em, pad, o.fully_masked)
-            ds = sink_grad_in(NUMPY, ps, c, D)
-            dsink[..., i0:i1] = (ds if cr is None else np.where(cr, ct.type(0), ds))[..., 0]
-        # sweep 2: the gradients, dT = P * ((dP - c) - D)
-        for job in jobs:
-            j0, j1 = job[:2]
-            if cached is not None:
-                P, dP, sech2, keep = cached                         # dP - c already ...
-                if ps is not None:                                  # ... unless the sink holds the pivot
-                    np.add(dP, parts[1][1] - c, out=dP)
-            else:
-                P, dP, sech2, keep = recompute(*job)
-                np.subtract(dP, c, out=dP)
+        D = sw.D if dlse is None else sw.D - dlse[..., i0:i1, :]    # + P * dlse, folded into D
+        if sw.ps is not None:                                       # dsink = p_sink ((0 - c) - D) (sink_softmax_vjp)
+            ds = sink_grad_in(NUMPY, sw.ps, sw.c, D)
+            dsink[..., i0:i1] = (ds if sw.const is None else np.where(sw.const, ct.type(0), ds))[..., 0]
+        for j0, j1, P, keep, sech2, dT in sw.second(D):             # dT = P * ((dP - c) - D)
             P_drop = dropout_forward(P, keep, o.dropout_p)
             dv[..., j0:j1, :] += (np.swapaxes(bl.grouped(P_drop), -1, -2) @ dOg).sum(axis=-3)   # P_drop^T dO
-            np.subtract(dP, D, out=dP)
-            dT = np.multiply(P, dP, out=dP)
-            cr = constant_rows(em, pad, o.fully_masked)
-            if cr is not None:                                       # P does not depend on T there
-                dT = np.where(cr, ct.type(0), dT)
             for acc in (dmask, dbias):
                 if acc is not None:                                  # dB = dT, summed to B's shape
                     view = block_of(acc, nd, None, (i0, i1), (j0, j1))
@@ -268,6 +248,59 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
         rows(i0, i1)
     return Grads(dq=dq, dk=dk, dv=dv, dmask=dmask, dbias=dbias,
                  dsinks=None if dsink is None else dsink.sum(axis=-1))
+
+
+def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dsinks=None, *,
+        block_size="auto"):
+    r"""The output tangent ``dO`` ``(*batch, Hq, L, Ev)`` block by block, in the bounded memory of the forward.
+
+    The tangents are those of :func:`sdpa_ref.attention.jvp` (None is zero). Per block of rows,
+    :class:`_Sweeps` with ``g`` the scores' tangent
+    :math:`dT = s (dQ_I K_J^T + Q_I dK_J^T) \odot \mathrm{sech}^2 + dB_{IJ}` (the sink's column: ``dsinks``)
+    gives :math:`dP = P \odot ((dT - c) - D)` per key block, and
+
+    .. math:: dO_I = \sum_J rac{dP_{IJ} \odot Z_{IJ}}{1 - p} V_J + P_{drop,IJ}\, dV_J,
+
+    the rows of ``"uniform"`` that see no key averaging the value tangent as their forward averages the values.
+    """
+    rb = cb = check_block_size(block_size, prob)
+    o, bl = prob.options, Blocks(prob)
+    L, Hq = prob.L, prob.Hq
+    nd = len(prob.full_scores)
+    dO = np.zeros(prob.full_scores[:-1] + (prob.v.shape[-1],), dtype=prob.dtype)
+    scored = dq is not None or dk is not None or dbias is not None or dsinks is not None
+
+    def dT_of(i0, i1):
+        def g(j0, j1, P, keep, sech2):
+            if not scored:
+                return np.zeros(P.shape, P.dtype)
+            t = scores_jvp(prob.q[..., i0:i1, :], prob.k[..., None, j0:j1, :],
+                           None if dq is None else dq[..., i0:i1, :],
+                           None if dk is None else dk[..., None, j0:j1, :], prob.scale)
+            t = np.zeros(P.shape, P.dtype) if t is None else t.reshape(t.shape[:-4] + (Hq,) + t.shape[-2:])
+            db = None if dbias is None else block_of(dbias, nd, None, (i0, i1), (j0, j1))
+            return np.array(np.broadcast_to(transform_scores_jvp(t, sech2, db), P.shape))
+        return g
+
+    for i0, i1 in _ranges(L, rb):
+        gs = None if dsinks is None else np.broadcast_to(dsinks, prob.full_scores[:-2] + (1, 1))
+        sw = _Sweeps(prob, bl, fwd, i0, i1, cb, dT_of(i0, i1), g_sink=gs)
+        if sw.c is None:
+            continue
+        em = sw.em
+        dvu = None if dv is None else prob.averaged_values(em, dv, dv_full, rows=(i0, i1))
+        acc = np.zeros(dO[..., i0:i1, :].shape, dtype=prob.dtype)
+        for j0, j1, P, keep, _, dP in sw.second(sw.D):
+            if scored:
+                acc += bl.times_v(dropout_forward(dP, keep, o.dropout_p), j0, j1)
+            if dv is not None:
+                P_drop = dropout_forward(P, keep, o.dropout_p)
+                u = bl.times_v(P_drop, j0, j1, dv)
+                if dvu is not dv:                                   # the uniform rows: the averaged tangent
+                    u = np.where(em, bl.times_v(P_drop, j0, j1, dvu), u)
+                acc += u
+        dO[..., i0:i1, :] = acc
+    return dO
 
 
 def _rowdot(P, X):
@@ -288,50 +321,3 @@ def _pivot_and_D(parts):
     for b in range(1, len(parts)):
         D = D + (s1[b] + (cb[b] - c) * sp[b])
     return c, D
-
-
-# ------------------------------------------------------------------ blocks
-
-
-class _Blocks:
-    """Scores, dropout and ``P V`` of one (row block, key block) of a problem."""
-
-    def __init__(self, prob):
-        self.p = prob
-
-    def scores(self, i0, i1, j0, j1, allowed, sech2=False):
-        """``(T, sech2)`` of the block, ``(*batch, Hq, bi, bj)`` (softcap's slope with ``sech2``, else None)."""
-        p = self.p
-        T = scores_forward(p.q[..., i0:i1, :], p.k[..., None, j0:j1, :], p.scale)   # (..., Hkv, G, bi, bj)
-        T = T.reshape(T.shape[:-4] + (p.Hq, i1 - i0, j1 - j0))
-        want = p.batch + T.shape[-3:]
-        if T.shape != want:                                          # batch dims that only `value` has
-            T = np.broadcast_to(T, want).copy()
-        return transform_scores(p, T, (i0, i1), (j0, j1), sech2=sech2, allowed=allowed)
-
-    def keep(self, i0, i1, j0, j1):
-        return block_of(self.p.keep, len(self.p.full_scores), None, (i0, i1), (j0, j1))
-
-    def times_v(self, P, j0, j1, v=None):
-        """``P (..., Hq, bi, bj) @ V_J`` per kv head (``v``: other values than the problem's): ``(..., Hq, bi, Ev)``."""
-        v = self.p.v if v is None else v
-        out = self.grouped(P) @ v[..., None, j0:j1, :]
-        return out.reshape(out.shape[:-4] + (self.p.Hq,) + out.shape[-2:])
-
-    def grouped(self, x):
-        """``(..., Hq, b, n)`` -> ``(..., Hkv, G, b, n)``."""
-        return x.reshape(x.shape[:-3] + (self.p.Hkv, self.p.G) + x.shape[-2:])
-
-
-def _ranges(n, b):
-    return [(s, min(s + b, n)) for s in range(0, n, b)] if n else []
-
-
-def _exp(x):
-    """``exp`` of the fresh array ``x``, in place: the fast row passes' compiled SIMD exp (within 1 ulp,
-    :mod:`sdpa_ref.exact._native`) for real float64 and float32, NumPy's otherwise (complex, for the complex
-    step, or without a compiler)."""
-    lib = _native.kernels()
-    if lib is not None and x.dtype in (np.float64, np.float32) and x.flags.c_contiguous and x.flags.writeable:
-        return _native.fast_exp(lib, x, out=x)
-    return np.exp(x)
