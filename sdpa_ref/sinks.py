@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .arith import NUMPY
+from .pivot import sink_grad_in, sink_softmax_vjp_in
 
 __all__ = ["check_sinks", "fold_sink", "fold_sink_in", "sink_grad_in", "sink_probs", "sink_softmax_vjp",
            "sink_softmax_vjp_in"]
@@ -72,50 +73,6 @@ def sink_probs(sink, lse):
     ``lse`` is ``-inf`` (no key and no sink)."""
     with np.errstate(invalid="ignore"):
         return np.where(lse == -np.inf, 0.0, np.exp(sink - np.where(lse == -np.inf, 0.0, lse)))
-
-
-def sink_grad_in(X, p_sink, c, D):
-    r"""The sink's gradient on each row, :math:`d\sigma = p_\sigma\, ((0 - c) - D)`: the softmax VJP's entry of
-    a column whose :math:`dP` is 0, pivoted by :math:`c` (``D`` with ``dlse`` already folded in)."""
-    return X.mul(p_sink, X.neg(X.add(c, D)))
-
-
-def sink_softmax_vjp_in(X, P, dP, p_sink, g_lse=None, d_sink=None):
-    r"""The softmax VJP of a row with a sink, over an arithmetic ``X``: ``(dT, dsink)``, ``dsink`` ``(..., 1)``.
-
-    The sink is a column with probability ``p_sink`` ``(..., 1)`` and :math:`dP = 0` (it has no value), so
-    :func:`softmax_vjp` over the keys and the sink gives, with :math:`D = \sum_j P_j dP_j`,
-
-    .. math:: dT = P \odot (dP - D + \bar\lambda), \qquad d\sigma = p_\sigma (0 - D + \bar\lambda)
-              = -p_\sigma (D - \bar\lambda),
-
-    the sink gradient of FlashAttention #2706 and splash attention (:math:`\bar\lambda` = ``g_lse``, or 0).
-    Pivoted as :func:`row_pivot`: :math:`c` is :math:`dP` at the row's largest probability, 0 when that is the
-    sink's (the sink is column 0: it wins a tie), and :math:`D - c = \sum_j P_j (dP_j - c) - c\, p_\sigma`
-    since the probabilities sum to 1.
-
-    The softmax Jacobian is symmetric, so the same map is the JVP: ``dP`` is then the scores' tangent
-    :math:`dT` and ``d_sink`` ``(..., 1)`` the sink's tangent :math:`d\sigma` (the sink column's entry, 0 when
-    None), giving :math:`dP = P \odot (dT - \sum_j P_j dT_j - p_\sigma d\sigma)`.
-    """
-    Pv, ps = X.value(P), X.value(p_sink)
-    cs = X.const(0.0) if d_sink is None else X.lift(np.broadcast_to(d_sink, np.shape(ps)))
-    if Pv.shape[-1]:
-        top = ps >= np.max(Pv, axis=-1, keepdims=True)
-        c = X.where(top, cs, X.take(dP, np.argmax(Pv, axis=-1)[..., None]))
-    else:                                                           # no key: the sink holds the row
-        c = X.add(X.mul(p_sink, X.const(0.0)), cs)
-    gc = X.sub(dP, c)
-    if d_sink is None:                                              # the sink's column: 0 - c
-        D = X.sub(X.sum(X.mul(P, gc), keepdims=True), X.mul(c, p_sink))
-    else:
-        gs = X.sub(cs, c)
-        D = X.add(X.sum(X.mul(P, gc), keepdims=True), X.mul(p_sink, gs))
-    if g_lse is not None:
-        D = X.add_d(D, -g_lse)
-    if d_sink is None:
-        return X.mul(P, X.sub(gc, D)), sink_grad_in(X, p_sink, c, D)
-    return X.mul(P, X.sub(gc, D)), X.mul(p_sink, X.sub(gs, D))
 
 
 def sink_softmax_vjp(P, dP, p_sink, g_lse=None, d_sink=None):

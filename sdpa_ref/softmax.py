@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._validate import check_axis
+from .pivot import pivoted_vjp, row_pivot
 
 __all__ = [
     "logsumexp",
@@ -165,24 +166,6 @@ def softmax_parts(x, axis=-1):
         return e / s, m, s
 
 
-def row_pivot(y, g, axis=-1):
-    r"""``g`` at each row's largest ``y`` (the axis kept, length 1): the pivot of the softmax derivatives.
-
-    :math:`\sum_j y_j = 1`, so for any constant :math:`c`
-
-    .. math:: g - \textstyle\sum_k y_k g_k = (g - c) - \sum_k y_k (g_k - c).
-
-    With :math:`c = g_{j^*}` at the row's largest :math:`y` the dominant term
-    of the sum is exactly 0, and the rounding error of the sum shrinks with
-    the weight of the other terms: on peaked rows, where the plain form
-    cancels, by orders of magnitude (``benchmarks/accuracy_study.py``).
-    """
-    if y.shape[axis] == 0:
-        return np.zeros(y.shape[:axis % y.ndim] + (1,) + y.shape[axis % y.ndim + 1:], dtype=g.dtype)
-    idx = np.argmax(y.real, axis=axis, keepdims=True)
-    return np.take_along_axis(g, idx, axis=axis)
-
-
 def log_softmax(x, axis=-1):
     r"""Log of the softmax along ``axis``, computed directly.
 
@@ -245,8 +228,7 @@ def softmax_vjp(y, g, axis=-1):
     cancellation of the dominant term done exactly.
     """
     y, g, axis = _prepare_pair(y, g, axis, "y", "g")
-    gc = g - row_pivot(y, g, axis)
-    return y * (gc - np.sum(gc * y, axis=axis, keepdims=True))
+    return pivoted_vjp(y, g, axis)
 
 
 def softmax_lse_vjp(y, g, g_lse, axis=-1):
@@ -286,22 +268,6 @@ def softmax_lse_vjp(y, g, g_lse, axis=-1):
         raise ValueError(f"`g_lse` should have the shape {want} of softmax_lse's lse (the axis kept), "
                          f"but got shape {gl.shape}")
     return softmax_vjp(y, g, axis) + y * gl
-
-
-def softmax_vjp_in(X, P, g, g_lse=None):
-    """:func:`softmax_vjp` (and :func:`softmax_lse_vjp` with ``g_lse`` ``(..., 1)``) over the rows of an
-    arithmetic ``X`` (:mod:`sdpa_ref.exact.arith`): ``P * ((g - c) - rowsum(P * (g - c))) [+ P * g_lse]``,
-    ``c = g`` at the row's first largest ``P``; the arithmetic's compiled row pass where it has one (the same
-    operations, the same bits)."""
-    fused = getattr(X, "softmax_vjp_rows", None)
-    out = None if fused is None else fused(P, g)
-    if out is None and X.value(P).shape[-1] == 0:          # S = 0: no entry, and no pivot to take
-        return P
-    if out is None:
-        idx = np.argmax(X.value(P), axis=-1)[..., None]
-        gc = X.sub(g, X.take(g, idx))
-        out = X.mul(P, X.sub(gc, X.sum(X.mul(P, gc), keepdims=True)))
-    return out if g_lse is None else X.add(out, X.mul_d(P, g_lse))
 
 
 def log_softmax_vjp(y, g, axis=-1):
@@ -352,8 +318,7 @@ def softmax_jvp(y, dx, axis=-1):
     .. math:: dy = J\,dx = y \odot (dx - \textstyle\sum_k y_k\,dx_k).
     """
     y, dx, axis = _prepare_pair(y, dx, axis, "y", "dx")
-    dxc = dx - row_pivot(y, dx, axis)                      # pivoted, as in softmax_vjp
-    return y * (dxc - np.sum(y * dxc, axis=axis, keepdims=True))
+    return pivoted_vjp(y, dx, axis)                        # J is symmetric: the VJP's map
 
 
 def softmax_jacobian(y, axis=-1):

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 import sdpa_ref
 from sdpa_ref.exact import dd as D
 from sdpa_ref.exact import ozaki
-from sdpa_ref.softmax import softmax_vjp_in
+from sdpa_ref.pivot import softmax_vjp_in
 
 from helpers import assert_close_normwise, assert_faithful as _faithful
 from oracle import oracle_attention

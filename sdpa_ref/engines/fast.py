@@ -13,7 +13,7 @@ is how:
   then ``P`` (divided by the row sum); the backward turns
   ``dO V^T`` into ``dT`` in place; the row passes work on blocks of rows
   small enough to stay in cache;
-* the softmax VJP in the pivoted form of :func:`sdpa_ref.softmax.row_pivot`
+* the softmax VJP in the pivoted form of :func:`sdpa_ref.pivot.row_pivot`
   (``dP - c`` with ``c`` at the row's largest ``P``, then
   ``D = rowsum(P * (dP - c))``), one pass per cache-sized block of rows: on
   peaked rows it is several times more accurate than FlashAttention's
@@ -47,7 +47,7 @@ import numpy as np
 from ..exact import _native
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from ..sinks import fold_sink, sink_probs, sink_softmax_vjp
-from ..softmax import row_pivot
+from ..pivot import softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_vjp, transform_scores, \
     transform_scores_vjp
 from .._threads import blas_is_held, num_threads, row_chunks, run_all
@@ -172,15 +172,10 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     sub = max(1, _CACHE_ENTRIES // max(S, 1))
 
     def score_grad_rows(d, p):
-        # dT = P * ((dP - c) - rowsum(P * (dP - c))), c = dP at the row's largest P (softmax.row_pivot)
+        # dT = P * ((dP - c) - rowsum(P * (dP - c))), c = dP at the row's largest P (pivot.row_pivot)
         if _fused(d, p):
             return _native.fast_softmax_vjp_rows(_native.kernels(), d, p)
-        for r0 in range(0, d.shape[0], sub):
-            db, pb = d[r0:r0 + sub], p[r0:r0 + sub]
-            np.subtract(db, row_pivot(pb, db), out=db)
-            D = np.einsum("ij,ij->i", db, pb)[:, None]
-            np.subtract(db, D, out=db)
-            np.multiply(db, pb, out=db)
+        softmax_vjp_rows(d, p, sub)
 
     def chunk(idx, inner_parallel):
         fidx = lay.full_index(idx)

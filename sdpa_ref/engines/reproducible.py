@@ -47,7 +47,7 @@ import numpy as np
 
 from ..exact.arith import for_problem
 from ..sinks import fold_sink_in, sink_softmax_vjp_in
-from ..softmax import softmax_vjp_in
+from ..pivot import softmax_vjp_in
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
 from ..transforms import additive_forward_in, alibi_distance, alibi_forward_in, softcap_forward_in, unbroadcast
 from .._threads import run_all

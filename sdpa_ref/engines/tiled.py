@@ -10,7 +10,7 @@ backward walks the same blocks and recomputes each block's
 that the forward kept apart (:math:`e^{T - \mathrm{lse}}` would lose what
 ``lse = m + log s`` rounded away: everything, once the scores are large),
 with the softmax VJP in the pivoted form of
-:func:`sdpa_ref.softmax.row_pivot`.
+:func:`sdpa_ref.pivot.row_pivot`.
 It is also the ``"lse"`` backward of dense residuals (:func:`lse_blocks`: row
 blocks holding every key): FlashAttention's recomputing backward, made stable.
 
@@ -35,6 +35,7 @@ import numpy as np
 
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, policy_fill
 from ..arith import NUMPY
+from ..pivot import block_partial, combine_partials
 from ..sinks import fold_sink, sink_grad_in, sink_probs
 from ..transforms import dropout_forward, scores_jvp, scores_vjp, transform_scores_jvp, transform_scores_vjp, \
     unbroadcast
@@ -122,7 +123,7 @@ class _Sweeps:
     probabilities' cotangent :math:`dP`) and the JVP (``g`` the scores' tangent :math:`dT`) both compute
     :math:`P \odot (g - \mathrm{rowsum}(P \odot g))`. The first sweep finds, from each key block's own pivot,
     one pivot ``c`` (``g`` at the row's largest ``P``) and :math:`D = \mathrm{rowsum}(P (g - c))`
-    (:func:`_pivot_and_D`); :meth:`second` recomputes each block and yields
+    (:func:`sdpa_ref.pivot.combine_partials`); :meth:`second` recomputes each block and yields
     :math:`P \odot ((g - c) - D)`. A sink is one more column with probability ``ps`` and no value, whose
     ``g`` is ``g_sink`` (the backward: 0; the JVP: the sink's tangent). With one key block the two sweeps
     share one recomputation.
@@ -153,12 +154,9 @@ class _Sweeps:
             parts.append((self.ps, gs, np.zeros(self.ps.shape), self.ps))
         for job in self.jobs:
             P, g, _, _ = self.cached if self.cached is not None else self._recompute(*job)
-            idx = np.argmax(P.real, axis=-1, keepdims=True)
-            c_b = np.take_along_axis(g, idx, axis=-1)
-            np.subtract(g, c_b, out=g)
-            parts.append((np.take_along_axis(P.real, idx, axis=-1), c_b, _rowdot(P, g), _rowdot(P, None)))
+            parts.append(block_partial(P, g))                       # g - c_b, in place
         self.parts = parts
-        self.c, self.D = _pivot_and_D(parts) if parts else (None, None)
+        self.c, self.D = combine_partials(parts) if parts else (None, None)
 
     def _recompute(self, j0, j1, skip, allowed):
         """``(P, g, sech2, keep)`` of one block; ``g`` is a fresh array."""
@@ -301,23 +299,3 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
                 acc += u
         dO[..., i0:i1, :] = acc
     return dO
-
-
-def _rowdot(P, X):
-    """``rowsum(P * X)`` (``X=None``: ``rowsum(P)``), keeping the axis, without an ``L x S`` temporary."""
-    if X is None:
-        return np.sum(P, axis=-1, keepdims=True)
-    return np.einsum("...j,...j->...", P, X)[..., None]
-
-
-def _pivot_and_D(parts):
-    """One pivot ``c`` and ``D = rowsum(P (dP - c))`` from the key blocks' ``(max P, c_b, rowsum(P (dP - c_b)),
-    rowsum(P))``: ``c`` is the ``c_b`` of the block holding the row's largest ``P`` (the first such), and
-    ``sum_b [rowsum(P (dP - c_b)) + (c_b - c) rowsum(P)]`` is ``D``, the pivot block's correction exactly 0."""
-    pm, cb, s1, sp = (np.stack(x) for x in zip(*parts))
-    best = np.argmax(pm, axis=0)[None]
-    c = np.take_along_axis(cb, best, axis=0)[0]
-    D = s1[0] + (cb[0] - c) * sp[0]
-    for b in range(1, len(parts)):
-        D = D + (s1[b] + (cb[b] - c) * sp[b])
-    return c, D

@@ -1,0 +1,153 @@
+r"""The pivoted softmax VJP: the one home of the formula every engine evaluates.
+
+The softmax Jacobian is :math:`J = \mathrm{diag}(P) - P P^T`, symmetric, so the VJP of a cotangent ``g`` and
+the JVP of a tangent are the same map. Since :math:`\sum_k P_k = 1`, for any constant :math:`c`
+
+.. math:: J g = P \odot (g - \textstyle\sum_k P_k g_k) = P \odot ((g - c) - \sum_k P_k (g_k - c)),
+
+and the package takes :math:`c = g_{k^*}` at the row's first largest :math:`P` (:func:`row_pivot`): the
+dominant term of the sum is then exactly 0 and the cancellation of the plain form on peaked rows is gone. Every
+engine computes this form, from here:
+
+* :func:`pivoted_vjp` -- along any axis, in NumPy (:func:`sdpa_ref.softmax.softmax_vjp` and ``softmax_jvp``,
+  the teaching core);
+* :func:`softmax_vjp_in` -- over the rows of an arithmetic (:mod:`sdpa_ref.arith`; double-double and the honest
+  low precision of ``precision="reproducible"``);
+* :func:`softmax_vjp_rows` -- in place on a block of rows (the fast engine, where the compiled row pass does not
+  run);
+* :func:`sink_softmax_vjp_in`, :func:`sink_grad_in` -- a row with a sink: one more column with no value;
+* :func:`block_partial`, :func:`combine_partials` -- a row split into key blocks (the tiled engine): each block's
+  own pivot and partial sums, then the row's one pivot and :math:`D`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["block_partial", "combine_partials", "pivoted_vjp", "row_pivot", "rowdot", "sink_grad_in",
+           "sink_softmax_vjp_in", "softmax_vjp_in", "softmax_vjp_rows"]
+
+
+def row_pivot(y, g, axis=-1):
+    r"""``g`` at each row's largest ``y`` (the axis kept, length 1): the pivot of the softmax derivatives.
+
+    :math:`\sum_j y_j = 1`, so for any constant :math:`c`
+
+    .. math:: g - \textstyle\sum_k y_k g_k = (g - c) - \sum_k y_k (g_k - c).
+
+    With :math:`c = g_{j^*}` at the row's largest :math:`y` the dominant term
+    of the sum is exactly 0, and the rounding error of the sum shrinks with
+    the weight of the other terms: on peaked rows, where the plain form
+    cancels, by orders of magnitude (``benchmarks/accuracy_study.py``).
+    """
+    if y.shape[axis] == 0:
+        return np.zeros(y.shape[:axis % y.ndim] + (1,) + y.shape[axis % y.ndim + 1:], dtype=g.dtype)
+    idx = np.argmax(y.real, axis=axis, keepdims=True)
+    return np.take_along_axis(g, idx, axis=axis)
+
+
+def pivoted_vjp(y, g, axis=-1):
+    """``y * ((g - c) - sum(y * (g - c)))`` along ``axis``, ``c`` = :func:`row_pivot` (validated arrays)."""
+    gc = g - row_pivot(y, g, axis)
+    return y * (gc - np.sum(gc * y, axis=axis, keepdims=True))
+
+
+def softmax_vjp_rows(g, P, rows):
+    """The pivoted VJP in place on the 2-D rows ``g`` (``P`` the same shape), ``rows`` rows at a time (the fast
+    engine's cache-sized passes): ``g`` becomes ``P * ((g - c) - rowsum(P * (g - c)))``."""
+    for r0 in range(0, g.shape[0], rows):
+        gb, pb = g[r0:r0 + rows], P[r0:r0 + rows]
+        np.subtract(gb, row_pivot(pb, gb), out=gb)
+        D = np.einsum("ij,ij->i", gb, pb)[:, None]
+        np.subtract(gb, D, out=gb)
+        np.multiply(gb, pb, out=gb)
+
+
+def block_partial(P, g):
+    """One key block of a row split into blocks: its own pivot ``c_b`` (``g`` at the block's first largest ``P``)
+    is subtracted from ``g`` in place, and ``(max P, c_b, rowsum(P (g - c_b)), rowsum(P))`` returned for
+    :func:`combine_partials`."""
+    idx = np.argmax(P.real, axis=-1, keepdims=True)
+    c_b = np.take_along_axis(g, idx, axis=-1)
+    np.subtract(g, c_b, out=g)
+    return np.take_along_axis(P.real, idx, axis=-1), c_b, rowdot(P, g), rowdot(P, None)
+
+
+def softmax_vjp_in(X, P, g, g_lse=None):
+    """:func:`softmax_vjp` (and :func:`softmax_lse_vjp` with ``g_lse`` ``(..., 1)``) over the rows of an
+    arithmetic ``X`` (:mod:`sdpa_ref.exact.arith`): ``P * ((g - c) - rowsum(P * (g - c))) [+ P * g_lse]``,
+    ``c = g`` at the row's first largest ``P``; the arithmetic's compiled row pass where it has one (the same
+    operations, the same bits)."""
+    fused = getattr(X, "softmax_vjp_rows", None)
+    out = None if fused is None else fused(P, g)
+    if out is None and X.value(P).shape[-1] == 0:          # S = 0: no entry, and no pivot to take
+        return P
+    if out is None:
+        idx = np.argmax(X.value(P), axis=-1)[..., None]
+        gc = X.sub(g, X.take(g, idx))
+        out = X.mul(P, X.sub(gc, X.sum(X.mul(P, gc), keepdims=True)))
+    return out if g_lse is None else X.add(out, X.mul_d(P, g_lse))
+
+
+def sink_grad_in(X, p_sink, c, D):
+    r"""The sink's gradient on each row, :math:`d\sigma = p_\sigma\, ((0 - c) - D)`: the softmax VJP's entry of
+    a column whose :math:`dP` is 0, pivoted by :math:`c` (``D`` with ``dlse`` already folded in)."""
+    return X.mul(p_sink, X.neg(X.add(c, D)))
+
+
+def sink_softmax_vjp_in(X, P, dP, p_sink, g_lse=None, d_sink=None):
+    r"""The softmax VJP of a row with a sink, over an arithmetic ``X``: ``(dT, dsink)``, ``dsink`` ``(..., 1)``.
+
+    The sink is a column with probability ``p_sink`` ``(..., 1)`` and :math:`dP = 0` (it has no value), so
+    :func:`softmax_vjp` over the keys and the sink gives, with :math:`D = \sum_j P_j dP_j`,
+
+    .. math:: dT = P \odot (dP - D + \bar\lambda), \qquad d\sigma = p_\sigma (0 - D + \bar\lambda)
+              = -p_\sigma (D - \bar\lambda),
+
+    the sink gradient of FlashAttention #2706 and splash attention (:math:`\bar\lambda` = ``g_lse``, or 0).
+    Pivoted as :func:`row_pivot`: :math:`c` is :math:`dP` at the row's largest probability, 0 when that is the
+    sink's (the sink is column 0: it wins a tie), and :math:`D - c = \sum_j P_j (dP_j - c) - c\, p_\sigma`
+    since the probabilities sum to 1.
+
+    The softmax Jacobian is symmetric, so the same map is the JVP: ``dP`` is then the scores' tangent
+    :math:`dT` and ``d_sink`` ``(..., 1)`` the sink's tangent :math:`d\sigma` (the sink column's entry, 0 when
+    None), giving :math:`dP = P \odot (dT - \sum_j P_j dT_j - p_\sigma d\sigma)`.
+    """
+    Pv, ps = X.value(P), X.value(p_sink)
+    cs = X.const(0.0) if d_sink is None else X.lift(np.broadcast_to(d_sink, np.shape(ps)))
+    if Pv.shape[-1]:
+        top = ps >= np.max(Pv, axis=-1, keepdims=True)
+        c = X.where(top, cs, X.take(dP, np.argmax(Pv, axis=-1)[..., None]))
+    else:                                                           # no key: the sink holds the row
+        c = X.add(X.mul(p_sink, X.const(0.0)), cs)
+    gc = X.sub(dP, c)
+    if d_sink is None:                                              # the sink's column: 0 - c
+        D = X.sub(X.sum(X.mul(P, gc), keepdims=True), X.mul(c, p_sink))
+    else:
+        gs = X.sub(cs, c)
+        D = X.add(X.sum(X.mul(P, gc), keepdims=True), X.mul(p_sink, gs))
+    if g_lse is not None:
+        D = X.add_d(D, -g_lse)
+    if d_sink is None:
+        return X.mul(P, X.sub(gc, D)), sink_grad_in(X, p_sink, c, D)
+    return X.mul(P, X.sub(gc, D)), X.mul(p_sink, X.sub(gs, D))
+
+
+def rowdot(P, X):
+    """``rowsum(P * X)`` (``X=None``: ``rowsum(P)``), keeping the axis, without an ``L x S`` temporary."""
+    if X is None:
+        return np.sum(P, axis=-1, keepdims=True)
+    return np.einsum("...j,...j->...", P, X)[..., None]
+
+
+def combine_partials(parts):
+    """One pivot ``c`` and ``D = rowsum(P (dP - c))`` from the key blocks' ``(max P, c_b, rowsum(P (dP - c_b)),
+    rowsum(P))``: ``c`` is the ``c_b`` of the block holding the row's largest ``P`` (the first such), and
+    ``sum_b [rowsum(P (dP - c_b)) + (c_b - c) rowsum(P)]`` is ``D``, the pivot block's correction exactly 0."""
+    pm, cb, s1, sp = (np.stack(x) for x in zip(*parts))
+    best = np.argmax(pm, axis=0)[None]
+    c = np.take_along_axis(cb, best, axis=0)[0]
+    D = s1[0] + (cb[0] - c) * sp[0]
+    for b in range(1, len(parts)):
+        D = D + (s1[b] + (cb[b] - c) * sp[b])
+    return c, D
