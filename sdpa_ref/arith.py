@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["NUMPY", "NumPyArith"]
+__all__ = ["NUMPY", "NUMPY2", "NumPyArith", "NumPyBase2"]
 
 
 class NumPyArith:
@@ -53,5 +53,16 @@ class NumPyArith:
         return np.sum(a, axis=axis, keepdims=keepdims)
 
 
-#: The one instance.
+class NumPyBase2(NumPyArith):
+    """:class:`NumPyArith` whose exponential is base 2 (``exp2``): FlashInfer's base-2 log-sum-exps combined
+    with no conversion rounding."""
+
+    @staticmethod
+    def exp_minus(a, m):
+        """``2 ** (a - m)``."""
+        return np.exp2(a - m)
+
+
+#: The one instance (and its base-2 twin).
 NUMPY = NumPyArith()
+NUMPY2 = NumPyBase2()

@@ -27,9 +27,10 @@ import numbers
 import numpy as np
 
 from . import _validate as V
+from .arith import NUMPY, NUMPY2
 from .softmax import softmax_vjp
 
-__all__ = ["LSE_BASES", "check_base", "check_empty", "combine_lse", "combine_lse_vjp", "convert_lse"]
+__all__ = ["LSE_BASES", "check_base", "check_empty", "combine_in", "combine_lse", "combine_lse_vjp", "convert_lse"]
 
 #: The bases an LSE may be given in: ``"e"`` (natural, the package's) and ``2`` (FlashInfer's).
 LSE_BASES = ("e", 2)
@@ -109,6 +110,41 @@ def convert_lse(lse, *, base="e", empty="-inf", from_base="e", from_empty="-inf"
     return np.where(gone, x.dtype.type(to_e), y)
 
 
+def combine_in(X, m_parts, s_parts, empty_parts):
+    r"""The row normalisers of disjoint sets of scores, combined, over an arithmetic ``X`` (:mod:`sdpa_ref.arith`).
+
+    A normaliser ``(m, s)`` stands for :math:`\sum_j e^{T_j} = s\, e^{m}` over its set: ``m`` the shift (0 on an
+    empty set, whose ``s`` is not read), ``s`` the sum of :math:`e^{T_j - m}`; ``s=None`` is 1 (a set of one
+    score, ``m`` itself: a sink's logit, or a normalised part's LSE). Given the parts as lists (each entry
+    ``(..., 1)`` or broadcastable), returns ``(m, s, alpha, empty)`` with
+
+    .. math:: m = \max_i m_i, \qquad \alpha_i = e^{m_i - m}, \qquad s = \sum_i \alpha_i s_i,
+
+    ``alpha_i`` exactly 1 for the part that holds the max (the first on a tie) and exactly 0 for an empty one
+    (so an empty part is the identity and is never read), the sum taken part by part in order, and ``empty``
+    the rows where every part is empty (``m`` is then 0 and ``s`` 0). NaN in an ``m_i`` gives NaN in ``s``.
+
+    It is the one combine of the softmax's normaliser: the tiled engine's online softmax merges each key
+    block's ``(m, s)`` into the running one with it (and scales its output accumulator by the ``alpha``), the
+    sink joins a row's as a part with ``s = 1`` and no value (:func:`sdpa_ref.sinks.fold_sink_in`), and the
+    split-KV merge combines the parts' LSEs with it (:func:`combine_lse`).
+    """
+    n = len(m_parts)
+    m, top, best_empty = m_parts[0], 0, empty_parts[0]
+    for i in range(1, n):                                   # the largest shift, the first on a tie
+        take = ~empty_parts[i] & (best_empty | (X.value(m_parts[i]) > X.value(m)))
+        m = X.where(take, m_parts[i], m)
+        top = np.where(take, i, top)
+        best_empty = best_empty & empty_parts[i]
+    alpha, s = [], None
+    for i in range(n):
+        a = X.where(empty_parts[i], X.const(0.0), X.where(top == i, X.const(1.0), X.exp_minus(m_parts[i], m)))
+        t = a if s_parts[i] is None else X.mul(X.where(empty_parts[i], X.const(0.0), s_parts[i]), a)
+        alpha.append(a)
+        s = t if s is None else X.add(s, t)
+    return m, s, alpha, best_empty
+
+
 def combine_lse(lse_parts, axis=0, base="e"):
     r"""Combine log-sum-exps: ``lse = log sum_i exp(l_i)`` and the weights ``w_i = exp(l_i - lse)``.
 
@@ -128,14 +164,16 @@ def combine_lse(lse_parts, axis=0, base="e"):
     """
     x = V.as_float_array(lse_parts, "lse_parts", min_ndim=1)
     axis = V.check_axis(axis, x.ndim)
-    exp, log = (np.exp2, np.log2) if check_base(base) == 2 else (np.exp, np.log)
-    m = np.max(x, axis=axis, keepdims=True, initial=-np.inf)
-    m = np.where(np.isfinite(m), m, 0.0)                     # all -inf: exp(-inf - 0) = 0, sum 0
+    X, log = (NUMPY2, np.log2) if check_base(base) == 2 else (NUMPY, np.log)
+    parts = [np.take(x, [i], axis=axis) for i in range(x.shape[axis])]
+    if not parts:                                            # no part: the empty sum
+        return np.full(x.shape[:axis] + x.shape[axis + 1:], -np.inf, x.dtype), x.copy()
+    empty = [p == -np.inf for p in parts]
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        e = exp(x - m)
-        s = np.sum(e, axis=axis, keepdims=True)
-        w = np.where(e == 0, 0.0, e / s)
-        return np.squeeze(log(s) + m, axis=axis), w
+        m, s, alpha, none = combine_in(X, [np.where(e, x.dtype.type(0), p) for p, e in zip(parts, empty)],
+                                       [None] * len(parts), empty)
+        w = np.concatenate([np.where(a == 0, x.dtype.type(0), a / s) for a in alpha], axis=axis)
+        return np.squeeze(np.where(none, -np.inf, log(s) + m), axis=axis), w
 
 
 def combine_lse_vjp(w, g_w, g_lse, axis=0, base="e"):

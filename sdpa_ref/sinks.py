@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .arith import NUMPY
+from .lse import combine_in
 from .pivot import sink_grad_in, sink_softmax_vjp_in
 
 __all__ = ["check_sinks", "fold_sink", "fold_sink_in", "sink_grad_in", "sink_probs", "sink_softmax_vjp",
@@ -49,14 +50,9 @@ def fold_sink_in(X, m, s, empty, sink):
     ``-inf``, where no bit of ``m`` and ``s`` moves. The tiled engine applies it after a row's last key block.
     """
     none = sink == -np.inf
-    top = ~none & (empty | (sink > X.value(m)))                     # the sink is the row's largest: the new shift
     shape = np.broadcast_shapes(np.shape(sink), np.shape(X.value(m)))
     sv = X.lift(np.broadcast_to(np.where(none, 0.0, sink).astype(np.asarray(sink).dtype), shape))
-    m2 = X.where(top, sv, m)
-    a = X.where(empty, X.const(0.0), X.where(top, X.exp_minus(m, m2), X.const(1.0)))     # e^(m - m2)
-    b = X.where(none, X.const(0.0), X.exp_minus(sv, m2))                                  # e^(sigma - m2)
-    s2 = X.add(X.mul(X.where(empty, X.const(0.0), s), a), b)
-    empty2 = empty & none
+    m2, s2, (a, b), empty2 = combine_in(X, [m, sv], [s, None], [empty, none])   # the sink: a part with s = 1
     s2_ = X.where(empty2, X.const(1.0), s2)
     r, p_sink = X.div(X.mul(a, s), s2_), X.div(b, s2_)
     return m2, s2, X.where(empty2, X.const(0.0), r), p_sink, empty2

@@ -385,3 +385,19 @@ def test_scaled_dot_product_attention_takes_sinks():
     ref, res = sdpa_forward(q, k, v, sinks=np.array([0.1, 0.2]))
     np.testing.assert_array_equal(out, ref)
     np.testing.assert_array_equal(lse, res.lse)
+
+
+def test_a_nan_row_of_one_batch_entry_makes_its_heads_sink_gradient_nan_on_every_engine():
+    """Found by hypothesis: under ``"nan"`` a row with neither key nor sink in one batch entry makes the summed
+    ``dsinks`` of its head NaN; the reproducible engine held that NaN against the unsummed ``(B, Hq)`` rows and
+    refused the result as an overflow. Every engine gives the plain core's NaN pattern."""
+    rng = np.random.default_rng(21)
+    q, k, v = rng.standard_normal((2, 2, 2, 2)), rng.standard_normal((2, 2, 3, 2)), rng.standard_normal((2, 2, 3, 3))
+    opts = dict(fully_masked="nan", kv_lengths=np.array([1, 0]), sinks=np.array([0.99, -np.inf]))
+    want = sdpa_backward(sdpa_forward(q, k, v, method="plain", **opts)[1], np.ones((2, 2, 2, 3))).sinks
+    assert np.isnan(want).tolist() == [False, True]
+    for kw in ({"method": "fast"}, {"block_size": 2}, {"precision": "reproducible"},
+               {"precision": "reproducible", "upcast": False}):
+        got = sdpa_backward(sdpa_forward(q, k, v, **kw, **opts)[1], np.ones((2, 2, 2, 3))).sinks
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=str(kw))
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-15, err_msg=str(kw))

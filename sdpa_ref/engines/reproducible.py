@@ -192,7 +192,8 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     dsinks = None
     if dsink is not None:                                            # summed over the rows, then to (..., Hq)
         dsinks = unbroadcast(X.sum(X.at(dsink, (Ellipsis, 0)), axis=-1), prob.shapes["sinks"], X)
-        _no_silent_nan(X.value(dsinks), None if nan_rows is None else np.any(nan_rows, axis=(-2, -1)),
+        _no_silent_nan(X.value(dsinks), None if nan_rows is None else _any_to(np.any(nan_rows, axis=(-2, -1)),
+                                                                               prob.shapes["sinks"]),
                        "sinks gradient")
         dsinks = _round(X, dsinks)
     return Grads(dq=_round(X, unbroadcast(dq, prob.shapes["query"], X)),
@@ -335,6 +336,13 @@ def _fill_rows(X, P, empty, padded, policy, S):
 def _dropout(X, x, keep, p):
     """``x * Z / (1 - p)``; ``x`` itself without a keep mask."""
     return x if keep is None else X.divide_by_keep(x, keep, p)
+
+
+def _any_to(mask, shape):
+    """``mask`` reduced by ``any`` to the broadcastable ``shape`` (the rows a summed gradient entry takes in)."""
+    while mask.ndim > len(shape):
+        mask = mask.any(axis=0)
+    return np.any(mask, axis=tuple(i for i, n in enumerate(shape) if n == 1 and mask.shape[i] != 1), keepdims=True)
 
 
 def _no_sum(shape, target):

@@ -17,11 +17,17 @@ blocks holding every key): FlashAttention's recomputing backward, made stable.
 Per block of rows ``I`` and keys ``J`` (all batch entries and heads at once)::
 
     T_IJ   = transform_scores(scale * Q_I K_J^T)     the same chain as every engine
-    m_new  = max(m, rowmax T_IJ)
-    l      = l * e^(m - m_new) + rowsum e^(T_IJ - m_new)
-    acc    = acc * e^(m - m_new) + (e^(T_IJ - m_new) * Z / (1-p)) V_J
+    m_J    = rowmax T_IJ,   l_J = rowsum e^(T_IJ - m_J)          the block's own normaliser
+    m, l, (a, b) = combine_in(m, l; m_J, l_J)        m = max(m, m_J), a = e^(m_old - m), b = e^(m_J - m),
+                                                     l = a l + b l_J  (sdpa_ref.lse.combine_in)
+    acc    = a acc + b (e^(T_IJ - m_J) * Z / (1-p)) V_J
     ...
     O_I    = acc / l,   lse_I = m + log l          (m and l kept for the backward)
+
+The block merge is the combine of two normalisers that the split-KV merge
+(:func:`sdpa_ref.merge_attention`, through :func:`sdpa_ref.lse.combine_lse`)
+applies to its parts and the sink (:func:`sdpa_ref.sinks.fold_sink_in`) to
+a row: a key block is a split of the keys, merged as it is computed.
 
 Blocks that the allowed set excludes entirely are skipped in both passes.
 Peak memory is ``O((L + S) (E + Ev) + b^2)`` per head on top of the inputs.
@@ -35,6 +41,7 @@ import numpy as np
 
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, policy_fill
 from ..arith import NUMPY
+from ..lse import combine_in
 from ..pivot import block_partial, combine_partials
 from ..sinks import fold_sink, sink_grad_in, sink_probs
 from ..transforms import dropout_forward, scores_jvp, scores_vjp, transform_scores_jvp, transform_scores_vjp, \
@@ -62,23 +69,24 @@ def forward(prob, *, block_size="auto") -> Forward:
     rowsum = np.zeros(lead + (L, 1), dtype=ct)
     lse_keys = None if prob.sink is None else np.full(lead + (L,), -np.inf, dtype=rt)
     for i0, i1 in _ranges(L, block):
-        m = np.full(lead + (i1 - i0, 1), -np.inf, dtype=rt)
+        m = np.zeros(lead + (i1 - i0, 1), dtype=rt)                 # the running normaliser (m, l), empty so far
         l = np.zeros(lead + (i1 - i0, 1), dtype=ct)
+        row_empty = np.ones(lead + (i1 - i0, 1), dtype=bool)
         acc = np.zeros(lead + (i1 - i0, Ev), dtype=ct)
         for j0, j1 in _ranges(S, block):
             allowed = prob.allowed((i0, i1), (j0, j1))
             if allowed is not None and not np.any(allowed):
                 continue                                            # a wholly masked block
             T, _ = bl.scores(i0, i1, j0, j1, allowed)
-            m_new = np.maximum(m, np.max(T.real, axis=-1, keepdims=True))
-            shift = np.where(m_new == -np.inf, rt.type(0), m_new)
+            m_b = np.max(T.real, axis=-1, keepdims=True)            # the block's own normaliser (m_b, l_b) ...
+            e_b = m_b == -np.inf
+            m_b = np.where(e_b, rt.type(0), m_b)
             with np.errstate(invalid="ignore", over="ignore"):
-                alpha = _exp(m - shift)                             # 0 where m was -inf
-                e = _exp(T - shift)
-            l = l * alpha + e.sum(axis=-1, keepdims=True)
-            acc = acc * alpha + bl.times_v(dropout_forward(e, bl.keep(i0, i1, j0, j1), o.dropout_p), j0, j1)
-            m = m_new
-        row_empty = m == -np.inf
+                e = _exp(T - m_b)
+                m, l, (a, b), row_empty = combine_in(NUMPY, [m, m_b], [l, e.sum(axis=-1, keepdims=True)],
+                                                     [row_empty, e_b])          # ... merged into the running one
+            pv = bl.times_v(dropout_forward(e, bl.keep(i0, i1, j0, j1), o.dropout_p), j0, j1)
+            acc = acc * a + pv * b                                  # a = e^(m_old - m), b = e^(m_b - m)
         with np.errstate(divide="ignore", invalid="ignore"):
             out = acc / l
             if prob.sink is not None:                               # a sink: one more score, no value (fold_sink)

@@ -47,6 +47,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from ..exact.arith import LowPrecision
+from ..lse import combine_in
 from ..options import AttentionOptions
 from .._validate import check_choice, check_tolerance
 from ..problem import Problem
@@ -54,7 +55,7 @@ from ..masks import constant_rows, nan_rows, zero_output_rows
 from ..transforms import (additive_forward_in, alibi_distance, alibi_forward_in, dropout_forward, softcap_forward,
                           softcap_forward_in, unbroadcast)
 from .cases import grad_out_for
-from .lowp import DESCALES, output_dtype, tf32 as _tf32, widen, work_dtype
+from .lowp import DESCALES, MemberArith, output_dtype, tf32 as _tf32, widen, work_dtype
 
 __all__ = ["MEMBERS", "Member", "ensemble_errors", "honest_errors", "member_quantities", "run_member"]
 
@@ -307,42 +308,40 @@ class _Kernel:
         keep, rdrop = self.dropout()
         v = self.W(self.full(p.v, True))
         vd = None if self.desc is None else self.desc[2]
+        A = MemberArith(self)
         if m.block is None:
             mx = T.max(axis=-1, keepdims=True, initial=-np.inf)
-            if sink is not None:                        # the sink: one more score, with no value
+            if sink is not None:                        # the sink: one more score, with no value, in the max
                 mx = np.maximum(mx, sink)
             mx = np.where(np.isfinite(mx), mx, 0).astype(self.w)
             e = self.exp(T - mx)
             lsum = self.rowsum(e)
-            if sink is not None:
-                lsum = self.W(lsum + np.where(sink == -np.inf, self.w.type(0), self.exp(sink - mx)))
+            if sink is not None:                        # the keys' sum at the row's max, joined by the sink's
+                _, lsum, _, _ = combine_in(A, [mx, np.where(sink == -np.inf, 0, sink).astype(self.w)],
+                                           [lsum, None], [np.zeros(mx.shape, bool), sink == -np.inf])
             if m.normalize == "early":
                 P = self.div(e, lsum)
                 O = self.descale(self.mm(self.drop(self.rd(P), keep, rdrop), v), vd)
             else:
                 O = self.div(self.descale(self.mm(self.drop(self.rd(e), keep, rdrop), v), vd), lsum)
-        else:
-            mx = np.full(T.shape[:-1] + (1,), -np.inf, self.w)
+        else:                                           # the online softmax: one block of keys at a time,
+            mx = np.zeros(T.shape[:-1] + (1,), self.w)  # each block's exp at the new max (FlashAttention 2)
             lsum = np.zeros(T.shape[:-1] + (1,), self.w)
+            none = np.ones(mx.shape, bool)
             acc = np.zeros(T.shape[:-1] + (v.shape[-1],), self.w)
-            for j0 in range(0, p.S, m.block):             # the online softmax: one block of keys at a time
+            for j0 in range(0, p.S, m.block):
                 Tj = T[..., j0:j0 + m.block]
-                new = np.maximum(mx, Tj.max(axis=-1, keepdims=True))
+                new = np.maximum(np.where(none, -np.inf, mx), Tj.max(axis=-1, keepdims=True))
                 safe = np.where(np.isfinite(new), new, 0).astype(self.w)
-                alpha = self.exp(np.where(np.isfinite(mx), mx - safe, -np.inf))
                 ej = self.exp(Tj - safe)
-                lsum = self.W(self.W(alpha * lsum) + self.rowsum(ej))
+                mx, lsum, (a, b), none = combine_in(A, [mx, safe], [lsum, self.rowsum(ej)], [none, new == -np.inf])
                 kj = None if keep is None else keep[..., j0:j0 + m.block]
                 pv = self.mm(self.drop(self.rd(ej), kj, rdrop), v[..., j0:j0 + m.block, :])
-                acc = self.W(self.W(alpha * acc) + pv)
-                mx = new
+                acc = self.W(self.W(a * acc) + self.W(b * pv))                  # b = 1: exact
             if sink is not None:                        # the sink folded in after the last block of keys
-                new = np.maximum(mx, sink)
-                safe = np.where(np.isfinite(new), new, 0).astype(self.w)
-                alpha = self.exp(np.where(np.isfinite(mx), mx - safe, -np.inf))
-                b = np.where(sink == -np.inf, self.w.type(0), self.exp(sink - safe))
-                lsum, acc, mx = self.W(self.W(alpha * lsum) + b), self.W(alpha * acc), new
-            mx = np.where(np.isfinite(mx), mx, 0).astype(self.w)
+                mx, lsum, (a, _), _ = combine_in(A, [mx, np.where(sink == -np.inf, 0, sink).astype(self.w)],
+                                                 [lsum, None], [none, sink == -np.inf])
+                acc = self.W(a * acc)
             O = self.div(self.descale(acc, vd), lsum)
         lse = self.W(mx + self.log(lsum))
         O = self.fill_rows(O, empty)
@@ -414,3 +413,4 @@ class _Kernel:
             dk = dk if rk is None else self.W(dk * rk)
         res.update(dq=self.to_input(dq, "query"), dk=self.to_input(dk, "key"), dv=self.to_input(dv, "value"))
         return {n: a.astype(self.w if n == "dsinks" else self.out_dt) for n, a in res.items()}   # dsinks: as sinks
+

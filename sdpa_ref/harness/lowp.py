@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DESCALES", "LOW_DTYPES", "TEST_DTYPES", "as_test_dtype", "dequantized", "finfo", "is_fp8", "is_low",
-           "output_dtype", "quantize", "tf32", "ulp", "widen", "work_dtype"]
+__all__ = ["DESCALES", "LOW_DTYPES", "MemberArith", "TEST_DTYPES", "as_test_dtype", "dequantized", "finfo", "is_fp8",
+           "is_low", "output_dtype", "quantize", "tf32", "ulp", "widen", "work_dtype"]
 
 #: The dtypes that need ``ml_dtypes``.
 LOW_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
@@ -130,3 +130,30 @@ def tf32(x):
     """float32 values rounded (to nearest, ties away) to TF32's 10-bit fraction."""
     b = np.asarray(x, np.float32).view(np.uint32)
     return ((b + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+class MemberArith:
+    """An honest member's arithmetic (:mod:`.ensemble`) in the interface of :mod:`sdpa_ref.arith`, for the
+    stages it shares with the engines (:func:`sdpa_ref.lse.combine_in`): values are work-dtype arrays, each
+    operation rounded to the work dtype (``kernel.W``), ``exp`` the member's own (``kernel.exp``)."""
+
+    def __init__(self, kernel):
+        self.k = kernel
+
+    def value(self, a):
+        return a
+
+    def const(self, x):
+        return self.k.w.type(x)
+
+    def where(self, cond, a, b):
+        return self.k.W(np.where(cond, a, b))
+
+    def exp_minus(self, a, m):
+        return self.k.exp(self.k.W(a - m))
+
+    def mul(self, a, b):
+        return self.k.W(a * b)
+
+    def add(self, a, b):
+        return self.k.W(a + b)
