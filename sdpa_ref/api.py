@@ -145,7 +145,7 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     with single_threaded_blas():
         fwd = _call_forward(name, prob, save_probs, block)
     fwd = _read_only(fwd)
-    taint = poison.forward_taint(prob, fwd.empty)      # results that read a NaN or inf input: NaN
+    taint = poison.forward_taint(prob)                 # where the results read a NaN or inf input: NaN there
     out = poison.nan_where(fwd.out, None if taint is None else taint.out)
     out = out.reshape(prob.out_shape).astype(prob.out_dtype, copy=True)   # the caller's own array
     return out, AttentionResiduals(problem=prob, forward=fwd, method=name, block_size=block, taint=taint)
@@ -178,7 +178,7 @@ def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **o
     name, block = _engine(method, block_size, prob, ("plain", "tiled"))   # default: plain, or tiled with a block
     with single_threaded_blas():
         fwd = _call_forward(name, prob, False, block)
-    taint = poison.forward_taint(prob, fwd.empty)
+    taint = poison.forward_taint(prob)
     return poison.nan_where(fwd.out, None if taint is None else taint.out).reshape(prob.out_shape)
 
 

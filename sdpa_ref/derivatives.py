@@ -16,6 +16,7 @@ from . import attention, poison
 from ._threads import single_threaded_blas
 from .api import ENGINES, METHODS, sdpa_forward
 from .engines import blocks, reproducible, tiled
+from .reads import clean
 from .residuals import AttentionGrads, AttentionResiduals
 from .transforms import unbroadcast
 
@@ -131,12 +132,15 @@ def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
             gr = tiled.backward(prob, residuals.forward, dO, dlse, block_size=block)
         else:
             gr = ENGINES[name].backward(prob, residuals.forward, dO, dlse)
-    gr = poison.backward_taint(prob, residuals.empty, gr, do_bad, dl_bad)
+        bad = poison.backward_taint(prob, residuals.taint, dO, do_bad, dlse, dl_bad)   # what reads poison: NaN
     gr = gr._replace(dq=poison.nan_where(gr.dq, prob.nan_rows_without_keys()))     # S = 0 under "nan"
     shapes, dtypes = prob.shapes, prob.dtypes
 
     def back(x, name):
-        return None if x is None else unbroadcast(x, shapes[name]).astype(dtypes[name], copy=False)
+        if x is None:
+            return None
+        x = unbroadcast(x, shapes[name]).astype(dtypes[name], copy=False)
+        return x if bad is None else poison.show(x, bad[name])
 
     return AttentionGrads(query=back(gr.dq, "query"), key=back(gr.dk, "key"), value=back(gr.dv, "value"),
                           attn_mask=back(gr.dmask, "attn_mask"), bias=back(gr.dbias, "bias"),
@@ -217,17 +221,15 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
     (dq, dk, dv, db), (bq, bk, bv, bb), dv_full = prob.clean_tangents(dq, dk, dv, db)   # as the primals are
     bs = None
     if ds is not None:                                   # (..., Hq, 1, 1); a head's rows read its sink
-        ds, bs = poison.clean(_cast_real(ds, prob)[..., None, None])
+        ds, bs = clean(_cast_real(ds, prob)[..., None, None])
     with single_threaded_blas():
         if res.method == "tiled":
             dO = tiled.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dsinks=ds, block_size=res.block_size)
         else:
             core = reproducible if res.method == "reproducible" else attention
             dO = core.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dsinks=ds)
-    rows = (None if b is None else b.any(axis=-1) for b in (bq, bk))
-    dO = poison.nan_where(dO, poison.jvp_taint(prob, res.empty, (*rows, bv, bb)))
-    if bs is not None:                                   # every row with a sink reads its tangent
-        dO = poison.nan_where(dO, bs & (prob.sink_rows() > -np.inf) & (res.forward.lse_keys[..., None] > -np.inf))
+        bad = poison.jvp_taint(prob, res.taint, (dq, dk, dv, db), (bq, bk, bv, bb), dv_full, ds, bs)
+    dO = poison.nan_where(dO, bad)                       # what reads poison: NaN
     dO = poison.nan_where(dO, prob.nan_rows_without_keys() if any(t is not None for t in (dq, dk, dv, db, ds))
                           else None)
     return out, dO.reshape(prob.out_shape).astype(prob.out_dtype, copy=False)

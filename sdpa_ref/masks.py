@@ -178,18 +178,23 @@ def policy_fill(policy, S):
     return {"zero": 0.0, "nan": np.nan, "uniform": 1.0 / S if S else np.nan}[policy]
 
 
-def fill_empty_rows(P, empty, padded, policy, S):
+def fill_empty_rows(P, empty, padded, policy, S, X=None):
     """``P`` with the rows that have no allowed key filled by ``policy``; padded query rows are 0.
 
     ``empty`` is ``(..., L, 1)`` bool; ``padded`` the rows past ``q_len``
-    (or None). Returns ``P`` itself when no row is empty.
+    (or None). Returns ``P`` itself when no row is empty. ``X``: an
+    arithmetic (:mod:`sdpa_ref.arith`) whose values ``P`` holds; its
+    ``policy_const`` is the fill as that arithmetic holds it (double-double:
+    ``1/S`` to about 100 bits), and the fills are its constants (structural
+    zeros, for :mod:`sdpa_ref.reads`).
     """
     if not np.any(empty):
         return P
-    P = np.where(empty, P.dtype.type(policy_fill(policy, S)), P)
-    if padded is not None and policy != "zero":
-        P = np.where(padded, P.dtype.type(0), P)
-    return P
+    if X is None:
+        P = np.where(empty, P.dtype.type(policy_fill(policy, S)), P)
+        return P if padded is None or policy == "zero" else np.where(padded, P.dtype.type(0), P)
+    P = X.where(empty, X.policy_const(policy, S), P)
+    return P if padded is None or policy == "zero" else X.where(padded, X.const(0.0), P)
 
 
 def constant_rows(empty, padded, policy):

@@ -19,7 +19,7 @@ The problem's own copies hold 0 wherever no result reads them
 no row of their kv head allows, mask and bias entries outside the allowed
 set), so that no arithmetic of any engine -- a dense product, an exact
 product's scaling -- ever sees what memory holds there, and 0 where an input
-is not finite (:mod:`.poison` says which results read it).
+is not finite (:mod:`.reads` records where; :mod:`.poison` finds which results read it).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 from . import _validate as V
 from .masks import allowed_set, check_lengths, padded_rows, reads, slice_ls, zero_output_rows
 from .options import AttentionOptions
-from .poison import Poison, clean, scrub
+from .reads import Poison, clean, scrub
 from .sinks import check_sinks
 
 __all__ = ["Problem", "Unread"]
@@ -146,7 +146,7 @@ class Problem:
                "alibi": _own(alibi, rt, writable=True)}
         bad = {"q": scrub(own["q"], rows=True), "k": scrub(own["k"], rows=True),
                "mask": scrub(own["mask"], additive=True), "bias": scrub(own["bias"], additive=True),
-               "alibi": scrub(own["alibi"])}                     # poison is read only where it is read: poison.py
+               "alibi": scrub(own["alibi"])}                     # what reads it: poison.py
         v_full = None
         if opts.fully_masked == "uniform":                  # a fully masked row averages every value it keeps
             v_full = _own(vh, ct, writable=True)
@@ -158,7 +158,7 @@ class Problem:
         poison = None
         if any(b is not None for b in bad.values()):
             bq = bad["q"]
-            poison = Poison(q=None if bq is None else bq.reshape(qh.shape[:-3] + (Hkv, G, L)), k=bad["k"],
+            poison = Poison(q=None if bq is None else bq.reshape(qh.shape[:-3] + (Hkv, G, L, 1)), k=bad["k"],
                             v=bad["v"], mask=bad["mask"], bias=bad["bias"], alibi=bad["alibi"])
         at = at._replace(q=None if at.q is None else at.q.reshape(qh.shape[:-3] + (Hkv, G, L, 1)))
         for a in (*own.values(), v_full):
@@ -277,7 +277,7 @@ class Problem:
     def clean_grad_out(self, g, empty):
         """``(dO, where it was not finite or None)``: ``grad_out`` in the compute dtype and the layout
         ``(*batch, Hq, L, Ev)``, 0 on the rows whose output is the constant 0 (``empty``: the forward's rows
-        without a key), which no gradient reads, and where it is not finite (:func:`poison.clean`)."""
+        without a key), which no gradient reads, and where it is not finite (:func:`reads.clean`)."""
         dO = _cast(g, self.dtype).reshape(self.full_scores[:-1] + (g.shape[-1],))
         zr = zero_output_rows(empty, self.padded_rows(), self.options.fully_masked)
         if zr is not None:
@@ -287,7 +287,7 @@ class Problem:
     def clean_grad_lse(self, g, empty):
         """``(dlse, where it was not finite or None)``: ``grad_lse`` in the compute dtype, ``(*batch, Hq, L, 1)``,
         0 on the rows whose LSE is a constant (no allowed key, or padded), which no gradient reads, and where it is
-        not finite (:func:`poison.clean`)."""
+        not finite (:func:`reads.clean`)."""
         dl = _cast(g, self.dtype).reshape(self.full_scores[:-1] + (1,))
         pad = self.padded_rows()
         return clean(np.where(empty if pad is None else (empty | pad), self.dtype.type(0), dl))
@@ -325,7 +325,7 @@ def _lengths(x, name):
 def _own(a, dtype=None, dead=None, writable=False):
     """The problem's own read-only copy of ``a`` (None stays None), 0 where ``dead`` is True.
 
-    ``writable=True`` leaves it writable, for :func:`poison.scrub`; the caller then makes it read-only.
+    ``writable=True`` leaves it writable, for :func:`reads.scrub`; the caller then makes it read-only.
 
     Nothing the caller does to the arrays it passed in can then change the
     residuals, and no engine can write into them. The cost is one copy of

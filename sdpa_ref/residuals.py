@@ -11,7 +11,7 @@ import numpy as np
 from .engines.contract import Forward
 from .lse import convert_lse
 from .options import check_bool
-from .poison import nan_where
+from .reads import nan_where
 
 __all__ = ["AttentionGrads", "AttentionResiduals"]
 
@@ -39,8 +39,9 @@ class AttentionResiduals:
     ``problem`` holds the validated inputs and options, ``forward`` what the
     engine ``method`` returned (:class:`~sdpa_ref.engines.contract.Forward`),
     ``block_size`` the tiled engine's block (None for the dense engines),
-    ``taint`` the forward's results that read a non-finite input (a
-    :class:`~sdpa_ref.poison.Taint`, None when every input was finite):
+    ``taint`` where the forward's results read a non-finite input (the dense
+    forward over the arithmetic of reads, :func:`sdpa_ref.poison.forward_taint`,
+    whose ``out``, ``lse`` and ``lse_keys`` are bool; None when every input was finite):
     ``forward`` holds the clean computation, which the backward reads, and
     :attr:`out` and :attr:`lse` show the poisoned entries as NaN.
     """
@@ -80,7 +81,7 @@ class AttentionResiduals:
         sink = check_bool(sink, "sink")
         lse = self.lse
         if not sink and self.forward.lse_keys is not None:
-            lse = nan_where(self.forward.lse_keys, None if self.taint is None else self.taint.lse).reshape(
+            lse = nan_where(self.forward.lse_keys, None if self.taint is None else self.taint.lse_keys).reshape(
                 self.problem.out_shape[:-1])
         return convert_lse(lse, base=base, empty=empty)
 

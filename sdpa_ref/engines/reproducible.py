@@ -71,17 +71,19 @@ def _quiet(fn):
 
 
 @_quiet
-def forward(prob, *, save_probs=True) -> Forward:
-    """The forward; ``probs`` is ``P`` rounded, the full-precision ``P`` and softcap's ``sech^2`` ride in ``extra``."""
-    X = for_problem(prob)
+def forward(prob, *, save_probs=True, arith=None) -> Forward:
+    """The forward; ``probs`` is ``P`` rounded, the full-precision ``P`` and softcap's ``sech^2`` ride in ``extra``.
+    ``arith``: the arithmetic (default: the problem's, :func:`sdpa_ref.exact.arith.for_problem`)."""
+    X = arith or for_problem(prob)
     o, S, full, nd = prob.options, prob.S, prob.full_scores, len(prob.full_scores)
     Traw = _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale), prob)           # scale Q K^T, (..., Hq, L, S)
     P = X.empty(full)
     Pd = X.empty(full) if prob.keep is not None else P
     sd = X.empty(full) if o.softcap is not None else None                              # sech^2(Traw / cap)
-    m, s_val, lse = (np.empty(full[:-1] + (1,), X.dtype) for _ in range(3))
+    m, s_val = (np.empty(full[:-1] + (1,), X.dtype) for _ in range(2))
+    lse = X.empty(full[:-1] + (1,))
     sinks = prob.sink_rows()
-    lse_keys = None if sinks is None else np.empty(full[:-1] + (1,), X.dtype)   # the LSE over the keys alone
+    lse_keys = None if sinks is None else X.empty(full[:-1] + (1,))   # the LSE over the keys alone
     p_sink = None if sinks is None else X.empty(full[:-1] + (1,))
     empty = np.empty(full[:-1] + (1,), dtype=bool)
     excluded = _excluded(prob)
@@ -112,37 +114,37 @@ def forward(prob, *, save_probs=True) -> Forward:
         sm = X.where(em, X.const(1.0), X.sum(e, keepdims=True))
         p = X.div(e, sm)
         if sinks is not None:                                        # one more score, with no value
-            lse_keys[ix] = np.where(em, -np.inf, X.value(X.add(X.log(sm), mx)))
+            X.put(lse_keys, ix, X.where(em, X.const(-np.inf), X.add(X.log(sm), mx)))
             mx, sm, fold, ps, em = fold_sink_in(X, mx, sm, em, block_of(sinks, nd, lead, r))
             p = X.mul(p, fold)
             X.put(p_sink, ix, ps)
             sm = X.where(em, X.const(1.0), sm)
-        p = _fill_rows(X, p, em, block_of(padded, nd, lead, r), o.fully_masked, S)
+        p = fill_empty_rows(p, em, block_of(padded, nd, lead, r), o.fully_masked, S, X)
         X.put(P, ix, p)
         if Pd is not P:
             X.put(Pd, ix, _dropout(X, p, block_of(prob.keep, nd, lead, r), o.dropout_p))
         m[ix], s_val[ix], empty[ix] = X.value(mx), np.where(em, 0, X.value(sm)), em
-        lse[ix] = np.where(em, -np.inf, X.value(X.add(X.log(sm), mx)))
+        X.put(lse, ix, X.where(em, X.const(-np.inf), X.add(X.log(sm), mx)))
 
     _by_rows(full, rows)
     O = _full(_times_values(X, prob, Pd, empty, prob.v, prob.v_full, final=True), prob)
-    _no_silent_nan(X.value(O), _nan_rows(prob, empty), "out")
-    _no_silent_nan(lse, None, "lse")
+    _no_silent_nan(X, O, _nan_rows(prob, empty), "out")
+    _no_silent_nan(X, lse, None, "lse")
     O = fill_output_without_keys(_round(X, O), o.fully_masked, S, padded)
     zr = zero_output_rows(empty, padded, o.fully_masked)
     if zr is not None:                                               # 0 by definition: no value is read
         O = np.where(zr, O.dtype.type(0), O)
-    O = _canon(O)
     extra = {"P": P, "Pd": Pd, "sech2": sd, "p_sink": p_sink} if save_probs else None
-    return Forward(out=O, lse=_canon(lse[..., 0]), probs=X.value(P) if save_probs else None,
+    return Forward(out=O, lse=_round(X, lse)[..., 0], probs=X.value(P) if save_probs else None,
                    tanh=None if sd is None or not save_probs else X.value(sd), empty=empty, rowmax=m,
-                   rowsum=s_val, extra=extra, lse_keys=None if lse_keys is None else _canon(lse_keys[..., 0]))
+                   rowsum=s_val, extra=extra, lse_keys=None if lse_keys is None else _round(X, lse_keys)[..., 0])
 
 
 @_quiet
-def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
-    """The core's backward; every gradient rounded once. ``dlse`` ``(*batch, Hq, L, 1)`` float64 or None."""
-    X = for_problem(prob)
+def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None) -> Grads:
+    """The core's backward; every gradient rounded once. ``dlse`` ``(*batch, Hq, L, 1)`` float64 or None;
+    ``arith`` as in :func:`forward`."""
+    X = arith or for_problem(prob)
     o, full, nd = prob.options, prob.full_scores, len(prob.full_scores)
     P, Pd, sd = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["sech2"]
     padded = prob.padded_rows()
@@ -178,7 +180,7 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     _by_rows(full, rows)
     nan_rows = _nan_rows(prob, fwd.empty)                            # NaN by the "nan" policy, and nowhere else
     if dT is not None:
-        _no_silent_nan(X.value(dT), nan_rows, "attn_mask or bias gradient")
+        _no_silent_nan(X, dT, nan_rows, "attn_mask or bias gradient")
     dmask = None if prob.mask_float is None else _round(X, unbroadcast(dT, prob.shapes["attn_mask"], X))
     dbias = None if prob.bias is None else _round(X, unbroadcast(dT, prob.shapes["bias"], X))
     dTg = _grouped(dTraw, prob)
@@ -188,11 +190,11 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
                   scale=prob.scale)
     heads = None if nan_rows is None else np.any(_grouped(nan_rows, prob), axis=(-3, -2))[..., None]
     for x, ok, what in ((dq, nan_rows, "dq"), (dk, heads, "dk"), (dv, heads, "dv")):
-        _no_silent_nan(X.value(x), ok, what)
+        _no_silent_nan(X, x, ok, what)
     dsinks = None
     if dsink is not None:                                            # summed over the rows, then to (..., Hq)
         dsinks = unbroadcast(X.sum(X.at(dsink, (Ellipsis, 0)), axis=-1), prob.shapes["sinks"], X)
-        _no_silent_nan(X.value(dsinks), None if nan_rows is None else _any_to(np.any(nan_rows, axis=(-2, -1)),
+        _no_silent_nan(X, dsinks, None if nan_rows is None else _any_to(np.any(nan_rows, axis=(-2, -1)),
                                                                                prob.shapes["sinks"]),
                        "sinks gradient")
         dsinks = _round(X, dsinks)
@@ -202,10 +204,10 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
 
 
 @_quiet
-def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dsinks=None):
+def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dsinks=None, *, arith=None):
     """The output tangent, the core's JVP (tangents in the core's layouts; None is zero; ``dv_full`` as in
-    :func:`sdpa_ref.attention.jvp`)."""
-    X = for_problem(prob)
+    :func:`sdpa_ref.attention.jvp`; ``arith`` as in :func:`forward`)."""
+    X = arith or for_problem(prob)
     o, full, nd = prob.options, prob.full_scores, len(prob.full_scores)
     P, Pd, sd = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["sech2"]
     padded = prob.padded_rows()
@@ -245,7 +247,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
     if dO is None:
         return np.zeros(full[:-1] + (prob.v.shape[-1],), X.dtype)
     dO = _full(_round(X, dO), prob)
-    _no_silent_nan(dO, _nan_rows(prob, fwd.empty), "JVP")
+    _no_silent_nan(X, dO, _nan_rows(prob, fwd.empty), "JVP")
     return dO
 
 
@@ -310,27 +312,17 @@ def _nan_rows(prob, empty):
     return nan_rows(empty, prob.padded_rows(), prob.options.fully_masked)
 
 
-def _no_silent_nan(x, ok, what):
+def _no_silent_nan(X, x, ok, what):
     """Raise rather than return a NaN that neither a non-finite input (cleaned before) nor the ``"nan"`` policy
-    (``ok``: where it puts NaN, broadcastable, or None) asked for."""
-    bad = np.isnan(x)
+    (``ok``: where it puts NaN, broadcastable, or None) asked for; ``x`` a value of ``X`` or a rounded result.
+    Not in an arithmetic that does not check (:class:`sdpa_ref.reads.ReadsArith`: its values are structure)."""
+    if not getattr(X, "checks", True):
+        return
+    bad = np.isnan(x if isinstance(x, np.ndarray) else X.value(x))
     if ok is not None:
         bad = bad & ~ok
     if np.any(bad):
         raise ValueError(_OVERFLOW.format(what))
-
-
-def _fill_rows(X, P, empty, padded, policy, S):
-    """The fully-masked policy on ``P`` (padded query rows 0), as :func:`masks.fill_empty_rows`."""
-    if not np.any(empty):
-        return P
-    if not isinstance(P, tuple):
-        return fill_empty_rows(P, empty, padded, policy, S)
-    hi = fill_empty_rows(P[0], empty, padded, policy, S)
-    lo = np.where(empty, X.fill_lo(policy, S), P[1])
-    if padded is not None:
-        lo = np.where(padded, 0.0, lo)
-    return hi, lo
 
 
 def _dropout(X, x, keep, p):
@@ -352,8 +344,10 @@ def _no_sum(shape, target):
 
 
 def _round(X, x):
-    """The result in the compute dtype, NaNs made the one quiet NaN (IEEE leaves their bits open)."""
-    return _canon(X.value(x))
+    """The result in the compute dtype, NaNs made the one quiet NaN (IEEE leaves their bits open); in an arithmetic
+    with a ``result`` of its own (:class:`sdpa_ref.reads.ReadsArith`: where it reads poison), that."""
+    result = getattr(X, "result", None)
+    return _canon(X.value(x)) if result is None else result(x)
 
 
 def _canon(a):

@@ -24,6 +24,7 @@ import math
 
 import numpy as np
 
+from ..masks import policy_fill
 from ..transforms import dropout_forward
 from . import _native, ozaki
 from .dd import (_EXP_CONSTS, _TABLE, dd, dd_add, dd_add_d, dd_div, dd_exp, dd_log, dd_mul, dd_mul_d, dd_sech2,
@@ -167,9 +168,11 @@ class DoubleDouble:
     def reshape(self, a, shape):
         return a[0].reshape(shape), a[1].reshape(shape)
 
-    def fill_lo(self, value, S):
-        """The low half of a policy's fill value (``1/S`` for ``"uniform"``)."""
-        return dd_div(dd(np.float64(1.0)), dd(np.float64(S)))[1] if value == "uniform" and S else 0.0
+    def policy_const(self, policy, S):
+        """The fully-masked policy's fill (:func:`sdpa_ref.masks.policy_fill`) as a double-double: ``1/S`` for
+        ``"uniform"`` with its low half."""
+        hi = np.float64(policy_fill(policy, S))
+        return (hi, dd_div(dd(np.float64(1.0)), dd(np.float64(S)))[1]) if policy == "uniform" and S else dd(hi)
 
 
 class LowPrecision:
@@ -264,6 +267,10 @@ class LowPrecision:
 
     def where(self, cond, a, b):
         return np.where(cond, a, b).astype(self.dtype, copy=False)
+
+    def policy_const(self, policy, S):
+        """The fully-masked policy's fill (:func:`sdpa_ref.masks.policy_fill`) in the dtype."""
+        return self._t(policy_fill(policy, S))
 
     def take(self, a, idx):
         return np.take_along_axis(a, idx, -1)
