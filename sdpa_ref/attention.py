@@ -21,7 +21,8 @@ Forward::
     T      = transforms(Traw)                       softcap, + mask + bias + ALiBi, -inf outside A
     P      = exp(T - m) / s, m = rowmax T, s = rowsum exp(T - m)
                                                     softmax_parts; rows with no key: the policy
-             [m, s = max(m, sink), s e^(m-m') + e^(sink-m')]   fold_sink: a sink is a score with no value
+             [m, s = max(m, sink), s e^(m-m') + e^(sink-m')]   normalize.close: the extra logits (sinks), each
+                                                    a score with no value
     LSE    = m + log s
     P_drop = P * Z / (1 - p)                        dropout_forward
     O      = P_drop V
@@ -30,9 +31,9 @@ Backward, from ``dO`` (and ``dlse``, the LSE's cotangent, when given)::
 
     dV     = P_drop^T dO, summed over the group     (the group shares one kv head)
     dP     = (dO V^T) * Z / (1 - p)
-    dT     = P * (dP - rowsum(P * dP))              softmax_vjp (pivoted: see row_pivot)
-             [+ P * dlse]                           softmax_lse_vjp: d LSE / dT = P (undropped)
-    dsink  = -p_sink * (D - dlse)                   sink_softmax_vjp: the sink's column has dP = 0
+    dT     = P * (dP - rowsum(P * dP))              normalize.vjp (pivoted: see row_pivot)
+             [+ P * dlse]                           d LSE / dT = P (undropped)
+    dsink  = -p_sink * (D - dlse)                   an extra logit's column has dP = 0
     dB     = dT summed to the mask's / bias's shape additive_vjp
     dTraw  = dT * (1 - tanh^2)                      softcap_vjp (only with softcap; as sech^2, no cancellation)
     dQ     = scale * dTraw K
@@ -42,7 +43,7 @@ JVP, along ``(dQ, dK, dV, dB)``::
 
     dTraw  = scale * (dQ K^T + Q dK^T)
     dT     = dTraw * (1 - tanh^2) + dB
-    dP     = P * (dT - rowsum(P * dT))              softmax_jvp
+    dP     = P * (dT - rowsum(P * dT))              normalize.vjp: J is symmetric
     dO     = (dP * Z / (1 - p)) V + P_drop dV
 """
 
@@ -52,8 +53,8 @@ import numpy as np
 
 from .engines.contract import Forward, Grads
 from .masks import constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
-from .sinks import fold_sink, sink_probs, sink_softmax_vjp
-from .softmax import softmax_jvp, softmax_lse_vjp, softmax_parts, softmax_vjp
+from .normalize import close, extra_probs, extras, vjp
+from .softmax import softmax_parts
 from .transforms import (
     additive_vjp,
     dropout_forward,
@@ -80,12 +81,13 @@ def forward(prob, *, save_probs=True) -> Forward:
     #                                                                 outside A; sech2 = 1 - tanh^2(Traw/c)
     P, m, s = softmax_parts(T)                                      # P = exp(T - m) / s; exp(-inf) = 0
     empty = np.max(T.real, axis=-1, keepdims=True, initial=-np.inf) == -np.inf   # rows with no allowed key
+    nrm = close(m, s, empty, extras(prob))                          # the normaliser closed by its extra logits
     lse_keys = None
-    if prob.sink is not None:                                       # a sink: one more score, with no value
+    if nrm.r is not None:                                           # (sinks: one more score each, no value)
         with np.errstate(divide="ignore"):
             lse_keys = (m + np.log(s))[..., 0]                      # the LSE over the keys alone (FlashMLA's)
-        m, s, r, _, empty_ = fold_sink(m, s, empty, prob.sink_rows())   # m' = max(m, sink), s' = s e^(m-m') + ..
-        P, empty = np.where(empty, P.dtype.type(0), P) * r, empty_  # P' = P s e^(m-m') / s'
+        P = np.where(empty, P.dtype.type(0), P) * nrm.r             # P' = P r, r = e^(m - m') s / s'
+    m, s, empty = nrm.m, nrm.s, nrm.empty                           # m' = max(m, sink), s' = s e^(m-m') + ...
     with np.errstate(divide="ignore"):
         lse = m + np.log(s)                                         # LSE = m + log s; -inf on a row with no key
     P = fill_empty_rows(P, empty, prob.padded_rows(), o.fully_masked, prob.S)   # the policy's P on such rows
@@ -126,19 +128,14 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     # P_drop = P Z / (1 - p), element-wise  =>  dP = dP_drop Z / (1 - p)
     dP = dropout_vjp(_full(dO @ np.swapaxes(v, -1, -2), prob), prob.keep, o.dropout_p)
     # P = softmax(T), J = diag(P) - P P^T (symmetric)  =>  dT = J dP = P * (dP - D), D = rowsum(P * dP);
-    # LSE = log sum exp T, d LSE / dT = P  =>  dT += P * dlse;  a sink is a column with dP = 0, P = p_sink,
-    # so dsink = -p_sink (D - dlse)
-    dsink = None
-    if prob.sink is not None:
-        dT, dsink = sink_softmax_vjp(P, dP, sink_probs(prob.sink, fwd.lse[..., None]), dlse)
-    elif dlse is None:
-        dT = softmax_vjp(P, dP)                                     # P * (dP - rowsum(P * dP)), pivoted
-    else:
-        dT = softmax_lse_vjp(P, dP, dlse)                           # P * (dP - rowsum(P * dP) + dlse)
+    # LSE = log sum exp T, d LSE / dT = P  =>  dT += P * dlse;  an extra logit (a sink) is a column with
+    # dP = 0 and P = p_sink, so its gradient is -p_sink (D - dlse)
+    p_extra = extra_probs(extras(prob), fwd.lse[..., None])
+    dT, dextra = vjp(P, dP, p_extra, dlse)                          # P * (dP - rowsum(P * dP) [+ dlse]), pivoted
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)
     if cr is not None:                                              # the policy's P there is a constant: dT = 0
         dT = np.where(cr, dT.dtype.type(0), dT)
-        dsink = None if dsink is None else np.where(cr, dsink.dtype.type(0), dsink)
+        dextra = None if dextra is None else np.where(cr, dextra.dtype.type(0), dextra)
     # T = ... + M + B, broadcast  =>  dM = dB = dT summed over the axes M and B were broadcast along
     dmask = None if prob.mask_float is None else additive_vjp(dT, prob.shapes["attn_mask"])
     dbias = None if prob.bias is None else additive_vjp(dT, prob.shapes["bias"])
@@ -147,29 +144,29 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     # Traw = scale Q K^T  =>  dQ = scale dTraw K, dK = scale dTraw^T Q (summed over the group)
     dq, dk = scores_vjp(_grouped(dTraw, prob), prob.q, k, prob.scale)
     return Grads(dq=_full(dq, prob), dk=dk.sum(axis=-3), dv=dv, dmask=dmask, dbias=dbias,
-                 dsinks=None if dsink is None else dsink[..., 0].sum(axis=-1))   # dsink summed over the rows
+                 dextra=None if dextra is None else dextra[..., 0].sum(axis=-1))   # summed over the rows
 
 
-def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dsinks=None):
+def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dextra=None):
     """The output tangent ``dO`` ``(..., Hq, L, Ev)`` along the input tangents (None means zero).
 
     ``dq`` is in the layout of ``prob.q``; ``dk``, ``dv`` in that of ``prob.k``, ``prob.v``;
     ``dbias`` broadcastable to the scores; ``dv_full`` the value tangent that the fully masked rows of
-    ``"uniform"`` average (``Problem.clean_tangents``); ``dsinks`` the sinks' tangent ``(..., Hq, 1, 1)``.
+    ``"uniform"`` average (``Problem.clean_tangents``); ``dextra`` the extra logits' (the sinks') tangent
+    ``(..., Hq, 1, 1)``.
     """
     o = prob.options
     P, sech2 = fwd.probs, fwd.tanh
     k, v = _kv(prob.k), _kv(prob.v)
     dO = None
-    if dq is not None or dk is not None or dbias is not None or dsinks is not None:
+    if dq is not None or dk is not None or dbias is not None or dextra is not None:
         dTraw = scores_jvp(prob.q, k, dq, None if dk is None else _kv(dk), prob.scale)
         dTraw = np.zeros(prob.full_scores, prob.dtype) if dTraw is None else _full(dTraw, prob)
         dT = transform_scores_jvp(dTraw, sech2, dbias)
         dT = np.broadcast_to(dT, P.shape)
-        if prob.sink is None:
-            dP = softmax_jvp(P, dT)                                 # P * (dT - rowsum(P * dT))
-        else:                                                       # J is symmetric: the sink's column, d sigma
-            dP = sink_softmax_vjp(P, dT, sink_probs(prob.sink, fwd.lse[..., None]), d_sink=dsinks)[0]
+        p_extra = extra_probs(extras(prob), fwd.lse[..., None])     # J is symmetric: the VJP's map, an extra
+        dP = vjp(P, dT, p_extra, d_extra=dextra)[0]                 # column's entry its tangent d sigma:
+        #                                                             P * (dT - rowsum(P * dT) - p_sink d sigma)
         cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)
         if cr is not None:
             dP = np.where(cr, dP.dtype.type(0), dP)

@@ -144,7 +144,7 @@ def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
 
     return AttentionGrads(query=back(gr.dq, "query"), key=back(gr.dk, "key"), value=back(gr.dv, "value"),
                           attn_mask=back(gr.dmask, "attn_mask"), bias=back(gr.dbias, "bias"),
-                          sinks=back(gr.dsinks, "sinks"))
+                          sinks=back(gr.dextra, "sinks"))
 
 
 def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
@@ -224,10 +224,10 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
         ds, bs = clean(_cast_real(ds, prob)[..., None, None])
     with single_threaded_blas():
         if res.method == "tiled":
-            dO = tiled.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dsinks=ds, block_size=res.block_size)
+            dO = tiled.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dextra=ds, block_size=res.block_size)
         else:
             core = reproducible if res.method == "reproducible" else attention
-            dO = core.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dsinks=ds)
+            dO = core.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dextra=ds)
         bad = poison.jvp_taint(prob, res.taint, (dq, dk, dv, db), (bq, bk, bv, bb), dv_full, ds, bs)
     dO = poison.nan_where(dO, bad)                       # what reads poison: NaN
     dO = poison.nan_where(dO, prob.nan_rows_without_keys() if any(t is not None for t in (dq, dk, dv, db, ds))

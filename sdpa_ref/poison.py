@@ -41,7 +41,7 @@ def backward_taint(prob, taint, dO, do_bad, dlse=None, dl_bad=None):
     taint = taint if taint is not None else reproducible.forward(lifted, arith=R)
     g = reproducible.backward(lifted, taint, Reads(dO, do_bad), None if dlse is None else Reads(dlse, dl_bad),
                               arith=R)
-    return {"query": g.dq, "key": g.dk, "value": g.dv, "attn_mask": g.dmask, "bias": g.dbias, "sinks": g.dsinks}
+    return {"query": g.dq, "key": g.dk, "value": g.dv, "attn_mask": g.dmask, "bias": g.dbias, "sinks": g.dextra}
 
 
 def jvp_taint(prob, taint, tangents, bads, dv_full=None, dsinks=None, ds_bad=None):
@@ -57,7 +57,7 @@ def jvp_taint(prob, taint, tangents, bads, dv_full=None, dsinks=None, ds_bad=Non
     dq, dk, dv, db = (None if t is None else Reads(t, b) for t, b in zip(tangents, bads))
     vf = dv if dv_full is tangents[2] else (None if dv_full is None else Reads(dv_full, bads[2]))
     ds = None if dsinks is None else Reads(dsinks, ds_bad)
-    return reproducible.jvp(lifted, taint, dq, dk, dv, db, dv_full=vf, dsinks=ds, arith=R)
+    return reproducible.jvp(lifted, taint, dq, dk, dv, db, dv_full=vf, dextra=ds, arith=R)
 
 
 def show(x, bad):

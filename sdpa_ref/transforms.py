@@ -110,8 +110,8 @@ def softcap_sech2(t, cap, out=None):
 
     .. math::
 
-        rac{d}{dx}\, c 	anh(x / c) = 1 - 	anh^2(y) = \operatorname{sech}^2(y)
-        = rac{1}{\cosh^2 y}, \qquad y = x / c.
+        \frac{d}{dx}\, c \tanh(x / c) = 1 - \tanh^2(y) = \operatorname{sech}^2(y)
+        = \frac{1}{\cosh^2 y}, \qquad y = x / c.
 
     ``1 - tanh^2`` cancels: once ``|y|`` is a few units, ``tanh^2(y)`` is 1
     to within its own rounding, which is then all of the difference (4% off

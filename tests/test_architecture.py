@@ -117,6 +117,33 @@ def test_each_piece_of_math_lives_in_one_place(snippet):
     assert found == ONE_HOME[snippet], f"{snippet!r} is written in {sorted(found)}"
 
 
+#: The engines (schedules): every stage they compute is one call to its definition.
+ENGINE_MODULES = [p for p in MODULES if p.parent.name == "engines" or p.name == "attention.py"]
+
+
+@pytest.mark.parametrize("path", ENGINE_MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_no_engine_knows_the_normalisers_extra_logits(path):
+    """Sinks are the normaliser's extra logits (sdpa_ref.normalize): an engine closes its rows and passes the
+    extra gradient on without naming them, so the diff that adds such a logit touches no engine."""
+    assert "sink" not in _code_without_docstrings(path).lower()
+
+
+def test_the_engine_check_sees_code_and_not_its_prose(tmp_path):
+    engine = tmp_path / "engine.py"
+    engine.write_text('"""Sinks are the normaliser\'s."""\n\n\ndef f(prob):\n    return prob.sink_rows()  # a sink\n')
+    assert "sink" in _code_without_docstrings(engine).lower()
+    engine.write_text('"""Sinks are the normaliser\'s."""\n\n\ndef f(prob):\n    return extras(prob)  # a sink\n')
+    assert "sink" not in _code_without_docstrings(engine).lower()
+
+
+def test_no_source_holds_a_control_character():
+    """A ``\\frac`` or ``\\tanh`` in a docstring that is not raw is a form feed or a tab in the text."""
+    bad = [str(p.relative_to(PKG)) for p in MODULES
+           if any(c in p.read_text() for c in "\x0b\x0c" + "".join(map(chr, range(0, 9))))]
+    tabs = [str(p.relative_to(PKG)) for p in MODULES if "\t" in p.read_text()]
+    assert not bad and not tabs, (bad, tabs)
+
+
 def test_the_option_list_is_written_once():
     """No module but options.py spells out (more than half of) the list of option names."""
     offenders = []

@@ -4,7 +4,7 @@ An engine is a module with these functions::
 
     forward(prob, *, save_probs=True) -> Forward      (the tiled engine: block_size= instead)
     backward(prob, fwd, dO, dlse=None) -> Grads       (the tiled engine: block_size= too)
-    jvp(prob, fwd, dq, dk, dv, dbias, dv_full, dsinks) -> dO
+    jvp(prob, fwd, dq, dk, dv, dbias, dv_full, dextra) -> dO
                                                       (the tiled engine: block_size= too; the fast engine
                                                       has none: forward mode runs the core's on its P)
 
@@ -40,7 +40,7 @@ class Forward(NamedTuple):
     rowmax: np.ndarray                 # m (*batch, Hq, L, 1), real: the row's max score, 0 on rows with no key
     rowsum: np.ndarray                 # s (*batch, Hq, L, 1): sum_j exp(T_j - m); LSE = m + log(s)
     extra: Any = None                  # what only this engine's backward reads (the reproducible one's dd P)
-    lse_keys: Optional[np.ndarray] = None  # with sinks: the LSE over the keys alone (*batch, Hq, L), else None
+    lse_keys: Optional[np.ndarray] = None  # with extra logits (sinks): the LSE over the keys alone (*batch, Hq, L)
 
 
 class Grads(NamedTuple):
@@ -51,4 +51,5 @@ class Grads(NamedTuple):
     dv: np.ndarray                     # (*batch, Hkv, S, Ev), summed over each GQA group
     dmask: Optional[np.ndarray]        # the float attn_mask's gradient, in its own shape
     dbias: Optional[np.ndarray]        # the bias's gradient, in its own shape
-    dsinks: Optional[np.ndarray] = None  # the sinks' gradient (*batch, Hq), summed over the rows; None without sinks
+    dextra: Optional[np.ndarray] = None  # the extra logits' (the sinks') gradient (*batch, Hq), summed over the
+    #                                      rows (sdpa_ref.normalize); None without them

@@ -46,7 +46,7 @@ import numpy as np
 
 from ..exact import _native
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
-from ..sinks import fold_sink, sink_probs, sink_softmax_vjp
+from ..normalize import close, extra_probs, extras, vjp
 from ..pivot import softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_vjp, transform_scores, \
     transform_scores_vjp
@@ -79,8 +79,8 @@ def forward(prob, *, save_probs=True) -> Forward:
     sech2 = None if o.softcap is None or not save_probs else np.empty_like(T)      # softcap's slope
     allowed = prob.allowed()
     sub = max(1, _CACHE_ENTRIES // max(S, 1))          # rows per cache-sized block
-    sink_g = lay.per_row(prob.sink_rows())
-    lse_keys = None if sink_g is None else np.empty_like(lse)   # with sinks: the LSE over the keys alone
+    ext = lay.per_row(extras(prob))                    # the normaliser's extra logits (sinks), one per row
+    lse_keys = None if ext is None else np.empty_like(lse)     # then the LSE over the keys alone
 
     def softmax_rows(t, lse_c, empty_c, m_c, s_c):
         if _fused(t, lse_c, empty_c, m_c, s_c):        # compiled: the passes fused, row by row
@@ -113,15 +113,15 @@ def forward(prob, *, save_probs=True) -> Forward:
             row_chunks(softmax_rows, *rows)
         else:
             softmax_rows(*rows)
-        if sink_g is not None:                            # a sink: one more score with no value (fold_sink)
+        if ext is not None:                               # the normaliser closed by its extra logits
             e = empty[idx].copy()
             lse_keys[idx] = lse[idx]
-            m2, s2, r, _, empty[idx] = fold_sink(rowmax[idx], rowsum[idx], e, sink_g[idx])
+            nrm = close(rowmax[idx], rowsum[idx], e, ext[idx])
             np.copyto(Tc, 0.0, where=e)
-            np.multiply(Tc, r, out=Tc)
-            rowmax[idx], rowsum[idx] = m2, s2
+            np.multiply(Tc, nrm.r, out=Tc)                 # the keys' P times r
+            rowmax[idx], rowsum[idx], empty[idx] = nrm.m, nrm.s, nrm.empty
             with np.errstate(divide="ignore"):
-                lse[idx] = np.where(empty[idx], -np.inf, m2 + np.log(s2))
+                lse[idx] = np.where(empty[idx], -np.inf, nrm.m + np.log(nrm.s))
         Pd = dropout_forward(lay.full_view(Tc), block_of(prob.keep, lay.nd_f, fidx), o.dropout_p)
         np.matmul(Pd.reshape(Tc.shape), v, out=O[idx])
 
@@ -167,8 +167,8 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)   # their dT is 0, set not computed
     crg = None if cr is None else np.broadcast_to(cr, full[:-1] + (1,)).reshape(grouped + (1,))
     dlg = None if dlse is None else dlse.reshape(grouped + (1,))
-    psg = None if prob.sink is None else sink_probs(lay.per_row(prob.sink), fwd.lse.reshape(grouped + (1,)))
-    dsink = None if psg is None else np.empty(grouped + (1,), dtype=ct)
+    pe = extra_probs(lay.per_row(extras(prob)), fwd.lse.reshape(grouped + (1,)))    # the extra columns' P
+    dext = None if pe is None else np.empty(grouped + (1,), dtype=ct)
     sub = max(1, _CACHE_ENTRIES // max(S, 1))
 
     def score_grad_rows(d, p):
@@ -190,18 +190,18 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
         if keep is not None:
             dropout_forward(lay.full_view(dTc), keep, o.dropout_p, out=lay.full_view(dTc))   # ... * Z / (1-p)
         rows = (_rows(dTc), _rows(Pc))
-        if psg is not None:                                                # the sink's column: dP = 0
-            dTc[...], dsink[idx] = sink_softmax_vjp(Pc, dTc, psg[idx], None if dlg is None else dlg[idx])
+        if pe is not None:                                                 # and the extra columns: dP = 0
+            dTc[...], dext[idx] = vjp(Pc, dTc, pe[idx], None if dlg is None else dlg[idx])
         elif inner_parallel:
             row_chunks(score_grad_rows, *rows)
         else:
             score_grad_rows(*rows)                                         # dT = (dP - D) * P
-        if dlg is not None and psg is None:                                # ... + P * dlse (softmax_lse_vjp)
+        if dlg is not None and pe is None:                                 # ... + P * dlse (softmax_lse_vjp)
             dTc += Pc * dlg[idx]
         if crg is not None:
             np.copyto(dTc, 0.0, where=crg[idx])
-            if dsink is not None:
-                np.copyto(dsink[idx], 0.0, where=crg[idx])
+            if dext is not None:
+                np.copyto(dext[idx], 0.0, where=crg[idx])
         dTraw = transform_scores_vjp(dTc, None if sdg is None else sdg[idx], out=None if keep_dT else dTc)
         scores_vjp(dTraw, qc, k, prob.scale, dq_out=dq[idx], dk_out=dk[idx])
 
@@ -210,7 +210,7 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     return Grads(dq=dq.reshape(full[:-1] + (E,)), dk=dk, dv=dv,
                  dmask=None if prob.mask_float is None else additive_vjp(dT, prob.shapes["attn_mask"]),
                  dbias=None if prob.bias is None else additive_vjp(dT, prob.shapes["bias"]),
-                 dsinks=None if dsink is None else dsink.reshape(full[:-1]).sum(axis=-1))
+                 dextra=None if dext is None else dext.reshape(full[:-1]).sum(axis=-1))
 
 
 # ------------------------------------------------------------- chunking
@@ -301,7 +301,7 @@ class _Layout:
         return idx[:-1] + (hq,)
 
     def per_row(self, x):
-        """A per-head (or per-row) ``(..., Hq, 1 or L, 1)`` array (the sinks) as one value per row in the
+        """A per-head (or per-row) ``(..., Hq, 1 or L, 1)`` array (the extra logits) as one value per row in the
         grouped layout ``(*batch, Hkv, G*L, 1)``; None stays None."""
         return None if x is None else np.broadcast_to(x, self.full[:-1] + (1,)).reshape(self.grouped + (1,))
 

@@ -15,7 +15,7 @@ The steps:
   added exactly), ``-inf`` outside the allowed set;
 * ``P = exp(T - m) / s`` with its own ``exp`` and a fixed-order sum ``s``,
   ``LSE = m + log s`` with its own ``log``; the fully-masked policy; a
-  sink folded in by :func:`sdpa_ref.sinks.fold_sink_in` over the arithmetic;
+  normaliser closed by its extra logits (sinks: :func:`sdpa_ref.normalize.close_in`) over the arithmetic;
 * ``P_drop = P * Z / (1 - p)`` (``1 - p`` exact), ``O = P_drop V``;
 * the backward and the JVP as in the core, with the pivoted softmax
   derivative, every sum over keys, over a GQA group and over broadcast
@@ -46,8 +46,7 @@ import functools
 import numpy as np
 
 from ..exact.arith import for_problem
-from ..sinks import fold_sink_in, sink_softmax_vjp_in
-from ..pivot import softmax_vjp_in
+from ..normalize import EXTRA_NAME, close_in, extra_shape, extras, vjp_in
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
 from ..transforms import additive_forward_in, alibi_distance, alibi_forward_in, softcap_forward_in, unbroadcast
 from .._threads import run_all
@@ -82,9 +81,9 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
     sd = X.empty(full) if o.softcap is not None else None                              # sech^2(Traw / cap)
     m, s_val = (np.empty(full[:-1] + (1,), X.dtype) for _ in range(2))
     lse = X.empty(full[:-1] + (1,))
-    sinks = prob.sink_rows()
-    lse_keys = None if sinks is None else X.empty(full[:-1] + (1,))   # the LSE over the keys alone
-    p_sink = None if sinks is None else X.empty(full[:-1] + (1,))
+    ext = extras(prob)                                               # the normaliser's extra logits (sinks)
+    lse_keys = None if ext is None else X.empty(full[:-1] + (1,))    # then the LSE over the keys alone
+    p_extra = None if ext is None else X.empty(full[:-1] + (1,))
     empty = np.empty(full[:-1] + (1,), dtype=bool)
     excluded = _excluded(prob)
     dist = None if prob.alibi is None else alibi_distance(prob.L, S, o.causal_alignment, prob.q_lengths,
@@ -113,11 +112,11 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
             e = X.where(excl, X.const(0.0), e)
         sm = X.where(em, X.const(1.0), X.sum(e, keepdims=True))
         p = X.div(e, sm)
-        if sinks is not None:                                        # one more score, with no value
+        if ext is not None:                                          # the normaliser closed by them
             X.put(lse_keys, ix, X.where(em, X.const(-np.inf), X.add(X.log(sm), mx)))
-            mx, sm, fold, ps, em = fold_sink_in(X, mx, sm, em, block_of(sinks, nd, lead, r))
+            mx, sm, fold, pe, em = close_in(X, mx, sm, em, block_of(ext, nd, lead, r))
             p = X.mul(p, fold)
-            X.put(p_sink, ix, ps)
+            X.put(p_extra, ix, pe)
             sm = X.where(em, X.const(1.0), sm)
         p = fill_empty_rows(p, em, block_of(padded, nd, lead, r), o.fully_masked, S, X)
         X.put(P, ix, p)
@@ -134,7 +133,7 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
     zr = zero_output_rows(empty, padded, o.fully_masked)
     if zr is not None:                                               # 0 by definition: no value is read
         O = np.where(zr, O.dtype.type(0), O)
-    extra = {"P": P, "Pd": Pd, "sech2": sd, "p_sink": p_sink} if save_probs else None
+    extra = {"P": P, "Pd": Pd, "sech2": sd, "p_extra": p_extra} if save_probs else None
     return Forward(out=O, lse=_round(X, lse)[..., 0], probs=X.value(P) if save_probs else None,
                    tanh=None if sd is None or not save_probs else X.value(sd), empty=empty, rowmax=m,
                    rowsum=s_val, extra=extra, lse_keys=None if lse_keys is None else _round(X, lse_keys)[..., 0])
@@ -155,22 +154,19 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None) -> Grads:
     keep_dT = prob.mask_float is not None or prob.bias is not None
     dT = X.empty(full) if keep_dT else None
     dTraw = X.empty(full)
-    ps = fwd.extra["p_sink"]
-    dsink = None if ps is None else X.empty(full[:-1] + (1,))
+    pe = fwd.extra["p_extra"]
+    dext = None if pe is None else X.empty(full[:-1] + (1,))
 
     def rows(lead, r):
         ix = lead + (slice(*r),)
         g = _dropout(X, X.at(dP, ix), block_of(prob.keep, nd, lead, r), o.dropout_p)
         gl = None if dlse is None else dlse[ix]
-        if ps is None:
-            t = softmax_vjp_in(X, X.at(P, ix), g, gl)                # P(dP - D) [+ P dlse]
-        else:                                                        # and the sink's column, dP = 0
-            t, ds = sink_softmax_vjp_in(X, X.at(P, ix), g, X.at(ps, ix), gl)
+        t, de = vjp_in(X, X.at(P, ix), g, None if pe is None else X.at(pe, ix), gl)   # P(dP - D) [+ P dlse]
         cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked)
         if cr is not None:                                           # P does not depend on T there
             t = X.where(cr, X.const(0.0), t)
-        if ps is not None:
-            X.put(dsink, ix, ds if cr is None else X.where(cr, X.const(0.0), ds))
+        if pe is not None:                                           # the extra columns (dP = 0)
+            X.put(dext, ix, de if cr is None else X.where(cr, X.const(0.0), de))
         if dT is not None:
             X.put(dT, ix, t)
         if sd is not None:                                           # * (1 - tanh^2), as sech^2
@@ -191,20 +187,20 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None) -> Grads:
     heads = None if nan_rows is None else np.any(_grouped(nan_rows, prob), axis=(-3, -2))[..., None]
     for x, ok, what in ((dq, nan_rows, "dq"), (dk, heads, "dk"), (dv, heads, "dv")):
         _no_silent_nan(X, x, ok, what)
-    dsinks = None
-    if dsink is not None:                                            # summed over the rows, then to (..., Hq)
-        dsinks = unbroadcast(X.sum(X.at(dsink, (Ellipsis, 0)), axis=-1), prob.shapes["sinks"], X)
-        _no_silent_nan(X, dsinks, None if nan_rows is None else _any_to(np.any(nan_rows, axis=(-2, -1)),
-                                                                               prob.shapes["sinks"]),
-                       "sinks gradient")
-        dsinks = _round(X, dsinks)
+    dextra = None
+    if dext is not None:                                             # summed over the rows, then to (..., Hq)
+        dextra = unbroadcast(X.sum(X.at(dext, (Ellipsis, 0)), axis=-1), extra_shape(prob), X)
+        _no_silent_nan(X, dextra, None if nan_rows is None else _any_to(np.any(nan_rows, axis=(-2, -1)),
+                                                                               extra_shape(prob)),
+                       f"{EXTRA_NAME} gradient")
+        dextra = _round(X, dextra)
     return Grads(dq=_round(X, unbroadcast(dq, prob.shapes["query"], X)),
                  dk=_round(X, unbroadcast(dk, prob.shapes["key"], X)),
-                 dv=_round(X, unbroadcast(dv, prob.shapes["value"], X)), dmask=dmask, dbias=dbias, dsinks=dsinks)
+                 dv=_round(X, unbroadcast(dv, prob.shapes["value"], X)), dmask=dmask, dbias=dbias, dextra=dextra)
 
 
 @_quiet
-def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dsinks=None, *, arith=None):
+def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dextra=None, *, arith=None):
     """The output tangent, the core's JVP (tangents in the core's layouts; None is zero; ``dv_full`` as in
     :func:`sdpa_ref.attention.jvp`; ``arith`` as in :func:`forward`)."""
     X = arith or for_problem(prob)
@@ -212,7 +208,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
     P, Pd, sd = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["sech2"]
     padded = prob.padded_rows()
     dO = None
-    if dq is not None or dk is not None or dbias is not None or dsinks is not None:
+    if dq is not None or dk is not None or dbias is not None or dextra is not None:
         dT = None
         if dq is not None:
             dT = X.matmul(dq, _t(_kv(prob.k)))
@@ -229,11 +225,9 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
                 t = X.mul(t, X.at(sd, ix))
             if dbias is not None:
                 t = X.add_d(t, block_of(dbias, nd, lead, r))
-            if fwd.extra["p_sink"] is None:                          # J is symmetric: the JVP is the same map
-                p = softmax_vjp_in(X, X.at(P, ix), t)
-            else:                                                    # and the sink's column, d sigma
-                p = sink_softmax_vjp_in(X, X.at(P, ix), t, X.at(fwd.extra["p_sink"], ix),
-                                        d_sink=block_of(dsinks, nd, lead, r))[0]
+            pe = fwd.extra["p_extra"]                                # J is symmetric: the VJP's map, an extra
+            p = vjp_in(X, X.at(P, ix), t, None if pe is None else X.at(pe, ix),     # column's entry d sigma
+                       d_extra=block_of(dextra, nd, lead, r))[0]
             cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked)
             if cr is not None:
                 p = X.where(cr, X.const(0.0), p)

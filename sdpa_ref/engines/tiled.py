@@ -26,8 +26,8 @@ Per block of rows ``I`` and keys ``J`` (all batch entries and heads at once)::
 
 The block merge is the combine of two normalisers that the split-KV merge
 (:func:`sdpa_ref.merge_attention`, through :func:`sdpa_ref.lse.combine_lse`)
-applies to its parts and the sink (:func:`sdpa_ref.sinks.fold_sink_in`) to
-a row: a key block is a split of the keys, merged as it is computed.
+applies to its parts and the normaliser's close (:func:`sdpa_ref.normalize.close`,
+the sinks) to a row: a key block is a split of the keys, merged as it is computed.
 
 Blocks that the allowed set excludes entirely are skipped in both passes.
 Peak memory is ``O((L + S) (E + Ev) + b^2)`` per head on top of the inputs.
@@ -43,7 +43,7 @@ from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_withou
 from ..arith import NUMPY
 from ..lse import combine_in
 from ..pivot import block_partial, combine_partials
-from ..sinks import fold_sink, sink_grad_in, sink_probs
+from ..normalize import close, extra_grad_in, extra_probs, extras
 from ..transforms import dropout_forward, scores_jvp, scores_vjp, transform_scores_jvp, transform_scores_vjp, \
     unbroadcast
 from .blocks import Blocks, check_block_size, exp_inplace as _exp, ranges as _ranges
@@ -67,7 +67,7 @@ def forward(prob, *, block_size="auto") -> Forward:
     empty = np.zeros(lead + (L, 1), dtype=bool)
     rowmax = np.zeros(lead + (L, 1), dtype=rt)
     rowsum = np.zeros(lead + (L, 1), dtype=ct)
-    lse_keys = None if prob.sink is None else np.full(lead + (L,), -np.inf, dtype=rt)
+    lse_keys = None if extras(prob) is None else np.full(lead + (L,), -np.inf, dtype=rt)   # with extra logits
     for i0, i1 in _ranges(L, block):
         m = np.zeros(lead + (i1 - i0, 1), dtype=rt)                 # the running normaliser (m, l), empty so far
         l = np.zeros(lead + (i1 - i0, 1), dtype=ct)
@@ -89,10 +89,11 @@ def forward(prob, *, block_size="auto") -> Forward:
             acc = acc * a + pv * b                                  # a = e^(m_old - m), b = e^(m_b - m)
         with np.errstate(divide="ignore", invalid="ignore"):
             out = acc / l
-            if prob.sink is not None:                               # a sink: one more score, no value (fold_sink)
+            if lse_keys is not None:                                # the normaliser closed by its extra logits
                 lse_keys[..., i0:i1] = (np.log(l) + m)[..., 0].real
-                m, l, r, _, empty_ = fold_sink(m, l, row_empty, prob.sink_rows((i0, i1)))
-                out, row_empty = np.where(row_empty, ct.type(0), out) * r, empty_
+                nrm = close(m, l, row_empty, extras(prob, (i0, i1)))
+                m, l = nrm.m, nrm.s
+                out, row_empty = np.where(row_empty, ct.type(0), out) * nrm.r, nrm.empty
             m = np.where(row_empty, rt.type(0), m)
             lse[..., i0:i1] = (np.log(l) + m)[..., 0].real
         rowmax[..., i0:i1, :], rowsum[..., i0:i1, :] = m, l
@@ -132,14 +133,14 @@ class _Sweeps:
     :math:`P \odot (g - \mathrm{rowsum}(P \odot g))`. The first sweep finds, from each key block's own pivot,
     one pivot ``c`` (``g`` at the row's largest ``P``) and :math:`D = \mathrm{rowsum}(P (g - c))`
     (:func:`sdpa_ref.pivot.combine_partials`); :meth:`second` recomputes each block and yields
-    :math:`P \odot ((g - c) - D)`. A sink is one more column with probability ``ps`` and no value, whose
-    ``g`` is ``g_sink`` (the backward: 0; the JVP: the sink's tangent). With one key block the two sweeps
-    share one recomputation.
+    :math:`P \odot ((g - c) - D)`. An extra logit of the normaliser (a sink) is one more column with probability
+    ``ps`` and no value, whose ``g`` is ``g_extra`` (the backward: 0; the JVP: its tangent). With one key block
+    the two sweeps share one recomputation.
 
     ``g_block(j0, j1, P, keep, sech2)`` gives a fresh array ``g`` for one block.
     """
 
-    def __init__(self, prob, bl, fwd, i0, i1, cb, g_block, g_sink=None):
+    def __init__(self, prob, bl, fwd, i0, i1, cb, g_block, g_extra=None):
         o, ct = prob.options, prob.dtype
         self.prob, self.bl, self.i0, self.i1, self.g_block = prob, bl, i0, i1, g_block
         self.em = fwd.empty[..., i0:i1, :]
@@ -155,10 +156,10 @@ class _Sweeps:
                 continue                                            # P = 0 on the whole block
             self.jobs.append((j0, j1, skip, allowed))
         self.cached = self._recompute(*self.jobs[0]) if len(self.jobs) == 1 else None
-        self.ps = None if prob.sink is None else sink_probs(prob.sink, fwd.lse[..., i0:i1, None])
+        self.ps = extra_probs(extras(prob, (i0, i1)), fwd.lse[..., i0:i1, None])
         parts = []
-        if self.ps is not None:                                     # the sink's column: g_sink, its own pivot
-            gs = np.zeros(self.ps.shape) if g_sink is None else np.broadcast_to(g_sink, self.ps.shape)
+        if self.ps is not None:                                     # the extra column: g_extra, its own pivot
+            gs = np.zeros(self.ps.shape) if g_extra is None else np.broadcast_to(g_extra, self.ps.shape)
             parts.append((self.ps, gs, np.zeros(self.ps.shape), self.ps))
         for job in self.jobs:
             P, g, _, _ = self.cached if self.cached is not None else self._recompute(*job)
@@ -185,7 +186,7 @@ class _Sweeps:
         for job in self.jobs:
             if self.cached is not None:
                 P, g, sech2, keep = self.cached                     # g - c already ...
-                if self.ps is not None:                             # ... unless the sink holds the pivot
+                if self.ps is not None:                             # ... unless the extra column holds it
                     np.add(g, self.parts[1][1] - self.c, out=g)
             else:
                 P, g, sech2, keep = self._recompute(*job)
@@ -220,7 +221,7 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
     dv = np.zeros(prob.batch + (Hkv, S, prob.v.shape[-1]), dtype=ct)
     dmask = None if prob.mask_float is None else np.zeros(prob.shapes["attn_mask"], dtype=ct)
     dbias = None if prob.bias is None else np.zeros(prob.shapes["bias"], dtype=ct)
-    dsink = None if prob.sink is None else np.zeros(full[:-1], dtype=ct)
+    dext = None if extras(prob) is None else np.zeros(full[:-1], dtype=ct)
 
     def rows(i0, i1):
         """One block of rows; its temporaries die with the call, before the next block makes its own."""
@@ -234,9 +235,9 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
         if sw.c is None:
             return
         D = sw.D if dlse is None else sw.D - dlse[..., i0:i1, :]    # + P * dlse, folded into D
-        if sw.ps is not None:                                       # dsink = p_sink ((0 - c) - D) (sink_softmax_vjp)
-            ds = sink_grad_in(NUMPY, sw.ps, sw.c, D)
-            dsink[..., i0:i1] = (ds if sw.const is None else np.where(sw.const, ct.type(0), ds))[..., 0]
+        if sw.ps is not None:                                       # the extra logits: p ((0 - c) - D)
+            ds = extra_grad_in(NUMPY, sw.ps, sw.c, D)
+            dext[..., i0:i1] = (ds if sw.const is None else np.where(sw.const, ct.type(0), ds))[..., 0]
         for j0, j1, P, keep, sech2, dT in sw.second(D):             # dT = P * ((dP - c) - D)
             P_drop = dropout_forward(P, keep, o.dropout_p)
             dv[..., j0:j1, :] += (np.swapaxes(bl.grouped(P_drop), -1, -2) @ dOg).sum(axis=-3)   # P_drop^T dO
@@ -253,19 +254,19 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
     for i0, i1 in _ranges(L, rb):
         rows(i0, i1)
     return Grads(dq=dq, dk=dk, dv=dv, dmask=dmask, dbias=dbias,
-                 dsinks=None if dsink is None else dsink.sum(axis=-1))
+                 dextra=None if dext is None else dext.sum(axis=-1))
 
 
-def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dsinks=None, *,
+def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dextra=None, *,
         block_size="auto"):
     r"""The output tangent ``dO`` ``(*batch, Hq, L, Ev)`` block by block, in the bounded memory of the forward.
 
     The tangents are those of :func:`sdpa_ref.attention.jvp` (None is zero). Per block of rows,
     :class:`_Sweeps` with ``g`` the scores' tangent
-    :math:`dT = s (dQ_I K_J^T + Q_I dK_J^T) \odot \mathrm{sech}^2 + dB_{IJ}` (the sink's column: ``dsinks``)
-    gives :math:`dP = P \odot ((dT - c) - D)` per key block, and
+    :math:`dT = s (dQ_I K_J^T + Q_I dK_J^T) \odot \mathrm{sech}^2 + dB_{IJ}`
+    gives :math:`dP = P \odot ((dT - c) - D)` per key block (an extra column's tangent ``dextra``), and
 
-    .. math:: dO_I = \sum_J rac{dP_{IJ} \odot Z_{IJ}}{1 - p} V_J + P_{drop,IJ}\, dV_J,
+    .. math:: dO_I = \sum_J \frac{dP_{IJ} \odot Z_{IJ}}{1 - p} V_J + P_{drop,IJ}\, dV_J,
 
     the rows of ``"uniform"`` that see no key averaging the value tangent as their forward averages the values.
     """
@@ -274,7 +275,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
     L, Hq = prob.L, prob.Hq
     nd = len(prob.full_scores)
     dO = np.zeros(prob.full_scores[:-1] + (prob.v.shape[-1],), dtype=prob.dtype)
-    scored = dq is not None or dk is not None or dbias is not None or dsinks is not None
+    scored = dq is not None or dk is not None or dbias is not None or dextra is not None
 
     def dT_of(i0, i1):
         def g(j0, j1, P, keep, sech2):
@@ -289,8 +290,8 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
         return g
 
     for i0, i1 in _ranges(L, rb):
-        gs = None if dsinks is None else np.broadcast_to(dsinks, prob.full_scores[:-2] + (1, 1))
-        sw = _Sweeps(prob, bl, fwd, i0, i1, cb, dT_of(i0, i1), g_sink=gs)
+        gs = None if dextra is None else np.broadcast_to(dextra, prob.full_scores[:-2] + (1, 1))
+        sw = _Sweeps(prob, bl, fwd, i0, i1, cb, dT_of(i0, i1), g_extra=gs)
         if sw.c is None:
             continue
         em = sw.em

@@ -1,0 +1,126 @@
+r"""The row normaliser of attention's softmax: closing a row's state, and the VJP through it, once.
+
+A row's normaliser is :math:`(m, s)`: ``m`` its largest allowed score,
+:math:`s = \sum_j e^{T_j - m}` over its allowed keys, so that
+:math:`P_j = e^{T_j - m} / s` and :math:`\mathrm{lse} = m + \log s`. Every
+engine computes the keys' :math:`(m, s)` in its own schedule (the core and
+the dense engines over the whole row, the tiled one key block by key block,
+merged by :func:`sdpa_ref.lse.combine_in`), then *closes* it here:
+
+* :func:`close_in` folds in the row's *extra logits* -- scores that take
+  part in the normaliser and have no value: attention sinks
+  (:mod:`sdpa_ref.sinks`) -- and gives the factor ``r`` by which the keys'
+  probabilities (or the tiled engine's unnormalised output) are rescaled;
+* :func:`vjp_in` is the softmax VJP over the keys and the extra columns (the
+  pivoted form of :mod:`sdpa_ref.pivot`), with the LSE's cotangent, and
+  each extra logit's gradient; the same map is the JVP (the Jacobian is
+  symmetric), with the extra logits' tangent.
+
+An engine never names the extra logits: it asks :func:`extras` for them,
+closes its rows, and sums the extra gradient over the rows into
+``Grads.dextra``. A new kind of extra logit is a change to this module and
+the problem, not to any engine. Without extra logits nothing here moves a
+bit: ``close_in`` returns the state as it came (``r`` None), and the VJP is
+the plain pivoted one.
+
+Shapes: ``m``, ``s``, ``empty``, ``lse``, an extra logit and its probability
+are ``(..., 1)`` per row, in the engine's layout; ``P``, ``g``: ``(..., S)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+from .arith import NUMPY
+from .pivot import sink_grad_in, sink_softmax_vjp_in, softmax_vjp_in
+from .sinks import fold_sink_in, sink_probs
+from .softmax import softmax_lse_vjp, softmax_vjp
+
+__all__ = ["EXTRA_NAME", "Closed", "close", "close_in", "extra_grad_in", "extra_probs", "extra_shape", "extras", "vjp",
+           "vjp_in"]
+
+
+class Closed(NamedTuple):
+    """A row's normaliser with its extra logits folded in."""
+
+    m: Any                          # the largest score, the extra logits included (0 on an empty row)
+    s: Any                          # sum_j e^(T_j - m) + sum of the extra logits' e^(sigma - m)
+    r: Any                          # the keys' rescale (their P times r), or None: no extra logit, nothing moves
+    p_extra: Any                    # the extra column's probability (..., 1), or None
+    empty: np.ndarray               # rows with neither an allowed key nor an extra logit
+
+
+def extras(prob, rows=None) -> Optional[np.ndarray]:
+    """The extra logits of the normaliser for the rows ``rows`` (all by default), ``(..., Hq, 1 or Lb, 1)`` in the
+    full layout, ``-inf`` where a row has none: the sinks (:meth:`sdpa_ref.problem.Problem.sink_rows`; padded rows
+    have none). None when the problem has no extra logit."""
+    return prob.sink_rows(rows)
+
+
+#: What the extra logits are called in the API (their argument, and their gradient in ``AttentionGrads``).
+EXTRA_NAME = "sinks"
+
+
+def extra_shape(prob):
+    """The extra logits' own shape (the ``sinks`` input's), to which their gradient is summed."""
+    return prob.shapes[EXTRA_NAME]
+
+
+def close_in(X, m, s, empty, extra) -> Closed:
+    r"""Close the keys' row state ``(m, s)`` (``empty``: the rows with no allowed key, where ``m`` is 0 and ``s``
+    is not read) with the ``extra`` logits (None: none), over an arithmetic ``X`` (:mod:`sdpa_ref.arith`).
+
+    .. math:: m' = \max(m, \sigma), \quad s' = s\, e^{m - m'} + e^{\sigma - m'}, \quad
+              r = e^{m - m'} s / s', \quad p_\sigma = e^{\sigma - m'} / s'
+
+    (:func:`sdpa_ref.sinks.fold_sink_in`): the keys' probabilities become :math:`P r`, the LSE
+    :math:`m' + \log s'` includes the extra logit, and a row with no key but an extra logit has ``r = 0``.
+    """
+    if extra is None:
+        return Closed(m, s, None, None, empty)
+    return Closed(*fold_sink_in(X, m, s, empty, extra))
+
+
+def close(m, s, empty, extra) -> Closed:
+    """:func:`close_in` on NumPy arrays (an empty row's ``m`` may be ``-inf``)."""
+    if extra is None:
+        return Closed(m, s, None, None, empty)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return close_in(NUMPY, np.where(empty, m.dtype.type(0), m), s, empty, extra)
+
+
+def extra_probs(extra, lse):
+    r"""The extra columns' probability :math:`e^{\sigma - \mathrm{lse}}` ``(..., 1)`` from the LSE that includes
+    them (0 where ``lse`` is ``-inf``), or None without extra logits."""
+    return None if extra is None else sink_probs(extra, lse)
+
+
+def vjp_in(X, P, g, p_extra=None, g_lse=None, d_extra=None):
+    r"""``(dT, d_extra)``: the softmax VJP through the normaliser over an arithmetic ``X``, and the extra logits'
+    gradient per row ``(..., 1)`` (None without them).
+
+    With :math:`D = \sum_j P_j g_j`: :math:`dT = P \odot (g - D + \bar\lambda)` (``g_lse`` :math:`\bar\lambda`,
+    the LSE's cotangent, or 0) and :math:`d\sigma = p_\sigma (0 - D + \bar\lambda)`: an extra column has no value,
+    so its ``g`` is 0 (:func:`sdpa_ref.pivot.sink_softmax_vjp_in`). Pivoted (:func:`sdpa_ref.pivot.row_pivot`). As
+    the JVP (``g`` the scores' tangent), ``d_extra`` is the extra logits' tangent, the extra column's ``g``.
+    """
+    if p_extra is None:
+        return softmax_vjp_in(X, P, g, g_lse), None
+    return sink_softmax_vjp_in(X, P, g, p_extra, g_lse, d_extra)
+
+
+def vjp(P, g, p_extra=None, g_lse=None, d_extra=None):
+    """:func:`vjp_in` on NumPy arrays along the last axis (the teaching core's forms of
+    :mod:`sdpa_ref.softmax`: ``softmax_vjp``, ``softmax_lse_vjp``)."""
+    if p_extra is None:
+        return (softmax_vjp(P, g) if g_lse is None else softmax_lse_vjp(P, g, g_lse)), None
+    with np.errstate(invalid="ignore"):
+        return vjp_in(NUMPY, P, g, p_extra, g_lse, d_extra)
+
+
+def extra_grad_in(X, p_extra, c, D):
+    r"""The extra logits' gradient on each row, :math:`p_\sigma ((0 - c) - D)`, from a VJP already pivoted by ``c``
+    (``D`` with the LSE's cotangent folded in): the tiled engine's, whose ``D`` comes from its key blocks."""
+    return sink_grad_in(X, p_extra, c, D)
