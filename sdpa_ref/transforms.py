@@ -48,6 +48,7 @@ __all__ = [
     "softcap_sech2",
     "softcap_vjp",
     "transform_scores",
+    "transform_scores_in",
     "transform_scores_jvp",
     "transform_scores_vjp",
     "unbroadcast",
@@ -263,6 +264,32 @@ def transform_scores(prob, T, rows=None, cols=None, lead=None, sech2=False, sech
     if allowed is not None:
         np.copyto(T, -np.inf, where=~allowed)
     return T, d
+
+
+def transform_scores_in(X, prob, T, lead=None, rows=None, excluded=None):
+    """The chain of :func:`transform_scores` over an arithmetic ``X`` (:mod:`sdpa_ref.arith`): the raw scores
+    ``T`` of one block (``lead``: slices of the leading ``(*batch, Hq)`` axes, ``rows``: ``(start, stop)``; every
+    key; the default is all) -> ``(T, excluded, sech2)``.
+
+    The same stages in the same order as :func:`transform_scores`, each by its definition over an arithmetic
+    (:func:`softcap_forward_in`, :func:`additive_forward_in`, :func:`alibi_forward_in`). ``excluded`` is the
+    block's complement of the allowed set (None: nothing); every score that is ``-inf`` after the chain (a
+    ``-inf`` float-mask or bias entry, a sum or an ALiBi term that overflows) joins it, as on every path.
+    ``sech2`` is softcap's slope, None without softcap. The reproducible engine's dense schedule (in
+    double-double, the honest low precision, or the arithmetic of reads) and the honest ensemble run it.
+    """
+    o, nd = prob.options, len(prob.full_scores)
+    d = None
+    if o.softcap is not None:                                # cap * tanh(T / cap), and its slope
+        T, d = softcap_forward_in(X, T, o.softcap)
+    for b in (prob.mask_float, prob.bias):                   # + M + B: a -inf entry excludes its key
+        if b is not None:
+            T, excluded = additive_forward_in(X, T, block_of(b, nd, lead, rows), excluded)
+    if prob.alibi is not None:                               # - slope * |i + off - j|
+        dist = alibi_distance(prob.L, prob.S, o.causal_alignment, prob.q_lengths, prob.kv_lengths, rows)
+        T = alibi_forward_in(X, T, block_of(prob.alibi, nd, lead), block_of(dist, nd, lead))
+    neg = X.value(T) == -np.inf
+    return T, (neg if excluded is None else (excluded | neg)), d
 
 
 def transform_scores_vjp(dT, sech2, out=None):

@@ -96,8 +96,9 @@ def _code_without_docstrings(path):
 
 
 ONE_HOME = {
-    # the softcap transform and its derivative
-    "np.tanh(": {"transforms.py"},
+    # the softcap transform and its derivative (lowp.py: the tanh primitive of the blas specimens' arithmetic,
+    # over which softcap_forward_in runs; not a second softcap)
+    "np.tanh(": {"transforms.py", "lowp.py"},
     "np.cosh(": {"transforms.py"},
     # dropout's 1 / (1 - p)
     "1.0 - p": {"transforms.py"},

@@ -48,7 +48,7 @@ import numpy as np
 from ..exact.arith import for_problem
 from ..normalize import EXTRA_NAME, close_in, extra_shape, extras, vjp_in
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
-from ..transforms import additive_forward_in, alibi_distance, alibi_forward_in, softcap_forward_in, unbroadcast
+from ..transforms import transform_scores_in, unbroadcast
 from .._threads import run_all
 from .contract import Forward, Grads
 
@@ -86,24 +86,14 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
     p_extra = None if ext is None else X.empty(full[:-1] + (1,))
     empty = np.empty(full[:-1] + (1,), dtype=bool)
     excluded = _excluded(prob)
-    dist = None if prob.alibi is None else alibi_distance(prob.L, S, o.causal_alignment, prob.q_lengths,
-                                                          prob.kv_lengths)
     padded = prob.padded_rows()
 
     def rows(lead, r):
         ix = lead + (slice(*r),)
-        T = X.at(Traw, ix)
-        if sd is not None:                                           # cap * tanh(Traw / cap), and its slope
-            T, d = softcap_forward_in(X, T, o.softcap)
-            X.put(sd, ix, d)
-        excl = block_of(excluded, nd, lead, r)
-        for b in (prob.mask_float, prob.bias):
-            if b is not None:
-                T, excl = additive_forward_in(X, T, block_of(b, nd, lead, r), excl)
-        if dist is not None:                                         # - slope * |i + off - j|
-            T = alibi_forward_in(X, T, block_of(prob.alibi, nd, lead), block_of(dist, nd, lead, r))
-        neg = X.value(T) == -np.inf                                  # a score that is -inf excludes its key,
-        excl = neg if excl is None else (excl | neg)                 # as on every path (mask + bias overflowing)
+        T, excl, d = transform_scores_in(X, prob, X.at(Traw, ix), lead, r,     # softcap, + M + B, ALiBi;
+                                         block_of(excluded, nd, lead, r))    # a -inf score excludes its key
+        if sd is not None:
+            X.put(sd, ix, d)                                         # softcap's slope sech^2(Traw / cap)
         mx, em, over = X.row_max(T, excl)                            # T - mx <= 0, however large T
         if np.any(over):
             raise ValueError(_OVERFLOW_SCORE)

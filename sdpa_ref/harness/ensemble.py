@@ -52,10 +52,9 @@ from ..options import AttentionOptions
 from .._validate import check_choice, check_tolerance
 from ..problem import Problem
 from ..masks import constant_rows, nan_rows, zero_output_rows
-from ..transforms import (additive_forward_in, alibi_distance, alibi_forward_in, dropout_forward, softcap_forward,
-                          softcap_forward_in, unbroadcast)
+from ..transforms import dropout_forward, transform_scores_in, unbroadcast
 from .cases import grad_out_for
-from .lowp import DESCALES, MemberArith, output_dtype, tf32 as _tf32, widen, work_dtype
+from .lowp import DESCALES, LibmLowPrecision, MemberArith, output_dtype, tf32 as _tf32, widen, work_dtype
 
 __all__ = ["MEMBERS", "Member", "ensemble_errors", "honest_errors", "member_quantities", "run_member"]
 
@@ -168,7 +167,7 @@ class _Kernel:
         self.p, self.dt, self.m = prob, np.dtype(dt), member
         self.out_dt = output_dtype(dt)
         self.w = work_dtype(dt)
-        self.X = LowPrecision(self.w)
+        self.X = LibmLowPrecision(self.w) if member.arith == "blas" else LowPrecision(self.w)
         self.s = self.w.type(prob.scale * member.scale_factor)
         # fp8: (*batch, Hq, 1, 1) factors of q, k, v (a GQA group shares its kv-head's)
         self.desc = None if descales is None else tuple(
@@ -281,22 +280,10 @@ class _Kernel:
 
     def forward(self):
         p, m, o = self.p, self.m, self.p.options
-        T, sd = self.scores(), None
-        if o.softcap is not None:
-            if self.m.arith == "blas":                   # NumPy's tanh, as the package's own softcap
-                T, th = softcap_forward(self.W(T), self.w.type(o.softcap))
-                sd = self.X.sech2(None, th)
-            else:
-                T, sd = softcap_forward_in(self.X, self.W(T), o.softcap)
         excl = np.zeros(p.full_scores, bool)
         if p.allowed() is not None:
             excl |= ~np.broadcast_to(p.allowed(), p.full_scores)
-        for b in (p.mask_float, p.bias):
-            if b is not None:
-                T, excl = additive_forward_in(self.X, T, b, excl)
-        if p.alibi is not None:
-            dist = alibi_distance(p.L, p.S, o.causal_alignment, p.q_lengths, p.kv_lengths)
-            T = alibi_forward_in(self.X, T, p.alibi, dist)
+        T, excl, sd = transform_scores_in(self.X, p, self.W(self.scores()), excluded=excl)   # softcap, M, B, ALiBi
         empty = excl.all(axis=-1, keepdims=True) if p.S else np.ones(p.full_scores[:-1] + (1,), bool)
         sink = None if p.sink is None else np.broadcast_to(self.W(p.sink_rows()), empty.shape)
         if sink is not None:                            # a row with a sink is not empty: O = 0, no policy

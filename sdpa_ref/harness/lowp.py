@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DESCALES", "LOW_DTYPES", "MemberArith", "TEST_DTYPES", "as_test_dtype", "dequantized", "finfo", "is_fp8",
+from ..exact.arith import LowPrecision
+
+__all__ = ["DESCALES", "LOW_DTYPES", "LibmLowPrecision", "MemberArith", "TEST_DTYPES", "as_test_dtype", "dequantized", "finfo", "is_fp8",
            "is_low", "output_dtype", "quantize", "tf32", "ulp", "widen", "work_dtype"]
 
 #: The dtypes that need ``ml_dtypes``.
@@ -157,3 +159,11 @@ class MemberArith:
 
     def add(self, a, b):
         return self.k.W(a + b)
+
+
+class LibmLowPrecision(LowPrecision):
+    """:class:`~sdpa_ref.exact.arith.LowPrecision` whose ``tanh`` is NumPy's in the dtype, not the double-double one
+    rounded: the specimens that compute on the platform's libm and BLAS (``Member(arith="blas")``)."""
+
+    def tanh(self, x):
+        return np.tanh(np.asarray(x, self.dtype))
