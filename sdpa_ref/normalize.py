@@ -34,12 +34,12 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from .arith import NUMPY
-from .pivot import sink_grad_in, sink_softmax_vjp_in, softmax_vjp_in
-from .sinks import fold_sink_in, sink_probs
+from .pivot import sink_grad_in, sink_softmax_vjp_in, softmax_vjp_delta_in, softmax_vjp_in
+from .sinks import fold_sink_in, sink_probs, sink_probs_in
 from .softmax import softmax_lse_vjp, softmax_vjp
 
-__all__ = ["EXTRA_NAME", "Closed", "close", "close_in", "extra_grad_in", "extra_probs", "extra_shape", "extras", "vjp",
-           "vjp_in"]
+__all__ = ["EXTRA_NAME", "Closed", "close", "close_in", "extra_grad_in", "extra_probs", "extra_probs_in",
+           "extra_shape", "extras", "vjp", "vjp_delta_in", "vjp_in"]
 
 
 class Closed(NamedTuple):
@@ -91,9 +91,14 @@ def close(m, s, empty, extra) -> Closed:
         return close_in(NUMPY, np.where(empty, m.dtype.type(0), m), s, empty, extra)
 
 
-def extra_probs(extra, lse):
+def extra_probs_in(X, extra, lse):
     r"""The extra columns' probability :math:`e^{\sigma - \mathrm{lse}}` ``(..., 1)`` from the LSE that includes
-    them (0 where ``lse`` is ``-inf``), or None without extra logits."""
+    them, over an arithmetic (0 where there is none or ``lse`` is ``-inf``), or None without extra logits."""
+    return None if extra is None else sink_probs_in(X, extra, lse)
+
+
+def extra_probs(extra, lse):
+    """:func:`extra_probs_in` on NumPy arrays."""
     return None if extra is None else sink_probs(extra, lse)
 
 
@@ -109,6 +114,15 @@ def vjp_in(X, P, g, p_extra=None, g_lse=None, d_extra=None):
     if p_extra is None:
         return softmax_vjp_in(X, P, g, g_lse), None
     return sink_softmax_vjp_in(X, P, g, p_extra, g_lse, d_extra)
+
+
+def vjp_delta_in(X, P, g, D, p_extra=None):
+    r"""``(dT, d_extra)`` as kernels compute them, with :math:`D` given (FlashAttention's
+    :math:`\mathrm{rowsum}(dO \odot O)`, or :math:`\mathrm{rowsum}(P \odot dP)`) and not pivoted:
+    :math:`P \odot (g - D)` (:func:`sdpa_ref.pivot.softmax_vjp_delta_in`) and :math:`-p_\sigma D`. The honest
+    ensemble's members run it; the engines run :func:`vjp_in`."""
+    dT = softmax_vjp_delta_in(X, P, g, D)
+    return dT, (None if p_extra is None else sink_grad_in(X, p_extra, None, D))
 
 
 def vjp(P, g, p_extra=None, g_lse=None, d_extra=None):

@@ -17,7 +17,9 @@ engine computes this form, from here:
   run);
 * :func:`sink_softmax_vjp_in`, :func:`sink_grad_in` -- a row with a sink: one more column with no value;
 * :func:`block_partial`, :func:`combine_partials` -- a row split into key blocks (the tiled engine): each block's
-  own pivot and partial sums, then the row's one pivot and :math:`D`.
+  own pivot and partial sums, then the row's one pivot and :math:`D`;
+* :func:`softmax_vjp_delta_in` -- the unpivoted form with :math:`D` given, as kernels compute it (the honest
+  ensemble).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["block_partial", "combine_partials", "pivoted_vjp", "row_pivot", "rowdot", "sink_grad_in",
-           "sink_softmax_vjp_in", "softmax_vjp_in", "softmax_vjp_rows"]
+           "sink_softmax_vjp_in", "softmax_vjp_delta_in", "softmax_vjp_in", "softmax_vjp_rows"]
 
 
 def row_pivot(y, g, axis=-1):
@@ -91,8 +93,19 @@ def softmax_vjp_in(X, P, g, g_lse=None):
 
 def sink_grad_in(X, p_sink, c, D):
     r"""The sink's gradient on each row, :math:`d\sigma = p_\sigma\, ((0 - c) - D)`: the softmax VJP's entry of
-    a column whose :math:`dP` is 0, pivoted by :math:`c` (``D`` with ``dlse`` already folded in)."""
+    a column whose :math:`dP` is 0, pivoted by :math:`c` (``D`` with ``dlse`` already folded in); not pivoted
+    (``c`` None, :func:`softmax_vjp_delta_in`'s form), :math:`-(p_\sigma D)`."""
+    if c is None:
+        return X.neg(X.mul(p_sink, D))
     return X.mul(p_sink, X.neg(X.add(c, D)))
+
+
+def softmax_vjp_delta_in(X, P, g, D):
+    r""":math:`P \odot (g - D)` over an arithmetic, with :math:`D` given: the softmax VJP as kernels compute it,
+    not pivoted, :math:`D = \mathrm{rowsum}(dO \odot O)` (FlashAttention's identity) or
+    :math:`\mathrm{rowsum}(P \odot dP)`. The honest ensemble's members compute this; every engine of the package
+    computes the pivoted form above, which does not cancel on peaked rows."""
+    return X.mul(P, X.sub(g, D))
 
 
 def sink_softmax_vjp_in(X, P, dP, p_sink, g_lse=None, d_sink=None):

@@ -19,8 +19,8 @@ from .arith import NUMPY
 from .lse import combine_in
 from .pivot import sink_grad_in, sink_softmax_vjp_in
 
-__all__ = ["check_sinks", "fold_sink", "fold_sink_in", "sink_grad_in", "sink_probs", "sink_softmax_vjp",
-           "sink_softmax_vjp_in"]
+__all__ = ["check_sinks", "fold_sink", "fold_sink_in", "sink_grad_in", "sink_probs", "sink_probs_in",
+           "sink_softmax_vjp", "sink_softmax_vjp_in"]
 
 
 def check_sinks(s):
@@ -64,11 +64,17 @@ def fold_sink(m, s, empty, sink):
         return fold_sink_in(NUMPY, np.where(empty, m.dtype.type(0), m), s, empty, sink)
 
 
+def sink_probs_in(X, sink, lse):
+    r"""The sink's probability :math:`e^{\sigma - \mathrm{lse}}` ``(..., 1)`` from the LSE that includes it, over
+    an arithmetic; 0 where there is no sink (``-inf``) or ``lse`` is ``-inf`` (no key and no sink)."""
+    none = (np.asarray(sink) == -np.inf) | (X.value(lse) == -np.inf)
+    return X.where(none, X.const(0.0), X.exp_minus(X.where(none, X.const(0.0), sink),
+                                                   X.where(none, X.const(0.0), lse)))
+
+
 def sink_probs(sink, lse):
-    r"""The sink's probability :math:`e^{\sigma - \mathrm{lse}}` ``(..., 1)`` from the LSE that includes it; 0 where
-    ``lse`` is ``-inf`` (no key and no sink)."""
-    with np.errstate(invalid="ignore"):
-        return np.where(lse == -np.inf, 0.0, np.exp(sink - np.where(lse == -np.inf, 0.0, lse)))
+    """:func:`sink_probs_in` on NumPy arrays."""
+    return sink_probs_in(NUMPY, sink, lse)
 
 
 def sink_softmax_vjp(P, dP, p_sink, g_lse=None, d_sink=None):

@@ -47,6 +47,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from ..exact.arith import LowPrecision
+from .. import normalize
 from ..lse import combine_in
 from ..options import AttentionOptions
 from .._validate import check_choice, check_tolerance
@@ -369,15 +370,14 @@ class _Kernel:
         dv = self.mm(np.swapaxes(rd(Pd), -1, -2), dO)
         dP = self.descale(self.mm(dO, np.swapaxes(v, -1, -2)), None if self.desc is None else self.desc[2])
         dPd = self.drop(dP, keep, rdrop, dt=False)
-        D = self.rowsum(self.W(dO * fw["O"])) if m.delta == "out" else self.rowsum(self.W(P * dPd))
-        dS = self.W(P * self.W(dPd - D))
+        A = MemberArith(self)
+        D = A.sum(A.mul(dO, fw["O"])) if m.delta == "out" else A.sum(A.mul(P, dPd))    # FlashAttention's identity
+        pe = normalize.extra_probs_in(A, fw["sink"], fw["lse"])       # the sink's e^(sink - lse), or None
+        dS, ds = normalize.vjp_delta_in(A, P, dPd, D, pe)            # P (dP - D), and -p_sink D
         const = constant_rows(fw["empty"], p.padded_rows(), p.options.fully_masked)
         dS = dS if const is None else np.where(const, self.w.type(0), dS)      # P is a constant there
         res = {}
-        if fw["sink"] is not None:                      # dsink = -sum_i p_sink,i D_i, p_sink = e^(sink - lse)
-            sk = fw["sink"]
-            ps = np.where(sk == -np.inf, self.w.type(0), self.exp(self.W(sk - fw["lse"])))
-            ds = self.W(-ps * D)
+        if ds is not None:                              # dsink = -sum_i p_sink,i D_i
             ds = ds if const is None else np.where(const, self.w.type(0), ds)
             ds = self.X.sum(ds[..., 0], axis=-1)                       # over the rows, by a fixed tree
             res["dsinks"] = self.sum_to(ds, p.shapes["sinks"]).reshape(p.shapes["sinks"])

@@ -18,8 +18,8 @@ import numpy as np
 
 from ..exact.arith import LowPrecision
 
-__all__ = ["DESCALES", "LOW_DTYPES", "LibmLowPrecision", "MemberArith", "TEST_DTYPES", "as_test_dtype", "dequantized", "finfo", "is_fp8",
-           "is_low", "output_dtype", "quantize", "tf32", "ulp", "widen", "work_dtype"]
+__all__ = ["DESCALES", "LOW_DTYPES", "LibmLowPrecision", "MemberArith", "TEST_DTYPES", "as_test_dtype", "dequantized",
+           "finfo", "is_fp8", "is_low", "output_dtype", "quantize", "tf32", "ulp", "widen", "work_dtype"]
 
 #: The dtypes that need ``ml_dtypes``.
 LOW_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
@@ -136,8 +136,9 @@ def tf32(x):
 
 class MemberArith:
     """An honest member's arithmetic (:mod:`.ensemble`) in the interface of :mod:`sdpa_ref.arith`, for the
-    stages it shares with the engines (:func:`sdpa_ref.lse.combine_in`): values are work-dtype arrays, each
-    operation rounded to the work dtype (``kernel.W``), ``exp`` the member's own (``kernel.exp``)."""
+    stages it shares with the engines (:func:`sdpa_ref.lse.combine_in`, the normaliser's
+    :func:`sdpa_ref.normalize.vjp_delta_in` and :func:`sdpa_ref.normalize.extra_probs_in`): values are work-dtype
+    arrays, each operation rounded to the work dtype (``kernel.W``), ``exp`` the member's own (``kernel.exp``)."""
 
     def __init__(self, kernel):
         self.k = kernel
@@ -159,6 +160,18 @@ class MemberArith:
 
     def add(self, a, b):
         return self.k.W(a + b)
+
+    def sub(self, a, b):
+        return self.k.W(a - b)
+
+    def neg(self, a):
+        return -a
+
+    def sum(self, a, axis=-1, keepdims=True):
+        """Over the last axis, in the member's order (``kernel.rowsum``)."""
+        assert axis in (-1, np.ndim(a) - 1)
+        r = self.k.rowsum(a)
+        return r if keepdims else r[..., 0]
 
 
 class LibmLowPrecision(LowPrecision):
