@@ -19,6 +19,8 @@ Shapes (the legend of the package docstring)::
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from . import _validate as V
@@ -33,13 +35,42 @@ __all__ = [
     "FULLY_MASKED_POLICIES",
     "METHODS",
     "AttentionResiduals",
+    "Engine",
     "scaled_dot_product_attention",
     "sdpa_forward",
     "sdpa_forward_complex",
 ]
 
-#: The engines, by the name ``method=`` takes.
+#: The engines' modules, by the name ``method=`` takes (``precision="reproducible"``: the dense schedule in
+#: double-double or the honest low precision).
 ENGINES = {"fast": fast, "plain": attention, "tiled": tiled, "reproducible": reproducible}
+
+
+class Engine(NamedTuple):
+    """A schedule and its settings, with the one signature of every engine's forward, backward and JVP.
+
+    ``name`` picks the module of :data:`ENGINES`; ``block_size`` is the tiled schedule's block (an int, or
+    ``(rows, keys)`` for its backward of dense residuals), None for the dense ones, which have no setting.
+    """
+
+    name: str
+    block_size: Any = None
+
+    def _kw(self):
+        return {"block_size": self.block_size} if self.name == "tiled" else {}
+
+    def forward(self, prob, *, save_probs=True):
+        """The engine's :class:`~sdpa_ref.engines.contract.Forward` (``P`` kept where ``save_probs`` and the
+        schedule has one: the tiled one never does)."""
+        return ENGINES[self.name].forward(prob, save_probs=save_probs, **self._kw())
+
+    def backward(self, prob, fwd, dO, dlse=None):
+        """The engine's :class:`~sdpa_ref.engines.contract.Grads`."""
+        return ENGINES[self.name].backward(prob, fwd, dO, dlse, **self._kw())
+
+    def jvp(self, prob, fwd, dq=None, dk=None, dv=None, dbias=None, *, dv_full=None, dextra=None):
+        """The output tangent ``(*batch, Hq, L, Ev)``."""
+        return ENGINES[self.name].jvp(prob, fwd, dq, dk, dv, dbias, dv_full=dv_full, dextra=dextra, **self._kw())
 #: Accepted values of ``method=`` of the forward entry points (``precision="reproducible"`` picks its own engine).
 METHODS = ("fast", "plain", "tiled")
 #: Accepted values of ``precision=``.
@@ -141,14 +172,15 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     opts = AttentionOptions.from_kwargs("sdpa_forward", attn_mask=attn_mask, dropout_p=dropout_p,
                                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **options)
     prob = Problem.build(query, key, value, opts)
-    name, block = _engine(method, block_size, prob, METHODS, precision)
+    engine = _engine(method, block_size, prob, METHODS, precision)
     with single_threaded_blas():
-        fwd = _call_forward(name, prob, save_probs, block)
+        fwd = engine.forward(prob, save_probs=save_probs)
     fwd = _read_only(fwd)
     taint = poison.forward_taint(prob)                 # where the results read a NaN or inf input: NaN there
     out = poison.nan_where(fwd.out, None if taint is None else taint.out)
     out = out.reshape(prob.out_shape).astype(prob.out_dtype, copy=True)   # the caller's own array
-    return out, AttentionResiduals(problem=prob, forward=fwd, method=name, block_size=block, taint=taint)
+    return out, AttentionResiduals(problem=prob, forward=fwd, method=engine.name, block_size=engine.block_size,
+                                   taint=taint)
 
 
 def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **options):
@@ -175,9 +207,9 @@ def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **o
     prob = Problem.build(query, key, value, opts, complex_ok=True)
     if prob.sink is not None:
         raise ValueError("`sinks` should be None for sdpa_forward_complex (a sink is a real logit), but got sinks")
-    name, block = _engine(method, block_size, prob, ("plain", "tiled"))   # default: plain, or tiled with a block
+    engine = _engine(method, block_size, prob, ("plain", "tiled"))   # default: plain, or tiled with a block
     with single_threaded_blas():
-        fwd = _call_forward(name, prob, False, block)
+        fwd = engine.forward(prob, save_probs=False)
     taint = poison.forward_taint(prob)
     return poison.nan_where(fwd.out, None if taint is None else taint.out).reshape(prob.out_shape)
 
@@ -186,13 +218,13 @@ def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **o
 
 
 def _engine(method, block_size, prob, allowed, precision="fast"):
-    """``(engine name, tiled block or None)`` from ``method``, ``block_size`` and ``precision``."""
+    """The :class:`Engine` that ``method``, ``block_size`` and ``precision`` pick."""
     V.check_choice(precision, "precision", PRECISIONS)
     if precision == "reproducible":
         if method is not None or block_size is not None:
             raise ValueError("`method` and `block_size` should be None with precision='reproducible' (it has its "
                              f"own engine), but got method={method!r}, block_size={block_size!r}")
-        return "reproducible", None
+        return Engine("reproducible")
     if method is None:
         method = "tiled" if block_size is not None else allowed[0]
     V.check_choice(method, "method", allowed)
@@ -200,8 +232,8 @@ def _engine(method, block_size, prob, allowed, precision="fast"):
         if block_size is not None:
             raise ValueError(f"`block_size` should be None with method={method!r} (it is the tiled engine's), "
                              f"but got {block_size!r}")
-        return method, None
-    return method, blocks.check_block_size("auto" if block_size is None else block_size, prob)
+        return Engine(method)
+    return Engine(method, blocks.check_block_size("auto" if block_size is None else block_size, prob))
 
 
 def _read_only(fwd):
@@ -218,12 +250,6 @@ def _read_only(fwd):
                 freeze(y)
     freeze(tuple(fwd))
     return fwd
-
-
-def _call_forward(name, prob, save_probs, block):
-    if name == "tiled":
-        return tiled.forward(prob, block_size=block)
-    return ENGINES[name].forward(prob, save_probs=save_probs)
 
 
 scaled_dot_product_attention.__doc__ = scaled_dot_product_attention.__doc__ % DOC_OPTIONS

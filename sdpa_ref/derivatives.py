@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validate as V
-from . import attention, poison
+from . import poison
 from ._threads import single_threaded_blas
-from .api import ENGINES, METHODS, sdpa_forward
-from .engines import blocks, reproducible, tiled
+from .api import METHODS, Engine, sdpa_forward
+from .engines import blocks
 from .reads import clean
 from .residuals import AttentionGrads, AttentionResiduals
 from .transforms import unbroadcast
@@ -126,12 +126,9 @@ def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
         if gl.shape != prob.out_shape[:-1]:
             raise ValueError(f"`grad_lse` should have the LSE's shape {prob.out_shape[:-1]}, but got shape {gl.shape}")
         dlse, dl_bad = prob.clean_grad_lse(gl, residuals.empty)
+    engine = Engine(name, (residuals.block_size or blocks.lse_blocks(prob.L, prob.S)) if name == "tiled" else None)
     with single_threaded_blas():
-        if name == "tiled":
-            block = residuals.block_size or blocks.lse_blocks(prob.L, prob.S)
-            gr = tiled.backward(prob, residuals.forward, dO, dlse, block_size=block)
-        else:
-            gr = ENGINES[name].backward(prob, residuals.forward, dO, dlse)
+        gr = engine.backward(prob, residuals.forward, dO, dlse)
         bad = poison.backward_taint(prob, residuals.taint, dO, do_bad, dlse, dl_bad)   # what reads poison: NaN
     gr = gr._replace(dq=poison.nan_where(gr.dq, prob.nan_rows_without_keys()))     # S = 0 under "nan"
     shapes, dtypes = prob.shapes, prob.dtypes
@@ -161,9 +158,11 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
         and an input dtype, any of them ``None`` for zero.
     method : {"fast", "plain", "tiled"}, optional
         The engine (default ``"fast"``, or ``"tiled"`` when ``block_size`` is
-        given). ``"fast"`` and ``"plain"`` compute the tangent by the
-        teaching core's :func:`sdpa_ref.attention.jvp` on the forward's
-        ``P``; ``"tiled"`` block by block from the row max and sum, in the
+        given), each with its own forward mode on its forward's residuals:
+        ``"plain"``, the teaching core's :func:`sdpa_ref.attention.jvp`;
+        ``"fast"``, the same formulas with its backward's in-place pivoted
+        row pass on the tangent scores (:func:`sdpa_ref.engines.fast.jvp`);
+        ``"tiled"``, block by block from the row max and sum, in the
         forward's bounded memory (:func:`sdpa_ref.engines.tiled.jvp`; no
         ``L x S`` array).
     precision : {"fast", "reproducible"}, optional
@@ -223,11 +222,7 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
     if ds is not None:                                   # (..., Hq, 1, 1); a head's rows read its sink
         ds, bs = clean(_cast_real(ds, prob)[..., None, None])
     with single_threaded_blas():
-        if res.method == "tiled":
-            dO = tiled.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dextra=ds, block_size=res.block_size)
-        else:
-            core = reproducible if res.method == "reproducible" else attention
-            dO = core.jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dextra=ds)
+        dO = Engine(res.method, res.block_size).jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dextra=ds)
         bad = poison.jvp_taint(prob, res.taint, (dq, dk, dv, db), (bq, bk, bv, bb), dv_full, ds, bs)
     dO = poison.nan_where(dO, bad)                       # what reads poison: NaN
     dO = poison.nan_where(dO, prob.nan_rows_without_keys() if any(t is not None for t in (dq, dk, dv, db, ds))

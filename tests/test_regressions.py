@@ -209,9 +209,7 @@ def test_method_selects_the_engine_on_every_entry_point(monkeypatch, method):
     mod = importlib.import_module({"fast": "sdpa_ref.engines.fast", "plain": "sdpa_ref.attention",
                                    "tiled": "sdpa_ref.engines.tiled"}[method])
     calls = []
-    for fn in ("forward", "backward", "jvp"):
-        if not hasattr(mod, fn):                                    # fast: forward mode runs the core on its P
-            continue
+    for fn in ("forward", "backward", "jvp"):                       # every engine has all three
         real = getattr(mod, fn)
         monkeypatch.setattr(mod, fn, lambda *a, _real=real, _fn=fn, **kw: (calls.append(_fn), _real(*a, **kw))[1])
     q = rng.standard_normal((1, 2, 5, 3))
@@ -222,7 +220,7 @@ def test_method_selects_the_engine_on_every_entry_point(monkeypatch, method):
     assert calls == ["forward", "backward", "forward"]
     calls.clear()
     sdpa_jvp((q, q, q), (q, None, None), method=method)
-    assert calls == (["forward", "jvp"] if method != "fast" else ["forward"])
+    assert calls == ["forward", "jvp"]
 
 
 def test_engine_and_option_errors_name_the_argument():

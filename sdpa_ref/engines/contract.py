@@ -1,12 +1,12 @@
 r"""The contract every engine implements, and what the public API hands the user between passes.
 
-An engine is a module with these functions::
+An engine is a module with these functions, one signature for all (the
+public API calls them through :class:`sdpa_ref.api.Engine`, which adds
+the tiled schedule's ``block_size=``)::
 
-    forward(prob, *, save_probs=True) -> Forward      (the tiled engine: block_size= instead)
-    backward(prob, fwd, dO, dlse=None) -> Grads       (the tiled engine: block_size= too)
-    jvp(prob, fwd, dq, dk, dv, dbias, dv_full, dextra) -> dO
-                                                      (the tiled engine: block_size= too; the fast engine
-                                                      has none: forward mode runs the core's on its P)
+    forward(prob, *, save_probs=True) -> Forward
+    backward(prob, fwd, dO, dlse=None) -> Grads
+    jvp(prob, fwd, dq, dk, dv, dbias, *, dv_full, dextra) -> dO
 
 ``prob`` is a validated :class:`~sdpa_ref.problem.Problem` (compute dtype,
 ``q`` as ``(..., Hkv, G, L, E)``); ``dO`` is ``(*batch, Hq, L, Ev)`` in the

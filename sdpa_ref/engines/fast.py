@@ -48,12 +48,12 @@ from ..exact import _native
 from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from ..normalize import close, extra_probs, extras, vjp
 from ..pivot import softmax_vjp_rows
-from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_vjp, transform_scores, \
-    transform_scores_vjp
+from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_jvp, scores_vjp, transform_scores, \
+    transform_scores_jvp, transform_scores_vjp
 from .._threads import blas_is_held, num_threads, row_chunks, run_all
 from .contract import Forward, Grads
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "jvp"]
 
 #: Score entries of one chunk of heads when ``E + Ev >= 128`` (see :func:`_chunk_entries`).
 _CHUNK_ENTRIES = 1 << 20
@@ -211,6 +211,70 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
                  dmask=None if prob.mask_float is None else additive_vjp(dT, prob.shapes["attn_mask"]),
                  dbias=None if prob.bias is None else additive_vjp(dT, prob.shapes["bias"]),
                  dextra=None if dext is None else dext.reshape(full[:-1]).sum(axis=-1))
+
+
+def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dextra=None) -> np.ndarray:
+    r"""The output tangent ``(*batch, Hq, L, Ev)`` from the saved ``P``, as the backward is computed: the tangent
+    scores by GEMMs, the pivoted softmax map in place on them (the Jacobian is symmetric: the backward's row pass),
+    one GEMM with the values.
+
+    .. math:: dT = s\,(dQ K^T + Q\,dK^T) \odot \mathrm{sech}^2 + dB, \quad
+              dP = P \odot (dT - \mathrm{rowsum}(P \odot dT)), \quad
+              dO = \frac{dP \odot Z}{1 - p} V + P_{drop}\, dV
+
+    (an extra logit's column takes its tangent ``dextra``). The tangents are in the core's layouts
+    (:func:`sdpa_ref.attention.jvp`); None is zero.
+    """
+    lay = _Layout(prob)
+    o, full, grouped, S = prob.options, lay.full, lay.grouped, lay.S
+    ct, Ev = prob.dtype, prob.v.shape[-1]
+    E = prob.q.shape[-1]
+    q = prob.q.reshape(prob.q.shape[:-4] + (prob.Hkv, grouped[-1], E))
+    dqg = None if dq is None else dq.reshape(dq.shape[:-4] + (prob.Hkv, grouped[-1], E))
+    Pg = np.broadcast_to(fwd.probs, full).reshape(grouped + (S,))
+    sdg = None if fwd.tanh is None else np.broadcast_to(fwd.tanh, full).reshape(grouped + (S,))   # sech^2
+    out = np.zeros(grouped + (Ev,), dtype=ct)
+    scored = dq is not None or dk is not None or dbias is not None or dextra is not None
+    cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)       # P constant there: dP = 0
+    crg = None if cr is None else np.broadcast_to(cr, full[:-1] + (1,)).reshape(grouped + (1,))
+    pe = extra_probs(lay.per_row(extras(prob)), fwd.lse.reshape(grouped + (1,)))    # the extra columns' P
+    deg = None if pe is None or dextra is None else lay.per_row(dextra)
+    sub = max(1, _CACHE_ENTRIES // max(S, 1))
+
+    def chunk(idx, inner_parallel):
+        fidx = lay.full_index(idx)
+        qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
+        Pc, keep = Pg[idx], block_of(prob.keep, lay.nd_f, fidx)
+        if scored:
+            t = scores_jvp(qc, k, block_of(dqg, lay.nd_g, idx), block_of(dk, lay.nd_g, idx), prob.scale)
+            dP = np.empty(Pc.shape, ct)                                     # dTraw = s (dQ K^T + Q dK^T), then
+            dP[...] = 0 if t is None else t                                 # dT: softcap's slope, + dB
+            dPf = lay.full_view(dP)
+            dPf[...] = transform_scores_jvp(dPf, None if sdg is None else sdg[idx].reshape(dPf.shape),
+                                            block_of(dbias, lay.nd_f, fidx))
+            if pe is not None:                                              # and the extra columns: d sigma
+                dP[...] = vjp(Pc, dP, pe[idx], d_extra=None if deg is None else deg[idx])[0]
+            elif _fused(_rows(dP), _rows(Pc)):                              # P * ((dT - c) - D), in place
+                _native.fast_softmax_vjp_rows(_native.kernels(), _rows(dP), _rows(Pc))
+            else:
+                softmax_vjp_rows(_rows(dP), _rows(Pc), sub)
+            if crg is not None:
+                np.copyto(dP, 0.0, where=crg[idx])
+            if keep is not None:
+                dropout_forward(lay.full_view(dP), keep, o.dropout_p, out=lay.full_view(dP))
+            np.matmul(dP, v, out=out[idx])                                  # dP Z / (1 - p) V
+        if dv is not None:
+            Pd = Pc if keep is None else dropout_forward(lay.full_view(np.ascontiguousarray(Pc)), keep,
+                                                         o.dropout_p).reshape(Pc.shape)
+            out[idx] += Pd @ block_of(dv, lay.nd_g, idx)                    # + P_drop dV
+
+    _run(chunk, lay.chunks)
+    if dv is not None:
+        dvu = prob.averaged_values(fwd.empty, dv, dv_full)
+        if dvu is not dv:                                  # "uniform": such a row averages every value's tangent
+            Pd = dropout_forward(np.broadcast_to(fwd.probs, full), prob.keep, o.dropout_p).reshape(grouped + (S,))
+            out = np.where(np.broadcast_to(fwd.empty, full[:-1] + (1,)).reshape(grouped + (1,)), Pd @ dvu, out)
+    return out.reshape(full[:-1] + (Ev,))
 
 
 # ------------------------------------------------------------- chunking

@@ -54,8 +54,9 @@ __all__ = ["backward", "forward", "jvp"]
 # ----------------------------------------------------------------- forward
 
 
-def forward(prob, *, block_size="auto") -> Forward:
-    """Online-softmax forward; ``probs`` and softcap's slope are never kept (there is no ``L x S`` array to keep)."""
+def forward(prob, *, save_probs=False, block_size="auto") -> Forward:
+    """Online-softmax forward; ``probs`` and softcap's slope are never kept, whatever ``save_probs`` (the engines'
+    one signature) asks: there is no ``L x S`` array to keep, and the backward recomputes ``P``."""
     block = check_block_size(block_size, prob)
     o, bl = prob.options, Blocks(prob)
     L, S = prob.L, prob.S
