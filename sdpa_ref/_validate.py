@@ -194,6 +194,38 @@ def per_head(x, name: str, Hq: int, batch: tuple) -> np.ndarray:
     return s
 
 
+def sink_logits(x, Hq: int, batch: tuple) -> np.ndarray:
+    """``sinks``: :func:`per_head`, each logit finite or ``-inf`` (no sink on that head); NaN and ``+inf`` are
+    refused."""
+    s = per_head(x, "sinks", Hq, batch)
+    bad = np.isnan(s) | np.isposinf(s)
+    if np.any(bad):
+        raise ValueError(f"`sinks` should be finite or -inf (no sink), but got {s[bad].ravel()[0]!r} at index "
+                         f"{tuple(int(i) for i in np.argwhere(bad)[0])}")
+    return s
+
+
+def lengths(x, name: str, limit: int, batch: tuple):
+    """Per-batch lengths (``q_lengths``, ``kv_lengths``) as int64, broadcastable to ``batch``, in ``[0, limit]``;
+    None stays None. A ``numpy.ma`` array or a ragged list is refused here, in the house style."""
+    if x is None:
+        return None
+    arr = as_array(x, name, "an integer array of per-batch lengths")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"`{name}` should be an integer array of per-batch lengths, but got dtype {arr.dtype}")
+    try:
+        ok = np.broadcast_shapes(arr.shape, batch) == tuple(batch)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"`{name}` should have a shape that broadcasts to the batch shape {tuple(batch)}, "
+                         f"but got shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > limit):
+        raise ValueError(f"`{name}` should hold lengths in [0, {limit}], but got values from "
+                         f"{arr.min()} to {arr.max()}")
+    return arr.astype(np.int64)
+
+
 def broadcast_batch(shapes: dict) -> tuple:
     """Broadcast the batch shapes of several named arrays, or raise a clear error."""
     try:

@@ -28,6 +28,7 @@ import numbers
 
 import numpy as np
 
+from . import _validate as V
 from .options import ALIGNMENTS
 
 __all__ = [
@@ -35,7 +36,6 @@ __all__ = [
     "allowed_set",
     "block_of",
     "causal_mask",
-    "check_lengths",
     "fill_empty_rows",
     "fill_output_without_keys",
     "padded_rows",
@@ -71,7 +71,7 @@ def allowed_set(L, S, *, is_causal=False, window=None, alignment="top_left", q_l
         As in :func:`sdpa_ref.sdpa_forward` (``window`` already normalised to
         ``(left, right)`` of int or None).
     q_lengths, kv_lengths : ndarray of int64, (...), optional
-        Per-batch lengths (validated by :func:`check_lengths`).
+        Per-batch lengths (validated by :func:`sdpa_ref._validate.lengths`).
     mask : ndarray of bool, broadcastable to (..., Hq, L, S), optional
     rows, cols : (start, stop), optional
         Only this block of query rows and key columns (the tiled engine asks
@@ -318,33 +318,13 @@ def padding_mask(q_lengths, kv_lengths, L, S):
     except ValueError:
         raise ValueError(f"`q_lengths` and `kv_lengths` should broadcast together, but got shapes "
                          f"{ql.shape} and {kl.shape}") from None
-    ql = np.broadcast_to(check_lengths(ql, "q_lengths", L, batch), batch)
-    kl = np.broadcast_to(check_lengths(kl, "kv_lengths", S, batch), batch)
+    ql = np.broadcast_to(V.lengths(ql, "q_lengths", L, batch), batch)
+    kl = np.broadcast_to(V.lengths(kl, "kv_lengths", S, batch), batch)
     keep = allowed_set(L, S, q_lengths=ql, kv_lengths=kl)
     return np.broadcast_to(keep, batch + (1, L, S)).copy()
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def check_lengths(x, name, limit, batch):
-    """Per-batch lengths as int64, broadcastable to ``batch``, in ``[0, limit]``; or None."""
-    if x is None:
-        return None
-    arr = np.asarray(x)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"`{name}` should be an integer array of per-batch lengths, but got dtype {arr.dtype}")
-    try:
-        ok = np.broadcast_shapes(arr.shape, batch) == tuple(batch)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"`{name}` should have a shape that broadcasts to the batch shape {tuple(batch)}, "
-                         f"but got shape {arr.shape}")
-    if arr.size and (arr.min() < 0 or arr.max() > limit):
-        raise ValueError(f"`{name}` should hold lengths in [0, {limit}], but got values from "
-                         f"{arr.min()} to {arr.max()}")
-    return arr.astype(np.int64)
 
 
 def block_of(a, nd, lead=None, rows=None, cols=None):

@@ -30,10 +30,9 @@ from typing import NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _validate as V
-from .masks import allowed_set, check_lengths, padded_rows, reads, slice_ls, zero_output_rows
+from .masks import allowed_set, padded_rows, reads, slice_ls, zero_output_rows
 from .options import AttentionOptions
 from .reads import Poison, clean, scrub
-from .sinks import check_sinks
 
 __all__ = ["Problem", "Unread"]
 
@@ -116,9 +115,9 @@ class Problem:
                                 "scores), but got bool; pass a bool mask as `attn_mask`")
         alibi = None if opts.alibi_slopes is None else V.per_head(opts.alibi_slopes, "alibi_slopes", Hq, batch)
         alibi = None if alibi is None else alibi[..., None, None]
-        sinks = None if opts.sinks is None else check_sinks(V.per_head(opts.sinks, "sinks", Hq, batch))
-        q_lengths = check_lengths(_lengths(opts.q_lengths, "q_lengths"), "q_lengths", L, batch)
-        kv_lengths = check_lengths(_lengths(opts.kv_lengths, "kv_lengths"), "kv_lengths", S, batch)
+        sinks = None if opts.sinks is None else V.sink_logits(opts.sinks, Hq, batch)
+        q_lengths = V.lengths(opts.q_lengths, "q_lengths", L, batch)
+        kv_lengths = V.lengths(opts.kv_lengths, "kv_lengths", S, batch)
         keep = None
         if opts.dropout_mask is not None:
             keep = V.as_mask(opts.dropout_mask, "dropout_mask", user_scores, allow_float=False)
@@ -314,12 +313,6 @@ class Problem:
             ts.append(t)
             bads.append(b)
         return tuple(ts), tuple(bads), dv_full
-
-
-def _lengths(x, name):
-    """``x`` as an array for :func:`masks.check_lengths` (None stays None): a ``numpy.ma`` array or a ragged list
-    is refused here, in the house style, not by NumPy."""
-    return None if x is None else V.as_array(x, name, "an integer array of per-batch lengths")
 
 
 def _own(a, dtype=None, dead=None, writable=False):

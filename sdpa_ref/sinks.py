@@ -19,17 +19,8 @@ from .arith import NUMPY
 from .lse import combine_in
 from .pivot import sink_grad_in, sink_softmax_vjp_in
 
-__all__ = ["check_sinks", "fold_sink", "fold_sink_in", "sink_grad_in", "sink_probs", "sink_probs_in",
+__all__ = ["fold_sink", "fold_sink_in", "sink_grad_in", "sink_probs", "sink_probs_in",
            "sink_softmax_vjp", "sink_softmax_vjp_in"]
-
-
-def check_sinks(s):
-    """``sinks`` as given, if every logit is finite or ``-inf`` (no sink on that head); else a ValueError."""
-    bad = np.isnan(s) | np.isposinf(s)
-    if np.any(bad):
-        raise ValueError(f"`sinks` should be finite or -inf (no sink), but got {s[bad].ravel()[0]!r} at index "
-                         f"{tuple(int(i) for i in np.argwhere(bad)[0])}")
-    return s
 
 
 def fold_sink_in(X, m, s, empty, sink):
