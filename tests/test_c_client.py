@@ -653,7 +653,7 @@ def apply_recipe(recipe, base, out):
 
 # ------------------------------------------------------------------ fixtures
 
-BREAKS = {1: "out", 2: "dq", 3: "dk", 4: "dv", 5: "dbias"}     # -DSDPA_CHECK_BREAK=n: that quantity 1% off
+BREAKS = {1: "out", 2: "dq", 3: "dk", 4: "dv", 5: "dbias", 8: "lse"}   # -DSDPA_CHECK_BREAK=n: that one 1% off
 SINK_BREAKS = {6: "dsinks", 7: "out"}                            # dsinks 1% off; the sink forgotten (out fails)
 
 
@@ -663,7 +663,8 @@ def exes(tmp_path_factory):
     its path (or of the RuntimeError of its compiler)."""
     d = tmp_path_factory.mktemp("c")
     jobs = {"asan": (SAN_FLAGS, ()), "plain": (WARN_FLAGS, ()),
-            "no_backward": (["-std=c99", "-O0"], ["SDPA_CHECK_NO_BACKWARD"])}
+            "no_backward": (["-std=c99", "-O0"], ["SDPA_CHECK_NO_BACKWARD"]),
+            "no_lse": (["-std=c99", "-O0"], ["SDPA_CHECK_NO_LSE"])}
     jobs.update({f"break{n}": (["-std=c99", "-O0"], [f"SDPA_CHECK_BREAK={n}"])
                  for n in list(BREAKS) + list(SINK_BREAKS)})
 
@@ -751,7 +752,7 @@ def test_the_client_judges_output_and_gradients_of_a_valid_set_under_the_sanitiz
     assert len(cases) == len(base.names) and all(line.startswith("pass  ") for line in cases)
     has_bias = {e["file"][:-4]: "bias" in e["shapes"] for e in base.manifest["files"]}
     for line in cases:                              # every gradient judged, dbias where there is a bias
-        assert all(re.search(rf"\b{q} [0-9.e+-]+", line) for q in ("out", "dq", "dk", "dv")), line
+        assert all(re.search(rf"\b{q} [0-9.e+-]+", line) for q in ("out", "lse", "dq", "dk", "dv")), line
         assert ("dbias" in line) == has_bias[line.split()[1].rstrip(":")], line
 
 
@@ -767,6 +768,25 @@ def test_forward_only_reports_the_gradients_as_not_judged(client, exes, bases, t
         assert cp.returncode == 0, cp.stdout + cp.stderr
         cases = cp.stdout.splitlines()[:-1]
         assert cases and all("out " in ln and "gradients not judged" in ln and "dq" not in ln for ln in cases)
+
+
+def test_the_lse_is_judged_where_the_kernel_returns_one_and_the_file_has_its_honest_error(client, exes, bases,
+                                                                                          tmp_path):
+    base = bases["float32"]
+    for cp in (run(client, base.path, "--no-lse"), run(_exe(exes, "no_lse"), base.path)):
+        assert cp.returncode == 0, cp.stdout + cp.stderr
+        cases = cp.stdout.splitlines()[:-1]
+        assert cases and all("lse not judged (the kernel returns none: --no-lse)" in ln for ln in cases)
+    d = copy_set(base, tmp_path / "v2")                  # a set of format 2: no honest_lse
+    for name in base.names:
+        rewrite(d, name, lambda arrays: arrays.pop("honest_lse"))
+    cp = run(client, d)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert all("lse not judged (no honest_lse: vectors of format 2)" in ln for ln in cp.stdout.splitlines()[:-1])
+    d = copy_set(base, tmp_path / "future")             # an honest_* error a later format adds: not an option
+    rewrite(d, base.names[0], lambda arrays: arrays.__setitem__("honest_future", np.zeros(1)))
+    cp = run(client, d)
+    assert cp.returncode == 0 and cp.stdout.splitlines()[-1].endswith("0 skipped"), cp.stdout[-500:]
 
 
 @pytest.mark.parametrize("n", sorted(SINK_BREAKS), ids=["dsinks-off", "sink-forgotten"])
@@ -799,7 +819,8 @@ def test_a_wrong_kernel_fails(exes, bases, tmp_path, n):
         # the cases where that quantity is not small fail, and only cases where it is not all zero
         must, may = set(), set()
         for name in base.names:
-            a = np.nan_to_num(vectors.read_npz(base.blob(name)).get(qty, np.zeros(0)))
+            a = vectors.read_npz(base.blob(name)).get(qty, np.zeros(0))
+            a = np.where(np.isfinite(a), a, 0.0)            # NaN rows, and lse's -inf (which * 1.01 keeps)
             if np.any(a != 0):
                 may.add(name[:-4])
             if np.max(np.abs(a), initial=0.0) > 1e-3:

@@ -10,12 +10,14 @@
  *     by its header (descr, fortran_order, shape), and checks every shape against the others;
  *  3. runs attention_forward() and attention_backward() below -- the parts you replace with calls to your
  *     kernel -- on the case's inputs, options (options_json) and seeded grad_out;
- *  4. judges out, dq, dk, dv (dbias with a bias, dsinks with sinks) by the manifest's rule, as the harness:
+ *  4. judges out and lse, dq, dk, dv (dbias with a bias, dsinks with sinks) by the manifest's rule, as the
+ *     harness:
  *     float64: |got - ref| <= 1e-12 + 1e-12 |ref| element-wise;
  *     below:   max|got - ref| <= k * honest + atol, with honest the honest ensemble's error stored in the
- *              file (honest_out, honest_dq, ...), k = k_out or k_grad from the manifest ("relative_rule"),
- *              and atol = 2 max|fl(fl(ref + 0.3) - 0.3) - ref| in the output dtype;
- *     and NaN must meet NaN;
+ *              file (honest_out, honest_lse, honest_dq, ...), k = k_out (out, lse) or k_grad from the
+ *              manifest ("relative_rule"), and atol = 2 max|fl(fl(ref + 0.3) - 0.3) - ref| in the output
+ *              dtype (float32 for lse and dsinks, which kernels keep in float32);
+ *     and NaN must meet NaN, an inf the same inf (lse: -inf on a row with no key and no sink);
  *  5. prints one line per case (pass, FAIL or skip, with each quantity's error / allowed: a quantity passes
  *     at <= 1), then "N passed, M failed, K skipped" (cases).
  *
@@ -27,7 +29,8 @@
  *     3  nothing judged (every case skipped, or a manifest without cases): the summary line says so
  *
  * Pass --forward-only, or build with -DSDPA_CHECK_NO_BACKWARD, when your kernel has no backward: the
- * gradients are then reported as not judged, never as passed. A case whose options the kernel does not
+ * gradients are then reported as not judged, never as passed; --no-lse (-DSDPA_CHECK_NO_LSE) when it returns
+ * no LSE. Vectors of format 2 have no honest_lse: their LSE is judged in float64 only. A case whose options the kernel does not
  * cover is skipped with the reason, never passed.
  *
  * The files may hold anything (a test fuzzes this program under AddressSanitizer and UBSan). Only regular
@@ -1150,6 +1153,7 @@ typedef struct {
     double *dp;                                 /* the backward's dO . v_j, times the dropout factor */
     unsigned char *ok;                          /* 1 where the key takes part */
     double psink;                               /* the sink's probability (0 without a sink) */
+    double lse;                                 /* log sum_j exp(t_j) over the keys and the sink; -inf: none */
 } Row;
 
 static void row_free(Row *r)
@@ -1201,6 +1205,7 @@ static int score_row(const Problem *p, size_t *idx, size_t h, size_t i, Row *r)
     idx[nb] = h;
     idx[nb + 1] = i;
     r->psink = 0.0;
+    r->lse = -INFINITY;
     if (ii >= ql)
         return ROW_PADDED;                      /* a padded row has no sink either */
     double slope = p->slopes ? at_index(p->slopes, idx, nb + 1) : 0.0, m = -INFINITY;
@@ -1253,6 +1258,7 @@ static int score_row(const Problem *p, size_t *idx, size_t h, size_t i, Row *r)
     for (size_t j = 0; j < p->S; j++)
         r->pr[j] /= sum;
     r->psink = sink == -INFINITY ? 0.0 : exp(sink - m) / sum;   /* a row with no key: 1, and O = 0 */
+    r->lse = m + log(sum);                      /* the LSE includes the sink (FlashAttention 4, cuDNN) */
     return ROW_LIVE;
 }
 
@@ -1274,10 +1280,12 @@ static void batch_index(const Problem *p, size_t b, size_t *idx)
 }
 
 /*
- * out (batch x Hq x L x Ev, row-major) for the problem p: the naive, plainly written attention. Put your
- * kernel here. Returns 0, or -1 with a reason in `why` for a case it cannot run (a skip).
+ * out (batch x Hq x L x Ev, row-major) for the problem p: the naive, plainly written attention, and, when
+ * lse is not NULL, each row's log-sum-exp (batch x Hq x L; natural base, the sink included, -inf on a row with
+ * no key and no sink). Put your kernel here. Returns 0, or -1 with a reason in `why` for a case it cannot
+ * run (a skip).
  */
-static int attention_forward(const Problem *p, double *out, char *why, size_t why_n)
+static int attention_forward(const Problem *p, double *out, double *lse, char *why, size_t why_n)
 {
     Row r;
     size_t idx[MAXD + 3] = {0}, vi[MAXD + 3];
@@ -1292,6 +1300,8 @@ static int attention_forward(const Problem *p, double *out, char *why, size_t wh
             for (size_t i = 0; i < p->L; i++) {
                 double *orow = out + ((b * p->Hq + h) * p->L + i) * p->Ev;
                 int st = score_row(p, idx, h, i, &r);
+                if (lse)
+                    lse[(b * p->Hq + h) * p->L + i] = r.lse;
                 for (size_t e = 0; e < p->Ev; e++)
                     orow[e] = st == ROW_EMPTY && p->o.policy == POLICY_NAN ? NAN : 0.0;
                 if (st == ROW_PADDED || (st == ROW_EMPTY && p->o.policy != POLICY_UNIFORM))
@@ -1530,7 +1540,8 @@ static int check_ref(const Arr *ref, const char *name, const Arr *like, const ch
 static const char *const KNOWN[] = {
     "query", "key", "value", "attn_mask", "bias", "alibi_slopes", "dropout_mask", "q_lengths", "kv_lengths",
     "q_descale", "k_descale", "v_descale", "options_json", "out", "lse", "grad_out", "dq", "dk", "dv", "dbias",
-    "honest_out", "honest_dq", "honest_dk", "honest_dv", "honest_dbias", "sinks", "dsinks", "honest_dsinks", NULL};
+    "honest_out", "honest_dq", "honest_dk", "honest_dv", "honest_dbias", "sinks", "dsinks", "honest_dsinks",
+    "honest_lse", NULL};
 
 /* the arrays stored in the vectors' dtype (bit patterns below float16) */
 static const char *const IN_DTYPE[] = {"query", "key", "value", "attn_mask", "bias", "alibi_slopes", "grad_out", NULL};
@@ -1548,14 +1559,14 @@ typedef struct {
 } Tally;
 
 /* The case in `path` (named `name`): -1 on a bad file (why_bad), else 0 with its line printed. */
-static int run_case(const char *path, const char *name, const Manifest *m, int backward, Tally *tally)
+static int run_case(const char *path, const char *name, const Manifest *m, int backward, int with_lse, Tally *tally)
 {
     Npz z;
     Opts o;
     Problem p;
     Line l;
     Grads g = {NULL, NULL, NULL, NULL, NULL};
-    double *out = NULL;
+    double *out = NULL, *lse = NULL;
     char skip[sizeof why_bad] = "";
     int rc = -1;
     memset(&l, 0, sizeof l);
@@ -1593,8 +1604,8 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
     int st = check_problem(&z, &o, &p, skip, sizeof skip);
     if (st < 0)
         goto done;
-    for (int i = 0; st == 0 && i < z.n; i++)
-        if (!listed(KNOWN, z.a[i].name)) {
+    for (int i = 0; st == 0 && i < z.n; i++)              /* honest_* are errors, not options: never a skip */
+        if (!listed(KNOWN, z.a[i].name) && strncmp(z.a[i].name, "honest_", 7) != 0) {
             snprintf(skip, sizeof skip, "the array %s is not known to this kernel", z.a[i].name);
             st = 1;
         }
@@ -1616,6 +1627,17 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
         goto done;
     }
     if (honest_for(&z, "out", fmt, &honest) != 0)
+        goto done;
+    /* the LSE: batch + (Hq, L) in the user's rank; honest_lse below float64 (format 3; format 2 has none) */
+    const Arr *lref = get(&z, "lse"), *lhonest = get(&z, "honest_lse");
+    if (lref && (lref->kind != 'f' || lref->ndim != urank - 1 ||
+                 memcmp(lref->shape, oshape + orank - urank, sizeof(size_t) * (size_t)(urank - 1)) != 0)) {
+        char s1[96];
+        shape_str(lref, s1, sizeof s1);
+        bad("lse %s should be floating, of the shape of out without its last dim", s1);
+        goto done;
+    }
+    if (lref && lhonest && honest_for(&z, "lse", fmt, &lhonest) != 0)
         goto done;
     if (go && (!is_float(go) || go->ndim != ref->ndim ||
                memcmp(go->shape, ref->shape, sizeof(size_t) * (size_t)ref->ndim) != 0)) {
@@ -1644,7 +1666,11 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
         rc = -1;
         goto done;
     }
-    if (st == 0 && attention_forward(&p, out, skip, sizeof skip) != 0)
+    if (st == 0 && with_lse && lref && (lse = xcalloc(lref->count, sizeof(double))) == NULL) {
+        rc = -1;
+        goto done;
+    }
+    if (st == 0 && attention_forward(&p, out, lse, skip, sizeof skip) != 0)
         st = 1;
     if (st != 0) {
         printf("skip  %s: %s\n", name, skip);
@@ -1655,6 +1681,17 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
     for (size_t i = 0; i < ref->count; i++) out[i] *= 1.01;
 #endif
     judge_into(&l, "out", out, ref, honest, m->k_out, ofmt);
+#if defined(SDPA_CHECK_BREAK) && SDPA_CHECK_BREAK == 8          /* the tests' wrong kernel: lse 1% off */
+    for (size_t i = 0; lse && i < lref->count; i++) lse[i] *= 1.01;
+#endif
+    if (!lref)
+        say(&l, ", lse not judged (not in the file)");
+    else if (!with_lse)
+        say(&l, ", lse not judged (the kernel returns none: --no-lse)");
+    else if (fmt->bits != 64 && !lhonest)
+        say(&l, ", lse not judged (no honest_lse: vectors of format 2)");
+    else                                        /* kept in float32 below float64, as kernels keep it */
+        judge_into(&l, "lse", lse, lref, lhonest, m->k_out, ofmt->bits < 32 ? &FORMATS[1] : ofmt);
     /* the backward */
     if (!backward) {
         say(&l, "; gradients not judged (the kernel has no backward: --forward-only)");
@@ -1701,6 +1738,7 @@ done:
     free(g.dbias);
     free(g.dsinks);
     free(out);
+    free(lse);
     free(z.buf);
     return rc;
 }
@@ -1709,21 +1747,26 @@ done:
 
 static int usage(FILE *f, const char *argv0, int status)
 {
-    fprintf(f, "usage: %s [--forward-only] DIR   (a folder written by `sdpa-ref vectors DIR`); exit status 0 pass, "
-               "1 fail, 2 bad input, 3 nothing judged\n", argv0);
+    fprintf(f, "usage: %s [--forward-only] [--no-lse] DIR   (a folder written by `sdpa-ref vectors DIR`); exit "
+               "status 0 pass, 1 fail, 2 bad input, 3 nothing judged\n", argv0);
     return status;
 }
 
 int main(int argc, char **argv)
 {
     const char *dir = NULL, *argv0 = argc > 0 ? argv[0] : "sdpa_check";
-    int backward = 1;
+    int backward = 1, with_lse = 1;
 #ifdef SDPA_CHECK_NO_BACKWARD
     backward = 0;
+#endif
+#ifdef SDPA_CHECK_NO_LSE
+    with_lse = 0;
 #endif
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--forward-only") == 0)
             backward = 0;
+        else if (strcmp(argv[i], "--no-lse") == 0)
+            with_lse = 0;
         else if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0)
             return usage(stdout, argv0, 0);
         else if (argv[i][0] == '-' || dir)
@@ -1767,7 +1810,7 @@ int main(int argc, char **argv)
         if ((size_t)snprintf(path, sizeof path, "%s/%.*s", dir, (int)file->n, file->s) >= sizeof path) {
             fprintf(stderr, "sdpa_check: %s/%s.npz: the path is too long\n", dir, name);
             status = 2;
-        } else if (run_case(path, name, &m, backward, &t) != 0) {
+        } else if (run_case(path, name, &m, backward, with_lse, &t) != 0) {
             fflush(stdout);
             fprintf(stderr, "sdpa_check: cannot read %s/%s.npz: %s\n", dir, name, why_bad);
             status = 2;

@@ -28,7 +28,7 @@ from .lowp import TEST_DTYPES
 __all__ = ["FORMAT_VERSION", "MAX_FILE_BYTES", "MAX_MANIFEST_BYTES", "ManifestError", "manifest_bytes",
            "manifest_differences", "npz_bytes", "read_manifest", "read_member", "read_npz", "shown"]
 
-FORMAT_VERSION = "2"
+FORMAT_VERSION = "3"
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 #: The largest vector file ``verify`` reads (the full suite's largest is about 4 MiB).
 MAX_FILE_BYTES = 256 << 20

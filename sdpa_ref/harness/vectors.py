@@ -6,7 +6,7 @@ files against the manifest's SHA-256 hashes and, bit for bit, against a fresh
 computation: every reference array is reproducible, so a set written on one
 machine verifies on any other.
 
-File format (``FORMAT_VERSION`` "2")
+File format (``FORMAT_VERSION`` "3")
 ------------------------------------
 Each ``.npz`` is an uncompressed zip of ``.npy`` arrays (readable by cnpy,
 ndarray-npy, xtensor-io, numpy, ...), written byte-deterministically (fixed
@@ -38,15 +38,21 @@ give the same hashes:
     ``grad_out`` (the seeded cotangent) is in the vectors' dtype; ``dbias``
     only with a bias, ``dsinks`` only with sinks. ``lse`` is ``-inf`` on rows
     with no key (and no sink; it includes the sink).
-``honest_out``, ``honest_dq``, ``honest_dk``, ``honest_dv`` (``honest_dbias``, ``honest_dsinks``)
+``honest_out``, ``honest_lse``, ``honest_dq``, ``honest_dk``, ``honest_dv`` (``honest_dbias``,
+``honest_dsinks``)
     Only below float64, float64 arrays of one entry: the largest error
     ``max|honest - out|`` of the honest ensemble (:mod:`.ensemble`, kernels
     computing in the vectors' dtype in a fixed order: the same bits
     everywhere), so that a test without Python can apply the harness's
-    relative rule ``max|impl - out| <= 3 honest_out + atol``.
+    relative rule ``max|impl - out| <= 3 honest_out + atol``; ``honest_lse``
+    over the rows whose ``lse`` is finite, the LSE kept in float32 (float64
+    for float64) as kernels keep it.
 
 Format "1" stored the plain same-dtype computation (``naive_*`` arrays) for
-FlashAttention's ``2 max|naive_out - out|`` instead.
+FlashAttention's ``2 max|naive_out - out|`` instead; format "2" had no
+``honest_lse`` (a client then judges no LSE below float64). A client should
+ignore ``honest_*`` arrays it does not know: they are errors of the honest
+ensemble, not options.
 """
 
 from __future__ import annotations
@@ -150,8 +156,10 @@ def _manifest(suite, dt, files, custom, package_version) -> dict:
         "tolerance_rule": {
             "float64": "element-wise |got - out| <= 1e-12 + 1e-12 * |out| (and the same for every gradient)",
             "below float64": (f"the relative rule: max|got - out| <= {RelativeRule().k_out:g} * honest_out[0] + "
-                              f"atol ({RelativeRule().k_grad:g} * honest_dq[0] + atol for dq, and so on), "
-                              "atol = 2*max|fl(fl(out + 0.3) - 0.3) - out| in the vectors' dtype"),
+                              f"atol ({RelativeRule().k_out:g} * honest_lse[0] + atol for lse, over its finite "
+                              f"entries, atol in float32; {RelativeRule().k_grad:g} * honest_dq[0] + atol for dq, "
+                              "and so on), atol = 2*max|fl(fl(out + 0.3) - 0.3) - out| in the vectors' dtype"),
+            "lse": "base e, -inf on a row with no key and no sink, which must meet -inf exactly",
             "nan": "NaN must match NaN exactly (fully_masked='nan' cases)",
         },
         "relative_rule": {"k_out": RelativeRule().k_out, "k_grad": RelativeRule().k_grad},
@@ -226,7 +234,7 @@ def expected(arrays, opts, dt, case=None, grad_out=None) -> Dict[str, np.ndarray
     if gr.sinks is not None:
         result["dsinks"] = gr.sinks
     if dt != np.dtype(np.float64):
-        ref = {n: np.asarray(result[n], np.float64) for n in ("out", "dq", "dk", "dv", "dbias", "dsinks")
+        ref = {n: np.asarray(result[n], np.float64) for n in ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks")
                if n in result}
         honest = ensemble_errors(case, dt, ref) if case is not None and grad_out is None else \
             honest_errors(dict(kw, query=q, key=k, value=v), g, dt, ref)
