@@ -52,7 +52,7 @@ from __future__ import annotations
 import numpy as np
 
 from .engines.contract import Forward, Grads
-from .masks import constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
+from .policy import constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from .normalize import close, extra_probs, extras, vjp
 from .softmax import softmax_parts
 from .transforms import (

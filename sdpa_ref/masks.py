@@ -1,4 +1,4 @@
-r"""The allowed set and the fully-masked policy of ``SEMANTICS.md``.
+r"""The allowed set of ``SEMANTICS.md``: which keys each query row reads.
 
 The public builders (:func:`causal_mask`, :func:`window_mask`,
 :func:`padding_mask`) return bool arrays (True = the key takes part) that can
@@ -18,8 +18,7 @@ Then
 * a bool ``attn_mask`` keeps its True entries.
 
 A row with no allowed key gets what the ``fully_masked`` policy says
-(:func:`fill_empty_rows`): zeros, NaN or the uniform average over all ``S``
-keys. Query rows past ``q_len`` are zero under every policy.
+(:mod:`sdpa_ref.policy`).
 """
 
 from __future__ import annotations
@@ -36,11 +35,8 @@ __all__ = [
     "allowed_set",
     "block_of",
     "causal_mask",
-    "fill_empty_rows",
-    "fill_output_without_keys",
     "padded_rows",
     "padding_mask",
-    "policy_fill",
     "reads",
     "window_mask",
 ]
@@ -168,72 +164,6 @@ def _any_of_group(x, G):
     if x.shape[-2] == 1 or G == 1:
         return x
     return np.any(x.reshape(x.shape[:-2] + (x.shape[-2] // G, G, x.shape[-1])), axis=-2)
-
-
-# ------------------------------------------------------------ the policy
-
-
-def policy_fill(policy, S):
-    """What ``P`` holds on a row with no allowed key: 0, NaN, or ``1/S`` (the uniform average)."""
-    return {"zero": 0.0, "nan": np.nan, "uniform": 1.0 / S if S else np.nan}[policy]
-
-
-def fill_empty_rows(P, empty, padded, policy, S, X=None):
-    """``P`` with the rows that have no allowed key filled by ``policy``; padded query rows are 0.
-
-    ``empty`` is ``(..., L, 1)`` bool; ``padded`` the rows past ``q_len``
-    (or None). Returns ``P`` itself when no row is empty. ``X``: an
-    arithmetic (:mod:`sdpa_ref.arith`) whose values ``P`` holds; its
-    ``policy_const`` is the fill as that arithmetic holds it (double-double:
-    ``1/S`` to about 100 bits), and the fills are its constants (structural
-    zeros, for :mod:`sdpa_ref.reads`).
-    """
-    if not np.any(empty):
-        return P
-    if X is None:
-        P = np.where(empty, P.dtype.type(policy_fill(policy, S)), P)
-        return P if padded is None or policy == "zero" else np.where(padded, P.dtype.type(0), P)
-    P = X.where(empty, X.policy_const(policy, S), P)
-    return P if padded is None or policy == "zero" else X.where(padded, X.const(0.0), P)
-
-
-def constant_rows(empty, padded, policy):
-    """``(..., L, 1)`` bool: the rows whose ``P`` is a constant of the policy, or None.
-
-    Fully masked rows under ``"zero"`` or ``"uniform"``, and padded query
-    rows. Their ``dT`` and ``dP`` are 0 -- set, not computed, so that nothing
-    stored in the keys and values reaches them (``0 * inf`` would be NaN).
-    """
-    rows = empty if policy in ("zero", "uniform") else None
-    if padded is not None:
-        rows = padded if rows is None else (rows | padded)
-    return rows if rows is not None and np.any(rows) else None
-
-
-def zero_output_rows(empty, padded, policy):
-    """``(..., L, 1)`` bool: the rows whose output is 0 by definition (fully masked under ``"zero"``, padded), or
-    None. The engines set their output to 0 rather than compute ``0 V``, which reads every value."""
-    rows = empty if policy == "zero" else None
-    if padded is not None:
-        rows = padded if rows is None else (rows | padded)
-    return rows if rows is not None and np.any(rows) else None
-
-
-def nan_rows(empty, padded, policy):
-    """``(..., L, 1)`` bool: the rows that the ``"nan"`` policy makes NaN (fully masked, not padded), or None."""
-    if policy != "nan" or not np.any(empty):
-        return None
-    return empty if padded is None else (empty & ~padded)
-
-
-def fill_output_without_keys(O, policy, S, padded):
-    """With ``S == 0`` the output is an empty sum (0): the ``"nan"`` policy makes it NaN (padded rows stay 0)."""
-    if policy != "nan" or S != 0:
-        return O
-    O = np.full_like(O, np.nan)
-    if padded is not None:
-        O = np.where(padded, O.dtype.type(0), O)
-    return O
 
 
 # ------------------------------------------------------- public builders

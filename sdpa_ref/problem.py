@@ -30,7 +30,8 @@ from typing import NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _validate as V
-from .masks import allowed_set, padded_rows, reads, slice_ls, zero_output_rows
+from .masks import allowed_set, padded_rows, reads, slice_ls
+from .policy import zero_output_rows
 from .options import AttentionOptions
 from .reads import Poison, clean, scrub
 

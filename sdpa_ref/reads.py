@@ -49,7 +49,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .masks import policy_fill
+from .policy import policy_fill
 from .transforms import dropout_forward, softcap_sech2
 
 __all__ = ["Poison", "Reads", "ReadsArith", "clean", "lift_problem", "nan_where", "scrub"]

@@ -103,7 +103,7 @@ ONE_HOME = {
     # dropout's 1 / (1 - p)
     "1.0 - p": {"transforms.py"},
     # the fully-masked policy's fill values
-    "'uniform': 1.0 / S": {"masks.py"},
+    "'uniform': 1.0 / S": {"policy.py"},
     # the GQA group size
     "Hq // Hkv": {"problem.py"},
     # the pivot of the softmax VJP (the row's largest P) -- and the reports' worst entry, which is not math

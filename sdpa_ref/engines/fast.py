@@ -45,7 +45,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..exact import _native
-from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
+from ..masks import block_of
+from ..policy import constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from ..normalize import close, extra_probs, extras, vjp
 from ..pivot import softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_jvp, scores_vjp, transform_scores, \

@@ -47,7 +47,8 @@ import numpy as np
 
 from ..exact.arith import for_problem
 from ..normalize import EXTRA_NAME, close_in, extra_shape, extras, vjp_in
-from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
+from ..masks import block_of
+from ..policy import constant_rows, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
 from ..transforms import transform_scores_in, unbroadcast
 from .._threads import run_all
 from .contract import Forward, Grads

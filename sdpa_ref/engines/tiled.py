@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..masks import block_of, constant_rows, fill_empty_rows, fill_output_without_keys, policy_fill
+from ..masks import block_of
+from ..policy import constant_rows, fill_empty_rows, fill_output_without_keys, policy_fill
 from ..arith import NUMPY
 from ..lse import combine_in
 from ..pivot import block_partial, combine_partials

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from ..masks import policy_fill
+from ..policy import policy_fill
 from ..transforms import dropout_forward
 from . import _native, ozaki
 from .dd import (_EXP_CONSTS, _TABLE, dd, dd_add, dd_add_d, dd_div, dd_exp, dd_log, dd_mul, dd_mul_d, dd_sech2,
@@ -169,7 +169,7 @@ class DoubleDouble:
         return a[0].reshape(shape), a[1].reshape(shape)
 
     def policy_const(self, policy, S):
-        """The fully-masked policy's fill (:func:`sdpa_ref.masks.policy_fill`) as a double-double: ``1/S`` for
+        """The fully-masked policy's fill (:func:`sdpa_ref.policy.policy_fill`) as a double-double: ``1/S`` for
         ``"uniform"`` with its low half."""
         hi = np.float64(policy_fill(policy, S))
         return (hi, dd_div(dd(np.float64(1.0)), dd(np.float64(S)))[1]) if policy == "uniform" and S else dd(hi)
@@ -269,7 +269,7 @@ class LowPrecision:
         return np.where(cond, a, b).astype(self.dtype, copy=False)
 
     def policy_const(self, policy, S):
-        """The fully-masked policy's fill (:func:`sdpa_ref.masks.policy_fill`) in the dtype."""
+        """The fully-masked policy's fill (:func:`sdpa_ref.policy.policy_fill`) in the dtype."""
         return self._t(policy_fill(policy, S))
 
     def take(self, a, idx):

@@ -52,7 +52,7 @@ from ..lse import combine_in
 from ..options import AttentionOptions
 from .._validate import check_choice, check_tolerance
 from ..problem import Problem
-from ..masks import constant_rows, nan_rows, zero_output_rows
+from ..policy import constant_rows, nan_rows, zero_output_rows
 from ..transforms import dropout_forward, transform_scores_in, unbroadcast
 from .cases import grad_out_for
 from .lowp import DESCALES, LibmLowPrecision, MemberArith, output_dtype, tf32 as _tf32, widen, work_dtype
