@@ -226,6 +226,23 @@ def lengths(x, name: str, limit: int, batch: tuple):
     return arr.astype(np.int64)
 
 
+def indices(x, name: str, lead: tuple) -> np.ndarray:
+    """Integer indices ``(..., K)`` whose leading dims broadcast to ``lead`` (``gather_kv_indices``: ``lead`` is
+    ``(*batch, Hq, L)``), as int64; any value is accepted (one outside the valid range names nothing)."""
+    arr = as_array(x, name, "an integer array of indices")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"`{name}` should be an integer array of indices, but got dtype {arr.dtype}")
+    try:
+        ok = arr.ndim >= 1 and np.broadcast_shapes(arr.shape[:-1], lead) == tuple(lead)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"`{name}` should have a shape (..., K) whose leading dims broadcast to {tuple(lead)}, "
+                         f"but got shape {arr.shape}")
+    with np.errstate(over="ignore"):
+        return arr.astype(np.int64)
+
+
 def broadcast_batch(shapes: dict) -> tuple:
     """Broadcast the batch shapes of several named arrays, or raise a clear error."""
     try:

@@ -56,8 +56,18 @@ def alignment_offset(L, S, alignment="top_left"):
 
 
 def allowed_set(L, S, *, is_causal=False, window=None, alignment="top_left", q_lengths=None, kv_lengths=None,
-                mask=None, rows=None, cols=None):
-    """The allowed set: bool mask AND causal AND window AND lengths, or ``None`` when nothing is excluded.
+                mask=None, rows=None, cols=None, sink_tokens=0, chunk=None, kv_indices=None):
+    """The allowed set: bool mask AND causal AND window AND chunk AND gathered indices AND lengths, or ``None``
+    when nothing is excluded.
+
+    With ``p = i + off`` the query's position on the keys' axis:
+
+    * causal keeps ``j <= p``; the window ``(left, right)`` keeps ``p - left <= j <= p + right`` (a bound may be
+      negative), the first ``sink_tokens`` keys exempt from the left bound (StreamingLLM);
+    * ``chunk`` ``C`` keeps ``s <= j < s + C``, ``s = p - (p mod C)`` (Llama 4; ``mod`` of a negative ``p`` is
+      Python's, non-negative);
+    * ``kv_indices`` keeps the keys a row's indices name, each counted once; an index outside ``[0, S)``
+      (``-1``) names none.
 
     Parameters
     ----------
@@ -66,6 +76,10 @@ def allowed_set(L, S, *, is_causal=False, window=None, alignment="top_left", q_l
     is_causal, window, alignment
         As in :func:`sdpa_ref.sdpa_forward` (``window`` already normalised to
         ``(left, right)`` of int or None).
+    sink_tokens, chunk
+        ``sink_token_length`` and ``attention_chunk`` (None: off).
+    kv_indices : ndarray of int, broadcastable to (..., Hq, L, K), optional
+        ``gather_kv_indices``.
     q_lengths, kv_lengths : ndarray of int64, (...), optional
         Per-batch lengths (validated by :func:`sdpa_ref._validate.lengths`).
     mask : ndarray of bool, broadcastable to (..., Hq, L, S), optional
@@ -87,12 +101,17 @@ def allowed_set(L, S, *, is_causal=False, window=None, alignment="top_left", q_l
     left, right = window if window is not None else (None, None)
     if is_causal:
         right = 0 if right is None else min(right, 0)
-    if left is not None or right is not None:
-        off = diagonal_offset(L, S, alignment, q_lengths, kv_lengths)
+    if left is not None or right is not None or chunk:
+        p = i + diagonal_offset(L, S, alignment, q_lengths, kv_lengths)
         if left is not None:
-            parts.append(j >= i + off - left)
+            parts.append((j >= p - left) | (j < sink_tokens) if sink_tokens else j >= p - left)
         if right is not None:
-            parts.append(j <= i + off + right)
+            parts.append(j <= p + right)
+        if chunk:
+            start = p - np.mod(p, chunk)
+            parts.append((j >= start) & (j < start + chunk))
+    if kv_indices is not None:
+        parts.append(_named(kv_indices, i0, i1, j0, j1))
     if kv_lengths is not None:
         parts.append(j < _per_batch(kv_lengths))
     if q_lengths is not None:
@@ -103,6 +122,18 @@ def allowed_set(L, S, *, is_causal=False, window=None, alignment="top_left", q_l
     for p in parts[1:]:
         out = out & p
     return out
+
+
+def _named(kv_indices, i0, i1, j0, j1):
+    """``(..., Lb, j1 - j0)`` bool: the keys of the block that some index of the row names (each once; an index
+    outside the block, ``-1`` and any outside ``[0, S)`` included, names none), without a ``(.., L, K, S)``
+    temporary: the indices are scattered into a row of ``j1 - j0 + 1`` flags, the last one a sink for the rest."""
+    idx = slice_ls(kv_indices, i0, i1, 0, None).astype(np.int64) - j0
+    n = j1 - j0
+    idx = np.where((idx >= 0) & (idx < n), idx, n)
+    out = np.zeros(idx.shape[:-1] + (n + 1,), bool)
+    np.put_along_axis(out, idx, True, axis=-1)
+    return out[..., :n]
 
 
 def diagonal_offset(L, S, alignment, q_lengths=None, kv_lengths=None):

@@ -76,6 +76,13 @@ class AttentionOptions:
     q_lengths: Any = _opt(None, array=True)
     kv_lengths: Any = _opt(None, array=True)
     sinks: Any = _opt(None, array=True)
+    # the allowed sets kernels define beyond the classic ones (not yet in the harness's cases)
+    window_size_left: Optional[int] = _opt(None, judged=False)
+    window_size_right: Optional[int] = _opt(None, judged=False)
+    sliding_window: Optional[int] = _opt(None, judged=False)
+    sink_token_length: int = _opt(0, judged=False)
+    attention_chunk: Optional[int] = _opt(None, judged=False)
+    gather_kv_indices: Any = _opt(None, array=True, judged=False)
 
     @classmethod
     def from_kwargs(cls, where: str = "sdpa_forward", **kwargs) -> "AttentionOptions":
@@ -90,6 +97,11 @@ class AttentionOptions:
         V.check_choice(o["fully_masked"], "fully_masked", FULLY_MASKED_POLICIES)
         V.check_choice(o["causal_alignment"], "causal_alignment", ALIGNMENTS)
         o["window"] = _check_window(o["window"])
+        o["window"] = _other_windows(o)
+        o["sink_token_length"] = _count(o["sink_token_length"], "sink_token_length", 0)
+        chunk = o["attention_chunk"]
+        o["attention_chunk"] = None if chunk is None or (_count(chunk, "attention_chunk", 0) == 0) \
+            else _count(chunk, "attention_chunk", 1)
         if o["scale"] is not None:
             s = V.as_real_scalar(o["scale"], "scale")
             if not np.isfinite(s) or s == 0.0:
@@ -167,7 +179,29 @@ DOC_OPTIONS = r"""
         window : (int or None, int or None)
             Sliding window ``(left, right)``, inclusive: keeps
             ``i + off - left <= j <= i + off + right``; ``None`` or ``-1`` is
-            unbounded on that side. ``(None, 0)`` is causal.
+            unbounded on that side (FlashAttention 2 and 3). ``(None, 0)`` is
+            causal.
+        window_size_left, window_size_right : int or None
+            The same window in FlashAttention 4's form: ``None`` is
+            unbounded, and a bound may be negative (past the diagonal on the
+            other side); ``left + right < 0`` keeps no key and is refused
+            (FlashAttention 4 silently drops such a window).
+        sliding_window : int >= 1
+            The window as a count of keys up to the diagonal (gpt-oss,
+            cuDNN's left bound): ``left = sliding_window - 1``.
+        sink_token_length : int >= 0
+            StreamingLLM's sink tokens: the first ``n`` keys are exempt from
+            the window's left bound (only: causal, the right bound and the
+            lengths still apply).
+        attention_chunk : int >= 1
+            Llama 4's chunked attention: with ``p = i + off``, a row keeps the
+            keys ``p - p mod C <= j < p - p mod C + C`` (intersected with the
+            other masks). 0 or None: off.
+        gather_kv_indices : array_like of int, broadcastable to (..., Hq, L, K)
+            Top-k sparse attention (DeepSeek, FlashMLA, FlashAttention 4): row
+            ``i`` keeps only the keys its ``K`` indices name; ``-1`` and any
+            index outside ``[0, S)`` name none, a repeated index counts once.
+            FlashAttention 4's ``(b, t, K)`` is ``(b, 1, t, K)`` here.
         softcap : float > 0
             Scores become ``cap * tanh(scores / cap)`` after scaling, before
             the mask, bias and ALiBi.
@@ -204,6 +238,47 @@ def check_bool(x, name):
     if not isinstance(x, (bool, np.bool_)):
         raise TypeError(f"`{name}` should be a bool, but got {V.describe(x)}")
     return bool(x)
+
+
+def _count(x, name, low):
+    """An int ``>= low`` (and at most ``2**62``), or a `TypeError` / `ValueError` naming ``name``."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
+        raise TypeError(f"`{name}` should be an int >= {low}, but got {V.describe(x)}")
+    if not low <= x <= 2**62:
+        raise ValueError(f"`{name}` should be an int in [{low}, 2**62], but got {x}")
+    return int(x)
+
+
+def _other_windows(o):
+    """The window as ``(left, right)`` (None: unbounded) from ``window`` or FlashAttention 4's
+    ``window_size_left`` / ``window_size_right`` (any int; None unbounded) or a count ``sliding_window``
+    (gpt-oss, cuDNN: ``W`` keys up to the diagonal, ``left = W - 1``); at most one of the three forms."""
+    w4 = (o["window_size_left"], o["window_size_right"])
+    given = [n for n, on in (("window", o["window"] is not None), ("window_size_left/right", w4 != (None, None)),
+                             ("sliding_window", o["sliding_window"] is not None)) if on]
+    if len(given) > 1:
+        raise ValueError(f"`window`, `window_size_left`/`window_size_right` and `sliding_window` should not be "
+                         f"combined (they are three spellings of one window), but got {' and '.join(given)}")
+    if o["sliding_window"] is not None:
+        return (_count(o["sliding_window"], "sliding_window", 1) - 1, None)
+    if w4 == (None, None):
+        return o["window"]
+    left, right = (None if b is None else _signed(b, n) for b, n in zip(w4, ("window_size_left", "window_size_right")))
+    eff = 0 if o["is_causal"] and (right is None or right > 0) else right
+    if left is not None and eff is not None and left + eff < 0:
+        raise ValueError(f"`window_size_left` + `window_size_right` should be >= 0 (with is_causal the right bound "
+                         f"is at most 0), or no key would be kept, but got {left} + {eff}; FlashAttention 4 silently "
+                         "drops such a window and keeps every key: to get its result, pass no window")
+    return (left, right)
+
+
+def _signed(b, name):
+    """A window bound of FlashAttention 4: any int (negative: past the diagonal on the other side)."""
+    if isinstance(b, (bool, np.bool_)) or not isinstance(b, (numbers.Integral, np.integer)):
+        raise TypeError(f"`{name}` should be an int or None, but got {V.describe(b)}")
+    if abs(b) > 2**62:
+        raise ValueError(f"`{name}` should be in [-2**62, 2**62] (None for unbounded), but got {b}")
+    return int(b)
 
 
 def _check_window(window):

@@ -73,6 +73,7 @@ class Problem:
     v_full: Optional[np.ndarray] = None  # "uniform": the values, non-finite ones only made 0 (averaged_values)
     unread: Optional[Unread] = None     # where the own copies hold 0 because no result reads them
     sink: Optional[np.ndarray] = None   # (..., Hq, 1, 1) the sink logits (real compute dtype; -inf: none), or None
+    kv_indices: Optional[np.ndarray] = None  # gather_kv_indices, int64 broadcastable to (..., Hq, L, K), or None
 
     @classmethod
     def build(cls, query, key, value, opts: AttentionOptions, *, complex_ok=False) -> "Problem":
@@ -119,6 +120,8 @@ class Problem:
         sinks = None if opts.sinks is None else V.sink_logits(opts.sinks, Hq, batch)
         q_lengths = V.lengths(opts.q_lengths, "q_lengths", L, batch)
         kv_lengths = V.lengths(opts.kv_lengths, "kv_lengths", S, batch)
+        kv_indices = None if opts.gather_kv_indices is None else \
+            V.indices(opts.gather_kv_indices, "gather_kv_indices", batch + (Hq, L))
         keep = None
         if opts.dropout_mask is not None:
             keep = V.as_mask(opts.dropout_mask, "dropout_mask", user_scores, allow_float=False)
@@ -137,7 +140,7 @@ class Problem:
         ct = np.result_type(out_dtype, np.float64) if (opts.upcast or complex_ok) else out_dtype
         rt = np.dtype(ct.type(0).real.dtype)
         G = Hq // Hkv if Hkv else 1
-        at = _unread(full_scores, G, opts, q_lengths, kv_lengths, mask_bool, keep,
+        at = _unread(full_scores, G, opts, (q_lengths, kv_lengths, mask_bool, kv_indices), keep,
                      {"q": qh.shape[:-1], "k": kh.shape[:-1], "v": vh.shape[:-1],
                       "mask": None if mask_float is None else mask_float.shape,
                       "bias": None if bias is None else bias.shape})
@@ -176,7 +179,7 @@ class Problem:
                     "attn_mask": None if mask_float is None else mask_float.dtype,
                     "bias": None if bias is None else bias.dtype, "sinks": None if sinks is None else sinks.dtype},
             out_dtype=out_dtype, poison=poison, v_full=v_full, unread=at,
-            sink=None if sinks is None else _own(sinks[..., None, None], rt),
+            sink=None if sinks is None else _own(sinks[..., None, None], rt), kv_indices=_own(kv_indices),
         )
 
     # ----------------------------------------------------------- shapes
@@ -220,10 +223,8 @@ class Problem:
 
     def allowed(self, rows=None, cols=None):
         """The structural allowed set of the scores (or of one block), or None: see :func:`masks.allowed_set`."""
-        o = self.options
-        return allowed_set(self.L, self.S, is_causal=o.is_causal, window=o.window, alignment=o.causal_alignment,
-                           q_lengths=self.q_lengths, kv_lengths=self.kv_lengths, mask=self.mask_bool,
-                           rows=rows, cols=cols)
+        return _allowed(self.options, self.L, self.S, (self.q_lengths, self.kv_lengths, self.mask_bool,
+                                                        self.kv_indices), rows, cols)
 
     def padded_rows(self, rows=None):
         """``(*batch, 1, L, 1)`` bool: query rows past ``q_len`` (of the block ``rows``), or None."""
@@ -364,7 +365,16 @@ def _cast(a, dtype):
 _BLOCK_ENTRIES = 1 << 20
 
 
-def _unread(full, G, opts, q_lengths, kv_lengths, mask, keep, shapes):
+def _allowed(opts, L, S, arrays, rows=None, cols=None):
+    """:func:`masks.allowed_set` of a problem's options and its ``(q_lengths, kv_lengths, bool mask, kv_indices)``:
+    the one place that hands every allowed-set parameter on."""
+    q_lengths, kv_lengths, mask, kv_indices = arrays
+    return allowed_set(L, S, is_causal=opts.is_causal, window=opts.window, alignment=opts.causal_alignment,
+                       q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask, rows=rows, cols=cols,
+                       sink_tokens=opts.sink_token_length, chunk=opts.attention_chunk, kv_indices=kv_indices)
+
+
+def _unread(full, G, opts, arrays, keep, shapes):
     """The :class:`Unread` record: where no allowed score reads each input (:func:`masks.reads`), in the input's own
     ``shapes`` (an input broadcast over a batch or head dim is read if any entry there reads it)."""
     nd, L, S = len(full), full[-2], full[-1]
@@ -372,8 +382,7 @@ def _unread(full, G, opts, q_lengths, kv_lengths, mask, keep, shapes):
     rows, keys, values, cells = [], None, None, {}
     for i0 in range(0, L, step):
         i1 = min(L, i0 + step)
-        a = allowed_set(L, S, is_causal=opts.is_causal, window=opts.window, alignment=opts.causal_alignment,
-                        q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask, rows=(i0, i1))
+        a = _allowed(opts, L, S, arrays, (i0, i1))
         r, kr, vr = reads(a, nd, G, None if keep is None else slice_ls(keep, i0, i1, 0, None))
         if vr is None:                                     # nothing is excluded: the same for every block
             return Unread(None, None, None, None, None)

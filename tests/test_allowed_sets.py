@@ -1,0 +1,184 @@
+"""The allowed sets kernels define: FlashAttention 4's signed window bounds, a count window, StreamingLLM's sink
+tokens, Llama 4's chunks and top-k gathered key indices.
+
+The oracle is written here with loops from the peers' own test references (FlashAttention's
+``construct_local_mask``, ``construct_chunk_mask`` and ``attention_ref``'s gather), sharing nothing with
+``sdpa_ref.masks``. Each engine must give, forward, backward and JVP, what the dense problem with that allowed set
+as a bool ``attn_mask`` gives; keys the set excludes are never read.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sdpa_ref
+from sdpa_ref import sdpa_backward, sdpa_forward, sdpa_jvp
+
+from helpers import assert_close_normwise
+
+HOWS = {"fast": {}, "plain": {"method": "plain"}, "tiled-2": {"block_size": 2},
+        "reproducible": {"precision": "reproducible"}}
+
+
+def oracle(B, Hq, L, S, o):
+    """``(B, Hq, L, S)`` bool, entry by entry: lengths, causal, the window with its sink tokens, the chunk, the
+    gathered indices (FlashAttention's references: ``p = i + off``, ``off = kv_len - q_len`` bottom-right)."""
+    ql, kl = o.get("q_lengths", [L] * B), o.get("kv_lengths", [S] * B)
+    left, right = o.get("_window", (None, None))
+    if o.get("is_causal"):
+        right = 0 if right is None else min(right, 0)
+    n_sink, C = o.get("sink_token_length", 0), o.get("attention_chunk")
+    idx = o.get("gather_kv_indices")
+    a = np.zeros((B, Hq, L, S), bool)
+    for b, h, i, j in np.ndindex(B, Hq, L, S):
+        off = int(kl[b]) - int(ql[b]) if o.get("causal_alignment") == "bottom_right" else 0
+        p = i + off
+        ok = i < ql[b] and j < kl[b]
+        ok = ok and not (left is not None and j < p - left and j >= n_sink)
+        ok = ok and not (right is not None and j > p + right)
+        if C:
+            start = p - (p % C)                             # Python's %: the floor, for negative p too
+            ok = ok and start <= j < start + C
+        if idx is not None:
+            row = np.broadcast_to(idx, (B, Hq, L, idx.shape[-1]))[b, h, i]
+            ok = ok and any(int(x) == j for x in row)        # -1 and out-of-range name nothing; duplicates once
+        a[b, h, i, j] = ok
+    return a
+
+
+@st.composite
+def problems(draw):
+    B, Hkv, G = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    Hq, L, S = Hkv * G, draw(st.integers(1, 6)), draw(st.integers(1, 8))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    o = {"enable_gqa": G > 1, "is_causal": draw(st.booleans()),
+         "causal_alignment": draw(st.sampled_from(["top_left", "bottom_right"])),
+         "fully_masked": draw(st.sampled_from(["zero", "uniform"]))}
+    form = draw(st.sampled_from(["none", "fa4", "count", "window"]))
+    if form == "fa4":
+        left = draw(st.one_of(st.none(), st.integers(-3, 4)))
+        right = draw(st.one_of(st.none(), st.integers(-3, 4)))
+        eff = 0 if o["is_causal"] and (right is None or right > 0) else right
+        if left is not None and eff is not None and left + eff < 0:
+            left = None                                      # refused: tested apart
+        o.update(window_size_left=left, window_size_right=right, _window=(left, right))
+    elif form == "count":
+        w = draw(st.integers(1, 5))
+        o.update(sliding_window=w, _window=(w - 1, None))
+    elif form == "window":
+        w = (draw(st.sampled_from([None, 0, 1, 3])), draw(st.sampled_from([None, 0, 2])))
+        o.update(window=w, _window=w)
+    if form != "none" and draw(st.booleans()):
+        o["sink_token_length"] = draw(st.integers(0, 3))
+    if draw(st.booleans()):
+        o["attention_chunk"] = draw(st.integers(1, 4))
+    if draw(st.booleans()):
+        K = draw(st.integers(1, 4))
+        shape = (B, draw(st.sampled_from([1, Hq])), draw(st.sampled_from([1, L])), K)
+        o["gather_kv_indices"] = rng.integers(-2, S + 2, shape)
+    if draw(st.booleans()):
+        o["q_lengths"], o["kv_lengths"] = rng.integers(0, L + 1, B), rng.integers(0, S + 1, B)
+    arrays = (rng.standard_normal((B, Hq, L, 3)), rng.standard_normal((B, Hkv, S, 3)),
+              rng.standard_normal((B, Hkv, S, 2)))
+    return (B, Hq, L, S), arrays, o
+
+
+def _api(o):
+    return {k: v for k, v in o.items() if not k.startswith("_")}
+
+
+def _dense(o, a):
+    """The same problem as a plain bool mask: no window, chunk or indices, the lengths kept (they zero padded
+    rows, which a mask does not)."""
+    d = {k: v for k, v in _api(o).items() if k not in ("window_size_left", "window_size_right", "sliding_window",
+                                                       "sink_token_length", "attention_chunk", "gather_kv_indices",
+                                                       "window", "is_causal")}
+    return dict(d, attn_mask=a)
+
+
+@given(problems())
+def test_the_allowed_set_is_the_peers_reference_entry_by_entry(problem):
+    (B, Hq, L, S), (q, k, v), o = problem
+    want = oracle(B, Hq, L, S, o)
+    got = sdpa_forward(q, k, v, **_api(o))[1].problem.allowed()
+    np.testing.assert_array_equal(np.broadcast_to(True if got is None else got, want.shape), want)
+
+
+@pytest.mark.parametrize("how", list(HOWS))
+@settings(max_examples=max(10, settings.default.max_examples // 2))
+@given(problem=problems())
+def test_every_engine_computes_the_allowed_set_as_the_dense_mask(problem, how):
+    (B, Hq, L, S), (q, k, v), o = problem
+    a = oracle(B, Hq, L, S, o)
+    rng = np.random.default_rng(1)
+    g = rng.standard_normal(q.shape[:-1] + (v.shape[-1],))
+    ts = tuple(rng.standard_normal(x.shape) for x in (q, k, v))
+    results = []
+    for kw in (_api(o), _dense(o, a)):
+        out, res = sdpa_forward(q, k, v, **kw, **HOWS[how])
+        grads = sdpa_backward(res, g)
+        results.append((out, res.lse, grads.query, grads.key, grads.value, sdpa_jvp((q, k, v), ts, **kw, **HOWS[how])[1]))
+    for x, y in zip(*results):
+        assert_close_normwise(x, y, 0.0 if how == "reproducible" else 1e-13)
+
+
+@pytest.mark.parametrize("how", list(HOWS))
+def test_keys_the_chunk_and_the_indices_exclude_are_never_read(how):
+    rng = np.random.default_rng(4)
+    q, k, v = rng.standard_normal((1, 2, 5, 3)), rng.standard_normal((1, 2, 9, 3)), rng.standard_normal((1, 2, 9, 2))
+    o = dict(attention_chunk=3, gather_kv_indices=np.array([[[[0, 1, 4, 7, -1]]]]))
+    clean = sdpa_forward(q, k, v, **o, **HOWS[how])
+    kb, vb = k.copy(), v.copy()
+    kb[..., [2, 3, 5, 6, 8], :] = np.nan                       # named by no index
+    vb[..., [2, 3, 5, 6, 8], :] = np.inf
+    dirty = sdpa_forward(q, kb, vb, **o, **HOWS[how])
+    np.testing.assert_array_equal(clean[0], dirty[0])
+    g = rng.standard_normal(clean[0].shape)
+    for x, y in zip(sdpa_backward(clean[1], g), sdpa_backward(dirty[1], g)):
+        if x is not None:
+            np.testing.assert_array_equal(x, y)
+
+
+def test_the_window_forms_are_one_window():
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((1, 1, 6, 2)), rng.standard_normal((1, 1, 6, 2)), rng.standard_normal((1, 1, 6, 2))
+    want = sdpa_forward(q, k, v, window=(2, 0))[0]
+    for kw in (dict(window_size_left=2, window_size_right=0), dict(sliding_window=3, is_causal=True),
+               dict(window_size_left=2, is_causal=True)):
+        np.testing.assert_array_equal(sdpa_forward(q, k, v, **kw)[0], want)
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(window_size_left=-2, window_size_right=1), ValueError, "FlashAttention 4 silently drops"),
+    (dict(window_size_left=-1, is_causal=True), ValueError, "keep"),
+    (dict(window=(1, 1), sliding_window=2), ValueError, "combined"),
+    (dict(window=(1, 1), window_size_left=1), ValueError, "combined"),
+    (dict(sliding_window=0), ValueError, "`sliding_window`"),
+    (dict(window_size_left=1.5), TypeError, "`window_size_left`"),
+    (dict(sink_token_length=-1), ValueError, "`sink_token_length`"),
+    (dict(attention_chunk=True), TypeError, "`attention_chunk`"),
+    (dict(gather_kv_indices=np.zeros((2, 3, 1))), TypeError, "`gather_kv_indices`"),
+    (dict(gather_kv_indices=np.zeros((3, 2), int)), ValueError, "`gather_kv_indices`"),
+])
+def test_bad_allowed_set_options_name_themselves(kw, err, match):
+    x = np.zeros((1, 2, 4, 2))
+    with pytest.raises(err, match=match):
+        sdpa_forward(x, x, x, **kw)
+
+
+def test_attention_chunk_zero_is_off():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((1, 1, 4, 2))
+    np.testing.assert_array_equal(sdpa_forward(x, x, x, attention_chunk=0)[0], sdpa_forward(x, x, x)[0])
+
+
+def test_the_gradients_through_a_chunk_and_indices_match_central_differences():
+    rng = np.random.default_rng(7)
+    q, k, v = rng.standard_normal((1, 2, 4, 2)), rng.standard_normal((1, 2, 6, 2)), rng.standard_normal((1, 2, 6, 3))
+    o = dict(attention_chunk=2, sliding_window=3, sink_token_length=1, is_causal=True,
+             causal_alignment="bottom_right", gather_kv_indices=np.array([[[[0, 1, 3, 5, 5]]]]))
+    rep = sdpa_ref.check_vjp(lambda q, k, v: sdpa_forward(q, k, v, **o)[0],
+                             lambda g, q, k, v: tuple(sdpa_backward(sdpa_forward(q, k, v, **o)[1], g))[:3],
+                             (q, k, v))
+    assert rep.ok, rep
