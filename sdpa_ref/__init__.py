@@ -27,6 +27,11 @@ Shape legend, used in every docstring
     Partial results over disjoint sets of keys, stacked on a leading axis
     for :func:`merge_attention`: ``out_parts`` is ``(P, ..., Hq, L, Ev)``.
 
+``total_q``, ``total_k``
+    Rows of packed variable-length sequences (:class:`Packed`, ``thd``).
+``B``, ``Lq``
+    Sequences and query tokens against a KV cache (:class:`KVCache`, ``bshd``).
+
 So ``query`` is ``(..., Hq, L, E)``, ``key`` is ``(..., Hkv, S, E)``,
 ``value`` is ``(..., Hkv, S, Ev)`` and the output is ``(..., Hq, L, Ev)``.
 """
@@ -48,6 +53,8 @@ from .gradcheck import (
     check_vjp,
     numerical_jacobian,
 )
+from .flash import flash_attn_varlen_func, flash_attn_with_kvcache
+from .layouts import KVCache, Packed
 from .lse import combine_lse, convert_lse
 from .masks import causal_mask, padding_mask, window_mask
 from .merge import merge_attention, merge_attention_backward
@@ -92,6 +99,11 @@ __all__ = [
     "BACKWARD_METHODS",
     "AttentionOptions",
     "OPTION_NAMES",
+    # sequences as kernels store them
+    "Packed",
+    "KVCache",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     # the LSE family and merging split-KV partial results
     "convert_lse",
     "combine_lse",

@@ -19,6 +19,7 @@ Shapes (the legend of the package docstring)::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -29,6 +30,7 @@ from .engines import blocks, fast, reproducible, tiled
 from ._threads import single_threaded_blas
 from .residuals import AttentionResiduals
 from .options import DOC_OPTIONS, FULLY_MASKED_POLICIES, AttentionOptions, check_bool
+from .layouts import Gathered
 from .problem import Problem
 
 __all__ = [
@@ -79,7 +81,7 @@ PRECISIONS = ("fast", "reproducible")
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, return_lse=False, method=None, block_size=None,
-                                 precision="fast", **options):
+                                 precision="fast", layout=None, **options):
     r"""Scaled dot-product attention, a drop-in for PyTorch's functional op.
 
     ``softmax(Q K^T * scale + mask) V`` with exact masking: masked entries
@@ -93,13 +95,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         Also return the per-row log-sum-exp of the allowed scores.
     precision : {"fast", "reproducible"}, optional
         As in :func:`sdpa_forward`.
+    layout : sdpa_ref.layouts.Packed or KVCache, optional
+        As in :func:`sdpa_forward`.
 
     Returns
     -------
     out : ndarray, (..., Hq, L, Ev)
-        In the inputs' dtype (which dtypes: :func:`sdpa_forward`'s Notes).
+        In the inputs' dtype (which dtypes: :func:`sdpa_forward`'s Notes); in the layout's with ``layout``.
     lse : ndarray, (..., Hq, L)
-        Only with ``return_lse=True``; ``-inf`` on rows with no allowed key.
+        Only with ``return_lse=True``; ``-inf`` on rows with no allowed key; in the layout's with ``layout``.
 
     See Also
     --------
@@ -107,14 +111,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     return_lse = check_bool(return_lse, "return_lse")
     out, res = sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                            save_probs=False, method=method, block_size=block_size, precision=precision, **options)
+                            save_probs=False, method=method, block_size=block_size, precision=precision,
+                            layout=layout, **options)
     if return_lse:
         return out, res.lse.astype(res.problem.out_dtype, copy=False)
     return out
 
 
 def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                 *, save_probs=True, method=None, block_size=None, precision="fast", **options):
+                 *, save_probs=True, method=None, block_size=None, precision="fast", layout=None, **options):
     r"""Attention forward that also returns what the backward needs.
 
     Parameters
@@ -139,6 +144,15 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         float32, float64 for float64): an honest computation in that
         precision, the same bits everywhere. Many times slower; ``method`` and ``block_size`` must be
         None.
+    layout : sdpa_ref.layouts.Packed or KVCache, optional
+        The sequences as a kernel stores them (:mod:`sdpa_ref.layouts`):
+        ``query``, ``key`` and ``value`` are then the layout's arrays
+        (packed ``thd``; a query ``bshd`` against a KV cache, contiguous or
+        paged), gathered into the dense problem with the sequences' lengths
+        as ``q_lengths`` and ``kv_lengths`` (not to be given); ``out``, the
+        LSE and, in :func:`sdpa_backward`, the gradients of ``query``,
+        ``key`` and ``value`` come back in the layout. A float mask, bias or
+        dropout mask is in the dense layout ``(B, Hq, Lmax, Smax)``.
 
     Returns
     -------
@@ -171,6 +185,11 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     save_probs = check_bool(save_probs, "save_probs")
     opts = AttentionOptions.from_kwargs("sdpa_forward", attn_mask=attn_mask, dropout_p=dropout_p,
                                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **options)
+    gathered = None
+    if layout is not None:                             # the sequences as stored: gathered into the dense problem
+        gathered = Gathered(layout, query, key, value)
+        opts = _with_lengths(opts, gathered)
+        query, key, value = gathered.q, gathered.k, gathered.v
     prob = Problem.build(query, key, value, opts)
     engine = _engine(method, block_size, prob, METHODS, precision)
     with single_threaded_blas():
@@ -179,8 +198,10 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     taint = poison.forward_taint(prob)                 # where the results read a NaN or inf input: NaN there
     out = poison.nan_where(fwd.out, None if taint is None else taint.out)
     out = out.reshape(prob.out_shape).astype(prob.out_dtype, copy=True)   # the caller's own array
+    if gathered is not None:
+        out = gathered.out(out)                        # a new array, in the layout
     return out, AttentionResiduals(problem=prob, forward=fwd, method=engine.name, block_size=engine.block_size,
-                                   taint=taint)
+                                   taint=taint, layout=gathered)
 
 
 def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **options):
@@ -234,6 +255,18 @@ def _engine(method, block_size, prob, allowed, precision="fast"):
                              f"but got {block_size!r}")
         return Engine(method)
     return Engine(method, blocks.check_block_size("auto" if block_size is None else block_size, prob))
+
+
+def _with_lengths(opts, gathered):
+    """``opts`` with the layout's sequence lengths as ``q_lengths`` and ``kv_lengths``."""
+    if opts.fully_masked == "uniform":
+        raise ValueError("`fully_masked` should be 'zero' or 'nan' with `layout=`, but got 'uniform': it averages "
+                         "over all S keys of the dense problem, whose padding is not the sequence's")
+    for name in ("q_lengths", "kv_lengths"):
+        if getattr(opts, name) is not None:
+            raise ValueError(f"`{name}` should not be given with `layout=` (the sequences' lengths are the layout's), "
+                             f"but got {name}")
+    return dataclasses.replace(opts, **gathered.lengths)
 
 
 def _read_only(fwd):

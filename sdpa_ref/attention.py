@@ -102,11 +102,11 @@ def _policy_output(prob, O, P_drop, empty):
     """``O`` on the rows with no allowed key, by the ``fully_masked`` policy: ``"uniform"`` averages every value
     (even those the other rows skip), ``"zero"`` and padded rows are 0 without reading a value, ``S = 0`` as the
     policy says. Layout and policy only: no derivative flows through these lines."""
-    o, S, pad = prob.options, prob.S, prob.padded_rows()
+    o, pad = prob.options, prob.padded_rows()
     vu = prob.averaged_values(empty)
     if vu is not prob.v:                                            # "uniform": such a row reads every value
         O = np.where(empty, _full(_grouped(P_drop, prob) @ _kv(vu), prob), O)
-    O = fill_output_without_keys(O, o.fully_masked, S, pad)
+    O = fill_output_without_keys(O, prob.nan_rows_without_keys())
     zr = zero_output_rows(empty, pad, o.fully_masked)
     return O if zr is None else np.where(zr, O.dtype.type(0), O)    # 0 by definition: no value is read
 

@@ -116,35 +116,46 @@ def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
             raise ValueError("`method` should be 'tiled' (or 'lse') for residuals saved with save_probs=False "
                              f"or by the tiled engine, but got {method!r}")
         name = "tiled"
+    lay = residuals.layout
     g = V.as_float_array(grad_out, "grad_out")
-    if g.shape != prob.out_shape:
-        raise ValueError(f"`grad_out` should have the output's shape {prob.out_shape}, but got shape {g.shape}")
+    want = prob.out_shape if lay is None else lay.out_shape
+    if g.shape != want:
+        raise ValueError(f"`grad_out` should have the output's shape {want}, but got shape {g.shape}")
+    if lay is not None:
+        g = lay.gather_out(g)                                # the layout's rows into the dense problem's
     dO, do_bad = prob.clean_grad_out(g, residuals.empty)    # 0 where never read, and where not finite
     dlse, dl_bad = None, None
     if grad_lse is not None:
         gl = V.as_float_array(grad_lse, "grad_lse")
-        if gl.shape != prob.out_shape[:-1]:
-            raise ValueError(f"`grad_lse` should have the LSE's shape {prob.out_shape[:-1]}, but got shape {gl.shape}")
+        want = prob.out_shape[:-1] if lay is None else lay.lse_shape
+        if gl.shape != want:
+            raise ValueError(f"`grad_lse` should have the LSE's shape {want}, but got shape {gl.shape}")
+        gl = gl if lay is None else lay.gather_lse(gl)
         dlse, dl_bad = prob.clean_grad_lse(gl, residuals.empty)
     engine = Engine(name, (residuals.block_size or blocks.lse_blocks(prob.L, prob.S)) if name == "tiled" else None)
     with single_threaded_blas():
         gr = engine.backward(prob, residuals.forward, dO, dlse)
         bad = poison.backward_taint(prob, residuals.taint, dO, do_bad, dlse, dl_bad)   # what reads poison: NaN
-    gr = gr._replace(dq=poison.nan_where(gr.dq, prob.nan_rows_without_keys()))     # S = 0 under "nan"
+    nan_rows = prob.nan_rows_without_keys()              # S = 0 under "nan": as on a fully masked row with keys,
+    gr = gr._replace(dq=poison.nan_where(gr.dq, nan_rows))   # dq NaN there, and the sinks' gradient of its head
     shapes, dtypes = prob.shapes, prob.dtypes
 
     def back(x, name):
         if x is None:
             return None
         x = unbroadcast(x, shapes[name]).astype(dtypes[name], copy=False)
-        return x if bad is None else poison.show(x, bad[name])
+        x = x if bad is None else poison.show(x, bad[name])
+        if name == "sinks" and nan_rows is not None:
+            heads = np.broadcast_to(nan_rows.any(axis=(-2, -1)), prob.full_scores[:-2])
+            x = poison.show(x, unbroadcast(heads.astype(np.int64), shapes[name]) > 0)
+        return x if lay is None or name not in ("query", "key", "value") else lay.scatter_input(x, name)
 
     return AttentionGrads(query=back(gr.dq, "query"), key=back(gr.dk, "key"), value=back(gr.dv, "value"),
                           attn_mask=back(gr.dmask, "attn_mask"), bias=back(gr.dbias, "bias"),
                           sinks=back(gr.dextra, "sinks"))
 
 
-def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
+def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, **options):
     r"""Forward-mode derivative of attention: ``(out, out_tangent)``.
 
     Parameters
@@ -196,8 +207,9 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
         raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks]]), "
                         f"but got {V.describe(tangents)}")
     V.check_choice("fast" if method is None else method, "method", ("fast", "plain", "tiled"))
-    out, res = sdpa_forward(*primals, method=method, precision=precision, **dict(options, save_probs=True))
-    prob = res.problem
+    out, res = sdpa_forward(*primals, method=method, precision=precision, layout=layout,
+                            **dict(options, save_probs=True))
+    prob, lay = res.problem, res.layout
     names = ("query", "key", "value", "bias", "sinks")
     ts = list(tangents) + [None] * (5 - len(tangents))
     if ts[3] is not None and prob.bias is None:
@@ -208,9 +220,12 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
     for i, (name, t) in enumerate(zip(names, ts)):
         if t is not None:
             t = V.as_float_array(t, f"tangents[{i}]")
-            if t.shape != prob.shapes[name]:
-                raise ValueError(f"`tangents[{i}]` should have the shape of `{name}` {prob.shapes[name]}, "
+            want = lay.shapes[name] if lay is not None and name in lay.shapes else prob.shapes[name]
+            if t.shape != want:
+                raise ValueError(f"`tangents[{i}]` should have the shape of `{name}` {want}, "
                                  f"but got shape {t.shape}")
+            if lay is not None and name in lay.shapes:
+                t = lay.gather_input(t, name)                # a tangent is gathered as its primal is
             if name in ("query", "key", "value") and t.ndim == 2:
                 t = t[None]
         conv.append(t)
@@ -227,7 +242,8 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", **options):
     dO = poison.nan_where(dO, bad)                       # what reads poison: NaN
     dO = poison.nan_where(dO, prob.nan_rows_without_keys() if any(t is not None for t in (dq, dk, dv, db, ds))
                           else None)
-    return out, dO.reshape(prob.out_shape).astype(prob.out_dtype, copy=False)
+    dO = dO.reshape(prob.out_shape).astype(prob.out_dtype, copy=False)
+    return out, (dO if lay is None else lay.out(dO))
 
 
 def _cast_real(t, prob):

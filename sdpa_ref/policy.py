@@ -71,11 +71,8 @@ def nan_rows(empty, padded, policy):
     return empty if padded is None else (empty & ~padded)
 
 
-def fill_output_without_keys(O, policy, S, padded):
-    """With ``S == 0`` the output is an empty sum (0): the ``"nan"`` policy makes it NaN (padded rows stay 0)."""
-    if policy != "nan" or S != 0:
-        return O
-    O = np.full_like(O, np.nan)
-    if padded is not None:
-        O = np.where(padded, O.dtype.type(0), O)
-    return O
+def fill_output_without_keys(O, rows):
+    """With ``S == 0`` the output is an empty sum (0): the ``"nan"`` policy makes NaN the ``rows`` it applies to
+    (:meth:`sdpa_ref.problem.Problem.nan_rows_without_keys`: not padded, and no sink, whose row gives 0), or
+    ``O`` itself when ``rows`` is None."""
+    return O if rows is None else np.where(rows, O.dtype.type(np.nan), O)

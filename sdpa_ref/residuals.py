@@ -51,6 +51,7 @@ class AttentionResiduals:
     method: str
     block_size: Optional[int] = None
     taint: Any = None
+    layout: Any = None              # the sdpa_ref.layouts.Gathered problem of a layout, or None (dense)
 
     @property
     def probs(self):
@@ -59,15 +60,23 @@ class AttentionResiduals:
 
     @property
     def out(self):
-        """The output in the compute dtype, in the user's rank."""
-        return nan_where(self.forward.out, None if self.taint is None else self.taint.out).reshape(
+        """The output in the compute dtype, in the user's rank (in the layout's, with a layout)."""
+        out = nan_where(self.forward.out, None if self.taint is None else self.taint.out).reshape(
             self.problem.out_shape)
+        return out if self.layout is None else self.layout.out(out)
+
+    def _rows(self, x, taint=None, fill=-np.inf):
+        """A per-row quantity ``(*batch, Hq, L)`` with the taint's NaN, in the user's rank (the layout's LSE
+        layout, with a layout, ``fill`` on its unused rows)."""
+        x = nan_where(x, None if self.taint is None else (self.taint.lse if taint is None else taint)).reshape(
+            self.problem.out_shape[:-1])
+        return x if self.layout is None else self.layout.lse(x, fill)
 
     @property
     def lse(self):
-        """The log-sum-exp of the allowed scores ``(..., Hq, L)``; ``-inf`` on rows with no key."""
-        return nan_where(self.forward.lse, None if self.taint is None else self.taint.lse).reshape(
-            self.problem.out_shape[:-1])
+        """The log-sum-exp of the allowed scores ``(..., Hq, L)``; ``-inf`` on rows with no key (FlashAttention's
+        ``(Hq, total_q)`` for a packed layout, ``(B, Hq, Lq)`` for a KV cache)."""
+        return self._rows(self.forward.lse)
 
     def lse_as(self, base="e", empty="-inf", *, sink=True):
         """:attr:`lse` in a kernel's convention: base ``"e"`` or ``2``, and what a row with no allowed key holds
@@ -81,23 +90,20 @@ class AttentionResiduals:
         sink = check_bool(sink, "sink")
         lse = self.lse
         if not sink and self.forward.lse_keys is not None:
-            lse = nan_where(self.forward.lse_keys, None if self.taint is None else self.taint.lse_keys).reshape(
-                self.problem.out_shape[:-1])
+            lse = self._rows(self.forward.lse_keys, None if self.taint is None else self.taint.lse_keys)
         return convert_lse(lse, base=base, empty=empty)
 
     @property
     def row_max(self):
         """cuDNN's ``score_max``: each row's largest allowed score ``m`` ``(..., Hq, L)``, after every score term
         (scale, softcap, mask, bias, ALiBi); ``-inf`` on rows with no allowed key. ``lse = m + log(row_sumexp)``."""
-        m = np.where(self.forward.empty, -np.inf, self.forward.rowmax)[..., 0]
-        return nan_where(m, None if self.taint is None else self.taint.lse).reshape(self.problem.out_shape[:-1])
+        return self._rows(np.where(self.forward.empty, -np.inf, self.forward.rowmax)[..., 0])
 
     @property
     def row_sumexp(self):
         """cuDNN's ``score_sum_exp``: ``s = sum_j exp(T_j - m)`` over the allowed keys ``(..., Hq, L)``, in
         ``[1, S]``; 0 on rows with no allowed key."""
-        s = np.where(self.forward.empty, 0.0, self.forward.rowsum)[..., 0]
-        return nan_where(s, None if self.taint is None else self.taint.lse).reshape(self.problem.out_shape[:-1])
+        return self._rows(np.where(self.forward.empty, 0.0, self.forward.rowsum)[..., 0], fill=0.0)
 
     @property
     def tanh(self):

@@ -401,3 +401,24 @@ def test_a_nan_row_of_one_batch_entry_makes_its_heads_sink_gradient_nan_on_every
         got = sdpa_backward(sdpa_forward(q, k, v, **kw, **opts)[1], np.ones((2, 2, 2, 3))).sinks
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=str(kw))
         np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-15, err_msg=str(kw))
+
+
+@pytest.mark.parametrize("kw", [{"method": "plain"}, {"method": "fast"}, {"block_size": 2},
+                                {"precision": "reproducible"}], ids=["plain", "fast", "tiled", "reproducible"])
+def test_no_key_at_all_under_nan_is_a_fully_masked_row_sink_or_none(kw):
+    """Found by the layouts' per-sequence oracle: with S = 0 under "nan" a head with a sink gave NaN where a row
+    with no key and a sink gives 0, and a head without one a dsinks of 0 where a fully masked row makes it NaN.
+    S = 0 now gives what every key masked gives, on every engine."""
+    rng = np.random.default_rng(22)
+    q = rng.standard_normal((1, 2, 2, 3))
+    sinks = np.array([0.3, -np.inf])
+    got = []
+    for S, lengths in ((0, None), (2, np.array([0]))):
+        k, v = rng.standard_normal((1, 2, S, 3)), rng.standard_normal((1, 2, S, 2))
+        out, res = sdpa_forward(q, k, v, fully_masked="nan", sinks=sinks, kv_lengths=lengths, **kw)
+        got.append((out, res.lse, sdpa_backward(res, np.ones(out.shape)).sinks))
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)
+    out, lse, ds = got[0]
+    assert (out[:, 0] == 0).all() and np.isnan(out[:, 1]).all()
+    assert np.isnan(ds).tolist() == [False, True]

@@ -137,7 +137,7 @@ def forward(prob, *, save_probs=True) -> Forward:
         vu = prob.averaged_values(empty)
         if vu is not prob.v:                           # "uniform": such a row reads every value
             O = np.where(empty.reshape(lay.grouped + (1,)), Pd @ vu, O)
-    O = fill_output_without_keys(O.reshape(full[:-1] + (Ev,)), o.fully_masked, S, padded)
+    O = fill_output_without_keys(O.reshape(full[:-1] + (Ev,)), prob.nan_rows_without_keys())
     zr = zero_output_rows(empty, padded, o.fully_masked)
     if zr is not None:                                 # 0 by definition: no value is read
         O = np.where(zr, ct.type(0), O)

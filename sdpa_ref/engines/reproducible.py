@@ -120,7 +120,7 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
     O = _full(_times_values(X, prob, Pd, empty, prob.v, prob.v_full, final=True), prob)
     _no_silent_nan(X, O, _nan_rows(prob, empty), "out")
     _no_silent_nan(X, lse, None, "lse")
-    O = fill_output_without_keys(_round(X, O), o.fully_masked, S, padded)
+    O = fill_output_without_keys(_round(X, O), prob.nan_rows_without_keys())
     zr = zero_output_rows(empty, padded, o.fully_masked)
     if zr is not None:                                               # 0 by definition: no value is read
         O = np.where(zr, O.dtype.type(0), O)

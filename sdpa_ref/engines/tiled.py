@@ -101,7 +101,7 @@ def forward(prob, *, save_probs=False, block_size="auto") -> Forward:
         rowmax[..., i0:i1, :], rowsum[..., i0:i1, :] = m, l
         O[..., i0:i1, :] = _policy_rows(prob, bl, out, row_empty, i0, i1)
         empty[..., i0:i1, :] = row_empty
-    O = fill_output_without_keys(O, o.fully_masked, S, prob.padded_rows())
+    O = fill_output_without_keys(O, prob.nan_rows_without_keys())
     return Forward(out=O, lse=lse, probs=None, tanh=None, empty=empty, rowmax=rowmax, rowsum=rowsum,
                    lse_keys=lse_keys)
 

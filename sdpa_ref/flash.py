@@ -1,0 +1,115 @@
+r"""FlashAttention's varlen and KV-cache entry points, computed by the reference.
+
+The same arguments as FlashAttention 3's ``flash_attn_varlen_func`` and
+``flash_attn_with_kvcache`` (FlashAttention 2's ``block_table`` and 3's
+``page_table`` alike), so that a call to a kernel can be repeated against the
+reference word for word. They run :func:`sdpa_ref.scaled_dot_product_attention`
+on a layout (:mod:`sdpa_ref.layouts`) with FlashAttention's conventions:
+the causal and window diagonal per sequence at the bottom right, grouped-query
+attention whenever ``Hkv < Hq``, a row with no key giving 0. Any option of
+the package can be added by keyword (``sinks=``, ``gather_kv_indices=``,
+``precision="reproducible"``, ...). For gradients, call
+:func:`sdpa_ref.sdpa_forward` with the same ``layout=`` and
+:func:`sdpa_ref.sdpa_backward`.
+
+Shapes: ``q (total_q, Hq, E)``, ``k, v (total_k, Hkv, E|Ev)`` packed; ``q
+(B, Lq, Hq, E)`` against ``k_cache, v_cache (B_cache, S_cache, Hkv, E|Ev)``
+or, paged, ``(num_pages, page_size, Hkv, E|Ev)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .api import scaled_dot_product_attention
+from .layouts import KVCache, Packed
+
+__all__ = ["flash_attn_varlen_func", "flash_attn_with_kvcache"]
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+                           seqused_k=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           attention_chunk=0, softcap=0.0, alibi_slopes=None, *, key_leftpad=None,
+                           return_lse=False, **options):
+    r"""Attention over packed variable-length sequences, as FlashAttention's ``flash_attn_varlen_func``.
+
+    Parameters
+    ----------
+    q, k, v : array_like, (total_q, Hq, E), (total_k, Hkv, E), (total_k, Hkv, Ev)
+    cu_seqlens_q, cu_seqlens_k : array_like of int, (B + 1,)
+        Sequence ``b``'s rows are ``cu_seqlens[b] .. cu_seqlens[b + 1]``.
+    max_seqlen_q, max_seqlen_k : int, optional
+        At least the longest sequence (the dense problem's padded length).
+    seqused_q, seqused_k : array_like of int, (B,), optional
+        Only the first rows of each sequence are used.
+    softmax_scale, causal, window_size, attention_chunk, softcap, alibi_slopes
+        FlashAttention's: ``window_size`` ``-1`` unbounded, ``softcap`` 0 off.
+    key_leftpad : array_like of int, (B,), optional
+        The first keys of each sequence are padding (FlashAttention 2's ``leftpad_k``).
+    return_lse : bool, optional
+        Also return the LSE, ``(Hq, total_q)``.
+    **options
+        Any option of :func:`sdpa_ref.sdpa_forward`.
+
+    Returns
+    -------
+    out : ndarray, (total_q, Hq, Ev)
+    lse : ndarray, (Hq, total_q), with ``return_lse``
+    """
+    lay = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, key_leftpad)
+    return _call(q, k, lay, v, softmax_scale, causal, window_size, attention_chunk, softcap, alibi_slopes,
+                 return_lse, options)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                            attention_chunk=0, softcap=0.0, alibi_slopes=None, *, page_table=None, kv_indptr=None,
+                            kv_indices=None, kv_last_page_len=None, kv_layout="NHD", return_softmax_lse=False,
+                            **options):
+    r"""Queries against a KV cache, contiguous or paged, as FlashAttention's ``flash_attn_with_kvcache`` (without
+    its in-place cache update and rotary embedding).
+
+    Parameters
+    ----------
+    q : array_like, (B, Lq, Hq, E)
+    k_cache, v_cache : array_like
+        ``(B_cache, S_cache, Hkv, E|Ev)``, or paged ``(num_pages, page_size, Hkv, E|Ev)`` (``kv_layout="HND"``:
+        ``(num_pages, Hkv, page_size, E|Ev)``).
+    cache_seqlens : int or array_like of int, (B,), optional
+        The cache's used positions per sequence (every one by default).
+    cache_batch_idx : array_like of int, (B,), optional
+        The cache row of each sequence (contiguous caches).
+    cache_leftpad : array_like of int, (B,), optional
+        The position each sequence's keys start at.
+    block_table, page_table : array_like of int, (B, max_pages), optional
+        The pages of each sequence (FlashAttention 2's name, and 3's); any page size, a page may repeat.
+    kv_indptr, kv_indices, kv_last_page_len : array_like of int, optional
+        The same pages as FlashInfer's CSR lists.
+    softmax_scale, causal, window_size, attention_chunk, softcap, alibi_slopes
+        FlashAttention's.
+    return_softmax_lse : bool, optional
+        Also return the LSE, ``(B, Hq, Lq)``.
+    **options
+        Any option of :func:`sdpa_ref.sdpa_forward`.
+
+    Returns
+    -------
+    out : ndarray, (B, Lq, Hq, Ev)
+    lse : ndarray, (B, Hq, Lq), with ``return_softmax_lse``
+    """
+    if block_table is not None and page_table is not None:
+        raise ValueError("`block_table` and `page_table` should not both be given (FlashAttention 2's and 3's names "
+                         "of one table), but got both")
+    lay = KVCache(cache_seqlens, cache_batch_idx, cache_leftpad, block_table if page_table is None else page_table,
+                  kv_indptr, kv_indices, kv_last_page_len, kv_layout)
+    return _call(q, k_cache, lay, v_cache, softmax_scale, causal, window_size, attention_chunk, softcap,
+                 alibi_slopes, return_softmax_lse, options)
+
+
+def _call(q, k, lay, v, scale, causal, window_size, chunk, softcap, slopes, return_lse, options):
+    hq, hkv = np.shape(q)[-2], np.shape(k)[-2] if getattr(lay, "kv_layout", "NHD") == "NHD" else np.shape(k)[1]
+    kw = dict(scale=scale, is_causal=causal, window=tuple(window_size), attention_chunk=chunk,
+              softcap=softcap if softcap else None, alibi_slopes=slopes, causal_alignment="bottom_right",
+              enable_gqa=hq != hkv)
+    kw.update(options)
+    return scaled_dot_product_attention(q, k, v, layout=lay, return_lse=return_lse, **kw)

@@ -1,0 +1,375 @@
+r"""Sequences as kernels store them: packed variable-length batches and KV caches, contiguous or paged.
+
+A layout maps the logical ``(batch b, head h, query row i, key j)`` of the
+dense problem to where a kernel keeps it. Its forward is a *gather*: the
+positions that sequences use are copied into the dense, padded problem
+``(B, H, Lmax, E)`` with per-batch lengths (``q_lengths``, ``kv_lengths``),
+so every engine, precision and arithmetic computes a layout as it computes a
+dense problem, the non-finite-input rules and the JVP included. Results are
+*scattered* back into the kernel's layout; the VJP of the gather is its
+scatter-add, so a page that two sequences share (or that a table names twice)
+gathers the gradient of both uses.
+
+Memory that no sequence uses -- padding between packed sequences, slots
+past ``cache_seqlens``, pages no table names, keys before a left pad -- is
+never read: the gather copies only the positions in use, and the dense
+problem's padding lies past the lengths, which no result reads. In the
+output and the gradients such positions hold 0.
+
+Names are FlashAttention's (``flash_attn_varlen_func``,
+``flash_attn_with_kvcache``) and FlashInfer's for its CSR page lists:
+
+* :class:`Packed` -- ``q (total_q, Hq, E)``, ``k, v (total_k, Hkv, E|Ev)``
+  (``thd``), sequence ``b`` at rows ``cu_seqlens[b] .. cu_seqlens[b+1]``;
+  ``seqused_q`` / ``seqused_k`` use only the first rows of each;
+  ``key_leftpad`` skips the first keys (the logical key ``j`` is stored at
+  ``j + key_leftpad``); ``out (total_q, Hq, Ev)``, ``lse (Hq, total_q)``.
+* :class:`KVCache` -- ``q (B, Lq, Hq, E)`` (``bshd``) against a cache
+  ``k_cache (B_cache, S_cache, Hkv, E)``, or a paged one
+  ``(num_pages, page_size, Hkv, E)`` (``kv_layout="NHD"``; ``"HND"`` swaps
+  the middle axes) addressed by ``block_table (B, max_pages)`` or by
+  FlashInfer's ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``; the valid
+  keys of row ``b`` are ``cache_leftpad[b] <= t < cache_seqlens[b]``, the
+  logical key ``j = t - cache_leftpad[b]``, position ``t`` on page
+  ``block_table[b, t // page_size]``, slot ``t % page_size``;
+  ``out (B, Lq, Hq, Ev)``, ``lse (B, Hq, Lq)``.
+
+The causal and window diagonal is per sequence: ``off = kv_len - q_len``
+under ``causal_alignment="bottom_right"``, FlashAttention's, which
+:func:`varlen_attention` and :func:`kvcache_attention` use by default.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _validate as V
+
+__all__ = ["Gathered", "KVCache", "Packed"]
+
+
+def _ints(x, name, ndim=1):
+    """An integer array of ``ndim`` dims as int64, or a clear error."""
+    arr = V.as_array(x, name, "an integer array")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"`{name}` should be an integer array, but got dtype {arr.dtype}")
+    if arr.ndim != ndim:
+        raise ValueError(f"`{name}` should have {ndim} dimension(s), but got shape {arr.shape}")
+    return arr.astype(np.int64)
+
+
+def _per_batch(x, name, B, default):
+    """``x`` as ``(B,)`` int64 (an int broadcasts), ``default`` when None."""
+    if x is None:
+        return default
+    if isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        return np.full(B, int(x), np.int64)
+    arr = _ints(x, name)
+    if arr.shape != (B,):
+        raise ValueError(f"`{name}` should have shape ({B},) (one per sequence), but got shape {arr.shape}")
+    return arr
+
+
+def _storage(x, name, ndim):
+    a = V.as_float_array(x, name)
+    if a.ndim != ndim:
+        raise ValueError(f"`{name}` should have {ndim} dimensions, but got shape {a.shape}")
+    return a
+
+
+class _Map:
+    """Where each logical position lives: ``(rows, where)`` with ``rows`` the ``(b, i)`` of the positions in use
+    (int64 arrays of one length) and ``where`` their index into the storage's flattened leading axes; the dense
+    length ``n`` and the per-batch lengths."""
+
+    def __init__(self, b, i, where, n, lengths):
+        self.b, self.i, self.where, self.n, self.lengths = b, i, where, n, lengths
+
+    def gather(self, x, heads_axis):
+        """Storage ``x`` (its leading axes flattened to the positions, then ``(H, F)``) into ``(B, H, n, F)``."""
+        B = len(self.lengths)
+        out = np.zeros((B, x.shape[heads_axis], self.n, x.shape[-1]), x.dtype)
+        out[self.b, :, self.i] = x[self.where]                   # only the positions in use are read
+        return out
+
+    def scatter(self, d, shape, add=False):
+        """The VJP of :meth:`gather`: dense ``d (B, H, n, F)`` into zeros of the storage ``shape`` (flattened
+        leading axes), summed where a storage position is used twice."""
+        out = np.zeros(shape, d.dtype)
+        vals = d[self.b, :, self.i]                             # (m, H, F)
+        if add and len(np.unique(self.where)) != len(self.where):
+            np.add.at(out, self.where, vals)                    # in index order: the same bits every time
+        else:
+            out[self.where] = vals
+        return out
+
+
+def _ranges(starts, lengths):
+    """``(b, i, start_b + i)`` for ``i < lengths[b]``, as flat int64 arrays."""
+    b = np.repeat(np.arange(len(lengths)), lengths)
+    first = np.cumsum(lengths) - lengths
+    i = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first, lengths)
+    return b, i, np.repeat(starts, lengths) + i
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Packed variable-length sequences (FlashAttention's varlen API); see the module docstring."""
+
+    cu_seqlens_q: Any
+    cu_seqlens_k: Any
+    max_seqlen_q: Optional[int] = None
+    max_seqlen_k: Optional[int] = None
+    seqused_q: Any = None
+    seqused_k: Any = None
+    key_leftpad: Any = None
+
+    def maps(self, q, k):
+        """``(query map, key map)`` for storage ``q (total_q, Hq, E)`` and ``k (total_k, Hkv, E)``."""
+        cq, ck = _ints(self.cu_seqlens_q, "cu_seqlens_q"), _ints(self.cu_seqlens_k, "cu_seqlens_k")
+        if len(cq) < 1 or len(cq) != len(ck):
+            raise ValueError(f"`cu_seqlens_q` and `cu_seqlens_k` should have the same length B + 1 >= 1, but got "
+                             f"{len(cq)} and {len(ck)}")
+        B = len(cq) - 1
+        spans = {}
+        for name, cu, total in (("cu_seqlens_q", cq, q.shape[0]), ("cu_seqlens_k", ck, k.shape[0])):
+            d = np.diff(cu)
+            if cu.size and (cu[0] < 0 or np.any(d < 0) or cu[-1] > total):
+                raise ValueError(f"`{name}` should be non-decreasing offsets from >= 0 to at most the {total} rows "
+                                 f"of its array, but got {cu.tolist()}")
+            spans[name] = d
+        used_q = _per_batch(self.seqused_q, "seqused_q", B, spans["cu_seqlens_q"])
+        used_k = _per_batch(self.seqused_k, "seqused_k", B, spans["cu_seqlens_k"])
+        pad = _per_batch(self.key_leftpad, "key_leftpad", B, np.zeros(B, np.int64))
+        for name, used, span in (("seqused_q", used_q, spans["cu_seqlens_q"]),
+                                 ("seqused_k", used_k, spans["cu_seqlens_k"])):
+            if np.any(used < 0) or np.any(used > span):
+                raise ValueError(f"`{name}` should be within each sequence's rows [0, {span.tolist()}], but got "
+                                 f"{used.tolist()}")
+        if np.any(pad < 0) or np.any(pad > used_k):
+            raise ValueError(f"`key_leftpad` should be within each sequence's used keys [0, {used_k.tolist()}], but "
+                             f"got {pad.tolist()}")
+        lq, lk = used_q, used_k - pad
+        return (_Map(*_ranges(cq[:-1], lq), _max(self.max_seqlen_q, "max_seqlen_q", lq), lq),
+                _Map(*_ranges(ck[:-1] + pad, lk), _max(self.max_seqlen_k, "max_seqlen_k", lk), lk))
+
+    def queries(self, q):
+        return _storage(q, "query", 3), 1
+
+    def keys(self, x, name):
+        return _storage(x, name, 3), 1
+
+    def out_shape(self, q_shape, Ev):
+        return tuple(q_shape[:2]) + (Ev,)
+
+    def lse_from(self, qmap, lse, total, fill=-np.inf):
+        """The LSE in FlashAttention's varlen layout ``(Hq, total_q)`` (``fill`` on unused rows)."""
+        out = np.full((lse.shape[1], total), fill, lse.dtype)
+        out[:, qmap.where] = lse[qmap.b, :, qmap.i].T
+        return out
+
+    def lse_to(self, qmap, g, B, Hq):
+        """The inverse of :meth:`lse_from` on a cotangent ``(Hq, total_q)``: ``(B, Hq, Lmax)``."""
+        out = np.zeros((B, Hq, qmap.n), g.dtype)
+        out[qmap.b, :, qmap.i] = g[:, qmap.where].T
+        return out
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Queries against a KV cache, contiguous or paged (FlashAttention's ``flash_attn_with_kvcache``, FlashInfer's
+    CSR page lists); see the module docstring."""
+
+    cache_seqlens: Any = None
+    cache_batch_idx: Any = None
+    cache_leftpad: Any = None
+    block_table: Any = None
+    kv_indptr: Any = None
+    kv_indices: Any = None
+    kv_last_page_len: Any = None
+    kv_layout: str = "NHD"
+    max_seqlen_k: Optional[int] = None
+
+    def maps(self, q, k):
+        """``(query map, key map)`` for ``q (B, Lq, Hq, E)`` and the cache ``k`` (NHD order: see :meth:`keys`)."""
+        V.check_choice(self.kv_layout, "kv_layout", ("NHD", "HND"))
+        B, Lq = q.shape[0], q.shape[1]
+        qmap = _Map(*_ranges(np.arange(B, dtype=np.int64) * Lq, np.full(B, Lq, np.int64)), Lq,
+                    np.full(B, Lq, np.int64))
+        csr = [x is not None for x in (self.kv_indptr, self.kv_indices, self.kv_last_page_len)]
+        paged = self.block_table is not None or any(csr)
+        if any(csr) and not all(csr):
+            raise ValueError("`kv_indptr`, `kv_indices` and `kv_last_page_len` should be given together (FlashInfer's "
+                             "page lists), but got only some of them")
+        if self.block_table is not None and any(csr):
+            raise ValueError("`block_table` and `kv_indptr`/`kv_indices` should not both be given: they are two "
+                             "spellings of the page table")
+        P, cap = k.shape[1], k.shape[1]                       # NHD order: (pages or rows, page_size or S, Hkv, E)
+        if paged:
+            table, seqlens = self._table(B, P)
+            cap = table.shape[1] * P
+        else:
+            rows = _per_batch(self.cache_batch_idx, "cache_batch_idx", B, np.arange(B, dtype=np.int64))
+            if np.any(rows < 0) or np.any(rows >= k.shape[0]):
+                raise ValueError(f"`cache_batch_idx` should name rows of the cache [0, {k.shape[0]}), but got "
+                                 f"{rows.tolist()}")
+            seqlens = None
+        seqlens = _per_batch(self.cache_seqlens, "cache_seqlens", B, seqlens if seqlens is not None
+                             else np.full(B, cap, np.int64))
+        pad = _per_batch(self.cache_leftpad, "cache_leftpad", B, np.zeros(B, np.int64))
+        if np.any(seqlens < 0) or np.any(seqlens > cap):
+            raise ValueError(f"`cache_seqlens` should be within the cache's {cap} positions per sequence, but got "
+                             f"{seqlens.tolist()}")
+        if np.any(pad < 0) or np.any(pad > seqlens):
+            raise ValueError(f"`cache_leftpad` should be within [0, cache_seqlens], but got {pad.tolist()}")
+        lk = seqlens - pad
+        b, j, t = _ranges(pad, lk)                              # t: the position in the sequence's cache
+        where = table[b, t // P] * P + t % P if paged else rows[b] * P + t
+        if paged and np.any((table[b, t // P] < 0) | (table[b, t // P] >= k.shape[0])):
+            raise ValueError(f"`block_table` / `kv_indices` should name pages of the cache [0, {k.shape[0]}) for "
+                             "every position in use, but got one outside")
+        return qmap, _Map(b, j, where, _max(self.max_seqlen_k, "max_seqlen_k", lk), lk)
+
+    def _table(self, B, P):
+        """``(block table (B, pages), cache_seqlens or None)`` from ``block_table`` or FlashInfer's CSR lists."""
+        if self.block_table is not None:
+            t = _ints(self.block_table, "block_table", 2)
+            if t.shape[0] != B:
+                raise ValueError(f"`block_table` should have one row per sequence, ({B}, max_pages), but got shape "
+                                 f"{t.shape}")
+            return t, None
+        if self.cache_seqlens is not None:
+            raise ValueError("`cache_seqlens` should not be given with FlashInfer's page lists (kv_last_page_len says "
+                             "where each sequence ends)")
+        ptr, idx = _ints(self.kv_indptr, "kv_indptr"), _ints(self.kv_indices, "kv_indices")
+        last = _per_batch(self.kv_last_page_len, "kv_last_page_len", B, None)
+        if len(ptr) != B + 1 or ptr[0] != 0 or np.any(np.diff(ptr) < 0) or ptr[-1] > len(idx):
+            raise ValueError(f"`kv_indptr` should be B + 1 = {B + 1} non-decreasing offsets from 0 into `kv_indices`, "
+                             f"but got {ptr.tolist()}")
+        n = np.diff(ptr)
+        if np.any((last < 0) | (last > P) | ((n > 0) & (last < 1)) | ((n == 0) & (last != 0))):
+            raise ValueError(f"`kv_last_page_len` should be in [1, {P}] (0 for a sequence without pages), but got "
+                             f"{last.tolist()}")
+        table = np.zeros((B, max(1, int(n.max(initial=0)))), np.int64)
+        for b in range(B):                                      # B rows, not positions: a short loop
+            table[b, :n[b]] = idx[ptr[b]:ptr[b + 1]]
+        return table, np.where(n > 0, (n - 1) * P + last, 0)
+
+    def queries(self, q):
+        q = _storage(q, "query", 4)
+        return q.reshape((-1,) + q.shape[2:]), 1
+
+    def keys(self, x, name):
+        """The cache as ``(positions, Hkv, F)``: its two leading axes flattened (NHD; HND moved first)."""
+        x = _storage(x, name, 4)
+        if self.kv_layout == "HND":
+            x = np.swapaxes(x, 1, 2)
+        return x.reshape((-1,) + x.shape[2:]) if x.flags.c_contiguous else _Flat(x), 1
+
+    def out_shape(self, q_shape, Ev):
+        return tuple(q_shape[:3]) + (Ev,)
+
+    def lse_from(self, qmap, lse, total, fill=-np.inf):
+        return lse
+
+    def lse_to(self, qmap, g, B, Hq):
+        return g
+
+
+class _Flat:
+    """A ``(N, P, H, F)`` array read as ``(N * P, H, F)`` without a copy of the whole cache (an HND cache seen as
+    NHD is not contiguous): indexing by flat positions reads only those."""
+
+    def __init__(self, x):
+        self.x, self.shape = x, (x.shape[0] * x.shape[1],) + x.shape[2:]
+        self.dtype = x.dtype
+
+    def __getitem__(self, where):
+        return self.x[where // self.x.shape[1], where % self.x.shape[1]]
+
+
+def _max(given, name, lengths):
+    """The dense length: ``given`` (FlashAttention's ``max_seqlen_*``; at least every length) or the largest."""
+    top = int(lengths.max(initial=0))
+    if given is None:
+        return top
+    if isinstance(given, (bool, np.bool_)) or not isinstance(given, (numbers.Integral, np.integer)) or given < top:
+        raise ValueError(f"`{name}` should be an int >= the longest sequence ({top}), but got {given!r}")
+    return int(given)
+
+
+class Gathered:
+    """One problem gathered from a layout: the dense arrays and lengths for :class:`~sdpa_ref.problem.Problem`, and
+    the maps that take each result back (the forward's scatter, the VJP's scatter-add, the JVP's gather).
+
+    ``q, k, v``: ``(B, Hq|Hkv, Lmax|Smax, E|Ev)``; ``lengths``: the ``q_lengths`` / ``kv_lengths`` options.
+    """
+
+    def __init__(self, layout, query, key, value):
+        if not isinstance(layout, (Packed, KVCache)):
+            raise TypeError(f"`layout` should be a sdpa_ref.layouts.Packed or KVCache, but got {V.describe(layout)}")
+        self.layout = layout
+        qs, _ = layout.queries(query)
+        ks, _ = layout.keys(key, "key")
+        vs, _ = layout.keys(value, "value")
+        if ks.shape[:2] != vs.shape[:2]:
+            raise ValueError(f"`value` should have the positions and heads of `key` {np.shape(key)}, but got shape "
+                             f"{np.shape(value)}")
+        if qs.shape[-1] != ks.shape[-1]:
+            raise ValueError(f"`key` should have the last dim E={qs.shape[-1]} of `query`, but got shape "
+                             f"{np.shape(key)}")
+        self.shapes = {"query": np.shape(query), "key": np.shape(key), "value": np.shape(value)}
+        self.qmap, self.kmap = layout.maps(np.asarray(query), _nhd(layout, key))
+        self.q, self.k, self.v = self.qmap.gather(qs, 1), self.kmap.gather(ks, 1), self.kmap.gather(vs, 1)
+        self.lengths = {"q_lengths": self.qmap.lengths, "kv_lengths": self.kmap.lengths}
+        self._flat = {"query": qs.shape, "key": ks.shape, "value": vs.shape}
+        self.out_shape = layout.out_shape(self.shapes["query"], vs.shape[-1])
+        self.lse_shape = self.lse(np.zeros((len(self.qmap.lengths), qs.shape[1], self.qmap.n))).shape
+
+    # -- the forward's results
+    def out(self, o):
+        """The dense output ``(B, Hq, Lmax, Ev)`` in the layout's (unused rows 0)."""
+        flat = self.qmap.scatter(o, (self._flat["query"][0], o.shape[1], o.shape[-1]))
+        return flat.reshape(self.layout.out_shape(self.shapes["query"], o.shape[-1]))
+
+    def lse(self, lse, fill=-np.inf):
+        """A dense per-row quantity ``(B, Hq, Lmax)`` in the layout's LSE layout (``fill`` on rows no sequence
+        uses: ``-inf`` for the LSE and the row max, 0 for the row sum)."""
+        return self.layout.lse_from(self.qmap, lse, self._flat["query"][0], fill)
+
+    # -- the derivatives
+    def gather_out(self, g):
+        """A cotangent or tangent of the output, in the layout's, as the dense ``(B, Hq, Lmax, Ev)``."""
+        g = np.asarray(g)
+        return self.qmap.gather(g.reshape((self._flat["query"][0],) + g.shape[-2:]), 1)
+
+    def gather_lse(self, g):
+        B, Hq = len(self.qmap.lengths), self._flat["query"][1]
+        return self.layout.lse_to(self.qmap, np.asarray(g), B, Hq)
+
+    def gather_input(self, t, name):
+        """A tangent of ``query``, ``key`` or ``value`` (in its input's shape) as its dense array."""
+        flat = (self.layout.queries(t)[0] if name == "query" else self.layout.keys(t, name)[0])
+        return (self.qmap if name == "query" else self.kmap).gather(flat, 1)
+
+    def scatter_input(self, d, name):
+        """The VJP of the gather: a dense gradient of ``query``, ``key`` or ``value`` in its input's shape (a storage
+        position that two sequences use, or a table names twice, gets the sum)."""
+        m = self.qmap if name == "query" else self.kmap
+        flat = m.scatter(d, self._flat[name], add=name != "query")
+        if name != "query" and isinstance(self.layout, KVCache):
+            shape = self.shapes[name]
+            nhd = (shape[0], shape[2], shape[1], shape[3]) if self.layout.kv_layout == "HND" else shape
+            flat = flat.reshape(nhd)
+            return np.ascontiguousarray(np.swapaxes(flat, 1, 2)) if self.layout.kv_layout == "HND" else flat
+        return flat.reshape(self.shapes[name])
+
+
+def _nhd(layout, key):
+    """The cache in NHD order, as a view (for its sizes only)."""
+    x = np.asarray(key)
+    return np.swapaxes(x, 1, 2) if getattr(layout, "kv_layout", "NHD") == "HND" else x
