@@ -77,6 +77,7 @@ import numpy as np
 from .._validate import check_choice, check_tolerance
 from ..lse import check_base, check_empty
 from ..options import OPTION_NAMES, check_bool
+from .storage import STORAGE_LAYOUTS
 from ._limits import CaseTimeout, call_in_process
 from .casefile import load_cases
 from .cases import Case, get_suite
@@ -93,7 +94,7 @@ __all__ = ["RelativeRule", "FixedRule", "ULPRule", "ConformanceRow", "Conformanc
 #: ``layout=``: ``"bhld"`` hands the implementation ``(..., H, L, E)`` arrays (PyTorch); ``"blhd"`` hands it
 #: ``(..., L, H, E)`` (FlashAttention, JAX, xformers) and reads its results the same way. Masks and biases keep
 #: the ``(..., H, L, S)`` layout of :func:`sdpa_ref.sdpa_forward` either way.
-LAYOUTS = ("bhld", "blhd")
+LAYOUTS = ("bhld", "blhd") + STORAGE_LAYOUTS
 
 
 def resolve_requires(forward, requires=None) -> frozenset:
@@ -221,8 +222,14 @@ def check_implementation(
         Test dtypes, e.g. ``"float32"`` or ``("float32", "float16")``.
     rule : {"relative", "fixed", "ulp"} or a rule object, optional
         Default :class:`RelativeRule`; a name takes that rule's defaults.
-    layout : {"bhld", "blhd"}
-        See :data:`LAYOUTS`.
+    layout : {"bhld", "blhd", "thd", "paged"}
+        The arrays as the implementation takes them: ``(..., H, L, E)``,
+        ``(..., L, H, E)``, packed variable-length sequences (``"thd"``,
+        FlashAttention's varlen API: ``cu_seqlens_q``, ``cu_seqlens_k``,
+        ``max_seqlen_q``, ``max_seqlen_k`` keywords) or a paged KV cache
+        (``"paged"``: ``q (B, L, Hq, E)`` against ``(pages, 16, Hkv, E)``
+        with ``cache_seqlens`` and ``block_table``); in the last two the
+        case's lengths are the sequences' (see :mod:`.storage`).
     deterministic : bool
         Also run the forward (and the backward) a second time on the same
         inputs: other bits in any result fail the case (rows
@@ -331,7 +338,7 @@ def _run(cases, dtypes, fns, declared, supports, requires, layout, deterministic
     req = resolve_requires(declared[0], requires)
     impl = Implementation(*fns, layout=layout, deterministic=deterministic, poison=poison, implied=req - sup,
                           limit=limit, lse=lse[0], lse_empty=lse[1])
-    sup = sup | req
+    sup = sup | req | (frozenset({"q_lengths", "kv_lengths"}) if layout in STORAGE_LAYOUTS else frozenset())
     rows: List[ConformanceRow] = []
     t0 = time.perf_counter()
     for i, case in enumerate(cases):

@@ -21,6 +21,7 @@ from ..lse import check_base, convert_lse
 from ..options import AttentionOptions
 from ..problem import Problem
 from ..transforms import unbroadcast
+from .storage import STORAGE_LAYOUTS, Storage
 from ._limits import CaseTimeout, ImplementationFailure, call_in_process
 from .cases import Case, grad_out_for, tangents_for
 from .ensemble import MEMBERS, ensemble_errors, member_quantities
@@ -205,19 +206,36 @@ class Implementation:
         a = np.array(a)
         return np.swapaxes(a, -3, -2) if self.layout == "blhd" and a.ndim >= 3 else a
 
-    def call_forward(self, q, k, v, inp):
-        """The output, or ``(out, lse)`` with :attr:`lse` (the LSE ``(..., H, L)`` in either layout, as
-        FlashAttention returns its ``softmax_lse``)."""
+    def call_forward(self, q, k, v, inp, fill=0.0):
+        """The output, or ``(out, lse)`` with :attr:`lse` (the LSE ``(..., H, L)`` in either dense layout, as
+        FlashAttention returns its ``softmax_lse``). In a storage layout (:mod:`.storage`) the positions no
+        sequence uses hold ``fill``."""
+        if self.layout in STORAGE_LAYOUTS:
+            st = Storage(self.layout, q, k, v, inp, fill)
+            res = self.forward(st.query(q), st.kv(k), st.kv(v), **st.kwargs(), **self._opts(st.options))
+            if self.lse is not None and isinstance(res, (tuple, list)) and len(res) == 2:
+                return st.from_out(res[0]), st.from_lse(res[1])
+            return st.from_out(res)
         res = self.forward(self._in(q), self._in(k), self._in(v), **self._opts(inp))
         if self.lse is not None and isinstance(res, (tuple, list)) and len(res) == 2:
             return self._out(res[0]), np.array(res[1])
         return self._out(res)
 
     def call_backward(self, g, q, k, v, inp):
+        if self.layout in STORAGE_LAYOUTS:
+            st = Storage(self.layout, q, k, v, inp)
+            res = list(self.backward(st.out(g), st.query(q), st.kv(k), st.kv(v), **st.kwargs(),
+                                     **self._opts(st.options)))
+            return list(st.from_grads(*res[:3])) + [np.array(x) for x in res[3:]]   # dbias, dsinks: as given
         res = list(self.backward(self._in(g), self._in(q), self._in(k), self._in(v), **self._opts(inp)))
         return [self._out(x) if i < 3 else np.array(x) for i, x in enumerate(res)]  # dbias, dsinks: as given
 
     def call_jvp(self, ts, q, k, v, inp):
+        if self.layout in STORAGE_LAYOUTS:
+            st = Storage(self.layout, q, k, v, inp)
+            tan = (st.query(ts[0]), st.kv(ts[1]), st.kv(ts[2]))
+            return st.from_out(self.jvp((st.query(q), st.kv(k), st.kv(v)), tan, **st.kwargs(),
+                                        **self._opts(st.options)))
         return self._out(self.jvp((self._in(q), self._in(k), self._in(v)), tuple(self._in(t) for t in ts),
                                   **self._opts(inp)))
 
@@ -289,13 +307,13 @@ def _dead_in(live, shape, n):
 def _poisoned(case, dt, impl, q, k, v, inp, ref64, honest, rule, deadline, timeout):
     """NaN written into the keys and values no row reads and the padded query rows must not reach the output."""
     keys, rows = dead_positions(q, k, inp)
-    if keys is None and rows is None:
-        return None
+    if keys is None and rows is None and impl.layout not in STORAGE_LAYOUTS:
+        return None                                # (a storage layout has positions no sequence uses)
     nan = q.dtype.type(np.nan)
     k2, v2 = (x if keys is None else np.where(keys, nan, x) for x in (k, v))
     q2 = q if rows is None else np.where(rows, nan, q)
     try:
-        out = impl.limit(deadline, impl.call_forward, q2, k2, v2, inp)
+        out = impl.limit(deadline, impl.call_forward, q2, k2, v2, inp, np.nan)
         out = out[0] if impl.lse is not None and isinstance(out, tuple) else out
     except KeyboardInterrupt:
         raise
@@ -304,8 +322,9 @@ def _poisoned(case, dt, impl, q, k, v, inp, ref64, honest, rule, deadline, timeo
     row = _compare(case.name, dt, "out", out, ref64["out"], None if honest is None else honest["out"], rule)
     row.quantity = "poison"
     if row.status != "pass":
-        row.note = ("NaN written where no row reads (keys and values no row attends to, padded query rows) "
-                    "reached the output; " + row.note).rstrip("; ")
+        row.note = ("NaN written where no row reads (keys and values no row attends to, padded query rows"
+                    + (", storage no sequence uses" if impl.layout in STORAGE_LAYOUTS else "")
+                    + ") reached the output; " + row.note).rstrip("; ")
     return row
 
 
