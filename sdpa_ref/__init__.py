@@ -44,7 +44,7 @@ from .api import (
     sdpa_forward,
     sdpa_forward_complex,
 )
-from .derivatives import BACKWARD_METHODS, AttentionGrads, sdpa_backward, sdpa_jvp
+from .derivatives import BACKWARD_METHODS, AbsorbedGrads, AttentionGrads, sdpa_backward, sdpa_jvp
 from .gradcheck import (
     GradcheckReport,
     assert_jvp,
@@ -92,6 +92,7 @@ __all__ = [
     "sdpa_backward",
     "sdpa_jvp",
     "sdpa_forward_complex",
+    "AbsorbedGrads",
     "AttentionGrads",
     "AttentionResiduals",
     "FULLY_MASKED_POLICIES",

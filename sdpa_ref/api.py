@@ -30,6 +30,7 @@ from .engines import blocks, fast, reproducible, tiled
 from ._threads import single_threaded_blas
 from .residuals import AttentionResiduals
 from .options import DOC_OPTIONS, FULLY_MASKED_POLICIES, AttentionOptions, check_bool
+from .absorbed import Absorbed
 from .layouts import Gathered
 from .problem import Problem
 
@@ -185,11 +186,16 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     save_probs = check_bool(save_probs, "save_probs")
     opts = AttentionOptions.from_kwargs("sdpa_forward", attn_mask=attn_mask, dropout_p=dropout_p,
                                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **options)
-    gathered = None
+    gathered = absorbed = None
+    qv = opts.qv
     if layout is not None:                             # the sequences as stored: gathered into the dense problem
         gathered = Gathered(layout, query, key, value)
         opts = _with_lengths(opts, gathered)
         query, key, value = gathered.q, gathered.k, gathered.v
+        qv = None if qv is None else gathered.gather_qv(qv)
+    if qv is not None:                                 # MLA's qv: [q | qv] against [k | v]
+        absorbed = Absorbed(query, key, value, qv)
+        query, key, opts = absorbed.q, absorbed.k, dataclasses.replace(opts, qv=None)
     prob = Problem.build(query, key, value, opts)
     engine = _engine(method, block_size, prob, METHODS, precision)
     with single_threaded_blas():
@@ -201,7 +207,7 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     if gathered is not None:
         out = gathered.out(out)                        # a new array, in the layout
     return out, AttentionResiduals(problem=prob, forward=fwd, method=engine.name, block_size=engine.block_size,
-                                   taint=taint, layout=gathered)
+                                   taint=taint, layout=gathered, absorbed=absorbed)
 
 
 def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **options):
@@ -222,6 +228,9 @@ def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **o
     ``"plain"`` or ``"tiled"`` engine (the fast engine is real-only).
     """
     opts = AttentionOptions.from_kwargs("sdpa_forward_complex", **options)
+    if opts.qv is not None:
+        raise ValueError("`qv` should be None for sdpa_forward_complex, but got an array: join it yourself, "
+                         "[query | qv] against [key | value]")
     if not opts.upcast:
         raise ValueError("`upcast` should be True for sdpa_forward_complex (it computes in complex128), "
                          "but got False")

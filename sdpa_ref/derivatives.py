@@ -17,10 +17,10 @@ from ._threads import single_threaded_blas
 from .api import METHODS, Engine, sdpa_forward
 from .engines import blocks
 from .reads import clean
-from .residuals import AttentionGrads, AttentionResiduals
+from .residuals import AbsorbedGrads, AttentionGrads, AttentionResiduals
 from .transforms import unbroadcast
 
-__all__ = ["BACKWARD_METHODS", "AttentionGrads", "sdpa_backward", "sdpa_jvp"]
+__all__ = ["BACKWARD_METHODS", "AbsorbedGrads", "AttentionGrads", "sdpa_backward", "sdpa_jvp"]
 
 #: Accepted values of ``sdpa_backward(..., method=)``: the engines, and two older names
 #: (``"probs"`` is ``"fast"``, ``"lse"`` is ``"tiled"``: FlashAttention's recomputing backward).
@@ -56,10 +56,12 @@ def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
 
     Returns
     -------
-    AttentionGrads
-        ``(query, key, value, attn_mask, bias)``; each summed back to its
-        input's shape (broadcast batch dims, a broadcast mask, the GQA group)
-        and cast to its input's dtype.
+    AttentionGrads or AbsorbedGrads
+        ``(query, key, value, attn_mask, bias, sinks)``, and ``qv`` last
+        (:class:`AbsorbedGrads`) when the forward took ``qv``; each summed
+        back to its input's shape (broadcast batch dims, a broadcast mask, the
+        GQA group) and cast to its input's dtype; None where there is no such
+        input.
 
     Notes
     -----
@@ -138,21 +140,27 @@ def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
         bad = poison.backward_taint(prob, residuals.taint, dO, do_bad, dlse, dl_bad)   # what reads poison: NaN
     nan_rows = prob.nan_rows_without_keys()              # S = 0 under "nan": as on a fully masked row with keys,
     gr = gr._replace(dq=poison.nan_where(gr.dq, nan_rows))   # dq NaN there, and the sinks' gradient of its head
-    shapes, dtypes = prob.shapes, prob.dtypes
+    shapes, dtypes = prob.shapes, dict(prob.dtypes)
 
-    def back(x, name):
+    def own(x, name):                                    # in the problem's input shape, NaN where it reads poison
         if x is None:
             return None
-        x = unbroadcast(x, shapes[name]).astype(dtypes[name], copy=False)
+        x = unbroadcast(x, shapes[name])
         x = x if bad is None else poison.show(x, bad[name])
         if name == "sinks" and nan_rows is not None:
             heads = np.broadcast_to(nan_rows.any(axis=(-2, -1)), prob.full_scores[:-2])
             x = poison.show(x, unbroadcast(heads.astype(np.int64), shapes[name]) > 0)
-        return x if lay is None or name not in ("query", "key", "value") else lay.scatter_input(x, name)
+        return x
 
-    return AttentionGrads(query=back(gr.dq, "query"), key=back(gr.dk, "key"), value=back(gr.dv, "value"),
-                          attn_mask=back(gr.dmask, "attn_mask"), bias=back(gr.dbias, "bias"),
-                          sinks=back(gr.dextra, "sinks"))
+    g = {n: own(x, n) for n, x in (("query", gr.dq), ("key", gr.dk), ("value", gr.dv), ("attn_mask", gr.dmask),
+                                    ("bias", gr.dbias), ("sinks", gr.dextra))}
+    if residuals.absorbed is not None:                   # MLA's qv: the joined gradients split, dV both uses
+        g["query"], g["qv"], g["key"], g["value"] = residuals.absorbed.split(g["query"], g["key"], g["value"])
+        dtypes.update(residuals.absorbed.dtypes)
+    if lay is not None:                                  # the gather's VJP: back into the layout
+        g.update({n: lay.scatter_input(g[n], n) for n in ("query", "key", "value", "qv") if g.get(n) is not None})
+    kind = AttentionGrads if residuals.absorbed is None else AbsorbedGrads
+    return kind(**{n: None if x is None else x.astype(dtypes[n], copy=False) for n, x in g.items()})
 
 
 def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, **options):
@@ -165,8 +173,10 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
         as in :func:`sdpa_forward` (``bias=`` included).
     tangents : tuple
         ``(dquery, dkey, dvalue)``, ``(dquery, dkey, dvalue, dbias)`` or
-        ``(dquery, dkey, dvalue, dbias, dsinks)``, each of its primal's shape
-        and an input dtype, any of them ``None`` for zero.
+        ``(dquery, dkey, dvalue, dbias, dsinks)`` or
+        ``(dquery, dkey, dvalue, dbias, dsinks, dqv)`` (MLA's ``qv``), each
+        of its primal's shape (in the layout's, with ``layout=``) and an
+        input dtype, any of them ``None`` for zero.
     method : {"fast", "plain", "tiled"}, optional
         The engine (default ``"fast"``, or ``"tiled"`` when ``block_size`` is
         given), each with its own forward mode on its forward's residuals:
@@ -203,15 +213,18 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
     """
     if not isinstance(primals, (tuple, list)) or len(primals) != 3:
         raise TypeError(f"`primals` should be a tuple (query, key, value), but got {V.describe(primals)}")
-    if not isinstance(tangents, (tuple, list)) or len(tangents) not in (3, 4, 5):
-        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks]]), "
+    if not isinstance(tangents, (tuple, list)) or len(tangents) not in (3, 4, 5, 6):
+        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks[, dqv]]]), "
                         f"but got {V.describe(tangents)}")
     V.check_choice("fast" if method is None else method, "method", ("fast", "plain", "tiled"))
     out, res = sdpa_forward(*primals, method=method, precision=precision, layout=layout,
                             **dict(options, save_probs=True))
-    prob, lay = res.problem, res.layout
-    names = ("query", "key", "value", "bias", "sinks")
-    ts = list(tangents) + [None] * (5 - len(tangents))
+    prob, lay, ab = res.problem, res.layout, res.absorbed
+    names = ("query", "key", "value", "bias", "sinks", "qv")
+    ts = list(tangents) + [None] * (6 - len(tangents))
+    if ts[5] is not None and ab is None:
+        raise ValueError("`tangents` should have no qv tangent when no `qv` is given, but got one")
+    user = dict(prob.shapes, **({} if ab is None else ab.shapes), **({} if lay is None else lay.shapes))
     if ts[3] is not None and prob.bias is None:
         raise ValueError("`tangents` should have no bias tangent when no `bias` is given, but got one")
     if ts[4] is not None and prob.sink is None:
@@ -220,16 +233,17 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
     for i, (name, t) in enumerate(zip(names, ts)):
         if t is not None:
             t = V.as_float_array(t, f"tangents[{i}]")
-            want = lay.shapes[name] if lay is not None and name in lay.shapes else prob.shapes[name]
+            want = user[name]
             if t.shape != want:
                 raise ValueError(f"`tangents[{i}]` should have the shape of `{name}` {want}, "
                                  f"but got shape {t.shape}")
             if lay is not None and name in lay.shapes:
                 t = lay.gather_input(t, name)                # a tangent is gathered as its primal is
-            if name in ("query", "key", "value") and t.ndim == 2:
-                t = t[None]
         conv.append(t)
-    dq, dk, dv, db, ds = conv
+    dq, dk, dv, db, ds, dqv = conv
+    if ab is not None:                                   # MLA's qv: the joined problem's tangents
+        dq, dk, dv = ab.tangents(dq, dk, dv, dqv)
+    dq, dk, dv = (t if t is None or t.ndim != 2 else t[None] for t in (dq, dk, dv))
     if dq is not None:
         dq = dq.reshape(dq.shape[:-3] + prob.q.shape[-4:])
     (dq, dk, dv, db), (bq, bk, bv, bb), dv_full = prob.clean_tangents(dq, dk, dv, db)   # as the primals are

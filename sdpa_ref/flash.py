@@ -29,7 +29,7 @@ __all__ = ["flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           attention_chunk=0, softcap=0.0, alibi_slopes=None, *, key_leftpad=None,
+                           attention_chunk=0, softcap=0.0, alibi_slopes=None, *, qv=None, key_leftpad=None,
                            return_lse=False, **options):
     r"""Attention over packed variable-length sequences, as FlashAttention's ``flash_attn_varlen_func``.
 
@@ -44,6 +44,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         Only the first rows of each sequence are used.
     softmax_scale, causal, window_size, attention_chunk, softcap, alibi_slopes
         FlashAttention's: ``window_size`` ``-1`` unbounded, ``softcap`` 0 off.
+    qv : array_like, (total_q, Hq, Ev), optional
+        MLA's absorbed query: scores ``scale (q k^T + qv v^T)``, default scale ``1/sqrt(E + Ev)``.
     key_leftpad : array_like of int, (B,), optional
         The first keys of each sequence are padding (FlashAttention 2's ``leftpad_k``).
     return_lse : bool, optional
@@ -58,12 +60,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     """
     lay = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, key_leftpad)
     return _call(q, k, lay, v, softmax_scale, causal, window_size, attention_chunk, softcap, alibi_slopes,
-                 return_lse, options)
+                 return_lse, dict(options, qv=qv))
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
-                            attention_chunk=0, softcap=0.0, alibi_slopes=None, *, page_table=None, kv_indptr=None,
+                            attention_chunk=0, softcap=0.0, alibi_slopes=None, *, qv=None, page_table=None,
+                            kv_indptr=None,
                             kv_indices=None, kv_last_page_len=None, kv_layout="NHD", return_softmax_lse=False,
                             **options):
     r"""Queries against a KV cache, contiguous or paged, as FlashAttention's ``flash_attn_with_kvcache`` (without
@@ -87,6 +90,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
         The same pages as FlashInfer's CSR lists.
     softmax_scale, causal, window_size, attention_chunk, softcap, alibi_slopes
         FlashAttention's.
+    qv : array_like, (B, Lq, Hq, Ev), optional
+        MLA's absorbed query, as in :func:`flash_attn_varlen_func`.
     return_softmax_lse : bool, optional
         Also return the LSE, ``(B, Hq, Lq)``.
     **options
@@ -103,7 +108,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
     lay = KVCache(cache_seqlens, cache_batch_idx, cache_leftpad, block_table if page_table is None else page_table,
                   kv_indptr, kv_indices, kv_last_page_len, kv_layout)
     return _call(q, k_cache, lay, v_cache, softmax_scale, causal, window_size, attention_chunk, softcap,
-                 alibi_slopes, return_softmax_lse, options)
+                 alibi_slopes, return_softmax_lse, dict(options, qv=qv))
 
 
 def _call(q, k, lay, v, scale, causal, window_size, chunk, softcap, slopes, return_lse, options):

@@ -351,17 +351,29 @@ class Gathered:
         B, Hq = len(self.qmap.lengths), self._flat["query"][1]
         return self.layout.lse_to(self.qmap, np.asarray(g), B, Hq)
 
+    def gather_qv(self, qv):
+        """MLA's ``qv`` (stored as the queries are, its own width) as its dense array; its shape is kept for the
+        scatter of its gradient."""
+        flat, _ = self.layout.queries(qv)
+        if flat.shape[:2] != self._flat["query"][:2]:
+            raise ValueError(f"`qv` should have the rows and heads of `query` {self.shapes['query']}, but got shape "
+                             f"{np.shape(qv)}")
+        self.shapes["qv"], self._flat["qv"] = np.shape(qv), flat.shape
+        return self.qmap.gather(flat, 1)
+
     def gather_input(self, t, name):
         """A tangent of ``query``, ``key`` or ``value`` (in its input's shape) as its dense array."""
-        flat = (self.layout.queries(t)[0] if name == "query" else self.layout.keys(t, name)[0])
-        return (self.qmap if name == "query" else self.kmap).gather(flat, 1)
+        query_like = name in ("query", "qv")
+        flat = (self.layout.queries(t)[0] if query_like else self.layout.keys(t, name)[0])
+        return (self.qmap if query_like else self.kmap).gather(flat, 1)
 
     def scatter_input(self, d, name):
         """The VJP of the gather: a dense gradient of ``query``, ``key`` or ``value`` in its input's shape (a storage
         position that two sequences use, or a table names twice, gets the sum)."""
-        m = self.qmap if name == "query" else self.kmap
-        flat = m.scatter(d, self._flat[name], add=name != "query")
-        if name != "query" and isinstance(self.layout, KVCache):
+        query_like = name in ("query", "qv")
+        m = self.qmap if query_like else self.kmap
+        flat = m.scatter(d, self._flat[name], add=not query_like)
+        if not query_like and isinstance(self.layout, KVCache):
             shape = self.shapes[name]
             nhd = (shape[0], shape[2], shape[1], shape[3]) if self.layout.kv_layout == "HND" else shape
             flat = flat.reshape(nhd)

@@ -83,6 +83,7 @@ class AttentionOptions:
     sink_token_length: int = _opt(0, judged=False)
     attention_chunk: Optional[int] = _opt(None, judged=False)
     gather_kv_indices: Any = _opt(None, array=True, judged=False)
+    qv: Any = _opt(None, array=True, judged=False)          # MLA's absorbed second query (sdpa_ref.absorbed)
 
     @classmethod
     def from_kwargs(cls, where: str = "sdpa_forward", **kwargs) -> "AttentionOptions":
@@ -202,6 +203,11 @@ DOC_OPTIONS = r"""
             ``i`` keeps only the keys its ``K`` indices name; ``-1`` and any
             index outside ``[0, S)`` name none, a repeated index counts once.
             FlashAttention 4's ``(b, t, K)`` is ``(b, 1, t, K)`` here.
+        qv : array_like, (..., Hq, L, Ev)
+            MLA's absorbed attention (FlashMLA, FlashAttention 3): the
+            scores are ``scale * (Q K^T + qv V^T)``, the default scale
+            ``1 / sqrt(E + Ev)``; its gradient is ``grads.qv``, and ``dV``
+            collects both uses of ``V``.
         softcap : float > 0
             Scores become ``cap * tanh(scores / cap)`` after scaling, before
             the mask, bias and ALiBi.

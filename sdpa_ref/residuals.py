@@ -13,7 +13,7 @@ from .lse import convert_lse
 from .options import check_bool
 from .reads import nan_where
 
-__all__ = ["AttentionGrads", "AttentionResiduals"]
+__all__ = ["AbsorbedGrads", "AttentionGrads", "AttentionResiduals"]
 
 
 class AttentionGrads(NamedTuple):
@@ -21,7 +21,10 @@ class AttentionGrads(NamedTuple):
 
     Each has its input's own shape and dtype. ``attn_mask`` is the gradient
     with respect to a float mask, ``bias`` with respect to ``bias`` (each
-    summed to its own shape), ``sinks`` with respect to ``sinks``; ``None`` where there is no such input.
+    summed to its own shape), ``sinks`` with respect to ``sinks``; ``None``
+    where there is no such input. A forward with MLA's ``qv`` gives
+    :class:`AbsorbedGrads` instead (the six fields and ``qv``), so code that
+    unpacks six gradients keeps working.
     """
 
     query: np.ndarray
@@ -30,6 +33,18 @@ class AttentionGrads(NamedTuple):
     attn_mask: Optional[np.ndarray]
     bias: Optional[np.ndarray] = None
     sinks: Optional[np.ndarray] = None
+
+
+class AbsorbedGrads(NamedTuple):
+    """:class:`AttentionGrads` of a forward with MLA's ``qv``, and ``qv``'s own gradient last."""
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    attn_mask: Optional[np.ndarray]
+    bias: Optional[np.ndarray]
+    sinks: Optional[np.ndarray]
+    qv: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,7 @@ class AttentionResiduals:
     block_size: Optional[int] = None
     taint: Any = None
     layout: Any = None              # the sdpa_ref.layouts.Gathered problem of a layout, or None (dense)
+    absorbed: Any = None            # MLA's qv joined (sdpa_ref.absorbed.Absorbed), or None
 
     @property
     def probs(self):

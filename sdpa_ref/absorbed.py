@@ -1,0 +1,71 @@
+r"""MLA's absorbed attention (DeepSeek, FlashMLA, FlashAttention 3's ``qv``): a second query against the values.
+
+.. math:: T = s\,(Q K^T + Q_v V^T) = s\,[Q \mid Q_v]\,[K \mid V]^T,
+
+so the problem is the attention of the query ``[q | qv]`` (width ``E + Ev``) against the keys ``[k | v]``, with
+the same values ``v``; its default scale is ``1 / sqrt(E + Ev)``, FlashAttention's for ``qv``. :class:`Absorbed`
+joins the arrays before the problem is built -- every engine, precision, the rules for non-finite inputs and the
+JVP then apply unchanged -- and splits the gradients after:
+
+.. math:: dQ = [dQ']_{:E}, \quad dQ_v = [dQ']_{E:}, \quad dK = [dK']_{:E}, \quad
+          dV = P_{drop}^T dO + [dK']_{E:},
+
+``V`` being read twice (as values and, through ``qv``, as keys), its gradient collects both uses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _validate as V
+from .transforms import unbroadcast
+
+__all__ = ["Absorbed"]
+
+
+class Absorbed:
+    """``query``, ``key``, ``value`` and ``qv`` joined: :attr:`q` ``(..., Hq, L, E + Ev)``, :attr:`k`
+    ``(..., Hkv, S, E + Ev)``; and the maps back."""
+
+    def __init__(self, query, key, value, qv):
+        q, k, v = (V.as_float_array(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+        qv = V.as_float_array(qv, "qv")
+        want = q.shape[:-1] + v.shape[-1:]
+        if q.ndim < 2 or qv.shape != want:
+            raise ValueError(f"`qv` should have the shape of `query` {q.shape} with the last dim Ev={v.shape[-1]} of "
+                             f"`value`, {want}, but got shape {qv.shape}")
+        if k.shape[-2:-1] != v.shape[-2:-1] or q.shape[-1:] != k.shape[-1:]:
+            raise ValueError(f"`key` {k.shape} should have the width E of `query` {q.shape} and the S rows of "
+                             f"`value` {v.shape}")
+        try:
+            lead = np.broadcast_shapes(k.shape[:-1], v.shape[:-1])
+        except ValueError:
+            raise ValueError(f"`key` {k.shape} and `value` {v.shape} should broadcast together with `qv`") from None
+        self.E, self.shapes = q.shape[-1], {"query": q.shape, "key": k.shape, "value": v.shape, "qv": qv.shape}
+        self.dtypes = {"query": q.dtype, "key": k.dtype, "value": v.dtype, "qv": qv.dtype}
+        self.q = np.concatenate([q, qv], axis=-1)
+        self.k = np.concatenate([np.broadcast_to(k, lead + k.shape[-1:]), np.broadcast_to(v, lead + v.shape[-1:])],
+                                axis=-1)
+        self.v = v
+
+    def split(self, dq2, dk2, dv):
+        """``(dq, dqv, dk, dv)`` in the inputs' shapes (in the compute dtype: the caller casts) from the joined
+        problem's ``dq2``, ``dk2`` and the values' own ``dv``."""
+        E = self.E
+        dq, dqv = unbroadcast(dq2[..., :E], self.shapes["query"]), unbroadcast(dq2[..., E:], self.shapes["qv"])
+        dk = unbroadcast(dk2[..., :E], self.shapes["key"])
+        return dq, dqv, dk, dv + unbroadcast(dk2[..., E:], self.shapes["value"])       # v read twice
+
+    def tangents(self, dq, dk, dv, dqv):
+        """The joined problem's tangents ``(dq2, dk2, dv)`` from those of ``query``, ``key``, ``value``, ``qv``
+        (None is zero)."""
+        def full(t, name):
+            return np.zeros(self.shapes[name]) if t is None else np.asarray(t, np.float64)
+        dq2 = None if dq is None and dqv is None else np.concatenate([full(dq, "query"), full(dqv, "qv")], axis=-1)
+        if dk is None and dv is None:
+            return dq2, None, None
+        tk, tv = full(dk, "key"), full(dv, "value")
+        lead = self.k.shape[:-1]
+        dk2 = np.concatenate([np.broadcast_to(tk, lead + tk.shape[-1:]), np.broadcast_to(tv, lead + tv.shape[-1:])],
+                             axis=-1)
+        return dq2, dk2, None if dv is None else tv
