@@ -43,6 +43,7 @@ from .api import (
     scaled_dot_product_attention,
     sdpa_forward,
     sdpa_forward_complex,
+    split_kv_partials,
 )
 from .derivatives import BACKWARD_METHODS, AbsorbedGrads, AttentionGrads, sdpa_backward, sdpa_jvp
 from .gradcheck import (
@@ -110,6 +111,7 @@ __all__ = [
     "combine_lse",
     "merge_attention",
     "merge_attention_backward",
+    "split_kv_partials",
     # masks
     "causal_mask",
     "window_mask",

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _validate as V
 from . import attention, poison
-from .engines import blocks, fast, reproducible, tiled
+from .engines import blocks, fast, reproducible, splitkv, tiled
 from ._threads import single_threaded_blas
 from .residuals import AttentionResiduals
 from .options import DOC_OPTIONS, FULLY_MASKED_POLICIES, AttentionOptions, check_bool
@@ -42,30 +42,34 @@ __all__ = [
     "scaled_dot_product_attention",
     "sdpa_forward",
     "sdpa_forward_complex",
+    "split_kv_partials",
 ]
 
 #: The engines' modules, by the name ``method=`` takes (``precision="reproducible"``: the dense schedule in
 #: double-double or the honest low precision).
-ENGINES = {"fast": fast, "plain": attention, "tiled": tiled, "reproducible": reproducible}
+ENGINES = {"fast": fast, "plain": attention, "tiled": tiled, "split": splitkv, "reproducible": reproducible}
 
 
 class Engine(NamedTuple):
     """A schedule and its settings, with the one signature of every engine's forward, backward and JVP.
 
-    ``name`` picks the module of :data:`ENGINES`; ``block_size`` is the tiled schedule's block (an int, or
-    ``(rows, keys)`` for its backward of dense residuals), None for the dense ones, which have no setting.
+    ``name`` picks the module of :data:`ENGINES`; ``block_size`` is the tiled and split schedules' block (an
+    int, or ``(rows, keys)`` for the tiled backward of dense residuals), None for the dense ones, which have no
+    setting; ``split_bounds`` the split schedule's ``(*batch, n + 1)`` (:func:`sdpa_ref.engines.splitkv.bounds`).
     """
 
     name: str
     block_size: Any = None
+    split_bounds: Any = None
 
     def _kw(self):
-        return {"block_size": self.block_size} if self.name == "tiled" else {}
+        return {"block_size": self.block_size} if self.name in ("tiled", "split") else {}
 
     def forward(self, prob, *, save_probs=True):
         """The engine's :class:`~sdpa_ref.engines.contract.Forward` (``P`` kept where ``save_probs`` and the
-        schedule has one: the tiled one never does)."""
-        return ENGINES[self.name].forward(prob, save_probs=save_probs, **self._kw())
+        schedule has one: the tiled and split ones never do)."""
+        kw = dict(self._kw(), **({"split_bounds": self.split_bounds} if self.name == "split" else {}))
+        return ENGINES[self.name].forward(prob, save_probs=save_probs, **kw)
 
     def backward(self, prob, fwd, dO, dlse=None):
         """The engine's :class:`~sdpa_ref.engines.contract.Grads`."""
@@ -75,14 +79,14 @@ class Engine(NamedTuple):
         """The output tangent ``(*batch, Hq, L, Ev)``."""
         return ENGINES[self.name].jvp(prob, fwd, dq, dk, dv, dbias, dv_full=dv_full, dextra=dextra, **self._kw())
 #: Accepted values of ``method=`` of the forward entry points (``precision="reproducible"`` picks its own engine).
-METHODS = ("fast", "plain", "tiled")
+METHODS = ("fast", "plain", "tiled", "split")
 #: Accepted values of ``precision=``.
 PRECISIONS = ("fast", "reproducible")
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, return_lse=False, method=None, block_size=None,
-                                 precision="fast", layout=None, **options):
+                                 num_splits=None, split_bounds=None, precision="fast", layout=None, **options):
     r"""Scaled dot-product attention, a drop-in for PyTorch's functional op.
 
     ``softmax(Q K^T * scale + mask) V`` with exact masking: masked entries
@@ -112,15 +116,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     return_lse = check_bool(return_lse, "return_lse")
     out, res = sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                            save_probs=False, method=method, block_size=block_size, precision=precision,
-                            layout=layout, **options)
+                            save_probs=False, method=method, block_size=block_size, num_splits=num_splits,
+                            split_bounds=split_bounds, precision=precision, layout=layout, **options)
     if return_lse:
         return out, res.lse.astype(res.problem.out_dtype, copy=False)
     return out
 
 
 def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                 *, save_probs=True, method=None, block_size=None, precision="fast", layout=None, **options):
+                 *, save_probs=True, method=None, block_size=None, num_splits=None, split_bounds=None,
+                 precision="fast", layout=None, **options):
     r"""Attention forward that also returns what the backward needs.
 
     Parameters
@@ -186,18 +191,8 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     save_probs = check_bool(save_probs, "save_probs")
     opts = AttentionOptions.from_kwargs("sdpa_forward", attn_mask=attn_mask, dropout_p=dropout_p,
                                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **options)
-    gathered = absorbed = None
-    qv = opts.qv
-    if layout is not None:                             # the sequences as stored: gathered into the dense problem
-        gathered = Gathered(layout, query, key, value)
-        opts = _with_lengths(opts, gathered)
-        query, key, value = gathered.q, gathered.k, gathered.v
-        qv = None if qv is None else gathered.gather_qv(qv)
-    if qv is not None:                                 # MLA's qv: [q | qv] against [k | v]
-        absorbed = Absorbed(query, key, value, qv)
-        query, key, opts = absorbed.q, absorbed.k, dataclasses.replace(opts, qv=None)
-    prob = Problem.build(query, key, value, opts)
-    engine = _engine(method, block_size, prob, METHODS, precision)
+    prob, gathered, absorbed = _problem(query, key, value, opts, layout)
+    engine = _engine(method, block_size, prob, METHODS, precision, (num_splits, split_bounds))
     with single_threaded_blas():
         fwd = engine.forward(prob, save_probs=save_probs)
     fwd = _read_only(fwd)
@@ -208,6 +203,53 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         out = gathered.out(out)                        # a new array, in the layout
     return out, AttentionResiduals(problem=prob, forward=fwd, method=engine.name, block_size=engine.block_size,
                                    taint=taint, layout=gathered, absorbed=absorbed)
+
+
+def split_kv_partials(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=False, *, num_splits=None, split_bounds=None, block_size=None, layout=None,
+                      **options):
+    r"""Each split's own result, as a split-KV kernel writes it before its combine: ``(out_parts, lse_parts)``.
+
+    The arguments are :func:`sdpa_forward`'s; ``num_splits`` or ``split_bounds`` (one of them) cuts each
+    sequence's keys into splits, and split ``i`` is the attention of every row to the keys of split ``i``
+    alone, under every other option. :func:`sdpa_ref.merge_attention` of the parts gives the attention over
+    all keys; ``method="split"`` computes exactly that (:mod:`sdpa_ref.engines.splitkv`).
+
+    Returns
+    -------
+    out_parts : ndarray, (n, ..., Hq, L, Ev)
+        Split ``i``'s output, normalised over its own keys; 0 on a row with no allowed key in the split.
+    lse_parts : ndarray, (n, ..., Hq, L)
+        Its log-sum-exp, natural base; ``-inf`` on a row with no allowed key in the split.
+
+    With ``layout``, the bounds count each sequence's own keys, and the parts are in the layout of
+    FlashAttention's split-KV accumulators (``out_accum``, ``softmax_lse_accum``): the LSE's layout, and Ev
+    last for the outputs -- ``(n, Hq, total_q, Ev)`` and ``(n, Hq, total_q)`` packed, ``(n, B, Hq, Lq, Ev)``
+    and ``(n, B, Hq, Lq)`` against a KV cache -- so that :func:`sdpa_ref.merge_attention` takes them as they
+    are (its merged ``out`` is then in that layout too: ``np.moveaxis`` it to the output's).
+
+    The parts hold no sink (a kernel adds it at the combine: merging one more part ``(0, sink)`` gives the
+    result with sinks) and no ``fully_masked`` policy (a row that no split serves merges to ``(0, -inf)``, the
+    ``"zero"`` policy). A part reads only its split's keys: a non-finite key, value or score term makes NaN only
+    the parts that read it.
+    """
+    opts = AttentionOptions.from_kwargs("split_kv_partials", attn_mask=attn_mask, dropout_p=dropout_p,
+                                        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **options)
+    prob, gathered, _ = _problem(query, key, value, opts, layout)
+    if prob.dtype.kind == "c":
+        raise TypeError("`query` should be real for split_kv_partials, but got a complex dtype")
+    b = splitkv.bounds(prob, num_splits, split_bounds)
+    with single_threaded_blas():
+        outs, lses = splitkv.partials(prob, b, block_size="auto" if block_size is None else block_size)
+    res_out, res_lse = [], []
+    for i in range(len(outs)):
+        taint = poison.forward_taint(splitkv.split_problem(prob, b, i)[0])    # what this split reads
+        o = poison.nan_where(outs[i], None if taint is None else taint.out).reshape(prob.out_shape)
+        lse = poison.nan_where(lses[i], None if taint is None else taint.lse).reshape(prob.out_shape[:-1])
+        o, lse = o.astype(prob.out_dtype), lse.astype(prob.out_dtype)
+        res_out.append(o if gathered is None else gathered.lse(o, fill=0.0))      # the accumulators' layout
+        res_lse.append(lse if gathered is None else gathered.lse(lse))
+    return np.stack(res_out), np.stack(res_lse)
 
 
 def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **options):
@@ -247,21 +289,48 @@ def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **o
 # ---------------------------------------------------------------- helpers
 
 
-def _engine(method, block_size, prob, allowed, precision="fast"):
-    """The :class:`Engine` that ``method``, ``block_size`` and ``precision`` pick."""
+def _problem(query, key, value, opts, layout):
+    """``(prob, gathered, absorbed)``: the dense problem, with a layout's sequences gathered into it and MLA's
+    ``qv`` joined (each None when not given)."""
+    gathered = absorbed = None
+    qv = opts.qv
+    if layout is not None:                             # the sequences as stored: gathered into the dense problem
+        gathered = Gathered(layout, query, key, value)
+        opts = _with_lengths(opts, gathered)
+        query, key, value = gathered.q, gathered.k, gathered.v
+        qv = None if qv is None else gathered.gather_qv(qv)
+    if qv is not None:                                 # MLA's qv: [q | qv] against [k | v]
+        absorbed = Absorbed(query, key, value, qv)
+        query, key, opts = absorbed.q, absorbed.k, dataclasses.replace(opts, qv=None)
+    return Problem.build(query, key, value, opts), gathered, absorbed
+
+
+def _engine(method, block_size, prob, allowed, precision="fast", splits=(None, None)):
+    """The :class:`Engine` that ``method``, ``block_size``, ``precision`` and ``splits`` (``num_splits``,
+    ``split_bounds``) pick."""
     V.check_choice(precision, "precision", PRECISIONS)
+    split = any(x is not None for x in splits)
     if precision == "reproducible":
-        if method is not None or block_size is not None:
-            raise ValueError("`method` and `block_size` should be None with precision='reproducible' (it has its "
-                             f"own engine), but got method={method!r}, block_size={block_size!r}")
+        if method is not None or block_size is not None or split:
+            raise ValueError("`method`, `block_size`, `num_splits` and `split_bounds` should be None with "
+                             "precision='reproducible' (it has its own engine, whose bits no schedule changes), "
+                             f"but got method={method!r}, block_size={block_size!r}"
+                             + (", and splits" if split else ""))
         return Engine("reproducible")
     if method is None:
-        method = "tiled" if block_size is not None else allowed[0]
+        method = "split" if split else "tiled" if block_size is not None else allowed[0]
     V.check_choice(method, "method", allowed)
+    if method == "split":
+        return Engine(method, blocks.check_block_size("auto" if block_size is None else block_size, prob),
+                      splitkv.bounds(prob, *splits))
+    if split:
+        raise ValueError(f"`num_splits` and `split_bounds` should be None with method={method!r} (they are the "
+                         "split-KV schedule's, method='split'), but got "
+                         f"num_splits={splits[0]!r}, split_bounds={'None' if splits[1] is None else 'an array'}")
     if method != "tiled":
         if block_size is not None:
-            raise ValueError(f"`block_size` should be None with method={method!r} (it is the tiled engine's), "
-                             f"but got {block_size!r}")
+            raise ValueError(f"`block_size` should be None with method={method!r} (it is the tiled and split "
+                             f"engines'), but got {block_size!r}")
         return Engine(method)
     return Engine(method, blocks.check_block_size("auto" if block_size is None else block_size, prob))
 

@@ -25,7 +25,7 @@ __all__ = ["BACKWARD_METHODS", "AbsorbedGrads", "AttentionGrads", "sdpa_backward
 #: Accepted values of ``sdpa_backward(..., method=)``: the engines, and two older names
 #: (``"probs"`` is ``"fast"``, ``"lse"`` is ``"tiled"``: FlashAttention's recomputing backward).
 BACKWARD_METHODS = METHODS + ("probs", "lse", "reproducible")
-_ALIASES = {"probs": "fast", "lse": "tiled"}
+_ALIASES = {"probs": "fast", "lse": "tiled", "split": "tiled"}      # the split schedule's backward is tiled's
 
 
 def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
@@ -37,8 +37,9 @@ def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
         From :func:`sdpa_forward`.
     grad_out : array_like, (..., Hq, L, Ev)
         Cotangent ``dO`` of the output (any input dtype of the forward).
-    method : {"fast", "plain", "tiled", "probs", "lse"}, optional
-        The engine; by default the one that made the residuals. ``"fast"``
+    method : {"fast", "plain", "tiled", "split", "probs", "lse"}, optional
+        The engine; by default the one that made the residuals (``"split"``'s
+        backward is ``"tiled"``'s, from the merged row max and sum). ``"fast"``
         and ``"plain"`` read the saved ``P`` (``"fast"`` in place, with
         :math:`D = \mathrm{rowsum}(dO \odot O)`; ``"plain"``, the teaching
         form, with :math:`D = \mathrm{rowsum}(P \odot dP)`). ``"tiled"`` is
@@ -105,7 +106,7 @@ def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
                         f"but got {V.describe(residuals)}")
     prob = residuals.problem
     V.check_choice(method if method is not None else residuals.method, "method", BACKWARD_METHODS)
-    name = _ALIASES.get(method, method) if method is not None else residuals.method
+    name = _ALIASES.get(method if method is not None else residuals.method, method or residuals.method)
     if (name == "reproducible") != (residuals.method == "reproducible"):
         raise ValueError("`method` should be None or 'reproducible' for residuals of precision='reproducible', "
                          "and 'reproducible' only for those, but got "
@@ -177,9 +178,11 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
         ``(dquery, dkey, dvalue, dbias, dsinks, dqv)`` (MLA's ``qv``), each
         of its primal's shape (in the layout's, with ``layout=``) and an
         input dtype, any of them ``None`` for zero.
-    method : {"fast", "plain", "tiled"}, optional
+    method : {"fast", "plain", "tiled", "split"}, optional
         The engine (default ``"fast"``, or ``"tiled"`` when ``block_size`` is
-        given), each with its own forward mode on its forward's residuals:
+        given, ``"split"`` with ``num_splits`` or ``split_bounds``), each with
+        its own forward mode on its forward's residuals (``"split"``'s is
+        ``"tiled"``'s):
         ``"plain"``, the teaching core's :func:`sdpa_ref.attention.jvp`;
         ``"fast"``, the same formulas with its backward's in-place pivoted
         row pass on the tangent scores (:func:`sdpa_ref.engines.fast.jvp`);
@@ -216,7 +219,7 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
     if not isinstance(tangents, (tuple, list)) or len(tangents) not in (3, 4, 5, 6):
         raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks[, dqv]]]), "
                         f"but got {V.describe(tangents)}")
-    V.check_choice("fast" if method is None else method, "method", ("fast", "plain", "tiled"))
+    V.check_choice("fast" if method is None else method, "method", ("fast", "plain", "tiled", "split"))
     out, res = sdpa_forward(*primals, method=method, precision=precision, layout=layout,
                             **dict(options, save_probs=True))
     prob, lay, ab = res.problem, res.layout, res.absorbed

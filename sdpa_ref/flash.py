@@ -66,9 +66,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                             attention_chunk=0, softcap=0.0, alibi_slopes=None, *, qv=None, page_table=None,
-                            kv_indptr=None,
-                            kv_indices=None, kv_last_page_len=None, kv_layout="NHD", return_softmax_lse=False,
-                            **options):
+                            kv_indptr=None, kv_indices=None, kv_last_page_len=None, kv_layout="NHD",
+                            num_splits=0, return_softmax_lse=False, **options):
     r"""Queries against a KV cache, contiguous or paged, as FlashAttention's ``flash_attn_with_kvcache`` (without
     its in-place cache update and rotary embedding).
 
@@ -92,6 +91,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
         FlashAttention's.
     qv : array_like, (B, Lq, Hq, Ev), optional
         MLA's absorbed query, as in :func:`flash_attn_varlen_func`.
+    num_splits : int, optional
+        FlashAttention's: ``0`` (its heuristic) and ``1`` compute the keys unsplit; ``n > 1`` computes ``n``
+        splits of each sequence's keys merged by their LSEs (``method="split"``), which equals the unsplit result
+        to rounding. :func:`sdpa_ref.split_kv_partials` gives the splits themselves.
     return_softmax_lse : bool, optional
         Also return the LSE, ``(B, Hq, Lq)``.
     **options
@@ -107,6 +110,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
                          "of one table), but got both")
     lay = KVCache(cache_seqlens, cache_batch_idx, cache_leftpad, block_table if page_table is None else page_table,
                   kv_indptr, kv_indices, kv_last_page_len, kv_layout)
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
+        raise ValueError(f"`num_splits` should be an int >= 0 (0: FlashAttention's heuristic), but got {num_splits!r}")
+    if num_splits > 1:
+        options = dict(options, num_splits=int(num_splits))
     return _call(q, k_cache, lay, v_cache, softmax_scale, causal, window_size, attention_chunk, softcap,
                  alibi_slopes, return_softmax_lse, dict(options, qv=qv))
 

@@ -167,9 +167,10 @@ class Packed:
         return tuple(q_shape[:2]) + (Ev,)
 
     def lse_from(self, qmap, lse, total, fill=-np.inf):
-        """The LSE in FlashAttention's varlen layout ``(Hq, total_q)`` (``fill`` on unused rows)."""
-        out = np.full((lse.shape[1], total), fill, lse.dtype)
-        out[:, qmap.where] = lse[qmap.b, :, qmap.i].T
+        """The LSE in FlashAttention's varlen layout ``(Hq, total_q)`` (``fill`` on unused rows); trailing dims
+        are kept (a split-KV output accumulator, ``(Hq, total_q, Ev)``)."""
+        out = np.full((lse.shape[1], total) + lse.shape[3:], fill, lse.dtype)
+        out[:, qmap.where] = np.moveaxis(lse[qmap.b, :, qmap.i], 0, 1)
         return out
 
     def lse_to(self, qmap, g, B, Hq):

@@ -29,6 +29,8 @@ are ``(..., 1)`` per row, in the engine's layout; ``P``, ``g``: ``(..., S)``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -39,7 +41,7 @@ from .sinks import fold_sink_in, sink_probs, sink_probs_in
 from .softmax import softmax_lse_vjp, softmax_vjp
 
 __all__ = ["EXTRA_NAME", "Closed", "close", "close_in", "extra_grad_in", "extra_probs", "extra_probs_in",
-           "extra_shape", "extras", "vjp", "vjp_delta_in", "vjp_in"]
+           "extra_shape", "extras", "keys_only", "vjp", "vjp_delta_in", "vjp_in"]
 
 
 class Closed(NamedTuple):
@@ -57,6 +59,13 @@ def extras(prob, rows=None) -> Optional[np.ndarray]:
     full layout, ``-inf`` where a row has none: the sinks (:meth:`sdpa_ref.problem.Problem.sink_rows`; padded rows
     have none). None when the problem has no extra logit."""
     return prob.sink_rows(rows)
+
+
+def keys_only(prob, **changes):
+    """``prob`` (a frozen :class:`~sdpa_ref.problem.Problem`) with a normaliser over its keys alone, no extra
+    logit, and ``changes``: a split of the keys, whose partials merge before the extra logits join
+    (:mod:`sdpa_ref.engines.splitkv`)."""
+    return dataclasses.replace(prob, sink=None, **changes)
 
 
 #: What the extra logits are called in the API (their argument, and their gradient in ``AttentionGrads``).

@@ -223,17 +223,29 @@ DOC_OPTIONS = r"""
             (``lse_as(sink=False)``: the keys' alone); a row with no allowed
             key gives ``O = 0``, ``lse = sink`` (the policy applies only
             where the sink is ``-inf``). Its gradient is ``grads.sinks``.
-    method : {"fast", "plain", "tiled"}, optional
+    method : {"fast", "plain", "tiled", "split"}, optional
         The engine: ``"fast"`` (default; dense, in place, threaded over
-        heads), ``"plain"`` (the teaching core, :mod:`sdpa_ref.attention`)
-        or ``"tiled"`` (FlashAttention's online softmax in bounded memory).
+        heads), ``"plain"`` (the teaching core, :mod:`sdpa_ref.attention`),
+        ``"tiled"`` (FlashAttention's online softmax in bounded memory) or
+        ``"split"`` (split-KV: partials over splits of the keys merged by
+        their LSEs, as decode kernels do; :mod:`sdpa_ref.engines.splitkv`).
         They agree to rounding.
     block_size : int or "auto", optional
         The tiled engine's block: ``block_size`` queries by ``block_size``
         keys, so that no ``L x S`` array is ever built; peak memory is
         ``O((L + S)(E + Ev) + block_size^2)`` per head. ``"auto"`` (the
         default of ``method="tiled"``) picks a size from L, S and a 64 MiB
-        budget. Giving it selects the tiled engine."""
+        budget. Giving it selects the tiled engine.
+    num_splits : int >= 1, optional
+        Split-KV (FlashAttention's ``num_splits``): each sequence's
+        ``kv_len`` keys in ``num_splits`` contiguous splits of
+        ``ceil(kv_len / num_splits)`` keys, the last ones shorter or empty.
+        Giving it (or ``split_bounds``) selects ``method="split"``.
+    split_bounds : array_like of int, (..., n + 1), optional
+        Split-KV with the splits a kernel uses: split ``i`` of a sequence
+        holds its keys ``b[i] <= j < b[i + 1]``; broadcast over the batch
+        dims, ``0`` first, non-decreasing, the last at least the key count.
+        :func:`sdpa_ref.split_kv_partials` returns each split's own result."""
 
 
 # ---------------------------------------------------------------- helpers

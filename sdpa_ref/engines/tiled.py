@@ -50,7 +50,7 @@ from ..transforms import dropout_forward, scores_jvp, scores_vjp, transform_scor
 from .blocks import Blocks, check_block_size, exp_inplace as _exp, ranges as _ranges
 from .contract import Forward, Grads
 
-__all__ = ["backward", "forward", "jvp"]
+__all__ = ["Rows", "backward", "forward", "jvp", "key_pass"]
 
 # ----------------------------------------------------------------- forward
 
@@ -59,51 +59,79 @@ def forward(prob, *, save_probs=False, block_size="auto") -> Forward:
     """Online-softmax forward; ``probs`` and softcap's slope are never kept, whatever ``save_probs`` (the engines'
     one signature) asks: there is no ``L x S`` array to keep, and the backward recomputes ``P``."""
     block = check_block_size(block_size, prob)
-    o, bl = prob.options, Blocks(prob)
-    L, S = prob.L, prob.S
-    lead = prob.batch + (prob.Hq,)
-    Ev, ct = prob.v.shape[-1], prob.dtype
-    rt = ct.type(0).real.dtype
-    O = np.zeros(lead + (L, Ev), dtype=ct)
-    lse = np.full(lead + (L,), -np.inf, dtype=rt)
-    empty = np.zeros(lead + (L, 1), dtype=bool)
-    rowmax = np.zeros(lead + (L, 1), dtype=rt)
-    rowsum = np.zeros(lead + (L, 1), dtype=ct)
-    lse_keys = None if extras(prob) is None else np.full(lead + (L,), -np.inf, dtype=rt)   # with extra logits
-    for i0, i1 in _ranges(L, block):
-        m = np.zeros(lead + (i1 - i0, 1), dtype=rt)                 # the running normaliser (m, l), empty so far
-        l = np.zeros(lead + (i1 - i0, 1), dtype=ct)
-        row_empty = np.ones(lead + (i1 - i0, 1), dtype=bool)
-        acc = np.zeros(lead + (i1 - i0, Ev), dtype=ct)
-        for j0, j1 in _ranges(S, block):
-            allowed = prob.allowed((i0, i1), (j0, j1))
-            if allowed is not None and not np.any(allowed):
-                continue                                            # a wholly masked block
-            T, _ = bl.scores(i0, i1, j0, j1, allowed)
-            m_b = np.max(T.real, axis=-1, keepdims=True)            # the block's own normaliser (m_b, l_b) ...
-            e_b = m_b == -np.inf
-            m_b = np.where(e_b, rt.type(0), m_b)
-            with np.errstate(invalid="ignore", over="ignore"):
-                e = _exp(T - m_b)
-                m, l, (a, b), row_empty = combine_in(NUMPY, [m, m_b], [l, e.sum(axis=-1, keepdims=True)],
-                                                     [row_empty, e_b])          # ... merged into the running one
-            pv = bl.times_v(dropout_forward(e, bl.keep(i0, i1, j0, j1), o.dropout_p), j0, j1)
-            acc = acc * a + pv * b                                  # a = e^(m_old - m), b = e^(m_b - m)
+    rows = Rows(prob)
+    for i0, i1 in _ranges(prob.L, block):
+        m, l, acc, row_empty = key_pass(prob, rows.bl, i0, i1, (0, prob.S), block)
         with np.errstate(divide="ignore", invalid="ignore"):
-            out = acc / l
-            if lse_keys is not None:                                # the normaliser closed by its extra logits
-                lse_keys[..., i0:i1] = (np.log(l) + m)[..., 0].real
+            rows.close(i0, i1, m, l, acc / l, row_empty)
+    return rows.forward()
+
+
+def key_pass(prob, bl, i0, i1, keys, block):
+    """The online softmax of the rows ``[i0, i1)`` over the keys ``[keys[0], keys[1])``, ``block`` keys at a
+    time: ``(m, l, acc, empty)``, the normaliser (``m`` 0 on the rows that saw no key), the unnormalised output
+    ``sum_j e^(T_j - m) Z_j / (1 - p) V_j`` and those rows (a split of the keys: :mod:`.splitkv`)."""
+    o, lead = prob.options, prob.batch + (prob.Hq,)
+    ct = prob.dtype
+    rt = ct.type(0).real.dtype
+    m = np.zeros(lead + (i1 - i0, 1), dtype=rt)                     # the running normaliser (m, l), empty so far
+    l = np.zeros(lead + (i1 - i0, 1), dtype=ct)
+    row_empty = np.ones(lead + (i1 - i0, 1), dtype=bool)
+    acc = np.zeros(lead + (i1 - i0, prob.v.shape[-1]), dtype=ct)
+    for j0, j1 in _ranges(keys[1] - keys[0], block):
+        j0, j1 = j0 + keys[0], j1 + keys[0]
+        allowed = prob.allowed((i0, i1), (j0, j1))
+        if allowed is not None and not np.any(allowed):
+            continue                                                # a wholly masked block
+        T, _ = bl.scores(i0, i1, j0, j1, allowed)
+        m_b = np.max(T.real, axis=-1, keepdims=True)                # the block's own normaliser (m_b, l_b) ...
+        e_b = m_b == -np.inf
+        m_b = np.where(e_b, rt.type(0), m_b)
+        with np.errstate(invalid="ignore", over="ignore"):
+            e = _exp(T - m_b)
+            m, l, (a, b), row_empty = combine_in(NUMPY, [m, m_b], [l, e.sum(axis=-1, keepdims=True)],
+                                                 [row_empty, e_b])          # ... merged into the running one
+        pv = bl.times_v(dropout_forward(e, bl.keep(i0, i1, j0, j1), o.dropout_p), j0, j1)
+        acc = acc * a + pv * b                                      # a = e^(m_old - m), b = e^(m_b - m)
+    return m, l, acc, row_empty
+
+
+class Rows:
+    """The forward's results, filled a block of rows at a time by :meth:`close`, then :meth:`forward`."""
+
+    def __init__(self, prob):
+        lead, ct = prob.batch + (prob.Hq,), prob.dtype
+        rt = ct.type(0).real.dtype
+        L = prob.L
+        self.prob, self.bl = prob, Blocks(prob)
+        self.O = np.zeros(lead + (L, prob.v.shape[-1]), dtype=ct)
+        self.lse = np.full(lead + (L,), -np.inf, dtype=rt)
+        self.empty = np.zeros(lead + (L, 1), dtype=bool)
+        self.rowmax = np.zeros(lead + (L, 1), dtype=rt)
+        self.rowsum = np.zeros(lead + (L, 1), dtype=ct)
+        self.lse_keys = None if extras(prob) is None else np.full(lead + (L,), -np.inf, dtype=rt)
+
+    def close(self, i0, i1, m, l, out, row_empty):
+        """The rows ``[i0, i1)`` from the keys' normaliser ``(m, l)`` and output ``out`` (not read where
+        ``row_empty``): the extra logits' close, the LSE, the ``fully_masked`` policy."""
+        prob, ct = self.prob, self.prob.dtype
+        rt = ct.type(0).real.dtype
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if self.lse_keys is not None:                           # the normaliser closed by its extra logits
+                self.lse_keys[..., i0:i1] = (np.log(l) + m)[..., 0].real
                 nrm = close(m, l, row_empty, extras(prob, (i0, i1)))
                 m, l = nrm.m, nrm.s
                 out, row_empty = np.where(row_empty, ct.type(0), out) * nrm.r, nrm.empty
             m = np.where(row_empty, rt.type(0), m)
-            lse[..., i0:i1] = (np.log(l) + m)[..., 0].real
-        rowmax[..., i0:i1, :], rowsum[..., i0:i1, :] = m, l
-        O[..., i0:i1, :] = _policy_rows(prob, bl, out, row_empty, i0, i1)
-        empty[..., i0:i1, :] = row_empty
-    O = fill_output_without_keys(O, prob.nan_rows_without_keys())
-    return Forward(out=O, lse=lse, probs=None, tanh=None, empty=empty, rowmax=rowmax, rowsum=rowsum,
-                   lse_keys=lse_keys)
+            self.lse[..., i0:i1] = (np.log(l) + m)[..., 0].real
+        self.rowmax[..., i0:i1, :], self.rowsum[..., i0:i1, :] = m, l
+        self.O[..., i0:i1, :] = _policy_rows(prob, self.bl, out, row_empty, i0, i1)
+        self.empty[..., i0:i1, :] = row_empty
+
+    def forward(self) -> Forward:
+        O = fill_output_without_keys(self.O, self.prob.nan_rows_without_keys())
+        return Forward(out=O, lse=self.lse, probs=None, tanh=None, empty=self.empty, rowmax=self.rowmax,
+                       rowsum=self.rowsum, lse_keys=self.lse_keys)
 
 
 def _policy_rows(prob, bl, out, row_empty, i0, i1):

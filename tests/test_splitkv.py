@@ -1,0 +1,245 @@
+"""The split-KV schedule: partials over splits of the keys, merged by their LSEs, as decode kernels do.
+
+Each split's partial is checked against a loop oracle (the softmax of the split's allowed scores, written out
+per row), the merged schedule (``method="split"``) against the unsplit result on every option, forward,
+backward and JVP; the split-KV backward a kernel would write (the merge's VJP, then each split's attention
+backward with its LSE cotangent) against the unsplit gradients; poison and layouts; bad input.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sdpa_ref
+from sdpa_ref import KVCache, sdpa_backward, sdpa_forward, sdpa_jvp, split_kv_partials
+
+from helpers import assert_close_normwise
+
+
+def loop_partials(q, k, v, bounds, is_causal=False, kv_lengths=None):
+    """``(out, lse)`` per split by a Python loop over splits, rows and keys: ``(n, B, H, L, Ev)``, ``(n, B, H, L)``
+    (no GQA; top-left causal)."""
+    B, H, L, E = q.shape
+    S = k.shape[2]
+    n = bounds.shape[-1] - 1
+    out, lse = np.zeros((n, B, H, L, v.shape[-1])), np.full((n, B, H, L), -np.inf)
+    for i, b, h, r in np.ndindex(n, B, H, L):
+        bb = np.broadcast_to(bounds, (B, n + 1))[b]
+        keys = [j for j in range(bb[i], bb[i + 1]) if j < S and (kv_lengths is None or j < kv_lengths[b])
+                and (not is_causal or j <= r)]
+        if not keys:
+            continue
+        t = np.array([q[b, h, r] @ k[b, h, j] / np.sqrt(E) for j in keys])
+        w = np.exp(t - t.max())
+        out[i, b, h, r] = sum(wj * v[b, h, j] for wj, j in zip(w / w.sum(), keys))
+        lse[i, b, h, r] = t.max() + np.log(w.sum())
+    return out, lse
+
+
+@st.composite
+def split_problems(draw):
+    B, Hkv, G = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    L, S, E = draw(st.integers(1, 5)), draw(st.integers(0, 9)), draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q, k, v = (rng.standard_normal(s) for s in ((B, Hkv * G, L, E), (B, Hkv, S, E), (B, Hkv, S, 2)))
+    o = {"enable_gqa": G > 1, "is_causal": draw(st.booleans()),
+         "causal_alignment": draw(st.sampled_from(["top_left", "bottom_right"])),
+         "fully_masked": draw(st.sampled_from(["zero", "nan"] + (["uniform"] if S else [])))}
+    if draw(st.booleans()):
+        o["attn_mask"] = rng.random((B, Hkv * G, L, S)) > 0.3
+    if draw(st.booleans()):
+        o["bias"] = rng.standard_normal((Hkv * G, L, S))
+    if draw(st.booleans()):
+        o["softcap"] = 2.0
+    if draw(st.booleans()):
+        o["sinks"] = rng.standard_normal(Hkv * G)
+    if draw(st.booleans()):
+        o["kv_lengths"] = rng.integers(0, S + 1, B)
+    if draw(st.booleans()):
+        o["window"] = (draw(st.integers(0, 3)), None)
+    if draw(st.booleans()):
+        o["dropout_mask"] = rng.random((B, Hkv * G, L, S)) > 0.2
+        o["dropout_p"] = 0.2
+    if draw(st.booleans()):
+        splits = {"num_splits": draw(st.integers(1, S + 2))}
+    else:
+        cuts = np.sort(rng.integers(0, S + 1, (B, draw(st.integers(0, 3)))), axis=-1)
+        splits = {"split_bounds": np.concatenate([np.zeros((B, 1), int), cuts, np.full((B, 1), S)], axis=-1)}
+    return (q, k, v), o, splits
+
+
+@given(split_problems())
+def test_the_merged_splits_are_the_unsplit_attention(problem):
+    (q, k, v), o, splits = problem
+    want, wres = sdpa_forward(q, k, v, **o)
+    got, gres = sdpa_forward(q, k, v, **o, **splits)
+    assert gres.method == "split"
+    assert_close_normwise(want, got, 1e-13)
+    assert_close_normwise(wres.lse, gres.lse, 1e-13)
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal(want.shape)
+    for a, b in zip(sdpa_backward(wres, g), sdpa_backward(gres, g)):
+        assert_close_normwise(a, b, 1e-12)
+    ts = tuple(rng.standard_normal(x.shape) for x in (q, k, v))
+    assert_close_normwise(sdpa_jvp((q, k, v), ts, **o)[1], sdpa_jvp((q, k, v), ts, method="split", **o, **splits)[1],
+                          1e-12)
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 2))
+@given(st.integers(0, 2**32 - 1), st.booleans(), st.integers(1, 6))
+def test_each_partial_is_the_loop_oracles(seed, causal, n):
+    rng = np.random.default_rng(seed)
+    q, k, v = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 2, 7, 4)), rng.standard_normal((2, 2, 7, 3))
+    kv = np.array([7, 4])
+    out, lse = split_kv_partials(q, k, v, is_causal=causal, kv_lengths=kv, num_splits=n)
+    bounds = sdpa_ref.engines.splitkv.bounds(sdpa_ref.sdpa_forward(q, k, v, kv_lengths=kv)[1].problem, n)
+    want_out, want_lse = loop_partials(q, k, v, bounds, causal, kv)
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-13)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(want_lse))
+    np.testing.assert_allclose(lse[np.isfinite(lse)], want_lse[np.isfinite(want_lse)], rtol=1e-12)
+    # num_splits: ceil(kv_len / n) keys per split, per sequence
+    want = np.minimum(-(-kv[:, None] // n) * np.arange(n + 1), kv[:, None])
+    want[:, -1] = 7
+    np.testing.assert_array_equal(bounds, want)
+
+
+def test_the_partials_merge_to_the_result_and_a_sink_is_one_more_part():
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((1, 4, 2, 3)), rng.standard_normal((1, 2, 9, 3)), rng.standard_normal((1, 2, 9, 2))
+    sinks = np.array([0.5, -np.inf, 3.0, -1.0])
+    o = dict(enable_gqa=True, is_causal=True, causal_alignment="bottom_right", softcap=3.0)
+    out_p, lse_p = split_kv_partials(q, k, v, split_bounds=[0, 2, 2, 8, 9], **o)
+    assert np.all(lse_p[1] == -np.inf) and np.all(out_p[1] == 0)            # the empty split
+    want, res = sdpa_forward(q, k, v, sinks=sinks, **o)
+    keys = sdpa_ref.merge_attention(out_p, lse_p)
+    np.testing.assert_allclose(keys[1], res.lse_as(sink=False), rtol=1e-13)
+    sink_part = np.broadcast_to(sinks[:, None], lse_p.shape[1:])
+    merged = sdpa_ref.merge_attention(np.concatenate([out_p, np.zeros_like(out_p[:1])]),
+                                      np.concatenate([lse_p, sink_part[None]]))
+    np.testing.assert_allclose(merged[0], want, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(merged[1], res.lse, rtol=1e-13)
+
+
+def test_the_split_kv_backward_through_the_merge_is_the_unsplit_gradient():
+    """What a split-KV training kernel computes: the merge's VJP gives each split its output and LSE cotangents,
+    each split's attention backward (with ``grad_lse``) its share, and the shares add up."""
+    rng = np.random.default_rng(2)
+    q, k, v = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 2, 8, 4)), rng.standard_normal((2, 2, 8, 3))
+    bounds = np.array([0, 3, 5, 8])
+    o = dict(is_causal=True, causal_alignment="bottom_right", bias=rng.standard_normal((2, 3, 8)))
+    g, gl = rng.standard_normal((2, 2, 3, 3)), rng.standard_normal((2, 2, 3))
+    want = sdpa_backward(sdpa_forward(q, k, v, **o)[1], g, grad_lse=gl)
+    out_p, lse_p = split_kv_partials(q, k, v, split_bounds=bounds, **o)
+    d_out, d_lse = sdpa_ref.merge_attention_backward(out_p, lse_p, g, gl)
+    total = [np.zeros_like(x) for x in (q, k, v, o["bias"])]
+    for i in range(3):
+        only = np.zeros(8, bool)
+        only[bounds[i]:bounds[i + 1]] = True
+        _, r = sdpa_forward(q, k, v, attn_mask=only, **o)
+        gr = sdpa_backward(r, d_out[i], grad_lse=d_lse[i])
+        for t, x in zip(total, (gr.query, gr.key, gr.value, gr.bias)):
+            t += x
+    for a, b in zip((want.query, want.key, want.value, want.bias), total):
+        np.testing.assert_allclose(b, a, rtol=1e-11, atol=1e-12)
+
+
+def test_a_partial_reads_only_its_split():
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((1, 1, 4, 3)), rng.standard_normal((1, 1, 9, 3)), rng.standard_normal((1, 1, 9, 2))
+    clean = split_kv_partials(q, k, v, num_splits=3)
+    k2, v2 = k.copy(), v.copy()
+    k2[0, 0, 7, 1], v2[0, 0, 4, 0] = np.nan, np.inf                       # split 2 and split 1
+    out, lse = split_kv_partials(q, k2, v2, num_splits=3)
+    np.testing.assert_array_equal(out[0], clean[0][0])
+    np.testing.assert_array_equal(lse[0], clean[1][0])
+    assert np.isnan(out[1][..., 0]).all() and np.isfinite(out[1][..., 1]).all()    # a value: its column only,
+    assert np.isfinite(lse[1]).all()                                                # not the LSE
+    assert np.isnan(out[2]).all() and np.isnan(lse[2]).all()                # a key: both
+    merged, res = sdpa_forward(q, k2, v2, num_splits=3)
+    assert np.isnan(merged).all()
+    # a split past the causal diagonal never reads its keys, poisoned or not
+    out_c, _ = split_kv_partials(q, k2, v2, num_splits=3, is_causal=True)
+    assert np.all(out_c[1:][:, ..., :3, :] == 0)
+
+
+def test_paged_decode_splits_per_sequence_and_num_splits_in_flash_attn_with_kvcache():
+    rng = np.random.default_rng(4)
+    kc, vc = rng.standard_normal((6, 4, 2, 3)), rng.standard_normal((6, 4, 2, 3))
+    q = rng.standard_normal((2, 1, 4, 3))
+    lay = dict(cache_seqlens=np.array([10, 5]), block_table=np.array([[3, 0, 5], [1, 2, 4]]))
+    want, want_lse = sdpa_ref.flash_attn_with_kvcache(q, kc, vc, causal=True, return_softmax_lse=True, **lay)
+    for n in (2, 3, 7):
+        got, got_lse = sdpa_ref.flash_attn_with_kvcache(q, kc, vc, causal=True, num_splits=n,
+                                                        return_softmax_lse=True, **lay)
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-15)
+        np.testing.assert_allclose(got_lse, want_lse, rtol=1e-13)
+        out_p, lse_p = split_kv_partials(q, kc, vc, layout=KVCache(**lay), enable_gqa=True, is_causal=True,
+                                         causal_alignment="bottom_right", num_splits=n)
+        assert out_p.shape == (n,) + want_lse.shape + (3,) and lse_p.shape == (n,) + want_lse.shape
+        merged = sdpa_ref.merge_attention(out_p, lse_p)                       # FlashAttention's accumulators
+        np.testing.assert_allclose(np.swapaxes(merged[0], 1, 2), want, rtol=1e-13, atol=1e-15)
+        np.testing.assert_allclose(merged[1], want_lse, rtol=1e-13)
+    # sequence 1 (5 keys) in 3 splits of 2, 2, 1; sequence 0 (10 keys) of 4, 4, 2
+    _, lse_p = split_kv_partials(q, kc, vc, layout=KVCache(**lay), enable_gqa=True, num_splits=3)
+    for b, sizes in ((0, (4, 4, 2)), (1, (2, 2, 1))):
+        pos = np.arange(lay["cache_seqlens"][b])
+        ks = kc[lay["block_table"][b][pos // 4], pos % 4]                    # (kv_len, Hkv, E)
+        edges = np.cumsum((0,) + sizes)
+        for i in range(3):
+            t = np.einsum("he,khe->hk", q[b, 0, ::2], ks[edges[i]:edges[i + 1]]) / np.sqrt(3)
+            np.testing.assert_allclose(lse_p[i, b, ::2, 0], np.log(np.exp(t).sum(-1)), rtol=1e-13)
+
+
+def test_the_split_gradients_match_central_differences():
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((1, 2, 3, 2)), rng.standard_normal((1, 1, 5, 2)), rng.standard_normal((1, 1, 5, 2))
+    o = dict(enable_gqa=True, is_causal=True, causal_alignment="bottom_right", sinks=np.array([0.3, -0.2]),
+             num_splits=2, block_size=2)
+    f = lambda q, k, v: sdpa_forward(q, k, v, **o)[0]                                 # noqa: E731
+    vjp = lambda g, q, k, v: sdpa_backward(sdpa_forward(q, k, v, **o)[1], g)[:3]      # noqa: E731
+    assert sdpa_ref.check_vjp(f, vjp, (q, k, v)).ok
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(num_splits=0), "`num_splits`"),
+    (dict(num_splits=True), "`num_splits`"),
+    (dict(num_splits=2.0), "`num_splits`"),
+    (dict(num_splits=2, split_bounds=[0, 4]), "`num_splits` or `split_bounds`"),
+    (dict(split_bounds=[1, 4]), "`split_bounds`"),
+    (dict(split_bounds=[0, 3, 2, 4]), "`split_bounds`"),
+    (dict(split_bounds=[0, 3]), "`split_bounds`"),
+    (dict(split_bounds=[0.0, 4.0]), "`split_bounds`"),
+    (dict(split_bounds=[4]), "`split_bounds`"),
+    (dict(split_bounds=np.zeros((3, 2), int)), "`split_bounds`"),
+    (dict(num_splits=2, method="tiled"), "`num_splits` and `split_bounds` should be None"),
+    (dict(num_splits=2, precision="reproducible"), "precision='reproducible'"),
+    (dict(method="split"), "`num_splits` or `split_bounds`"),
+])
+def test_bad_splits_name_their_argument(kw, match):
+    x = np.zeros((2, 1, 3, 2))
+    y = np.zeros((2, 1, 4, 2))
+    with pytest.raises(ValueError, match=match):
+        sdpa_forward(x, y, y, **kw)
+
+
+def test_packed_partials_are_in_the_varlen_accumulators_layout():
+    rng = np.random.default_rng(6)
+    q, k, v = rng.standard_normal((5, 2, 3)), rng.standard_normal((9, 2, 3)), rng.standard_normal((9, 2, 4))
+    cu_q, cu_k = np.array([0, 2, 5]), np.array([0, 6, 9])
+    out, lse = sdpa_ref.flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    out_p, lse_p = split_kv_partials(q, k, v, layout=sdpa_ref.Packed(cu_q, cu_k), is_causal=True,
+                                     causal_alignment="bottom_right", num_splits=2)
+    assert out_p.shape == (2, 2, 5, 4) and lse_p.shape == (2, 2, 5)           # (n, Hq, total_q, Ev)
+    m_out, m_lse = sdpa_ref.merge_attention(out_p, lse_p)
+    np.testing.assert_allclose(np.swapaxes(m_out, 0, 1), out, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(m_lse, lse, rtol=1e-13)
+
+
+def test_bad_splits_in_the_partials_and_flash_attn_with_kvcache():
+    x = np.zeros((1, 1, 2, 2))
+    with pytest.raises(ValueError, match="`num_splits` or `split_bounds`"):
+        split_kv_partials(x, x, x)
+    with pytest.raises(ValueError, match="`num_splits`"):
+        sdpa_ref.flash_attn_with_kvcache(np.zeros((1, 1, 1, 2)), np.zeros((1, 4, 1, 2)), np.zeros((1, 4, 1, 2)),
+                                         num_splits=-1)
