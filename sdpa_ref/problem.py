@@ -25,27 +25,18 @@ is not finite (:mod:`.reads` records where; :mod:`.poison` finds which results r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
 from . import _validate as V
-from .masks import allowed_set, padded_rows, reads, slice_ls
+from .masks import allowed_set, padded_rows, slice_ls
 from .policy import zero_output_rows
 from .options import AttentionOptions
 from .reads import Poison, clean, scrub
+from .unread import Unread, find_unread, fold
 
 __all__ = ["Problem", "Unread"]
-
-
-class Unread(NamedTuple):
-    """Where no result reads an input (True), in each array's own shape (a trailing 1 for a row), or None."""
-
-    q: Optional[np.ndarray]         # (..., Hkv, G, L, 1) query rows
-    k: Optional[np.ndarray]         # (..., Hkv, S, 1)
-    v: Optional[np.ndarray]         # (..., Hkv, S, 1)
-    mask: Optional[np.ndarray]      # the float mask's shape
-    bias: Optional[np.ndarray]      # the bias's shape
 
 
 @dataclass(frozen=True)
@@ -140,10 +131,11 @@ class Problem:
         ct = np.result_type(out_dtype, np.float64) if (opts.upcast or complex_ok) else out_dtype
         rt = np.dtype(ct.type(0).real.dtype)
         G = Hq // Hkv if Hkv else 1
-        at = _unread(full_scores, G, opts, (q_lengths, kv_lengths, mask_bool, kv_indices), keep,
-                     {"q": qh.shape[:-1], "k": kh.shape[:-1], "v": vh.shape[:-1],
-                      "mask": None if mask_float is None else mask_float.shape,
-                      "bias": None if bias is None else bias.shape})
+        arrays = (q_lengths, kv_lengths, mask_bool, kv_indices)
+        at = find_unread(full_scores, G, lambda rows: _allowed(opts, L, S, arrays, rows), keep,
+                         {"q": qh.shape[:-1], "k": kh.shape[:-1], "v": vh.shape[:-1],
+                          "mask": None if mask_float is None else mask_float.shape,
+                          "bias": None if bias is None else bias.shape})
         own = {"q": _own(qh, ct, at.q, True), "k": _own(kh, ct, at.k, True),
                "mask": _own(mask_float, ct, at.mask, True), "bias": _own(bias, ct, at.bias, True),
                "alibi": _own(alibi, rt, writable=True)}
@@ -273,7 +265,7 @@ class Problem:
             e = e & slice_ls(self.keep, i0, i1, 0, None)
         e = np.broadcast_to(e, self.batch + (self.Hq, i1 - i0, e.shape[-1]))
         kept = np.any(e.reshape(self.batch + (self.Hkv, self.G * (i1 - i0), e.shape[-1])), axis=-2)
-        return np.where(_fold(kept, zeroed.shape[:-1], np.any)[..., None], full, zeroed)
+        return np.where(fold(kept, zeroed.shape[:-1], np.any)[..., None], full, zeroed)
 
     def clean_grad_out(self, g, empty):
         """``(dO, where it was not finite or None)``: ``grad_out`` in the compute dtype and the layout
@@ -343,26 +335,10 @@ def _own(a, dtype=None, dead=None, writable=False):
     return a
 
 
-def _fold(x, shape, how):
-    """Bool ``x`` (broadcastable with the full problem's layout) brought to an array's own ``shape``: ``how``
-    (``np.all`` or ``np.any``) over the dims that array broadcasts over (1 or missing in ``shape``)."""
-    nd = max(x.ndim, len(shape))
-    x = x.reshape((1,) * (nd - x.ndim) + x.shape)
-    own = (1,) * (nd - len(shape)) + tuple(shape)
-    axes = tuple(i for i in range(nd) if own[i] == 1 and x.shape[i] != 1)
-    if axes:
-        x = how(x, axis=axes, keepdims=True)
-    return np.broadcast_to(x.reshape(x.shape[nd - len(shape):]), tuple(shape))
-
-
 def _cast(a, dtype):
     """``a`` in ``dtype`` (itself when it is already); a signalling NaN (random bits in memory) casts quietly."""
     with np.errstate(invalid="ignore"):
         return a.astype(dtype, copy=False)
-
-
-#: Score entries per block of rows when the unread positions are found: no whole L x S allowed set is made.
-_BLOCK_ENTRIES = 1 << 20
 
 
 def _allowed(opts, L, S, arrays, rows=None, cols=None):
@@ -372,46 +348,3 @@ def _allowed(opts, L, S, arrays, rows=None, cols=None):
     return allowed_set(L, S, is_causal=opts.is_causal, window=opts.window, alignment=opts.causal_alignment,
                        q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask, rows=rows, cols=cols,
                        sink_tokens=opts.sink_token_length, chunk=opts.attention_chunk, kv_indices=kv_indices)
-
-
-def _unread(full, G, opts, arrays, keep, shapes):
-    """The :class:`Unread` record: where no allowed score reads each input (:func:`masks.reads`), in the input's own
-    ``shapes`` (an input broadcast over a batch or head dim is read if any entry there reads it)."""
-    nd, L, S = len(full), full[-2], full[-1]
-    step = max(1, _BLOCK_ENTRIES // max(1, int(np.prod(full[:-2] + (S,)))))
-    rows, keys, values, cells = [], None, None, {}
-    for i0 in range(0, L, step):
-        i1 = min(L, i0 + step)
-        a = _allowed(opts, L, S, arrays, (i0, i1))
-        r, kr, vr = reads(a, nd, G, None if keep is None else slice_ls(keep, i0, i1, 0, None))
-        if vr is None:                                     # nothing is excluded: the same for every block
-            return Unread(None, None, None, None, None)
-        if r is not None:
-            rows.append(np.broadcast_to(r, r.shape[:-1] + (i1 - i0,)))
-            keys = kr if keys is None else (keys | kr)
-        values = vr if values is None else (values | vr)
-        for n in ("mask", "bias"):
-            if a is not None and shapes[n] is not None:    # an entry outside the allowed set of every row
-                own = (1,) * (nd - len(shapes[n])) + tuple(shapes[n])
-                vary = own[-2] != 1
-                blk = _fold(~a, own[:-2] + (i1 - i0 if vary else 1, own[-1]), np.all)
-                cells[n] = blk if n not in cells else (np.concatenate([cells[n], blk], axis=-2) if vary
-                                                        else cells[n] & blk)
-    rows = np.concatenate(rows, axis=-1) if rows else None
-    return Unread(q=_col(_unread_in(rows, shapes["q"])), k=_col(_unread_in(keys, shapes["k"])),
-                  v=_col(_unread_in(values, shapes["v"])),
-                  **{n: None if n not in cells or not cells[n].any() else cells[n].reshape(shapes[n])
-                     for n in ("mask", "bias")})
-
-
-def _col(x):
-    return None if x is None else x[..., None]
-
-
-def _unread_in(read, shape):
-    """Where ``read`` (True = read, in the full layout) is False for every entry of the problem that reads an
-    array of ``shape`` at that place; None when nowhere."""
-    if read is None:
-        return None
-    x = _fold(~read, shape, np.all)
-    return x if x.any() else None
