@@ -337,9 +337,9 @@ def _engine(method, block_size, prob, allowed, precision="fast", splits=(None, N
 
 def _with_lengths(opts, gathered):
     """``opts`` with the layout's sequence lengths as ``q_lengths`` and ``kv_lengths``."""
-    if opts.fully_masked == "uniform":
-        raise ValueError("`fully_masked` should be 'zero' or 'nan' with `layout=`, but got 'uniform': it averages "
-                         "over all S keys of the dense problem, whose padding is not the sequence's")
+    if opts.fully_masked in ("uniform", "jax"):
+        raise ValueError(f"`fully_masked` should be 'zero' or 'nan' with `layout=`, but got {opts.fully_masked!r}: "
+                         "it averages keys of the dense problem, whose padding is not the sequence's")
     for name in ("q_lengths", "kv_lengths"):
         if getattr(opts, name) is not None:
             raise ValueError(f"`{name}` should not be given with `layout=` (the sequences' lengths are the layout's), "

@@ -52,7 +52,7 @@ from __future__ import annotations
 import numpy as np
 
 from .engines.contract import Forward, Grads
-from .policy import constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
+from .policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from .normalize import close, extra_probs, extras, vjp
 from .softmax import softmax_parts
 from .transforms import (
@@ -90,7 +90,8 @@ def forward(prob, *, save_probs=True) -> Forward:
     m, s, empty = nrm.m, nrm.s, nrm.empty                           # m' = max(m, sink), s' = s e^(m-m') + ...
     with np.errstate(divide="ignore"):
         lse = m + np.log(s)                                         # LSE = m + log s; -inf on a row with no key
-    P = fill_empty_rows(P, empty, prob.padded_rows(), o.fully_masked, prob.S)   # the policy's P on such rows
+    P = fill_empty_rows(P, empty, prob.padded_rows(), o.fully_masked, prob.S,    # the policy's P on such rows
+                        n=counts(prob), excl=excluded(prob))
     P_drop = dropout_forward(P, prob.keep, o.dropout_p)             # P_drop = P Z / (1 - p)
     O = _full(_grouped(P_drop, prob) @ v, prob)                     # O = P_drop V
     O = _policy_output(prob, O, P_drop, empty)                      # rows with no key: as the policy says
@@ -132,7 +133,7 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     # dP = 0 and P = p_sink, so its gradient is -p_sink (D - dlse)
     p_extra = extra_probs(extras(prob), fwd.lse[..., None])
     dT, dextra = vjp(P, dP, p_extra, dlse)                          # P * (dP - rowsum(P * dP) [+ dlse]), pivoted
-    cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)
+    cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))
     if cr is not None:                                              # the policy's P there is a constant: dT = 0
         dT = np.where(cr, dT.dtype.type(0), dT)
         dextra = None if dextra is None else np.where(cr, dextra.dtype.type(0), dextra)
@@ -167,7 +168,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
         p_extra = extra_probs(extras(prob), fwd.lse[..., None])     # J is symmetric: the VJP's map, an extra
         dP = vjp(P, dT, p_extra, d_extra=dextra)[0]                 # column's entry its tangent d sigma:
         #                                                             P * (dT - rowsum(P * dT) - p_sink d sigma)
-        cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)
+        cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))
         if cr is not None:
             dP = np.where(cr, dP.dtype.type(0), dP)
         dO = _grouped(dropout_jvp(dP, prob.keep, o.dropout_p), prob) @ v

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: Accepted values of ``fully_masked``; see ``SEMANTICS.md``.
-FULLY_MASKED_POLICIES = ("zero", "nan", "uniform")
+FULLY_MASKED_POLICIES = ("zero", "nan", "uniform", "jax")
 #: Accepted values of ``causal_alignment``.
 ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -161,11 +161,16 @@ DOC_OPTIONS = r"""
         rng : numpy.random.Generator or int
             Source of the keep mask when ``dropout_p > 0`` and no
             ``dropout_mask`` is given. ``None`` draws fresh OS entropy.
-        fully_masked : {"zero", "nan", "uniform"}
+        fully_masked : {"zero", "nan", "uniform", "jax"}
             What a row with no allowed key gets: zeros (PyTorch >= 2.5,
-            FlashAttention), NaN (textbook, xformers) or the mean of ``V``
-            over all ``S`` keys (JAX). Query rows past ``q_lengths`` are
-            zeros under every policy.
+            FlashAttention), NaN (textbook, xformers), the mean of ``V``
+            over all ``S`` keys, or JAX's: JAX masks with a finite sentinel,
+            so such a row averages the keys the structural rules (bool mask,
+            causal, window, lengths, ...) exclude from it, and is NaN when
+            they exclude none (a float mask or bias of ``-inf`` on every
+            key). ``"uniform"`` and ``"jax"`` differ only on rows emptied by
+            ``-inf`` floats. Query rows past ``q_lengths`` are zeros under
+            every policy.
         upcast : bool
             Compute in float64 and return the inputs' dtype (default), or
             compute in the inputs' own dtype to stand in for a low-precision

@@ -3,8 +3,13 @@ r"""The fully-masked policy of ``SEMANTICS.md``: what a row with no allowed key 
 A row can be left without a key by a fully masked bool row, causal with
 ``L > S`` under bottom-right alignment, a window that misses every key, a
 row of ``-inf`` float scores, ``S = 0``. ``fully_masked`` decides (:func:`fill_empty_rows`):
-zeros (``"zero"``), NaN (``"nan"``) or the uniform average over all ``S``
-keys (``"uniform"``). Query rows past ``q_len`` are zero under every policy.
+zeros (``"zero"``), NaN (``"nan"``), the uniform average over all ``S``
+keys (``"uniform"``), or JAX's (``"jax"``): JAX masks with a finite
+sentinel, so such a row averages the ``n`` keys the structural rules exclude
+from it (bool mask, causal, window, lengths, ...: each holds the sentinel),
+``P = 1/n`` on them, and is NaN when ``n = 0`` (every key allowed, every
+score ``-inf`` from a float mask or bias). Query rows past ``q_len`` are
+zero under every policy.
 The helpers below say which rows are constant, zero or NaN by the policy, so
 that every engine sets them rather than computes them from memory it must
 not read.
@@ -14,16 +19,38 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["constant_rows", "fill_empty_rows", "fill_output_without_keys", "nan_rows", "policy_fill",
-           "zero_output_rows"]
+__all__ = ["constant_rows", "counts", "excluded", "fill_empty_rows", "fill_output_without_keys", "nan_rows",
+           "policy_fill", "zero_output_rows"]
 
 
 def policy_fill(policy, S):
-    """What ``P`` holds on a row with no allowed key: 0, NaN, or ``1/S`` (the uniform average)."""
+    """What ``P`` holds on a row with no allowed key: 0, NaN, or ``1/S`` (the uniform average); for ``"jax"``,
+    ``S`` is the count ``n`` of the keys the row averages (an array: :func:`counts`), and the fill ``1/n``, NaN
+    where ``n = 0``."""
+    if policy == "jax":
+        n = np.asarray(S, np.float64)
+        with np.errstate(divide="ignore"):
+            return np.where(n > 0, 1.0 / np.where(n > 0, n, 1.0), np.nan)
     return {"zero": 0.0, "nan": np.nan, "uniform": 1.0 / S if S else np.nan}[policy]
 
 
-def fill_empty_rows(P, empty, padded, policy, S, X=None):
+def counts(prob, rows=None):
+    """``"jax"``: the count ``n`` of keys the structural rules exclude from each row (of the block ``rows``),
+    ``(..., L, 1)``, which such a row averages; None under the other policies."""
+    n = prob.excluded_counts
+    return None if n is None else (n if rows is None else n[..., rows[0]:rows[1], :])
+
+
+def excluded(prob, rows=None, cols=None):
+    """``"jax"``: the keys the structural rules exclude in a block (bool, broadcastable to its scores), or None
+    (none is); None under the other policies (no need)."""
+    if prob.excluded_counts is None:
+        return None
+    a = prob.allowed(rows, cols)
+    return None if a is None else ~a
+
+
+def fill_empty_rows(P, empty, padded, policy, S, X=None, n=None, excl=None):
     """``P`` with the rows that have no allowed key filled by ``policy``; padded query rows are 0.
 
     ``empty`` is ``(..., L, 1)`` bool; ``padded`` the rows past ``q_len``
@@ -31,25 +58,36 @@ def fill_empty_rows(P, empty, padded, policy, S, X=None):
     arithmetic (:mod:`sdpa_ref.arith`) whose values ``P`` holds; its
     ``policy_const`` is the fill as that arithmetic holds it (double-double:
     ``1/S`` to about 100 bits), and the fills are its constants (structural
-    zeros, for :mod:`sdpa_ref.reads`).
+    zeros, for :mod:`sdpa_ref.reads`). ``"jax"`` takes the rows' counts ``n``
+    (:func:`counts`) for ``S`` and the block's excluded keys ``excl``
+    (:func:`excluded`): ``1/n`` on those keys, 0 on the others, NaN on a row
+    with ``n = 0``.
     """
     if not np.any(empty):
         return P
+    if policy == "jax":
+        nan_row = n == 0
+        on = nan_row if excl is None else (excl | nan_row)             # the keys the row averages, or all: NaN
     if X is None:
-        P = np.where(empty, P.dtype.type(policy_fill(policy, S)), P)
+        fill = P.dtype.type(policy_fill(policy, S)) if policy != "jax" else \
+            np.where(on, policy_fill(policy, n), 0.0).astype(P.dtype)
+        P = np.where(empty, fill, P)
         return P if padded is None or policy == "zero" else np.where(padded, P.dtype.type(0), P)
-    P = X.where(empty, X.policy_const(policy, S), P)
+    fill = X.policy_const(policy, S) if policy != "jax" else \
+        X.where(on, X.policy_const(policy, n), X.const(0.0))
+    P = X.where(empty, fill, P)
     return P if padded is None or policy == "zero" else X.where(padded, X.const(0.0), P)
 
 
-def constant_rows(empty, padded, policy):
+def constant_rows(empty, padded, policy, n=None):
     """``(..., L, 1)`` bool: the rows whose ``P`` is a constant of the policy, or None.
 
-    Fully masked rows under ``"zero"`` or ``"uniform"``, and padded query
-    rows. Their ``dT`` and ``dP`` are 0 -- set, not computed, so that nothing
-    stored in the keys and values reaches them (``0 * inf`` would be NaN).
+    Fully masked rows under ``"zero"`` or ``"uniform"`` (and ``"jax"``, those
+    with ``n > 0`` keys to average), and padded query rows. Their ``dT`` and
+    ``dP`` are 0 -- set, not computed, so that nothing stored in the keys and
+    values reaches them (``0 * inf`` would be NaN).
     """
-    rows = empty if policy in ("zero", "uniform") else None
+    rows = empty if policy in ("zero", "uniform") else (empty & (n > 0)) if policy == "jax" else None
     if padded is not None:
         rows = padded if rows is None else (rows | padded)
     return rows if rows is not None and np.any(rows) else None
@@ -64,11 +102,13 @@ def zero_output_rows(empty, padded, policy):
     return rows if rows is not None and np.any(rows) else None
 
 
-def nan_rows(empty, padded, policy):
-    """``(..., L, 1)`` bool: the rows that the ``"nan"`` policy makes NaN (fully masked, not padded), or None."""
-    if policy != "nan" or not np.any(empty):
+def nan_rows(empty, padded, policy, n=None):
+    """``(..., L, 1)`` bool: the rows that the ``"nan"`` policy makes NaN (fully masked, not padded), or those of
+    ``"jax"`` with no key to average (``n = 0``), or None."""
+    if policy not in ("nan", "jax") or not np.any(empty):
         return None
-    return empty if padded is None else (empty & ~padded)
+    rows = empty if policy == "nan" else (empty & (n == 0))
+    return rows if padded is None else (rows & ~padded)
 
 
 def fill_output_without_keys(O, rows):

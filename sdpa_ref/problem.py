@@ -34,7 +34,7 @@ from .masks import allowed_set, padded_rows, slice_ls
 from .policy import zero_output_rows
 from .options import AttentionOptions
 from .reads import Poison, clean, scrub
-from .unread import Unread, find_unread, fold
+from .unread import Unread, excluded_counts, find_unread, fold
 
 __all__ = ["Problem", "Unread"]
 
@@ -63,6 +63,7 @@ class Problem:
     poison: Optional[Poison] = None  # where the inputs were not finite (the own copies hold 0 there), or None
     v_full: Optional[np.ndarray] = None  # "uniform": the values, non-finite ones only made 0 (averaged_values)
     unread: Optional[Unread] = None     # where the own copies hold 0 because no result reads them
+    excluded_counts: Optional[np.ndarray] = None  # "jax": (*batch, Hq, L, 1) keys the structural rules exclude
     sink: Optional[np.ndarray] = None   # (..., Hq, 1, 1) the sink logits (real compute dtype; -inf: none), or None
     kv_indices: Optional[np.ndarray] = None  # gather_kv_indices, int64 broadcastable to (..., Hq, L, K), or None
 
@@ -143,7 +144,7 @@ class Problem:
                "mask": scrub(own["mask"], additive=True), "bias": scrub(own["bias"], additive=True),
                "alibi": scrub(own["alibi"])}                     # what reads it: poison.py
         v_full = None
-        if opts.fully_masked == "uniform":                  # a fully masked row averages every value it keeps
+        if opts.fully_masked in ("uniform", "jax"):         # a fully masked row averages values it keeps
             v_full = _own(vh, ct, writable=True)
             bad["v"] = scrub(v_full)
             own["v"] = v_full if at.v is None else _own(v_full, ct, at.v)
@@ -171,6 +172,8 @@ class Problem:
                     "attn_mask": None if mask_float is None else mask_float.dtype,
                     "bias": None if bias is None else bias.dtype, "sinks": None if sinks is None else sinks.dtype},
             out_dtype=out_dtype, poison=poison, v_full=v_full, unread=at,
+            excluded_counts=None if opts.fully_masked != "jax" else
+            _own(excluded_counts(full_scores, lambda rows: _allowed(opts, L, S, arrays, rows))),
             sink=None if sinks is None else _own(sinks[..., None, None], rt), kv_indices=_own(kv_indices),
         )
 
@@ -233,10 +236,10 @@ class Problem:
 
     def nan_rows_without_keys(self):
         """``(*batch, 1, L, 1)`` (``(..., Hq, L, 1)`` with sinks) bool, or None: with ``S = 0`` under
-        ``fully_masked="nan"``, the rows that are not padded and have no sink. No row has a key, so, as on a
-        fully masked row with keys, their ``dq`` and their tangent are NaN
+        ``fully_masked="nan"`` (or ``"jax"``), the rows that are not padded and have no sink. No row has a key,
+        so, as on a fully masked row with keys, their ``dq`` and their tangent are NaN
         (the engines' empty sums give 0; ``dk``, ``dv`` and the mask and bias gradients have no entries)."""
-        if self.S != 0 or self.options.fully_masked != "nan":
+        if self.S != 0 or self.options.fully_masked not in ("nan", "jax"):     # "jax": no key to average
             return None
         shape = tuple(self.batch) + (1, self.L, 1)
         pad = self.padded_rows()
@@ -247,8 +250,9 @@ class Problem:
 
     def averaged_values(self, empty, zeroed=None, full=None, rows=None):
         """What the rows ``empty`` ``(*batch, Hq, Lb, 1)`` (of the row block ``rows``) average under
-        ``fully_masked="uniform"``, ``(..., Hkv, S, n)``: the values (or their tangent, ``zeroed`` and ``full``)
-        as given where one of those rows keeps the key, and as the other rows read them elsewhere.
+        ``fully_masked="uniform"`` (``"jax"``: of the keys each row's structural rules exclude),
+        ``(..., Hkv, S, n)``: the values (or their tangent, ``zeroed`` and ``full``) as given where one of those
+        rows keeps the key, and as the other rows read them elsewhere.
 
         ``zeroed`` is what every other row reads (:attr:`v`, 0 where no allowed entry reads it); ``full`` the
         same cleaned of non-finite entries only (:attr:`v_full`). Such a row averages every value that its
@@ -263,6 +267,11 @@ class Problem:
         e = empty if pad is None else (empty & ~pad)
         if self.keep is not None:
             e = e & slice_ls(self.keep, i0, i1, 0, None)
+        if self.excluded_counts is not None:               # "jax": only the keys the structural rules exclude
+            a = self.allowed((i0, i1))
+            if a is None:
+                return zeroed
+            e = e & ~a
         e = np.broadcast_to(e, self.batch + (self.Hq, i1 - i0, e.shape[-1]))
         kept = np.any(e.reshape(self.batch + (self.Hkv, self.G * (i1 - i0), e.shape[-1])), axis=-2)
         return np.where(fold(kept, zeroed.shape[:-1], np.any)[..., None], full, zeroed)

@@ -14,7 +14,7 @@ import numpy as np
 
 from .masks import reads, slice_ls
 
-__all__ = ["BLOCK_ENTRIES", "Unread", "find_unread", "fold"]
+__all__ = ["BLOCK_ENTRIES", "Unread", "excluded_counts", "find_unread", "fold"]
 
 
 class Unread(NamedTuple):
@@ -85,3 +85,18 @@ def _unread_in(read, shape):
         return None
     x = fold(~read, shape, np.all)
     return x if x.any() else None
+
+
+def excluded_counts(full, allowed):
+    """``(*batch, Hq, L, 1)`` int64: how many keys the structural rules exclude from each row (``S`` minus its
+    allowed keys), what a row with no allowed key averages under ``fully_masked="jax"``. ``allowed(rows)`` as in
+    :func:`find_unread`."""
+    L, S = full[-2], full[-1]
+    out = np.zeros(full[:-1] + (1,), np.int64)
+    step = max(1, BLOCK_ENTRIES // max(1, int(np.prod(full[:-2] + (S,)))))
+    for i0 in range(0, L, step):
+        i1 = min(L, i0 + step)
+        a = allowed((i0, i1))
+        if a is not None:
+            out[..., i0:i1, :] = S - np.sum(a, axis=-1, keepdims=True)
+    return out

@@ -7,7 +7,8 @@ bool ``attn_mask`` and a float ``bias`` (together), ``is_causal``
 (top-left), ``scale``, ``enable_gqa`` (implicit in JAX), ``q_lengths`` /
 ``kv_lengths`` (its ``query_seq_lengths`` / ``key_value_seq_lengths``),
 ``window`` (its ``local_window_size``, top-left), and
-``fully_masked="uniform"`` -- JAX gives a fully masked row the mean of V.
+``fully_masked="jax"`` -- JAX's finite sentinel (``"uniform"`` is the same
+unless ``-inf`` floats empty a row).
 It has no dropout, softcap or ALiBi, no bottom-right alignment, and needs
 ``Ev == E``; such cases raise ``NotImplementedError`` (reported as skipped).
 Float64 runs need ``jax.config.update("jax_enable_x64", True)``, which the
@@ -41,8 +42,9 @@ def jax_dpa(implementation=None):
 
     def prepare(query, key, value, attn_mask=None, bias=None, is_causal=False, scale=None, enable_gqa=False,
                 q_lengths=None, kv_lengths=None, window=None, causal_alignment="top_left", fully_masked=None):
-        if fully_masked not in (None, "uniform"):
-            raise NotImplementedError(f"JAX gives fully masked rows the mean of V ('uniform'), not {fully_masked!r}")
+        if fully_masked not in (None, "uniform", "jax"):
+            raise NotImplementedError(f"JAX gives fully masked rows the mean of V ('jax', 'uniform'), not "
+                                      f"{fully_masked!r}")
         if causal_alignment != "top_left" and (is_causal or window is not None):
             raise NotImplementedError("JAX aligns causal masks and windows top-left only")
         if value.shape[-1] != query.shape[-1]:

@@ -46,7 +46,7 @@ import numpy as np
 
 from ..exact import _native
 from ..masks import block_of
-from ..policy import constant_rows, fill_empty_rows, fill_output_without_keys, zero_output_rows
+from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from ..normalize import close, extra_probs, extras, vjp
 from ..pivot import softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_jvp, scores_vjp, transform_scores, \
@@ -131,7 +131,7 @@ def forward(prob, *, save_probs=True) -> Forward:
     empty = empty.reshape(full[:-1] + (1,))
     padded = prob.padded_rows()
     if np.any(empty):                                  # the policy's rows, then O again (a rare path)
-        P = fill_empty_rows(P, empty, padded, o.fully_masked, S)
+        P = fill_empty_rows(P, empty, padded, o.fully_masked, S, n=counts(prob), excl=excluded(prob))
         Pd = dropout_forward(P, prob.keep, o.dropout_p).reshape(lay.grouped + (S,))
         O = Pd @ prob.v
         vu = prob.averaged_values(empty)
@@ -165,7 +165,7 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     dq = np.empty(grouped + (E,), dtype=ct)
     dk = np.empty(lead + (S, E), dtype=ct)
     dv = np.empty(lead + (S, Ev), dtype=ct)
-    cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)   # their dT is 0, set not computed
+    cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))   # their dT is 0, set not computed
     crg = None if cr is None else np.broadcast_to(cr, full[:-1] + (1,)).reshape(grouped + (1,))
     dlg = None if dlse is None else dlse.reshape(grouped + (1,))
     pe = extra_probs(lay.per_row(extras(prob)), fwd.lse.reshape(grouped + (1,)))    # the extra columns' P
@@ -236,7 +236,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
     sdg = None if fwd.tanh is None else np.broadcast_to(fwd.tanh, full).reshape(grouped + (S,))   # sech^2
     out = np.zeros(grouped + (Ev,), dtype=ct)
     scored = dq is not None or dk is not None or dbias is not None or dextra is not None
-    cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked)       # P constant there: dP = 0
+    cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))       # P constant there: dP = 0
     crg = None if cr is None else np.broadcast_to(cr, full[:-1] + (1,)).reshape(grouped + (1,))
     pe = extra_probs(lay.per_row(extras(prob)), fwd.lse.reshape(grouped + (1,)))    # the extra columns' P
     deg = None if pe is None or dextra is None else lay.per_row(dextra)

@@ -48,7 +48,7 @@ import numpy as np
 from ..exact.arith import for_problem
 from ..normalize import EXTRA_NAME, close_in, extra_shape, extras, vjp_in
 from ..masks import block_of
-from ..policy import constant_rows, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
+from ..policy import constant_rows, counts, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
 from ..transforms import transform_scores_in, unbroadcast
 from .._threads import run_all
 from .contract import Forward, Grads
@@ -109,7 +109,8 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
             p = X.mul(p, fold)
             X.put(p_extra, ix, pe)
             sm = X.where(em, X.const(1.0), sm)
-        p = fill_empty_rows(p, em, block_of(padded, nd, lead, r), o.fully_masked, S, X)
+        p = fill_empty_rows(p, em, block_of(padded, nd, lead, r), o.fully_masked, S, X,
+                            n=block_of(counts(prob), nd, lead, r), excl=block_of(excluded, nd, lead, r))
         X.put(P, ix, p)
         if Pd is not P:
             X.put(Pd, ix, _dropout(X, p, block_of(prob.keep, nd, lead, r), o.dropout_p))
@@ -153,7 +154,8 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None) -> Grads:
         g = _dropout(X, X.at(dP, ix), block_of(prob.keep, nd, lead, r), o.dropout_p)
         gl = None if dlse is None else dlse[ix]
         t, de = vjp_in(X, X.at(P, ix), g, None if pe is None else X.at(pe, ix), gl)   # P(dP - D) [+ P dlse]
-        cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked)
+        cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked,
+                           block_of(counts(prob), nd, lead, r))
         if cr is not None:                                           # P does not depend on T there
             t = X.where(cr, X.const(0.0), t)
         if pe is not None:                                           # the extra columns (dP = 0)
@@ -219,7 +221,8 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
             pe = fwd.extra["p_extra"]                                # J is symmetric: the VJP's map, an extra
             p = vjp_in(X, X.at(P, ix), t, None if pe is None else X.at(pe, ix),     # column's entry d sigma
                        d_extra=block_of(dextra, nd, lead, r))[0]
-            cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked)
+            cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked,
+                               block_of(counts(prob), nd, lead, r))
             if cr is not None:
                 p = X.where(cr, X.const(0.0), p)
             X.put(dPd, ix, _dropout(X, p, block_of(prob.keep, nd, lead, r), o.dropout_p))
@@ -294,7 +297,7 @@ _OVERFLOW = ("precision='reproducible' cannot give a finite, faithfully rounded 
 
 def _nan_rows(prob, empty):
     """``(*batch, Hq, L, 1)``: the rows that the ``"nan"`` policy makes NaN, or None."""
-    return nan_rows(empty, prob.padded_rows(), prob.options.fully_masked)
+    return nan_rows(empty, prob.padded_rows(), prob.options.fully_masked, counts(prob))
 
 
 def _no_silent_nan(X, x, ok, what):

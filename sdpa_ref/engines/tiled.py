@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..masks import block_of
-from ..policy import constant_rows, fill_empty_rows, fill_output_without_keys, policy_fill
+from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, policy_fill
 from ..arith import NUMPY
 from ..lse import combine_in
 from ..pivot import block_partial, combine_partials
@@ -139,11 +139,13 @@ def _policy_rows(prob, bl, out, row_empty, i0, i1):
     if not np.any(row_empty):
         return out
     o, S = prob.options, prob.S
-    if o.fully_masked == "uniform":                                 # P = 1/S on every key: a pass over V
-        u = np.zeros(out.shape, dtype=out.dtype)
+    if o.fully_masked in ("uniform", "jax"):                        # P = 1/S on every key (1/n on the
+        u = np.zeros(out.shape, dtype=out.dtype)                    # excluded ones): a pass over V
         vu = prob.averaged_values(row_empty, rows=(i0, i1))       # such a row reads every value it keeps
+        n = counts(prob, (i0, i1))
         for j0, j1 in _ranges(S, max(1, i1 - i0)):
-            w = np.full(out.shape[:-1] + (j1 - j0,), policy_fill("uniform", S), dtype=out.dtype)
+            w = fill_empty_rows(np.zeros(out.shape[:-1] + (j1 - j0,), dtype=out.dtype), row_empty, None,
+                                o.fully_masked, S, n=n, excl=excluded(prob, (i0, i1), (j0, j1)))
             u = u + bl.times_v(dropout_forward(w, bl.keep(i0, i1, j0, j1), o.dropout_p), j0, j1, vu)
         out = np.where(row_empty, u, out)
     else:
@@ -177,12 +179,13 @@ class _Sweeps:
         self.pad = prob.padded_rows((i0, i1))
         self.m = fwd.rowmax.reshape(prob.full_scores[:-1] + (1,))[..., i0:i1, :]
         self.s = np.where(self.em, ct.type(1), fwd.rowsum.reshape(prob.full_scores[:-1] + (1,))[..., i0:i1, :])
-        self.const = constant_rows(self.em, self.pad, o.fully_masked)         # P does not depend on T there
+        self.n = counts(prob, (i0, i1))
+        self.const = constant_rows(self.em, self.pad, o.fully_masked, self.n)  # P does not depend on T there
         self.jobs = []
         for j0, j1 in _ranges(prob.S, cb):
             allowed = prob.allowed((i0, i1), (j0, j1))
             skip = allowed is not None and not np.any(allowed)
-            if skip and not (o.fully_masked in ("uniform", "nan") and np.any(self.em)):
+            if skip and not (o.fully_masked in ("uniform", "nan", "jax") and np.any(self.em)):
                 continue                                            # P = 0 on the whole block
             self.jobs.append((j0, j1, skip, allowed))
         self.cached = self._recompute(*self.jobs[0]) if len(self.jobs) == 1 else None
@@ -206,7 +209,8 @@ class _Sweeps:
             T, sech2 = self.bl.scores(i0, i1, j0, j1, allowed, sech2=True)
         with np.errstate(invalid="ignore", over="ignore"):
             P = _exp(T - self.m) / self.s                           # as the forward made it
-        P = fill_empty_rows(P, self.em, self.pad, o.fully_masked, prob.S)
+        P = fill_empty_rows(P, self.em, self.pad, o.fully_masked, prob.S, n=self.n,
+                            excl=excluded(prob, (i0, i1), (j0, j1)))
         keep = self.bl.keep(i0, i1, j0, j1)
         return P, self.g_block(j0, j1, P, keep, sech2), sech2, keep
 

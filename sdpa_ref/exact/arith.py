@@ -170,7 +170,11 @@ class DoubleDouble:
 
     def policy_const(self, policy, S):
         """The fully-masked policy's fill (:func:`sdpa_ref.policy.policy_fill`) as a double-double: ``1/S`` for
-        ``"uniform"`` with its low half."""
+        ``"uniform"`` (``1/n`` per row for ``"jax"``, ``S`` the counts) with its low half."""
+        if policy == "jax":
+            n = np.asarray(S, np.float64)
+            lo = dd_div(dd(np.ones_like(n)), dd(np.where(n > 0, n, 1.0)))[1]
+            return np.asarray(policy_fill(policy, n)), np.where(n > 0, lo, 0.0)
         hi = np.float64(policy_fill(policy, S))
         return (hi, dd_div(dd(np.float64(1.0)), dd(np.float64(S)))[1]) if policy == "uniform" and S else dd(hi)
 

@@ -52,7 +52,7 @@ from ..lse import combine_in
 from ..options import AttentionOptions
 from .._validate import check_choice, check_tolerance
 from ..problem import Problem
-from ..policy import constant_rows, nan_rows, zero_output_rows
+from ..policy import constant_rows, counts, nan_rows, zero_output_rows
 from ..transforms import dropout_forward, transform_scores_in, unbroadcast
 from .cases import grad_out_for
 from .lowp import DESCALES, LibmLowPrecision, MemberArith, output_dtype, tf32 as _tf32, widen, work_dtype
@@ -289,8 +289,11 @@ class _Kernel:
         sink = None if p.sink is None else np.broadcast_to(self.W(p.sink_rows()), empty.shape)
         if sink is not None:                            # a row with a sink is not empty: O = 0, no policy
             empty = empty & (sink == -np.inf)
-        if o.fully_masked == "uniform":                 # every key alike: a row of equal scores
-            excl = excl & ~empty
+        if o.fully_masked in ("uniform", "jax"):        # every key alike: a row of equal scores (JAX: the keys
+            struct = np.zeros(p.full_scores, bool)      # the structural rules exclude, none left: NaN)
+            if p.allowed() is not None:
+                struct |= ~np.broadcast_to(p.allowed(), p.full_scores)
+            excl = np.where(empty, ~struct if o.fully_masked == "jax" else False, excl)
             T = np.where(empty, self.w.type(0), T)
         T = np.where(excl, -np.inf, T).astype(self.w)
         keep, rdrop = self.dropout()
@@ -354,7 +357,7 @@ class _Kernel:
         them as the formula does), 0 on those whose output is 0 by definition."""
         p, policy = self.p, self.p.options.fully_masked
         pad = p.padded_rows()
-        nan, zero = nan_rows(empty, pad, policy), zero_output_rows(empty, pad, policy)
+        nan, zero = nan_rows(empty, pad, policy, counts(p)), zero_output_rows(empty, pad, policy)
         O = O if zero is None else np.where(zero, self.w.type(0), O)
         return O if nan is None else np.where(nan, self.w.type(np.nan), O)
 
@@ -374,7 +377,7 @@ class _Kernel:
         D = A.sum(A.mul(dO, fw["O"])) if m.delta == "out" else A.sum(A.mul(P, dPd))    # FlashAttention's identity
         pe = normalize.extra_probs_in(A, fw["sink"], fw["lse"])       # the sink's e^(sink - lse), or None
         dS, ds = normalize.vjp_delta_in(A, P, dPd, D, pe)            # P (dP - D), and -p_sink D
-        const = constant_rows(fw["empty"], p.padded_rows(), p.options.fully_masked)
+        const = constant_rows(fw["empty"], p.padded_rows(), p.options.fully_masked, counts(p))
         dS = dS if const is None else np.where(const, self.w.type(0), dS)      # P is a constant there
         res = {}
         if ds is not None:                              # dsink = -sum_i p_sink,i D_i
