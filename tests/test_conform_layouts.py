@@ -121,3 +121,53 @@ def test_a_paged_kernel_that_reads_whole_pages_fails_the_poison_check():
 def test_a_layout_is_named_in_the_error_when_unknown():
     with pytest.raises(ValueError, match="`layout`"):
         check_implementation(varlen, layout="bshd")
+
+
+# -- a top-k sparse kernel: (..., L, H, E) arrays and gather_kv_indices (..., L, K), shared by the heads
+
+def _t(x):
+    return np.swapaxes(x, -3, -2)
+
+
+def sparse(q, k, v, gather_kv_indices, **kw):
+    idx = gather_kv_indices[..., None, :, :]
+    return _t(sdpa_ref.scaled_dot_product_attention(_t(q), _t(k), _t(v), gather_kv_indices=idx, **kw)).astype(q.dtype)
+
+
+def sparse_bwd(g, q, k, v, gather_kv_indices, **kw):
+    _, res = sdpa_ref.sdpa_forward(_t(q), _t(k), _t(v), gather_kv_indices=gather_kv_indices[..., None, :, :], **kw)
+    gr = sdpa_ref.sdpa_backward(res, _t(g))
+    extra = [gr.bias.astype(q.dtype)] if gr.bias is not None else []
+    return [_t(x).astype(q.dtype) for x in gr[:3]] + extra + ([gr.sinks] if gr.sinks is not None else [])
+
+
+def sparse_jvp(primals, tangents, gather_kv_indices, **kw):
+    out = sdpa_ref.sdpa_jvp(tuple(_t(x) for x in primals), tuple(_t(x) for x in tangents),
+                            gather_kv_indices=gather_kv_indices[..., None, :, :], **kw)[1]
+    return _t(out).astype(primals[0].dtype)
+
+
+def test_an_honest_sparse_kernel_conforms_in_the_gathered_layout_with_poison():
+    rep = check_implementation(sparse, backward=sparse_bwd, jvp=sparse_jvp, layout="gathered", poison=True)
+    assert rep.ok, str(rep)
+    assert rep.meta["layout"] == "gathered" and all(r.case.endswith("-gather") for r in rep.rows)
+    assert any(r.quantity == "poison" and r.status == "pass" for r in rep.rows)
+
+
+@pytest.mark.parametrize("wrong", ["dense", "minus_one_is_the_last_key", "repeats_count_twice", "per_head_shift"])
+def test_sparse_kernels_wrong_the_usual_ways_are_caught(wrong):
+    def kernel(q, k, v, gather_kv_indices, **kw):
+        S, idx = k.shape[-3], gather_kv_indices
+        if wrong == "dense":                                   # ignores the indices: reads every key
+            return _t(sdpa_ref.scaled_dot_product_attention(_t(q), _t(k), _t(v), **kw)).astype(q.dtype)
+        if wrong == "minus_one_is_the_last_key":               # Python's negative index
+            return sparse(q, k, v, np.where(idx < 0, idx % S, idx), **kw)
+        if wrong == "repeats_count_twice":                     # FlashMLA's gather: a repeated key weighs twice
+            bias = np.zeros(idx.shape[:-1] + (S,))
+            np.add.at(bias, (*np.indices(idx.shape[:-1]), np.where(idx < 0, 0, idx)), (idx >= 0).astype(float))
+            with np.errstate(divide="ignore"):
+                bias = np.log(bias)[..., None, :, :] + kw.pop("bias", 0.0)   # log(count): e^T counted count times
+            return _t(sdpa_ref.scaled_dot_product_attention(_t(q), _t(k), _t(v), bias=bias, **kw)).astype(q.dtype)
+        return sparse(q, k, v, np.where(idx >= 0, np.minimum(idx + 1, S - 1), idx), **kw)   # off by one
+    rep = check_implementation(kernel, layout="gathered", poison=wrong == "dense")
+    assert not rep.ok and any(r.status == "FAIL" for r in rep.failures), str(rep)

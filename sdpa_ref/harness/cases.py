@@ -40,7 +40,8 @@ __all__ = ["ARRAY_KINDS", "SUITE_VERSION", "SUITES", "Case", "get_suite", "grad_
 SUITE_VERSION = "4"
 SUITES = ("quick", "full")
 #: The array inputs a case can draw (see :class:`Case`), in the order case names list them.
-ARRAY_KINDS = ("mask", "masked_rows", "float_mask", "bias", "alibi", "lengths", "zero_kv", "dropout", "sinks")
+ARRAY_KINDS = ("mask", "masked_rows", "float_mask", "bias", "alibi", "lengths", "zero_kv", "dropout", "sinks",
+               "gather")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,9 @@ class Case:
     from row 1 fully False), a ``float_mask`` ``(batch, 1, L, S)``
     (with ``masked_rows``: -inf on those rows), a ``bias`` ``(Hq, L, S)``, ``alibi`` slopes, per-batch ``lengths``
     (``zero_kv``: the last batch entry has no key), ``dropout`` (an explicit
-    keep mask).
+    keep mask), ``gather`` (top-k ``gather_kv_indices`` ``(batch, 1, L, K)``,
+    ``K = ceil(S / 2)``, drawn from ``[-1, S)``: ``-1`` and repeats included;
+    :meth:`gathered`).
     """
 
     name: str
@@ -148,7 +151,17 @@ class Case:
             if self.Hq > 1:
                 s[-1] = -np.inf
             out["sinks"] = s.astype(np.float64 if dt == np.float64 else np.float32)
+        if "gather" in self.arrays:              # its own stream: the other arrays stay the case's
+            g = np.random.default_rng([self.seed, self.L, self.S, self.E, 1])
+            out["gather_kv_indices"] = g.integers(-1, self.S, batch + (1, self.L, max(1, -(-self.S // 2))))
         return out
+
+    def gathered(self) -> "Case":
+        """This case with top-k gathered key indices (the ``gather`` array), named ``...-gather``: what a
+        sparse kernel judged with ``layout="gathered"`` computes."""
+        if "gather" in self.arrays:
+            return self
+        return dataclasses.replace(self, name=self.name + "-gather", arrays=self.arrays + ("gather",))
 
     def options_json(self) -> dict:
         """The scalar options and the names of the drawn arrays, JSON-ready."""

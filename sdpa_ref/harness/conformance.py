@@ -93,8 +93,9 @@ __all__ = ["RelativeRule", "FixedRule", "ULPRule", "ConformanceRow", "Conformanc
 
 #: ``layout=``: ``"bhld"`` hands the implementation ``(..., H, L, E)`` arrays (PyTorch); ``"blhd"`` hands it
 #: ``(..., L, H, E)`` (FlashAttention, JAX, xformers) and reads its results the same way. Masks and biases keep
-#: the ``(..., H, L, S)`` layout of :func:`sdpa_ref.sdpa_forward` either way.
-LAYOUTS = ("bhld", "blhd") + STORAGE_LAYOUTS
+#: the ``(..., H, L, S)`` layout of :func:`sdpa_ref.sdpa_forward` either way. ``"gathered"``: a top-k sparse
+#: kernel, ``(..., L, H, E)`` arrays and ``gather_kv_indices`` ``(..., L, K)`` (:meth:`.cases.Case.gathered`).
+LAYOUTS = ("bhld", "blhd", "gathered") + STORAGE_LAYOUTS
 
 
 def resolve_requires(forward, requires=None) -> frozenset:
@@ -222,14 +223,20 @@ def check_implementation(
         Test dtypes, e.g. ``"float32"`` or ``("float32", "float16")``.
     rule : {"relative", "fixed", "ulp"} or a rule object, optional
         Default :class:`RelativeRule`; a name takes that rule's defaults.
-    layout : {"bhld", "blhd", "thd", "paged"}
+    layout : {"bhld", "blhd", "gathered", "thd", "paged"}
         The arrays as the implementation takes them: ``(..., H, L, E)``,
         ``(..., L, H, E)``, packed variable-length sequences (``"thd"``,
         FlashAttention's varlen API: ``cu_seqlens_q``, ``cu_seqlens_k``,
         ``max_seqlen_q``, ``max_seqlen_k`` keywords) or a paged KV cache
         (``"paged"``: ``q (B, L, Hq, E)`` against ``(pages, 16, Hkv, E)``
         with ``cache_seqlens`` and ``block_table``); in the last two the
-        case's lengths are the sequences' (see :mod:`.storage`).
+        case's lengths are the sequences' (see :mod:`.storage`). Or
+        ``"gathered"``: a top-k sparse kernel (DeepSeek sparse attention,
+        FlashMLA, FlashAttention 4's ``gather_kv_indices``), called with
+        ``(..., L, H, E)`` arrays and ``gather_kv_indices=`` ``(..., L, K)``
+        int32: each case with ``K = ceil(S / 2)`` indices per query row
+        drawn from ``[-1, S)`` (``-1`` names no key, a repeat counts once),
+        shared by the heads; keys no index names must never be read.
     deterministic : bool
         Also run the forward (and the backward) a second time on the same
         inputs: other bits in any result fail the case (rows
@@ -339,6 +346,8 @@ def _run(cases, dtypes, fns, declared, supports, requires, layout, deterministic
     impl = Implementation(*fns, layout=layout, deterministic=deterministic, poison=poison, implied=req - sup,
                           limit=limit, lse=lse[0], lse_empty=lse[1])
     sup = sup | req | (frozenset({"q_lengths", "kv_lengths"}) if layout in STORAGE_LAYOUTS else frozenset())
+    if layout == "gathered":                               # every case with its top-k key indices
+        cases = [c.gathered() for c in cases]
     rows: List[ConformanceRow] = []
     t0 = time.perf_counter()
     for i, case in enumerate(cases):

@@ -17,12 +17,13 @@ import numpy as np
 
 from ..api import sdpa_forward
 from ..derivatives import sdpa_backward, sdpa_jvp
-from ..lse import check_base, convert_lse
+from ..lse import convert_lse
 from ..options import AttentionOptions
 from ..problem import Problem
 from ..transforms import unbroadcast
-from .storage import STORAGE_LAYOUTS, Storage
-from ._limits import CaseTimeout, ImplementationFailure, call_in_process
+from .calling import Implementation
+from .storage import STORAGE_LAYOUTS
+from ._limits import CaseTimeout, ImplementationFailure
 from .cases import Case, grad_out_for, tangents_for
 from .ensemble import MEMBERS, ensemble_errors, member_quantities
 from .lowp import DESCALES, dequantized, is_fp8, is_low, output_dtype, ulp, widen, work_dtype
@@ -180,66 +181,6 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
     return rows
 
 
-class Implementation:
-    """The functions under test and how to call them: the layout, the optional checks asked for, and ``limit``,
-    which makes each call under a deadline (:func:`~._limits.call_in_process`, or the child's
-    :meth:`.isolate.Isolated.run`). A result is copied when it comes back: what the implementation does to its
-    array afterwards cannot change what is judged."""
-
-    def __init__(self, forward, backward=None, jvp=None, layout="bhld", deterministic=False, poison=False,
-                 implied=frozenset(), limit=call_in_process, lse=None, lse_empty="-inf"):
-        self.forward, self.backward, self.jvp = forward, backward, jvp
-        self.lse = None if lse is None else check_base(lse, "lse")   # the forward returns (out, lse) in this base
-        self.lse_empty = lse_empty
-        self.layout, self.deterministic, self.poison = layout, deterministic, poison
-        self.implied = frozenset(implied)        # required options it applies without a keyword: never passed
-        self.limit = limit
-
-    def _opts(self, inp):
-        return _copy_opts({k: v for k, v in inp.items() if k not in self.implied})
-
-    def _in(self, a):
-        """To the implementation's layout: ``(..., H, L, E)`` -> ``(..., L, H, E)`` for ``"blhd"``."""
-        return np.swapaxes(a, -3, -2).copy() if self.layout == "blhd" and a.ndim >= 3 else a.copy()
-
-    def _out(self, a):
-        a = np.array(a)
-        return np.swapaxes(a, -3, -2) if self.layout == "blhd" and a.ndim >= 3 else a
-
-    def call_forward(self, q, k, v, inp, fill=0.0):
-        """The output, or ``(out, lse)`` with :attr:`lse` (the LSE ``(..., H, L)`` in either dense layout, as
-        FlashAttention returns its ``softmax_lse``). In a storage layout (:mod:`.storage`) the positions no
-        sequence uses hold ``fill``."""
-        if self.layout in STORAGE_LAYOUTS:
-            st = Storage(self.layout, q, k, v, inp, fill)
-            res = self.forward(st.query(q), st.kv(k), st.kv(v), **st.kwargs(), **self._opts(st.options))
-            if self.lse is not None and isinstance(res, (tuple, list)) and len(res) == 2:
-                return st.from_out(res[0]), st.from_lse(res[1])
-            return st.from_out(res)
-        res = self.forward(self._in(q), self._in(k), self._in(v), **self._opts(inp))
-        if self.lse is not None and isinstance(res, (tuple, list)) and len(res) == 2:
-            return self._out(res[0]), np.array(res[1])
-        return self._out(res)
-
-    def call_backward(self, g, q, k, v, inp):
-        if self.layout in STORAGE_LAYOUTS:
-            st = Storage(self.layout, q, k, v, inp)
-            res = list(self.backward(st.out(g), st.query(q), st.kv(k), st.kv(v), **st.kwargs(),
-                                     **self._opts(st.options)))
-            return list(st.from_grads(*res[:3])) + [np.array(x) for x in res[3:]]   # dbias, dsinks: as given
-        res = list(self.backward(self._in(g), self._in(q), self._in(k), self._in(v), **self._opts(inp)))
-        return [self._out(x) if i < 3 else np.array(x) for i, x in enumerate(res)]  # dbias, dsinks: as given
-
-    def call_jvp(self, ts, q, k, v, inp):
-        if self.layout in STORAGE_LAYOUTS:
-            st = Storage(self.layout, q, k, v, inp)
-            tan = (st.query(ts[0]), st.kv(ts[1]), st.kv(ts[2]))
-            return st.from_out(self.jvp((st.query(q), st.kv(k), st.kv(v)), tan, **st.kwargs(),
-                                        **self._opts(st.options)))
-        return self._out(self.jvp((self._in(q), self._in(k), self._in(v)), tuple(self._in(t) for t in ts),
-                                  **self._opts(inp)))
-
-
 def _determinism(case, dt, qty, call, first, impl, deadline, timeout):
     """A second call (the forward, or the backward) on the same inputs must give the same bits, every result
     of it (``out`` and ``lse``; each gradient)."""
@@ -279,7 +220,8 @@ def _honest_lse(case, dt, ref, base):
 def dead_positions(q, k, inp):
     """``(dead keys, padded rows)``: bool masks broadcastable to ``k`` and ``q`` of the keys that no row of any head
     reads and of the query rows past ``q_lengths`` (an entry shared by broadcast batch entries counts only when it
-    is dead for all of them), each None where there is none."""
+    is dead for all of them), each None where there is none. Under ``"uniform"`` and ``"jax"`` a row with no
+    allowed key reads the values of keys outside its allowed set: every key of its batch entry is then live."""
     opts = AttentionOptions.from_kwargs("check_implementation", **{n: x for n, x in inp.items()
                                                                     if n != "fully_masked" and n not in DESCALES})
     prob = Problem.build(q, k, np.zeros(k.shape[:-1] + (1,)), opts)
@@ -287,6 +229,11 @@ def dead_positions(q, k, inp):
     keys = None
     if allowed is not None:
         read = np.broadcast_to(allowed, prob.full_scores).any(axis=(-3, -2))       # (*batch, S)
+        if inp.get("fully_masked") in ("uniform", "jax"):
+            _, res = sdpa_forward(q, k, np.zeros(k.shape[:-1] + (1,)), save_probs=False, **dict(
+                {n: x for n, x in inp.items() if n not in DESCALES}))
+            empty = res.empty if res.padded is None else (res.empty & ~res.padded)
+            read = read | np.broadcast_to(empty, prob.full_scores[:-1] + (1,)).any(axis=(-3, -2))
         keys = _dead_in(read, k.shape, prob.S)
     pad = prob.padded_rows()
     rows = None if pad is None else _dead_in(~np.broadcast_to(pad, prob.batch + (1, prob.L, 1))[..., 0, :, 0],
@@ -413,7 +360,3 @@ def _compare(case, dt, qty, val, ref64, honest, rule, honest_lean=None, want=Non
                           ref_value=float(ref64.flat[flat]) if diff.size else None, note=note, honest_error=honest,
                           lean=beta, lean_allowed=None if beta_allowed is None or not np.isfinite(beta_allowed)
                           else beta_allowed)
-
-
-def _copy_opts(inp):
-    return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inp.items()}
