@@ -98,5 +98,5 @@ def excluded_counts(full, allowed):
         i1 = min(L, i0 + step)
         a = allowed((i0, i1))
         if a is not None:
-            out[..., i0:i1, :] = S - np.sum(a, axis=-1, keepdims=True)
+            out[..., i0:i1, :] = S - np.sum(np.broadcast_to(a, a.shape[:-1] + (S,)), axis=-1, keepdims=True)
     return out

@@ -136,6 +136,11 @@ def write_base(folder, dtype):
     return Base(folder, dtype)
 
 
+def write_layout_base(folder, dtype, layout):
+    vectors.write_vectors(str(folder), "quick", dtype, layout=layout)
+    return Base(folder, dtype)
+
+
 def write_sinks_base(folder, dtype):
     from sdpa_ref.harness.cases import get_suite
     vectors.write_vectors(str(folder), dtype=dtype, cases=[c for c in get_suite("full") if "sinks" in c.arrays])
@@ -655,6 +660,7 @@ def apply_recipe(recipe, base, out):
 
 BREAKS = {1: "out", 2: "dq", 3: "dk", 4: "dv", 5: "dbias", 8: "lse"}   # -DSDPA_CHECK_BREAK=n: that one 1% off
 SINK_BREAKS = {6: "dsinks", 7: "out"}                            # dsinks 1% off; the sink forgotten (out fails)
+LAYOUT_BREAK = 9                                                 # a layout kernel that reads its keys one off
 
 
 @pytest.fixture(scope="module")
@@ -666,7 +672,7 @@ def exes(tmp_path_factory):
             "no_backward": (["-std=c99", "-O0"], ["SDPA_CHECK_NO_BACKWARD"]),
             "no_lse": (["-std=c99", "-O0"], ["SDPA_CHECK_NO_LSE"])}
     jobs.update({f"break{n}": (["-std=c99", "-O0"], [f"SDPA_CHECK_BREAK={n}"])
-                 for n in list(BREAKS) + list(SINK_BREAKS)})
+                 for n in list(BREAKS) + list(SINK_BREAKS) + [LAYOUT_BREAK]})
 
     def one(name):
         try:
@@ -712,6 +718,8 @@ def bases(tmp_path_factory):
     root = tmp_path_factory.mktemp("vectors")
     out = {dt: write_base(root / dt, dt) for dt in dtypes}
     out["sinks-float32"] = write_sinks_base(root / "sinks", "float32")   # the full suite's cases with sinks
+    for layout in ("thd", "paged"):                                     # as varlen and paged kernels store them
+        out[f"{layout}-float32"] = write_layout_base(root / layout, "float32", layout)
     return out
 
 
@@ -802,6 +810,50 @@ def test_a_wrong_sink_kernel_fails(exes, bases, asan_client, n):
     failed = [ln for ln in cp.stdout.splitlines() if ln.startswith("FAIL")]
     assert len(failed) == len(base.names)
     assert all(re.search(rf"\b{SINK_BREAKS[n]} [0-9.e+inf]+ FAIL", ln) for ln in failed), failed
+
+
+@pytest.mark.parametrize("layout", ["thd", "paged"])
+def test_a_layout_set_is_judged_where_the_layout_keeps_the_results(exes, bases, asan_client, layout):
+    """A packed or paged set (under the sanitizers): every case passes with out, lse, dq, dk and dv judged in
+    the layout; a kernel that reads each sequence's keys one off fails every case with more than one key."""
+    base = bases[f"{layout}-float32"]
+    cp = run(asan_client, base.path)
+    assert contract_problem(cp) is None and cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
+    lines = cp.stdout.splitlines()
+    assert lines[-1] == f"{len(base.names)} passed, 0 failed, 0 skipped"
+    for line in lines[:-1]:
+        assert all(re.search(rf"\b{q} [0-9.e+-]+", line) for q in ("out", "lse", "dq", "dk", "dv")), line
+    cp = run(_exe(exes, f"break{LAYOUT_BREAK}"), base.path)
+    assert cp.returncode == 1, cp.stdout[-2000:]
+    failed = {ln.split()[1].rstrip(":") for ln in cp.stdout.splitlines() if ln.startswith("FAIL")}
+    several = {e["case"] for e in base.manifest["files"]
+               if np.max(np.diff(vectors.read_npz(base.blob(e["file"]))["cu_seqlens_k"]) if layout == "thd"
+                         else vectors.read_npz(base.blob(e["file"]))["cache_seqlens"], initial=0) > 1}
+    assert several and several <= failed
+
+
+@pytest.mark.parametrize("edit, says", [
+    (("thd", lambda a: a.__setitem__("cu_seqlens_q", np.r_[0, a["cu_seqlens_q"][:0:-1]].astype(np.int32))),
+     "should not decrease"),
+    (("thd", lambda a: a.__setitem__("cu_seqlens_k", a["cu_seqlens_k"] + 1000)), "should start at 0"),
+    (("thd", lambda a: a.__setitem__("cu_seqlens_q", a["cu_seqlens_q"] * 1000)), "end within the rows"),
+    (("paged", lambda a: a.__setitem__("block_table", a["block_table"] + 1000)), "outside the cache"),
+    (("paged", lambda a: a.__setitem__("cache_seqlens", a["cache_seqlens"] * 1000 + 1)), "width"),
+    (("paged", lambda a: a.__setitem__("block_table", a["block_table"][:, None])), "integers of 2 dims"),
+    (("paged", lambda a: a.__setitem__("q_lengths", np.ones(2, np.int64))), "should not be stored"),
+    (("float32", lambda a: a.__setitem__("block_table", np.zeros((2, 1), np.int32))), "only a set of a layout"),
+], ids=["cu-decreasing", "cu-not-from-0", "cu-past-rows", "page-outside", "seqlen-past-table", "table-rank",
+        "lengths-stored", "index-in-a-dense-set"])
+def test_a_layout_file_with_bad_indices_is_one_line_and_exit_status_2(asan_client, bases, tmp_path, edit, says):
+    which, change = edit
+    base = bases[which if which == "float32" else f"{which}-float32"]
+    name = "plain-L8-S8.npz"
+    folder = tmp_path / "v"
+    materialize(base, str(folder), {name: repack(base.blob(name), change)},      # (the base's file stays)
+                dict(base.manifest, files=[e for e in base.manifest["files"] if e["file"] == name]))
+    cp = run(asan_client, str(folder))
+    assert contract_problem(cp) is None and cp.returncode == 2, cp.stdout[-2000:] + cp.stderr[-2000:]
+    assert says in cp.stderr and len(cp.stderr.strip().splitlines()) == 1, cp.stderr
 
 
 @pytest.mark.parametrize("n", sorted(BREAKS), ids=BREAKS.get)

@@ -188,3 +188,17 @@ def test_jax_with_a_layout_is_refused_and_s_zero_gives_nan():
         sdpa_forward(x, x, x, layout=sdpa_ref.Packed([0, 3], [0, 3]), fully_masked="jax")
     out = sdpa_forward(np.zeros((1, 2, 2)), np.zeros((1, 0, 2)), np.zeros((1, 0, 2)), fully_masked="jax")[0]
     assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("how", list(HOWS))
+def test_a_row_of_minus_inf_with_lengths_but_no_excluded_key_is_nan(how):
+    """Regression: with q_lengths the allowed set broadcasts over the keys (shape (..., L, 1)); its count of
+    excluded keys must count every key, not one."""
+    rng = np.random.default_rng(7)
+    q, k, v = rng.standard_normal((2, 2, 1, 2)), rng.standard_normal((2, 2, 2, 2)), rng.standard_normal((2, 2, 2, 2))
+    bias = np.zeros((2, 2, 1, 2))
+    bias[1, 0] = -np.inf
+    o = dict(bias=bias, fully_masked="jax", q_lengths=np.array([1, 1]))
+    out = sdpa_forward(q, k, v, **o, **HOWS[how])[0]
+    assert np.isnan(out[1, 0]).all() and np.isfinite(out[0]).all() and np.isfinite(out[1, 1]).all()
+    assert_close_normwise(jax_oracle(q, k, v, o), out, 1e-12)

@@ -375,6 +375,8 @@ static const Fmt *format_named(const char *s, size_t n)
 
 /* ------------------------------------------------------------------ the manifest */
 
+enum { LAYOUT_DENSE, LAYOUT_THD, LAYOUT_PAGED };
+
 typedef struct {
     const char *s;                              /* a case file's name, inside the manifest's text */
     size_t n;
@@ -384,6 +386,7 @@ typedef struct {
     char *text;
     const Fmt *fmt, *ofmt;                      /* the vectors' dtype, the kernel's output dtype */
     double k_out, k_grad;                       /* 0 when absent */
+    int layout;                                 /* LAYOUT_DENSE, LAYOUT_THD or LAYOUT_PAGED ("layout") */
     Name *files;
     size_t nfiles;
 } Manifest;
@@ -414,6 +417,12 @@ static int parse_manifest(Manifest *m, size_t len)
                 return bad("the %s should be one of float64, float32, float16, bfloat16, float8_e4m3fn, "
                            "float8_e5m2", kn == 5 ? "dtype" : "output_dtype");
             *(kn == 5 ? &m->fmt : &m->ofmt) = f;
+        } else if (is_key(k, kn, "layout")) {
+            if (json_string(&j, &s, &n, NULL) != 0)
+                return -1;
+            m->layout = is_key(s, n, "thd") ? LAYOUT_THD : is_key(s, n, "paged") ? LAYOUT_PAGED : -1;
+            if (m->layout < 0)
+                return bad("the layout should be \"thd\" or \"paged\"");
         } else if (is_key(k, kn, "relative_rule")) {
             int f2 = 1, r2;
             if (json_open(&j, '{') != 0)
@@ -1536,12 +1545,268 @@ static int check_ref(const Arr *ref, const char *name, const Arr *like, const ch
     return 0;
 }
 
+/* ------------------------------------------------------------------ layouts: sequences as a kernel stores them */
+
+/*
+ * A set whose manifest says "layout": "thd" or "paged" (format 4; sdpa_ref/harness/vector_layouts.py) stores
+ * each case as a varlen or a paged KV-cache kernel takes it: query, key, value and grad_out packed (T, H, F)
+ * with cu_seqlens_q and cu_seqlens_k, or a query (B, L, Hq, E) against a cache (pages, page_size, Hkv, F) with
+ * cache_seqlens and block_table; out, lse, dq, dk and dv are stored the same way (lse (Hq, T) or (B, Hq, L)).
+ * layout_to_dense() checks the storage against its index arrays and gathers it into the dense padded problem
+ * -- (B, H, Lmax, F) with the sequences' lengths as q_lengths and kv_lengths -- that the kernels above compute;
+ * to_storage() and lse_to_storage() put the results back where the layout keeps them, and they are judged there
+ * against the file's references, storage no sequence uses included (0, and -inf in the LSE). A varlen or paged
+ * kernel replaces the three of them and the kernels together.
+ */
+typedef struct {
+    int kind;                                   /* LAYOUT_DENSE (none), LAYOUT_THD or LAYOUT_PAGED */
+    size_t B, Lmax, Smax;                       /* sequences; the longest query and key run */
+    size_t T, Tk;                               /* thd: the rows of query and of key */
+    size_t pages, psize, width;                 /* paged: the cache's pages, their size, the table's width */
+    long long *cu_q, *cu_k, *seqlen, *table;    /* copies of the index arrays */
+    long long *qlen, *kvlen;                    /* the dense problem's q_lengths and kv_lengths */
+    Arr sq, sk, sv, sgo;                        /* the storage arrays as read (sgo.count 0: no grad_out) */
+    double *dense[4];                           /* the dense query, key, value, grad_out */
+} Layout;
+
+static void layout_free(Layout *l)
+{
+    free(l->cu_q);
+    free(l->cu_k);
+    free(l->seqlen);
+    free(l->table);
+    free(l->qlen);
+    free(l->kvlen);
+    for (int t = 0; t < 4; t++)
+        free(l->dense[t]);
+}
+
+/* the integer array `name` of `ndim` dims, copied into *out (its shape in shape[]) */
+static int layout_ints(Npz *z, const char *name, int ndim, long long **out, size_t *shape)
+{
+    const Arr *a = get(z, name);
+    if (!a)
+        return bad("has no %s (the manifest's layout needs it)", name);
+    if (a->kind != 'i' || a->ndim != ndim)
+        return bad("%s should be integers of %d dim%s", name, ndim, ndim > 1 ? "s" : "");
+    if ((*out = xcalloc(a->count ? a->count : 1, sizeof(long long))) == NULL)
+        return -1;
+    for (size_t i = 0; i < a->count; i++)
+        (*out)[i] = at_int(a, i);
+    for (int d = 0; d < ndim; d++)
+        shape[d] = a->shape[d];
+    return 0;
+}
+
+/* a * b, or 0 with why_bad when it passes MAX_ELEMS */
+static size_t elems(size_t a, size_t b)
+{
+    if (b && a > MAX_ELEMS / b) {
+        bad("an array of the dense problem would pass %zu entries", MAX_ELEMS);
+        return 0;
+    }
+    return a * b;
+}
+
+/* entry (b, h, i, f) of the storage of a (H, F) array: the query side (keys = 0) or the key side */
+static size_t storage_at(const Layout *l, int keys, size_t b, size_t h, size_t i, size_t f, size_t H, size_t F)
+{
+    size_t n = (size_t)(keys ? l->kvlen[b] : l->qlen[b]);
+#if defined(SDPA_CHECK_BREAK) && SDPA_CHECK_BREAK == 9          /* the tests' wrong layout kernel: keys one off */
+    if (keys && i + 1 < n)
+        i++;
+#endif
+    (void)n;
+    if (l->kind == LAYOUT_THD)
+        return (((size_t)(keys ? l->cu_k : l->cu_q)[b] + i) * H + h) * F + f;
+    if (!keys)
+        return ((b * l->Lmax + i) * H + h) * F + f;
+    size_t page = (size_t)l->table[b * l->width + i / l->psize];
+    return ((page * l->psize + i % l->psize) * H + h) * F + f;
+}
+
+/* the storage array `a` (H heads of F) into the dense (B, H, n, F), 0 past each sequence */
+static double *gather(const Layout *l, const Arr *a, int keys, size_t H, size_t n, size_t F)
+{
+    size_t count = elems(elems(elems(l->B, H), n), F);
+    if (count == 0 && l->B && H && n && F)
+        return NULL;
+    double *d = xcalloc(count ? count : 1, sizeof(double));
+    if (!d)
+        return NULL;
+    for (size_t b = 0; b < l->B; b++)
+        for (size_t h = 0; h < H; h++)
+            for (size_t i = 0; i < (size_t)(keys ? l->kvlen[b] : l->qlen[b]); i++)
+                for (size_t f = 0; f < F; f++)
+                    d[((b * H + h) * n + i) * F + f] = at(a, storage_at(l, keys, b, h, i, f, H, F));
+    return d;
+}
+
+/* the dense (B, H, n, F) result into a storage buffer of `like`'s shape (zeroed first): 0 where no sequence is */
+static void to_storage(const Layout *l, const double *d, int keys, size_t H, size_t n, size_t F, double *st,
+                       size_t count)
+{
+    memset(st, 0, count * sizeof(double));
+    for (size_t b = 0; b < l->B; b++)
+        for (size_t h = 0; h < H; h++)
+            for (size_t i = 0; i < (size_t)(keys ? l->kvlen[b] : l->qlen[b]); i++)
+                for (size_t f = 0; f < F; f++)        /* a page two sequences share gets both: a sum */
+                    st[storage_at(l, keys, b, h, i, f, H, F)] += d[((b * H + h) * n + i) * F + f];
+}
+
+/* the dense LSE (B, Hq, Lmax) into the layout's: (Hq, T) packed, (B, Hq, L) paged; -inf on unused rows */
+static void lse_to_storage(const Layout *l, const double *d, size_t H, double *st, size_t count)
+{
+    for (size_t i = 0; i < count; i++)
+        st[i] = -INFINITY;
+    for (size_t b = 0; b < l->B; b++)
+        for (size_t h = 0; h < H; h++)
+            for (size_t i = 0; i < (size_t)l->qlen[b]; i++)
+                st[l->kind == LAYOUT_THD ? h * l->T + (size_t)l->cu_q[b] + i : (b * H + h) * l->Lmax + i] =
+                    d[(b * H + h) * l->Lmax + i];
+}
+
+/* the dense array `d` of shape (B, H, n, F) in place of z's array `a` (its storage form kept in *keep) */
+static void replace(Arr *a, Arr *keep, double *d, size_t B, size_t H, size_t n, size_t F)
+{
+    *keep = *a;
+    a->kind = 'f';
+    a->size = 8;
+    a->ndim = 4;
+    a->shape[0] = B;
+    a->shape[1] = H;
+    a->shape[2] = n;
+    a->shape[3] = F;
+    a->count = B * H * n * F;
+    a->data = (const unsigned char *)d;
+}
+
+/* Checks the storage of `kind` against its index arrays and replaces query, key, value and grad_out by the
+   dense padded problem, with q_lengths and kv_lengths added: 0, or -1 (why_bad) */
+static int layout_to_dense(Npz *z, int kind, Layout *l)
+{
+    Arr *q = get(z, "query"), *k = get(z, "key"), *v = get(z, "value"), *go = get(z, "grad_out");
+    size_t sh[2];
+    l->kind = kind;
+    if (get(z, "q_lengths") || get(z, "kv_lengths"))
+        return bad("q_lengths and kv_lengths should not be stored in a layout set (the layout holds the lengths)");
+    if (z->n + 2 > MAX_ARRAYS)
+        return bad("more than %d arrays", MAX_ARRAYS - 2);
+    int rank = kind == LAYOUT_THD ? 3 : 4;
+    if (q->ndim != rank || k->ndim != rank || v->ndim != rank)
+        return bad("query, key and value should have %d dims in a %s set", rank, kind == LAYOUT_THD ? "thd" : "paged");
+    size_t Hq = q->shape[rank - 2], E = q->shape[rank - 1], Hkv = k->shape[rank - 2], Ev = v->shape[rank - 1];
+    if (k->shape[rank - 1] != E || v->shape[rank - 2] != Hkv || v->shape[0] != k->shape[0] ||
+        (rank == 4 && v->shape[1] != k->shape[1]))
+        return bad("key and value should be stored alike, with the E of query");
+    if (kind == LAYOUT_THD) {
+        size_t n2[1];
+        if (layout_ints(z, "cu_seqlens_q", 1, &l->cu_q, sh) != 0 || layout_ints(z, "cu_seqlens_k", 1, &l->cu_k, n2) != 0)
+            return -1;
+        if (sh[0] < 1 || n2[0] != sh[0])
+            return bad("cu_seqlens_q and cu_seqlens_k should hold B + 1 offsets each");
+        l->B = sh[0] - 1;
+        l->T = q->shape[0];
+        l->Tk = k->shape[0];
+        if (l->cu_q[0] != 0 || l->cu_k[0] != 0)
+            return bad("cu_seqlens_q and cu_seqlens_k should start at 0");
+        for (size_t b = 0; b < l->B; b++)
+            if (l->cu_q[b + 1] < l->cu_q[b] || l->cu_k[b + 1] < l->cu_k[b])
+                return bad("cu_seqlens_q and cu_seqlens_k should not decrease");
+        if ((unsigned long long)l->cu_q[l->B] > l->T || (unsigned long long)l->cu_k[l->B] > l->Tk)
+            return bad("cu_seqlens_q and cu_seqlens_k should end within the rows of query and key");
+    } else {
+        size_t w[2];
+        if (layout_ints(z, "cache_seqlens", 1, &l->seqlen, sh) != 0 || layout_ints(z, "block_table", 2, &l->table, w) != 0)
+            return -1;
+        l->B = q->shape[0];
+        l->Lmax = q->shape[1];
+        l->pages = k->shape[0];
+        l->psize = k->shape[1];
+        l->width = w[1];
+        if (sh[0] != l->B || w[0] != l->B)
+            return bad("cache_seqlens (B,) and block_table (B, pages) should have the B=%zu rows of query", l->B);
+        for (size_t b = 0; b < l->B; b++) {
+            if (l->seqlen[b] < 0 || (l->psize && (unsigned long long)l->seqlen[b] > l->width * l->psize) ||
+                (!l->psize && l->seqlen[b] > 0))
+                return bad("cache_seqlens should be in [0, block_table's width x page size]");
+            for (size_t p = 0; l->psize && p < ((size_t)l->seqlen[b] + l->psize - 1) / l->psize; p++)
+                if (l->table[b * l->width + p] < 0 || (unsigned long long)l->table[b * l->width + p] >= l->pages)
+                    return bad("block_table names a page outside the cache's %zu pages", l->pages);
+        }
+    }
+    if ((l->qlen = xcalloc(l->B ? l->B : 1, sizeof(long long))) == NULL ||
+        (l->kvlen = xcalloc(l->B ? l->B : 1, sizeof(long long))) == NULL)
+        return -1;
+    for (size_t b = 0; b < l->B; b++) {
+        l->qlen[b] = kind == LAYOUT_THD ? l->cu_q[b + 1] - l->cu_q[b] : (long long)l->Lmax;
+        l->kvlen[b] = kind == LAYOUT_THD ? l->cu_k[b + 1] - l->cu_k[b] : l->seqlen[b];
+        if (kind == LAYOUT_THD && (size_t)l->qlen[b] > l->Lmax)
+            l->Lmax = (size_t)l->qlen[b];
+        if ((size_t)l->kvlen[b] > l->Smax)
+            l->Smax = (size_t)l->kvlen[b];
+    }
+    if (go) {
+        int same = go->ndim == rank && go->shape[rank - 1] == Ev;
+        for (int d = 0; same && d < rank - 1; d++)
+            same = go->shape[d] == q->shape[d];
+        if (!same)
+            return bad("grad_out should be stored as query is, with the last dim Ev of value");
+    }
+    Arr *xs[4] = {q, k, v, go};
+    Arr *keep[4] = {&l->sq, &l->sk, &l->sv, &l->sgo};
+    size_t H[4] = {Hq, Hkv, Hkv, Hq}, n[4] = {l->Lmax, l->Smax, l->Smax, l->Lmax}, F[4] = {E, E, Ev, Ev};
+    for (int t = 0; t < 4; t++) {
+        if (!xs[t])
+            continue;
+        if ((l->dense[t] = gather(l, xs[t], t == 1 || t == 2, H[t], n[t], F[t])) == NULL)
+            return -1;
+        replace(xs[t], keep[t], l->dense[t], l->B, H[t], n[t], F[t]);
+    }
+    static const char *lens[2] = {"q_lengths", "kv_lengths"};
+    long long *vals[2] = {l->qlen, l->kvlen};
+    for (int t = 0; t < 2; t++) {                /* the lengths, as arrays of the file (their data is the layout's) */
+        Arr *a = &z->a[z->n];
+        memset(a, 0, sizeof *a);
+        snprintf(a->name, sizeof a->name, "%s", lens[t]);
+        a->kind = 'i';
+        a->size = 8;
+        a->ndim = 1;
+        a->shape[0] = l->B;
+        a->count = l->B;
+        a->data = (const unsigned char *)vals[t];
+        z->data[z->n++] = NULL;
+    }
+    return 0;
+}
+
+/* the layout's reference shapes: out, grad_out and dq as query is stored (last dim Ev for out and grad_out),
+   lse (Hq, T) or (B, Hq, L), dk and dv as key and value */
+static int layout_refs_ok(const Layout *l, const Arr *out, const Arr *lse)
+{
+    int rank = l->sq.ndim, same = out->kind == 'f' && out->ndim == rank && out->shape[rank - 1] == l->sv.shape[rank - 1];
+    for (int d = 0; same && d < rank - 1; d++)
+        same = out->shape[d] == l->sq.shape[d];
+    if (!same)
+        return bad("out should be floating, stored as query is with the last dim Ev of value");
+    size_t Hq = l->sq.shape[rank - 2];
+    if (lse && (lse->kind != 'f' || (l->kind == LAYOUT_THD
+                                     ? lse->ndim != 2 || lse->shape[0] != Hq || lse->shape[1] != l->T
+                                     : lse->ndim != 3 || lse->shape[0] != l->B || lse->shape[1] != Hq ||
+                                       lse->shape[2] != l->Lmax)))
+        return bad("lse should be floating, of the layout's shape %s", l->kind == LAYOUT_THD ? "(Hq, T)" : "(B, Hq, L)");
+    return 0;
+}
+
 /* the arrays a vector file may hold; any other may carry an option the kernels do not know: a skip */
 static const char *const KNOWN[] = {
     "query", "key", "value", "attn_mask", "bias", "alibi_slopes", "dropout_mask", "q_lengths", "kv_lengths",
     "q_descale", "k_descale", "v_descale", "options_json", "out", "lse", "grad_out", "dq", "dk", "dv", "dbias",
     "honest_out", "honest_dq", "honest_dk", "honest_dv", "honest_dbias", "sinks", "dsinks", "honest_dsinks",
-    "honest_lse", NULL};
+    "honest_lse", "cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_table", NULL};
+
+/* the index arrays of a layout set (format 4), only there */
+static const char *const LAYOUT_ARRAYS[] = {"cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_table", NULL};
 
 /* the arrays stored in the vectors' dtype (bit patterns below float16) */
 static const char *const IN_DTYPE[] = {"query", "key", "value", "attn_mask", "bias", "alibi_slopes", "grad_out", NULL};
@@ -1566,10 +1831,12 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
     Problem p;
     Line l;
     Grads g = {NULL, NULL, NULL, NULL, NULL};
-    double *out = NULL, *lse = NULL;
+    double *out = NULL, *lse = NULL, *st[5] = {NULL, NULL, NULL, NULL, NULL};   /* results as the layout stores them */
+    Layout lay;
     char skip[sizeof why_bad] = "";
     int rc = -1;
     memset(&l, 0, sizeof l);
+    memset(&lay, 0, sizeof lay);
     if (read_npz(path, &z) != 0)
         goto done;
     const char *missing = !get(&z, "query") ? "query" : !get(&z, "key") ? "key" : !get(&z, "value") ? "value"
@@ -1601,13 +1868,23 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
     }
     if (parse_options(get(&z, "options_json"), &o) != 0)
         goto done;
-    int st = check_problem(&z, &o, &p, skip, sizeof skip);
-    if (st < 0)
+    if (m->layout != LAYOUT_DENSE) {                      /* a varlen or paged set: into the dense problem */
+        if (layout_to_dense(&z, m->layout, &lay) != 0)
+            goto done;
+    } else {
+        for (int i = 0; LAYOUT_ARRAYS[i]; i++)
+            if (get(&z, LAYOUT_ARRAYS[i])) {
+                bad("has %s, which only a set of a layout (format 4) holds", LAYOUT_ARRAYS[i]);
+                goto done;
+            }
+    }
+    int sk = check_problem(&z, &o, &p, skip, sizeof skip);
+    if (sk < 0)
         goto done;
-    for (int i = 0; st == 0 && i < z.n; i++)              /* honest_* are errors, not options: never a skip */
+    for (int i = 0; sk == 0 && i < z.n; i++)              /* honest_* are errors, not options: never a skip */
         if (!listed(KNOWN, z.a[i].name) && strncmp(z.a[i].name, "honest_", 7) != 0) {
             snprintf(skip, sizeof skip, "the array %s is not known to this kernel", z.a[i].name);
-            st = 1;
+            sk = 1;
         }
     /* the references: out of the shape batch + (Hq, L, Ev), in the user's rank; the gradients of the inputs' */
     const Arr *ref = get(&z, "out"), *honest, *go = get(&z, "grad_out");
@@ -1619,8 +1896,11 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
     oshape[p.nb] = p.Hq;
     oshape[p.nb + 1] = p.L;
     oshape[p.nb + 2] = p.Ev;
-    if (ref->kind != 'f' || ref->ndim != urank ||
-        memcmp(ref->shape, oshape + orank - urank, sizeof(size_t) * (size_t)urank) != 0) {
+    const Arr *lref = get(&z, "lse"), *lhonest = get(&z, "honest_lse");
+    if (lay.kind && layout_refs_ok(&lay, ref, lref) != 0)
+        goto done;
+    if (!lay.kind && (ref->kind != 'f' || ref->ndim != urank ||
+                      memcmp(ref->shape, oshape + orank - urank, sizeof(size_t) * (size_t)urank) != 0)) {
         char s1[96];
         shape_str(ref, s1, sizeof s1);
         bad("out %s should be floating, of the shape batch + (Hq, L, Ev) of query, key and value", s1);
@@ -1629,8 +1909,7 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
     if (honest_for(&z, "out", fmt, &honest) != 0)
         goto done;
     /* the LSE: batch + (Hq, L) in the user's rank; honest_lse below float64 (format 3; format 2 has none) */
-    const Arr *lref = get(&z, "lse"), *lhonest = get(&z, "honest_lse");
-    if (lref && (lref->kind != 'f' || lref->ndim != urank - 1 ||
+    if (!lay.kind && lref && (lref->kind != 'f' || lref->ndim != urank - 1 ||
                  memcmp(lref->shape, oshape + orank - urank, sizeof(size_t) * (size_t)(urank - 1)) != 0)) {
         char s1[96];
         shape_str(lref, s1, sizeof s1);
@@ -1639,16 +1918,18 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
     }
     if (lref && lhonest && honest_for(&z, "lse", fmt, &lhonest) != 0)
         goto done;
-    if (go && (!is_float(go) || go->ndim != ref->ndim ||
-               memcmp(go->shape, ref->shape, sizeof(size_t) * (size_t)ref->ndim) != 0)) {
+    if (!lay.kind && go && (!is_float(go) || go->ndim != ref->ndim ||
+                            memcmp(go->shape, ref->shape, sizeof(size_t) * (size_t)ref->ndim) != 0)) {
         bad("grad_out should be floating, of the shape of out");
         goto done;
     }
     static const char *gnames[5] = {"dq", "dk", "dv", "dbias", "dsinks"}, *lnames[2] = {"bias", "sinks"};
     const Arr *like[5] = {p.q, p.k, p.v, p.bias, p.sinks}, *gref[5], *ghonest[5] = {NULL, NULL, NULL, NULL, NULL};
+    const Arr *stored[5] = {lay.kind ? &lay.sq : p.q, lay.kind ? &lay.sk : p.k, lay.kind ? &lay.sv : p.v, p.bias,
+                            p.sinks};                     /* what the references have the shapes of */
     for (int t = 0; t < 5; t++) {
         gref[t] = like[t] ? get(&z, gnames[t]) : NULL;
-        if (gref[t] && (check_ref(gref[t], gnames[t], like[t], t < 3 ? inputs[t] : lnames[t - 3]) != 0 ||
+        if (gref[t] && (check_ref(gref[t], gnames[t], stored[t], t < 3 ? inputs[t] : lnames[t - 3]) != 0 ||
                         honest_for(&z, gnames[t], fmt, &ghonest[t]) != 0))
             goto done;
     }
@@ -1657,22 +1938,24 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
         goto done;
     }
     rc = 0;
-    if (st == 0 && dequantize(&z, &p) != 0) {
+    if (sk == 0 && dequantize(&z, &p) != 0) {
         rc = -1;
         goto done;
     }
-    /* the forward */
-    if (st == 0 && (out = xcalloc(ref->count, sizeof(double))) == NULL) {
+    /* the forward (in the dense problem: batch + (Hq, L, Ev), the LSE batch + (Hq, L)) */
+    size_t ocount = lay.kind ? elems(elems(elems(lay.B, p.Hq), p.L), p.Ev) : ref->count;
+    size_t lcount = lay.kind ? elems(elems(lay.B, p.Hq), p.L) : lref ? lref->count : 0;
+    if (sk == 0 && (out = xcalloc(ocount ? ocount : 1, sizeof(double))) == NULL) {
         rc = -1;
         goto done;
     }
-    if (st == 0 && with_lse && lref && (lse = xcalloc(lref->count, sizeof(double))) == NULL) {
+    if (sk == 0 && with_lse && lref && (lse = xcalloc(lcount ? lcount : 1, sizeof(double))) == NULL) {
         rc = -1;
         goto done;
     }
-    if (st == 0 && attention_forward(&p, out, lse, skip, sizeof skip) != 0)
-        st = 1;
-    if (st != 0) {
+    if (sk == 0 && attention_forward(&p, out, lse, skip, sizeof skip) != 0)
+        sk = 1;
+    if (sk != 0) {
         printf("skip  %s: %s\n", name, skip);
         tally->skipped++;
         goto done;
@@ -1680,9 +1963,21 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
 #if defined(SDPA_CHECK_BREAK) && SDPA_CHECK_BREAK == 1          /* the tests' wrong kernel: out 1% off */
     for (size_t i = 0; i < ref->count; i++) out[i] *= 1.01;
 #endif
-    judge_into(&l, "out", out, ref, honest, m->k_out, ofmt);
+    if (lay.kind) {                                   /* where the layout keeps them */
+        if ((st[0] = xcalloc(ref->count ? ref->count : 1, sizeof(double))) == NULL ||
+            (lse && (st[1] = xcalloc(lref->count ? lref->count : 1, sizeof(double))) == NULL)) {
+            rc = -1;
+            goto done;
+        }
+        to_storage(&lay, out, 0, p.Hq, p.L, p.Ev, st[0], ref->count);
+        if (lse)
+            lse_to_storage(&lay, lse, p.Hq, st[1], lref->count);
+    }
+    judge_into(&l, "out", lay.kind ? st[0] : out, ref, honest, m->k_out, ofmt);
 #if defined(SDPA_CHECK_BREAK) && SDPA_CHECK_BREAK == 8          /* the tests' wrong kernel: lse 1% off */
-    for (size_t i = 0; lse && i < lref->count; i++) lse[i] *= 1.01;
+    for (size_t i = 0; lse && i < lcount; i++) lse[i] *= 1.01;
+    if (lay.kind && lse)
+        lse_to_storage(&lay, lse, p.Hq, st[1], lref->count);
 #endif
     if (!lref)
         say(&l, ", lse not judged (not in the file)");
@@ -1691,7 +1986,7 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
     else if (fmt->bits != 64 && !lhonest)
         say(&l, ", lse not judged (no honest_lse: vectors of format 2)");
     else                                        /* kept in float32 below float64, as kernels keep it */
-        judge_into(&l, "lse", lse, lref, lhonest, m->k_out, ofmt->bits < 32 ? &FORMATS[1] : ofmt);
+        judge_into(&l, "lse", lay.kind ? st[1] : lse, lref, lhonest, m->k_out, ofmt->bits < 32 ? &FORMATS[1] : ofmt);
     /* the backward */
     if (!backward) {
         say(&l, "; gradients not judged (the kernel has no backward: --forward-only)");
@@ -1711,13 +2006,23 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
             for (size_t i = 0; like[SDPA_CHECK_BREAK - 2] && i < like[SDPA_CHECK_BREAK - 2]->count; i++)
                 (*bufs[SDPA_CHECK_BREAK - 2])[i] *= 1.01;
 #endif
+            double *mine[5] = {g.dq, g.dk, g.dv, g.dbias, g.dsinks};
+            for (int t = 0; lay.kind && t < 3; t++) {   /* dq, dk, dv where the layout keeps their inputs */
+                size_t H = t ? p.Hkv : p.Hq, n = t ? p.S : p.L, F = t == 2 ? p.Ev : p.E;
+                if ((st[2 + t] = xcalloc(stored[t]->count ? stored[t]->count : 1, sizeof(double))) == NULL) {
+                    rc = -1;
+                    goto done;
+                }
+                to_storage(&lay, mine[t], t > 0, H, n, F, st[2 + t], stored[t]->count);
+                mine[t] = st[2 + t];
+            }
             for (int t = 0; t < 5; t++) {
                 if (!like[t])
                     continue;
                 if (!gref[t])
                     say(&l, ", %s not judged (not in the file)", gnames[t]);
                 else                            /* dsinks in the sinks' own dtype: float32 below float64 */
-                    judge_into(&l, gnames[t], *bufs[t], gref[t], ghonest[t], m->k_grad,
+                    judge_into(&l, gnames[t], mine[t], gref[t], ghonest[t], m->k_grad,
                                t == 4 && ofmt->bits < 32 ? &FORMATS[1] : ofmt);
             }
         }
@@ -1730,6 +2035,8 @@ static int run_case(const char *path, const char *name, const Manifest *m, int b
         if (l.failed) tally->failed++; else tally->passed++;
     }
 done:
+    layout_free(&lay);
+    for (int t = 0; t < 5; t++) free(st[t]);
     for (int t = 0; t < 3; t++) free(z.owned[t]);
     for (int i = 0; i < z.n; i++) free(z.data[i]);
     free(g.dq);

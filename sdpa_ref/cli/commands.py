@@ -166,10 +166,14 @@ def _cmd_vectors(args) -> int:
     progress = _Progress("vectors")
     try:
         manifest = vectors.write_vectors(args.out_dir, suite=args.suite, dtype=args.dtype, progress=progress,
-                                         cases=args.cases)
+                                         cases=args.cases, layout=args.layout)
     except CaseFileError as exc:
         progress.done()
         print(f"sdpa-ref: --cases: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:                              # fp8 with --layout
+        progress.done()
+        print(f"sdpa-ref: --layout: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:                                 # vectors.UnsafeDestination too: names the entry
         progress.done()
@@ -179,7 +183,8 @@ def _cmd_vectors(args) -> int:
     progress.done()
     if args.format == "table":
         what = f"from {one_line(args.cases)}" if args.cases else f"{args.suite} suite v{manifest['suite_version']}"
-        print(f"wrote {len(manifest['files'])} cases ({what}, {args.dtype}) and manifest.json to "
+        where = f", layout {args.layout}" if args.layout else ""
+        print(f"wrote {len(manifest['files'])} cases ({what}, {args.dtype}{where}) and manifest.json to "
               f"{one_line(args.out_dir)}")
         return 0
     rows = [{"file": e["file"], "sha256": e["sha256"], "bytes": os.lstat(os.path.join(args.out_dir, e["file"])).st_size}

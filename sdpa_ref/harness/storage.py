@@ -49,7 +49,7 @@ class Storage:
             pages = -(-self.kl // PAGE_SIZE)
             rng = np.random.default_rng(int(B * 1000003 + S))       # a shuffled page order, fixed by the shape
             order = rng.permutation(int(pages.sum()) + 1)           # one page more, named by no table
-            self.spare = int(order[-1])
+            self.spare, self.n_pages = int(order[-1]), len(order)
             self.table = np.full((B, max(1, int(pages.max(initial=0)))), self.spare, np.int64)
             first = np.cumsum(pages) - pages
             for b in range(B):
@@ -69,7 +69,7 @@ class Storage:
     def _page(self, x):
         """``(B, H, S, F)`` -> the cache ``(pages, PAGE_SIZE, H, F)``: position ``j`` of sequence ``b`` on page
         ``table[b, j // PAGE_SIZE]``, slot ``j % PAGE_SIZE``; every other slot holds ``fill``."""
-        cache = np.full((int(self.table.max(initial=0)) + 1, PAGE_SIZE, x.shape[1], x.shape[-1]), self.fill, x.dtype)
+        cache = np.full((self.n_pages, PAGE_SIZE, x.shape[1], x.shape[-1]), self.fill, x.dtype)
         for b in range(self.B):
             j = np.arange(self.kl[b])
             cache[self.table[b, j // PAGE_SIZE], j % PAGE_SIZE] = np.swapaxes(x[b, :, :self.kl[b]], 0, 1)

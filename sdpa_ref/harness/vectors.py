@@ -75,6 +75,7 @@ from .lowp import DESCALES, LOW_DTYPES, TEST_DTYPES, as_test_dtype, dequantized,
 from ._files import UnsafeDestination, WriteFolder
 from .casefile import CaseFileError, case_definition, cases_from_definitions, load_cases
 from .rules import RelativeRule
+from .vector_layouts import LAYOUT_FORMAT_VERSION, VECTOR_LAYOUTS, layout_arrays, takes
 from .vectorio import (FORMAT_VERSION, MAX_FILE_BYTES, MAX_MANIFEST_BYTES, ManifestError, differences,  # noqa: F401
                        manifest_bytes, manifest_differences, read_manifest, read_member, read_npz, shown)
 from .vectorio import npz_bytes as _npz_bytes
@@ -91,8 +92,11 @@ PROVENANCE = ("package_version", "cases_file")
 
 
 def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
-                  progress: Optional[Callable[[int, int, str], None]] = None, cases=None) -> dict:
+                  progress: Optional[Callable[[int, int, str], None]] = None, cases=None, layout=None) -> dict:
     """Write ``<case>.npz`` files and ``manifest.json`` into ``out_dir``; return the manifest.
+
+    ``layout`` (``"thd"`` or ``"paged"``) writes the cases that have a form in that layout as a varlen or paged
+    kernel stores them (:mod:`.vector_layouts`; format "4"); None (default) the dense set.
 
     ``cases`` (a case file's path, or a sequence of :class:`~.cases.Case`) replaces ``suite``: the set is then
     the ``"custom"`` suite, and the manifest stores every case's definition (``"cases"``), from which
@@ -108,6 +112,11 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
     if not (isinstance(dtype, str) and dtype in TEST_DTYPES):
         raise ValueError(f"`dtype` should be one of {', '.join(TEST_DTYPES)}, but got {dtype!r}")
     dt = as_test_dtype(dtype, "dtype")                      # bfloat16 and fp8: ImportError without ml_dtypes
+    if layout is not None and layout not in VECTOR_LAYOUTS:
+        raise ValueError(f"`layout` should be None or one of {', '.join(VECTOR_LAYOUTS)}, but got {layout!r}")
+    if layout is not None and dt.name in ("float8_e4m3fn", "float8_e5m2"):
+        raise ValueError(f"`dtype` should not be fp8 with `layout` (its per-(batch, kv-head) descales have no "
+                         f"layout form), but got {dt.name}")
     custom = None
     if cases is not None:                                   # refuse a bad case file or suite before touching the disk
         source = os.path.basename(os.fspath(cases)) if isinstance(cases, (str, os.PathLike)) else None
@@ -119,6 +128,8 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
         suite = "custom"
     else:
         cases = get_suite(suite)
+    if layout is not None:
+        cases = [c for c in cases if takes(c, layout)]
     os.makedirs(out_dir, exist_ok=True)
     files = []
     with WriteFolder(out_dir) as folder:
@@ -126,11 +137,11 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
         for i, case in enumerate(cases):
             if progress is not None:
                 progress(i, len(cases), case.name)
-            arrays = _case_arrays(case, dt.name)
+            arrays = _case_arrays(case, dt.name, layout)
             data = _npz_bytes(arrays)
             folder.write(f"{case.name}.npz", data)
             files.append(_file_entry(case, arrays, data))
-        manifest = _manifest(suite, dt, files, custom, __version__)
+        manifest = _manifest(suite, dt, files, custom, __version__, layout)
         folder.write("manifest.json", manifest_bytes(manifest))
     return manifest
 
@@ -142,10 +153,12 @@ def _file_entry(case, arrays, data) -> dict:
             "options": case.options_json()}
 
 
-def _manifest(suite, dt, files, custom, package_version) -> dict:
-    """The manifest of a set: every field but the provenance follows from the suite (or cases) and dtype."""
+def _manifest(suite, dt, files, custom, package_version, layout=None) -> dict:
+    """The manifest of a set: every field but the provenance follows from the suite (or cases), dtype and
+    layout."""
     manifest = {
-        "format": "sdpa_ref golden vectors", "format_version": FORMAT_VERSION,
+        "format": "sdpa_ref golden vectors",
+        "format_version": FORMAT_VERSION if layout is None else LAYOUT_FORMAT_VERSION,
         "package": "sdpa_ref", "package_version": package_version,
         "suite": suite, "suite_version": SUITE_VERSION, "dtype": dt.name,
         "storage": _STORAGE.get(dt.name, "every array in its own dtype"),
@@ -165,6 +178,8 @@ def _manifest(suite, dt, files, custom, package_version) -> dict:
         "relative_rule": {"k_out": RelativeRule().k_out, "k_grad": RelativeRule().k_grad},
         "files": files,
     }
+    if layout is not None:
+        manifest["layout"] = layout
     manifest.update(custom or {})
     return manifest
 
@@ -175,7 +190,7 @@ def case_arrays(case, dt) -> Dict[str, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=128)
-def _case_arrays(case, dt):
+def _case_arrays(case, dt, layout=None):
     """:func:`case_arrays`, computed once per process: the computation is deterministic to the bit."""
     dt = np.dtype(dt)
     inp = case.make_inputs(dt)
@@ -188,6 +203,8 @@ def _case_arrays(case, dt):
     arrays["options_json"] = np.frombuffer(json.dumps(opts, sort_keys=True).encode("utf-8"), dtype=np.uint8)
     exp = expected(arrays, opts, dt, case)
     arrays.update(exp)
+    if layout is not None:                                  # as a varlen or paged kernel stores them
+        arrays = layout_arrays(arrays, layout)
     return {n: _bits(a) if n in IN_DTYPE else a for n, a in arrays.items()}
 
 
@@ -306,7 +323,7 @@ def verify_vectors(out_dir) -> VerifyReport:
         dt = as_test_dtype(manifest["dtype"], "dtype")
     except ImportError as exc:
         raise ManifestError(f"the vectors are {manifest['dtype']}: {exc}") from None
-    custom = None
+    custom, layout = None, manifest.get("layout")
     if manifest["suite"] == "custom":                   # a user's cases: regenerated from the stored definitions
         try:
             suite = cases_from_definitions(manifest.get("cases"), "manifest.json")
@@ -315,16 +332,18 @@ def verify_vectors(out_dir) -> VerifyReport:
         custom = {"cases": [case_definition(c) for c in suite]}
     else:
         suite = get_suite(manifest["suite"])
+    if layout is not None:
+        suite = [c for c in suite if takes(c, layout)]
     fresh, entries = {}, []
     for case in suite:                                  # deterministic to the bit, cached per process
-        arrays = _case_arrays(case, dt.name)
+        arrays = _case_arrays(case, dt.name, layout)
         data = _npz_bytes(arrays)
         fresh[f"{case.name}.npz"] = (case, arrays, data)
         entries.append(_file_entry(case, arrays, data))
     kept = {k: manifest[k] for k in PROVENANCE if isinstance(manifest.get(k), str)}
     if "cases_file" in kept:
         custom = dict(custom or {}, cases_file=kept["cases_file"])
-    want = _manifest(manifest["suite"], dt, entries, custom, kept.get("package_version", __version__))
+    want = _manifest(manifest["suite"], dt, entries, custom, kept.get("package_version", __version__), layout)
     if raw != manifest_bytes(want):
         diff = manifest_differences(manifest, want)
         rep.problems.append("manifest.json is not what a fresh write of this set gives: " + (

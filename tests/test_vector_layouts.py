@@ -1,0 +1,92 @@
+"""Golden vectors in a kernel's storage layout (``sdpa-ref vectors --layout thd|paged``, format 4).
+
+The layout set's reference, computed in the layout, must be the dense set's entries moved -- bit for bit, every
+quantity, storage no sequence uses holding 0 (and -inf in the LSE) -- and the set must verify like a dense one,
+and refuse what it cannot hold.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from sdpa_ref.harness import vectors
+from sdpa_ref.harness.cases import get_suite
+from sdpa_ref.harness.storage import Storage
+from sdpa_ref.harness.vector_layouts import takes
+
+
+@pytest.fixture(scope="module", params=["thd", "paged"])
+def layout_set(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    m = vectors.write_vectors(str(d), dtype="float32", layout=request.param)
+    return request.param, d, m
+
+
+def test_the_layout_reference_is_the_dense_one_moved_bit_for_bit(layout_set):
+    layout, d, m = layout_set
+    assert m["format_version"] == "4" and m["layout"] == layout
+    cases = {c.name: c for c in get_suite("quick")}
+    for entry in m["files"]:
+        case = cases[entry["case"]]
+        with open(d / entry["file"], "rb") as fh:
+            got = vectors.read_npz(fh.read())
+        dense = vectors.case_arrays(case, "float32")
+        lengths = {n: dense[n] for n in ("q_lengths", "kv_lengths") if n in dense}
+        st = Storage(layout, dense["query"], dense["key"], dense["value"], lengths)
+        for n in ("query", "key", "value"):
+            np.testing.assert_array_equal(got[n], (st.query if n == "query" else st.kv)(dense[n]))
+        np.testing.assert_array_equal(got["out"], st.out(dense["out"]))
+        np.testing.assert_array_equal(got["grad_out"], st.out(dense["grad_out"]))
+        np.testing.assert_array_equal(st.from_lse(got["lse"]), dense["lse"])
+        for n, x in zip(("dq", "dk", "dv"), st.from_grads(got["dq"], got["dk"], got["dv"])):
+            np.testing.assert_array_equal(x, dense[n])
+        if layout == "thd":                          # the spare row: 0, and -inf in the LSE
+            assert np.all(got["out"][-1] == 0) and np.all(got["dk"][-1] == 0) and np.all(got["lse"][:, -1] == -np.inf)
+            np.testing.assert_array_equal(got["cu_seqlens_q"], st.kwargs()["cu_seqlens_q"])
+        else:                                        # the spare page: in the cache, unread, 0 in dk and dv
+            spare = st.spare
+            assert 0 <= spare < got["key"].shape[0]
+            for n in ("key", "value", "dk", "dv"):
+                assert np.all(got[n][spare] == 0), n
+        for n in dense:
+            if n.startswith("honest_") or n in ("sinks", "dsinks", "alibi_slopes", "options_json"):
+                np.testing.assert_array_equal(got[n], dense[n])
+        assert not ({"q_lengths", "kv_lengths", "attn_mask", "bias", "dropout_mask"} & set(got))
+
+
+def test_a_layout_set_verifies_and_a_tampered_one_does_not(layout_set, tmp_path):
+    layout, d, m = layout_set
+    assert vectors.verify_vectors(str(d)).ok
+    import shutil
+    t = tmp_path / "t"
+    shutil.copytree(d, t)
+    mani = json.loads((t / "manifest.json").read_text())
+    mani["layout"] = "thd" if layout == "paged" else "paged"
+    (t / "manifest.json").write_text(json.dumps(mani, indent=2, sort_keys=True) + "\n")
+    assert not vectors.verify_vectors(str(t)).ok
+    mani["layout"] = "bshd"
+    (t / "manifest.json").write_text(json.dumps(mani))
+    with pytest.raises(vectors.ManifestError, match="'layout'"):
+        vectors.verify_vectors(str(t))
+
+
+def test_which_cases_have_a_layout_form():
+    suite = get_suite("full")
+    for layout in ("thd", "paged"):
+        kept = [c for c in suite if takes(c, layout)]
+        assert kept and len(kept) < len(suite)
+        for c in suite:
+            dense_arrays = {"mask", "masked_rows", "float_mask", "bias", "dropout"} & set(c.arrays)
+            expect = (c.batch_q == c.batch_kv and len(c.batch_q) == 1 and not dense_arrays
+                      and c.opts.get("fully_masked") != "uniform"
+                      and not (layout == "paged" and "lengths" in c.arrays))
+            assert takes(c, layout) == expect, c.name
+
+
+def test_bad_layout_requests_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="`layout`"):
+        vectors.write_vectors(str(tmp_path / "a"), layout="bshd")
+    pytest.importorskip("ml_dtypes")
+    with pytest.raises(ValueError, match="fp8"):
+        vectors.write_vectors(str(tmp_path / "b"), dtype="float8_e4m3fn", layout="thd")
