@@ -21,6 +21,10 @@
  *  5. prints one line per case (pass, FAIL or skip, with each quantity's error / allowed: a quantity passes
  *     at <= 1), then "N passed, M failed, K skipped" (cases).
  *
+ * A set written with `sdpa-ref vectors DIR --layout thd|paged` (format 4) stores each case as a varlen or a
+ * paged KV-cache kernel takes it; see "layouts" below: the client checks the index arrays against the
+ * storage, gathers the sequences into the dense kernels and judges the results where the layout keeps them.
+ *
  * Exit status (the contract the `sdpa-ref` command line shares):
  *     0  at least one quantity was judged and none failed
  *     1  a quantity failed
