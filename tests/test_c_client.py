@@ -661,6 +661,7 @@ def apply_recipe(recipe, base, out):
 BREAKS = {1: "out", 2: "dq", 3: "dk", 4: "dv", 5: "dbias", 8: "lse"}   # -DSDPA_CHECK_BREAK=n: that one 1% off
 SINK_BREAKS = {6: "dsinks", 7: "out"}                            # dsinks 1% off; the sink forgotten (out fails)
 LAYOUT_BREAK = 9                                                 # a layout kernel that reads its keys one off
+GATHER_BREAK = 10                                                # a sparse kernel that ignores its indices
 
 
 @pytest.fixture(scope="module")
@@ -672,7 +673,7 @@ def exes(tmp_path_factory):
             "no_backward": (["-std=c99", "-O0"], ["SDPA_CHECK_NO_BACKWARD"]),
             "no_lse": (["-std=c99", "-O0"], ["SDPA_CHECK_NO_LSE"])}
     jobs.update({f"break{n}": (["-std=c99", "-O0"], [f"SDPA_CHECK_BREAK={n}"])
-                 for n in list(BREAKS) + list(SINK_BREAKS) + [LAYOUT_BREAK]})
+                 for n in list(BREAKS) + list(SINK_BREAKS) + [LAYOUT_BREAK, GATHER_BREAK]})
 
     def one(name):
         try:
@@ -718,7 +719,7 @@ def bases(tmp_path_factory):
     root = tmp_path_factory.mktemp("vectors")
     out = {dt: write_base(root / dt, dt) for dt in dtypes}
     out["sinks-float32"] = write_sinks_base(root / "sinks", "float32")   # the full suite's cases with sinks
-    for layout in ("thd", "paged"):                                     # as varlen and paged kernels store them
+    for layout in ("thd", "paged", "gathered"):                         # as varlen, paged, sparse kernels take them
         out[f"{layout}-float32"] = write_layout_base(root / layout, "float32", layout)
     return out
 
@@ -832,6 +833,19 @@ def test_a_layout_set_is_judged_where_the_layout_keeps_the_results(exes, bases, 
     assert several and several <= failed
 
 
+def test_a_gathered_set_keeps_only_the_keys_each_row_names(exes, bases, asan_client):
+    """Every case with top-k indices passes under the sanitizers; a kernel that ignores them fails the cases
+    whose indices leave a key out."""
+    base = bases["gathered-float32"]
+    cp = run(asan_client, base.path)
+    assert contract_problem(cp) is None and cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
+    assert cp.stdout.splitlines()[-1] == f"{len(base.names)} passed, 0 failed, 0 skipped"
+    cp = run(_exe(exes, f"break{GATHER_BREAK}"), base.path)
+    assert cp.returncode == 1, cp.stdout[-2000:]
+    failed = {ln.split()[1].rstrip(":") for ln in cp.stdout.splitlines() if ln.startswith("FAIL")}
+    assert len(failed) >= len(base.names) - 2, cp.stdout[-3000:]
+
+
 @pytest.mark.parametrize("edit, says", [
     (("thd", lambda a: a.__setitem__("cu_seqlens_q", np.r_[0, a["cu_seqlens_q"][:0:-1]].astype(np.int32))),
      "should not decrease"),
@@ -842,12 +856,16 @@ def test_a_layout_set_is_judged_where_the_layout_keeps_the_results(exes, bases, 
     (("paged", lambda a: a.__setitem__("block_table", a["block_table"][:, None])), "integers of 2 dims"),
     (("paged", lambda a: a.__setitem__("q_lengths", np.ones(2, np.int64))), "should not be stored"),
     (("float32", lambda a: a.__setitem__("block_table", np.zeros((2, 1), np.int32))), "only a set of a layout"),
+    (("gathered", lambda a: a.__setitem__("gather_kv_indices", a["gather_kv_indices"].astype(np.float64))),
+     "should be integers"),
+    (("gathered", lambda a: a.__setitem__("gather_kv_indices", a["gather_kv_indices"][..., :1, :, :].repeat(3, 1))),
+     "broadcasting"),
 ], ids=["cu-decreasing", "cu-not-from-0", "cu-past-rows", "page-outside", "seqlen-past-table", "table-rank",
-        "lengths-stored", "index-in-a-dense-set"])
+        "lengths-stored", "index-in-a-dense-set", "gather-float", "gather-heads"])
 def test_a_layout_file_with_bad_indices_is_one_line_and_exit_status_2(asan_client, bases, tmp_path, edit, says):
     which, change = edit
     base = bases[which if which == "float32" else f"{which}-float32"]
-    name = "plain-L8-S8.npz"
+    name = "plain-L8-S8-gather.npz" if which == "gathered" else "plain-L8-S8.npz"
     folder = tmp_path / "v"
     materialize(base, str(folder), {name: repack(base.blob(name), change)},      # (the base's file stays)
                 dict(base.manifest, files=[e for e in base.manifest["files"] if e["file"] == name]))

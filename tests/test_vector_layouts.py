@@ -90,3 +90,21 @@ def test_bad_layout_requests_are_refused(tmp_path):
     pytest.importorskip("ml_dtypes")
     with pytest.raises(ValueError, match="fp8"):
         vectors.write_vectors(str(tmp_path / "b"), dtype="float8_e4m3fn", layout="thd")
+
+
+def test_a_gathered_set_holds_every_case_with_its_indices_and_verifies(tmp_path):
+    m = vectors.write_vectors(str(tmp_path), dtype="float32", layout="gathered")
+    suite = get_suite("quick")
+    assert m["layout"] == "gathered" and [e["case"] for e in m["files"]] == [c.name + "-gather" for c in suite]
+    assert vectors.verify_vectors(str(tmp_path)).ok
+    with open(tmp_path / "plain-L8-S8-gather.npz", "rb") as fh:
+        got = vectors.read_npz(fh.read())
+    dense = vectors.case_arrays(suite[0], "float32")
+    idx = got["gather_kv_indices"]
+    assert idx.shape == (2, 1, 8, 4) and idx.min() >= -1 and idx.max() < 8
+    np.testing.assert_array_equal(got["query"], dense["query"])
+    assert not np.array_equal(got["out"], dense["out"])             # the indices leave keys out
+    from sdpa_ref import sdpa_forward
+    want = sdpa_forward(*(dense[n].astype(np.float64) for n in ("query", "key", "value")), gather_kv_indices=idx,
+                        precision="reproducible")[0]
+    np.testing.assert_array_equal(got["out"], want)

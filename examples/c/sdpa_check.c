@@ -24,6 +24,8 @@
  * A set written with `sdpa-ref vectors DIR --layout thd|paged` (format 4) stores each case as a varlen or a
  * paged KV-cache kernel takes it; see "layouts" below: the client checks the index arrays against the
  * storage, gathers the sequences into the dense kernels and judges the results where the layout keeps them.
+ * With `--layout gathered` every case has top-k gather_kv_indices (batch..., Hq or 1, L, K): a row keeps only
+ * the keys its indices name (-1 and out-of-range name none, a repeat counts once), which score_row applies.
  *
  * Exit status (the contract the `sdpa-ref` command line shares):
  *     0  at least one quantity was judged and none failed
@@ -424,9 +426,10 @@ static int parse_manifest(Manifest *m, size_t len)
         } else if (is_key(k, kn, "layout")) {
             if (json_string(&j, &s, &n, NULL) != 0)
                 return -1;
-            m->layout = is_key(s, n, "thd") ? LAYOUT_THD : is_key(s, n, "paged") ? LAYOUT_PAGED : -1;
+            m->layout = is_key(s, n, "thd") ? LAYOUT_THD : is_key(s, n, "paged") ? LAYOUT_PAGED
+                      : is_key(s, n, "gathered") ? LAYOUT_DENSE : -1;   /* gathered: dense, with the indices */
             if (m->layout < 0)
-                return bad("the layout should be \"thd\" or \"paged\"");
+                return bad("the layout should be \"thd\", \"paged\" or \"gathered\"");
         } else if (is_key(k, kn, "relative_rule")) {
             int f2 = 1, r2;
             if (json_open(&j, '{') != 0)
@@ -967,7 +970,7 @@ static int parse_options(const Arr *oj, Opts *o)
 
 /* What the kernels get: arrays whose shapes were checked against each other, and the options. */
 typedef struct {
-    const Arr *q, *k, *v, *mask, *bias, *slopes, *qlen, *kvlen, *keep, *sinks;
+    const Arr *q, *k, *v, *mask, *bias, *slopes, *qlen, *kvlen, *keep, *sinks, *gather;
     Opts o;
     int nb;                                     /* batch dims; the scores are (batch..., Hq, L, S) */
     size_t batch[MAXD], nbatch;
@@ -1072,6 +1075,16 @@ static int check_problem(Npz *z, const Opts *o, Problem *p, char *skip, size_t s
             if (at(a, i) != at(a, i) || at(a, i) == INFINITY)
                 return bad("sinks should be finite or -inf, but holds %g", at(a, i));
     }
+    if ((p->gather = get(z, "gather_kv_indices")) != NULL) {   /* top-k: (batch..., Hq or 1, L, K) */
+        const Arr *a = p->gather;
+        size_t gfull[MAXD + 3];
+        memcpy(gfull, full, sizeof gfull);
+        gfull[rank - 1] = a->ndim ? a->shape[a->ndim - 1] : 0;
+        shape_str(a, s2, sizeof s2);
+        if (a->kind != 'i' || a->ndim < 2 || a->ndim > urank || !broadcasts(a, gfull, rank))
+            return bad("gather_kv_indices %s should be integers of a shape (batch..., Hq, L, K) broadcasting to the "
+                       "scores' but for K", s2);
+    }
     static const char *lens[2] = {"q_lengths", "kv_lengths"};
     const Arr **lslot[2] = {&p->qlen, &p->kvlen};
     for (int t = 0; t < 2; t++) {
@@ -1165,6 +1178,7 @@ typedef struct {
     double *pr;                                 /* the probabilities, before dropout */
     double *dp;                                 /* the backward's dO . v_j, times the dropout factor */
     unsigned char *ok;                          /* 1 where the key takes part */
+    unsigned char *named;                       /* gather_kv_indices: 1 where the row's indices name the key */
     double psink;                               /* the sink's probability (0 without a sink) */
     double lse;                                 /* log sum_j exp(t_j) over the keys and the sink; -inf: none */
 } Row;
@@ -1176,6 +1190,7 @@ static void row_free(Row *r)
     free(r->pr);
     free(r->dp);
     free(r->ok);
+    free(r->named);
 }
 
 static int row_alloc(Row *r, size_t S)
@@ -1185,7 +1200,8 @@ static int row_alloc(Row *r, size_t S)
     r->pr = xcalloc(S, sizeof(double));
     r->dp = xcalloc(S, sizeof(double));
     r->ok = xcalloc(S, 1);
-    if (r->t && r->th && r->pr && r->dp && r->ok)
+    r->named = xcalloc(S ? S : 1, 1);
+    if (r->t && r->th && r->pr && r->dp && r->ok && r->named)
         return 0;
     row_free(r);
     return -1;
@@ -1230,6 +1246,16 @@ static int score_row(const Problem *p, size_t *idx, size_t h, size_t i, Row *r)
     memcpy(ki, idx, sizeof ki);
     qrow = row_of(p->q, ki, full);              /* q_i */
     ki[nb] = h / p->G;                          /* GQA: query head h reads kv head h / G */
+    if (p->gather) {                            /* the keys the row's indices name: -1 and out of range none */
+        const Arr *g = p->gather;
+        memset(r->named, 0, p->S);
+        for (size_t c = 0; c < g->shape[g->ndim - 1]; c++) {
+            idx[nb + 2] = c;
+            long long j = at_int(g, offset_of(g, idx, full));
+            if (j >= 0 && (unsigned long long)j < p->S)
+                r->named[j] = 1;                /* a repeated index counts once */
+        }
+    }
     int any = 0;
     for (size_t j = 0; j < p->S; j++) {
         long long jj = (long long)j;
@@ -1239,6 +1265,9 @@ static int score_row(const Problem *p, size_t *idx, size_t h, size_t i, Row *r)
         if (o->has_right && jj > ii + off + o->right) a = 0;
         idx[nb + 2] = j;
         if (a && p->mask && p->mask->kind == 'b' && !at_index(p->mask, idx, full)) a = 0;
+#if !(defined(SDPA_CHECK_BREAK) && SDPA_CHECK_BREAK == 10)      /* the tests' wrong kernel: the indices ignored */
+        if (a && p->gather && !r->named[j]) a = 0;
+#endif
         double t = 0, th = 0;
         if (a) {
             ki[nb + 1] = j;
@@ -1807,7 +1836,7 @@ static const char *const KNOWN[] = {
     "query", "key", "value", "attn_mask", "bias", "alibi_slopes", "dropout_mask", "q_lengths", "kv_lengths",
     "q_descale", "k_descale", "v_descale", "options_json", "out", "lse", "grad_out", "dq", "dk", "dv", "dbias",
     "honest_out", "honest_dq", "honest_dk", "honest_dv", "honest_dbias", "sinks", "dsinks", "honest_dsinks",
-    "honest_lse", "cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_table", NULL};
+    "honest_lse", "cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_table", "gather_kv_indices", NULL};
 
 /* the index arrays of a layout set (format 4), only there */
 static const char *const LAYOUT_ARRAYS[] = {"cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_table", NULL};

@@ -15,6 +15,11 @@ a kernel with ``layout="thd"`` or ``"paged"`` -- and the reference in that layou
     ``cache_seqlens`` (int32, ``(B,)``) keys per sequence; ``out``, ``grad_out (B, L, Hq, Ev)``, ``lse
     (B, Hq, L)``, ``dq`` as ``query``, ``dk``, ``dv`` of the cache's shape (0 on slots no sequence uses).
 
+``"gathered"``
+    Every case of the suite with top-k ``gather_kv_indices`` (int64 ``(batch, 1, L, K)``, ``K = ceil(S / 2)``,
+    drawn from ``[-1, S)``: ``-1`` names no key, a repeat counts once), named ``...-gather``; the other arrays
+    are dense, as in a dense set (a sparse kernel takes the indices as ``(batch, L, K)``).
+
 The reference is computed in the layout itself (``sdpa_forward(layout=...)``, ``precision="reproducible"``);
 it equals the dense reference's entries moved, bit for bit (tested). The ``honest_*`` errors are the dense
 case's: the layout moves entries, it changes no value. The sequences' lengths are the case's ``q_lengths`` and
@@ -34,14 +39,23 @@ from ..layouts import KVCache, Packed
 from .lowp import widen
 from .storage import Storage
 
-__all__ = ["LAYOUT_FORMAT_VERSION", "VECTOR_LAYOUTS", "layout_arrays", "takes"]
+__all__ = ["LAYOUT_FORMAT_VERSION", "VECTOR_LAYOUTS", "in_layout", "layout_arrays", "takes"]
 
-#: ``write_vectors(layout=)``: the dense layout (None), or one of these.
-VECTOR_LAYOUTS = ("thd", "paged")
+#: ``write_vectors(layout=)``: the dense layout (None), or one of these (``"gathered"``: every case with top-k
+#: ``gather_kv_indices``, :meth:`.cases.Case.gathered`, its arrays dense).
+VECTOR_LAYOUTS = ("thd", "paged", "gathered")
 #: The format of a layout set: format "3" plus the layout's arrays and the manifest's ``"layout"``.
 LAYOUT_FORMAT_VERSION = "4"
 #: The array kinds a case may draw and keep a layout form: per head, or the lengths the layout takes over.
 _PER_SEQUENCE = frozenset({"lengths", "zero_kv", "sinks", "alibi"})
+
+
+def in_layout(cases, layout):
+    """The cases of a set in ``layout``: those with a form in it, each :meth:`~.cases.Case.gathered` for
+    ``"gathered"``."""
+    if layout == "gathered":
+        return [c.gathered() for c in cases]
+    return [c for c in cases if takes(c, layout)]
 
 
 def takes(case, layout) -> bool:

@@ -75,7 +75,7 @@ from .lowp import DESCALES, LOW_DTYPES, TEST_DTYPES, as_test_dtype, dequantized,
 from ._files import UnsafeDestination, WriteFolder
 from .casefile import CaseFileError, case_definition, cases_from_definitions, load_cases
 from .rules import RelativeRule
-from .vector_layouts import LAYOUT_FORMAT_VERSION, VECTOR_LAYOUTS, layout_arrays, takes
+from .vector_layouts import LAYOUT_FORMAT_VERSION, VECTOR_LAYOUTS, in_layout, layout_arrays
 from .vectorio import (FORMAT_VERSION, MAX_FILE_BYTES, MAX_MANIFEST_BYTES, ManifestError, differences,  # noqa: F401
                        manifest_bytes, manifest_differences, read_manifest, read_member, read_npz, shown)
 from .vectorio import npz_bytes as _npz_bytes
@@ -83,6 +83,8 @@ from .vectorio import npz_bytes as _npz_bytes
 __all__ = ["FORMAT_VERSION", "ManifestError", "UnsafeDestination", "write_vectors", "verify_vectors",
            "VerifyReport", "read_npz", "decoded"]
 
+#: The top-k indices of a ``"gathered"`` set (not an option the harness judges elsewhere).
+GATHER = ("gather_kv_indices",)
 #: The arrays held in the vectors' dtype (bit patterns for bfloat16 and fp8).
 IN_DTYPE = ("query", "key", "value", "attn_mask", "bias", "alibi_slopes", "grad_out")
 #: The manifest's fields that record where a set came from and are taken as stored by ``verify`` (if strings):
@@ -96,7 +98,8 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
     """Write ``<case>.npz`` files and ``manifest.json`` into ``out_dir``; return the manifest.
 
     ``layout`` (``"thd"`` or ``"paged"``) writes the cases that have a form in that layout as a varlen or paged
-    kernel stores them (:mod:`.vector_layouts`; format "4"); None (default) the dense set.
+    kernel stores them, ``"gathered"`` every case with top-k key indices (:mod:`.vector_layouts`; format "4");
+    None (default) the dense set.
 
     ``cases`` (a case file's path, or a sequence of :class:`~.cases.Case`) replaces ``suite``: the set is then
     the ``"custom"`` suite, and the manifest stores every case's definition (``"cases"``), from which
@@ -114,7 +117,7 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
     dt = as_test_dtype(dtype, "dtype")                      # bfloat16 and fp8: ImportError without ml_dtypes
     if layout is not None and layout not in VECTOR_LAYOUTS:
         raise ValueError(f"`layout` should be None or one of {', '.join(VECTOR_LAYOUTS)}, but got {layout!r}")
-    if layout is not None and dt.name in ("float8_e4m3fn", "float8_e5m2"):
+    if layout in ("thd", "paged") and dt.name in ("float8_e4m3fn", "float8_e5m2"):
         raise ValueError(f"`dtype` should not be fp8 with `layout` (its per-(batch, kv-head) descales have no "
                          f"layout form), but got {dt.name}")
     custom = None
@@ -129,7 +132,7 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
     else:
         cases = get_suite(suite)
     if layout is not None:
-        cases = [c for c in cases if takes(c, layout)]
+        cases = in_layout(cases, layout)
     os.makedirs(out_dir, exist_ok=True)
     files = []
     with WriteFolder(out_dir) as folder:
@@ -196,14 +199,14 @@ def _case_arrays(case, dt, layout=None):
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
     arrays: Dict[str, np.ndarray] = {"query": q, "key": k, "value": v}
-    for name in ARRAY_OPTIONS + DESCALES:
+    for name in ARRAY_OPTIONS + DESCALES + GATHER:
         if name in inp:
             arrays[name] = np.asarray(inp.pop(name))
     opts = case.options_json()
     arrays["options_json"] = np.frombuffer(json.dumps(opts, sort_keys=True).encode("utf-8"), dtype=np.uint8)
     exp = expected(arrays, opts, dt, case)
     arrays.update(exp)
-    if layout is not None:                                  # as a varlen or paged kernel stores them
+    if layout in ("thd", "paged"):                          # as a varlen or paged kernel stores them
         arrays = layout_arrays(arrays, layout)
     return {n: _bits(a) if n in IN_DTYPE else a for n, a in arrays.items()}
 
@@ -261,7 +264,7 @@ def expected(arrays, opts, dt, case=None, grad_out=None) -> Dict[str, np.ndarray
 
 def _options_kwargs(arrays, opts):
     kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in opts.items() if k != "arrays"}
-    for name in ARRAY_OPTIONS + DESCALES:
+    for name in ARRAY_OPTIONS + DESCALES + GATHER:
         if name in arrays:
             kw[name] = arrays[name]
     return kw
@@ -333,7 +336,7 @@ def verify_vectors(out_dir) -> VerifyReport:
     else:
         suite = get_suite(manifest["suite"])
     if layout is not None:
-        suite = [c for c in suite if takes(c, layout)]
+        suite = in_layout(suite, layout)
     fresh, entries = {}, []
     for case in suite:                                  # deterministic to the bit, cached per process
         arrays = _case_arrays(case, dt.name, layout)
