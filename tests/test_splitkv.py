@@ -243,3 +243,20 @@ def test_bad_splits_in_the_partials_and_flash_attn_with_kvcache():
     with pytest.raises(ValueError, match="`num_splits`"):
         sdpa_ref.flash_attn_with_kvcache(np.zeros((1, 1, 1, 2)), np.zeros((1, 4, 1, 2)), np.zeros((1, 4, 1, 2)),
                                          num_splits=-1)
+
+
+def test_flash_attn_with_kvcache_splits_when_asked(monkeypatch):
+    """num_splits is not accepted and ignored: n > 1 runs the split schedule with n splits per sequence."""
+    seen = []
+    real = sdpa_ref.engines.splitkv.forward
+
+    def spy(prob, **kw):
+        seen.append(kw["split_bounds"].shape[-1] - 1)
+        return real(prob, **kw)
+    monkeypatch.setattr(sdpa_ref.engines.splitkv, "forward", spy)
+    rng = np.random.default_rng(7)
+    kc, vc, q = rng.standard_normal((3, 4, 1, 2)), rng.standard_normal((3, 4, 1, 2)), rng.standard_normal((1, 1, 1, 2))
+    for n in (0, 1, 3):
+        sdpa_ref.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=np.array([9]), block_table=np.array([[2, 0, 1]]),
+                                         num_splits=n)
+    assert seen == [3]

@@ -108,3 +108,13 @@ def test_a_gathered_set_holds_every_case_with_its_indices_and_verifies(tmp_path)
     want = sdpa_forward(*(dense[n].astype(np.float64) for n in ("query", "key", "value")), gather_kv_indices=idx,
                         precision="reproducible")[0]
     np.testing.assert_array_equal(got["out"], want)
+
+
+def test_the_command_line_writes_a_layout_set_and_refuses_fp8(tmp_path, capsys):
+    from sdpa_ref.cli import main
+    assert main(["vectors", str(tmp_path / "p"), "--layout", "paged", "--dtype", "float32"]) == 0
+    assert "layout paged" in capsys.readouterr().out
+    assert json.loads((tmp_path / "p" / "manifest.json").read_text())["layout"] == "paged"
+    pytest.importorskip("ml_dtypes")
+    assert main(["vectors", str(tmp_path / "f"), "--layout", "thd", "--dtype", "float8_e4m3fn"]) == 2
+    assert "--layout" in capsys.readouterr().err
