@@ -1,12 +1,21 @@
-"""The worked numbers of the classic explanation of 1/sqrt(d_k), checked.
+"""
+The worked numbers of 1/sqrt(d_k), checked
+==========================================
+
+The worked numbers of the classic explanation of 1/sqrt(d_k), checked.
 
 * d_k = 64: sqrt(d_k) = 8, so raw scores 45 and 2 become 5.625 and 0.25.
 * d_k = 16: sqrt(d_k) = 4, so a raw score of 40 becomes 10.
 * The softmax of the pair (45, 2) is one-hot to 19 digits; after scaling it
-  is a confident but soft 0.9954 / 0.0046, and the softmax Jacobian, which
-  every gradient to the scores passes through, grows from 3.7e-19 to 9.2e-3.
+  is 0.9954 / 0.0046, still nearly saturated, but the softmax Jacobian,
+  which every gradient to the scores passes through, grows from 3.7e-19 to
+  9.2e-3.
+* The caveats the classic example leaves out: with unit-variance q and k a
+  raw score of 45 at d_k = 64 is 45 / 8 = 5.6 standard deviations, about one
+  score in 50 million, not a typical one; and scaling does not make such an
+  outlier's softmax soft. What scaling does is make *typical* scores O(1).
 
-Run: python examples/scaling_arithmetic.py   (exits 1 if a claim fails)
+Run: ``python examples/scaling_arithmetic.py``   (exits 1 if a claim fails)
 """
 
 import math
@@ -46,5 +55,13 @@ print(f"    |softmax Jacobian|_F: raw {j_raw:.2e}, scaled {j_scaled:.2e}")
 claim(j_raw < 1e-18 and j_scaled > 1e-3 and j_scaled / j_raw > 1e15,
       f"the Jacobian the gradient flows through is {j_scaled / j_raw:.1e} times larger after scaling")
 
+print("the caveats")
+z = 45 / math.sqrt(64)                                  # q.k ~ N(0, d_k) for unit-variance q, k
+tail = math.erfc(z / math.sqrt(2))                      # P(|q.k| >= 45), normal approximation
+print(f"    a raw 45 at d_k = 64 is {z:.3f} standard deviations; P(|score| >= 45) = {tail:.1e}")
+claim(z > 5.5 and tail < 1e-7, f"45 is an outlier: {z:.2f} sigma, one score in {1 / tail:.1e}")
+claim(p_scaled[0] > 0.99, f"after scaling the pair is still nearly saturated: top weight {p_scaled[0]:.4f}")
+
 print("\n" + ("all claims hold" if not failures else f"{len(failures)} claim(s) FAILED"))
-sys.exit(1 if failures else 0)
+if failures:        # exit status 1; success falls off the end (the docs gallery runs this file)
+    sys.exit(1)

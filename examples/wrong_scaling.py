@@ -1,17 +1,24 @@
-"""The common mistakes, measured: no scaling, or dividing by d_k instead of sqrt(d_k).
+"""
+The common mistakes: no scaling, or 1/d_k
+=========================================
 
-1. With the reference's sweep (sdpa_ref.diagnostics.sweep), the normalized
-   entropy and the gradient norm through the softmax, as d_k grows:
+The common mistakes, measured: no scaling, or dividing by d_k instead of sqrt(d_k).
+
+1. With the reference's sweep (``sdpa_ref.diagnostics.sweep``), the
+   normalized entropy and the gradient norm through the softmax, as d_k
+   grows:
+
    * 1/sqrt(d_k) keeps both flat;
    * no scaling drives the entropy to 0 (one-hot rows) and the score
      gradient down;
    * 1/d_k drives the entropy to 1 (uniform rows: attention stops
      discriminating) and shrinks the gradient reaching q and k like
      1/sqrt(d_k).
-2. A backward that forgot the scale while the forward kept it is caught by
-   sdpa_ref.check_vjp.
 
-Run: python examples/wrong_scaling.py   (exits 1 if a claim fails)
+2. A backward that forgot the scale while the forward kept it is caught by
+   ``sdpa_ref.check_vjp``.
+
+Run: ``python examples/wrong_scaling.py``   (exits 1 if a claim fails)
 """
 
 import sys
@@ -79,4 +86,5 @@ claim(good.ok and good.max_rel_error < 1e-7, f"the right backward passes (max re
 claim(not bad.ok, f"the unscaled backward is caught (max rel error {bad.max_rel_error:.2f})")
 
 print("\n" + ("all claims hold" if not failures else f"{len(failures)} claim(s) FAILED"))
-sys.exit(1 if failures else 0)
+if failures:        # exit status 1; success falls off the end (the docs gallery runs this file)
+    sys.exit(1)
