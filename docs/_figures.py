@@ -1,7 +1,7 @@
 """The figures of the Markdown pages, made by every build (never committed).
 
 :func:`make_figures` runs at ``builder-inited`` and writes ``docs/_generated/``:
-``diagnose.png`` (``sdpa-ref diagnose --plot``). The examples' figures come
+``diagnose.png`` and ``diagnose.txt`` (``sdpa-ref diagnose --plot``: the figure and the table). The examples' figures come
 from running the examples in the gallery (:func:`gallery_argv` gives each its
 arguments, ``--plot`` into ``_generated/`` among them), so a page that shows
 one shows what this build's run produced.
@@ -63,8 +63,11 @@ def make_figures(app):
 
     os.makedirs(GENERATED, exist_ok=True)
     path = os.path.join(GENERATED, "diagnose.png")
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    table = io.StringIO()
+    with contextlib.redirect_stdout(table), contextlib.redirect_stderr(io.StringIO()):
         rc = sdpa_ref_main(["diagnose", "--d-k", "4", "16", "64", "256", "1024", "--plot", path])
     plt.close("all")
+    with open(os.path.join(GENERATED, "diagnose.txt"), "w") as fh:
+        fh.write(table.getvalue())
     if rc != 0 or not os.path.exists(path):
         raise RuntimeError(f"sdpa-ref diagnose --plot failed (status {rc}): the page's figure is not made")

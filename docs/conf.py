@@ -36,6 +36,7 @@ extensions = [
     "myst_parser",
     "sphinx_gallery.gen_gallery",
     "sphinx-mathjax-offline",                # MathJax 3 copied into _static: math renders offline
+    "sphinx_togglebutton",                   # the exercises' solutions fold (admonitions of class dropdown)
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
@@ -69,6 +70,7 @@ sphinx_gallery_conf = {
     "reset_argv": "_figures.gallery_argv",
     "image_scrapers": ("matplotlib",),
     "download_all_examples": False,
+    "write_computation_times": False,        # those pages load jQuery and DataTables from the network
     "show_memory": False,
     "min_reported_time": 10**9,              # no per-script time on the pages: timings are machine noise
     "remove_config_comments": True,
@@ -91,6 +93,7 @@ html_theme_options = {
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version"],
 }
+html_context = {"default_mode": "auto"}     # else the theme logs "invalid theme mode" on a first visit
 html_sidebars = {"**": ["sidebar-nav-bs"]}
 html_show_sourcelink = False
 html_copy_source = False

@@ -1,0 +1,473 @@
+"""Check a built HTML site in headless Chromium: console, math, images, links.
+
+Usage, after building the site: ``python docs/check_site.py docs/_build/html
+[--json] [--max-pages N]``.
+
+The site is served from its directory on 127.0.0.1 (an ephemeral port), so the
+pages load as from a web server, and each page is opened, as a first visit
+(empty storage), in Debian's Chromium driven by Debian's chromedriver through
+Selenium. Nothing is fetched from the network: Chromium's own requests are
+switched off and no host name but the local server's resolves, so a page that
+needs the network fails with a console error. Each page's problems are: every
+console entry of level ``SEVERE`` (script error, uncaught exception, failed
+load); every Sphinx math element (class ``math``) that MathJax left without an
+``mjx-container`` or typeset with an error; every ``<img>`` that did not load;
+every internal link to a missing file, or to a ``#fragment`` that names no
+``id`` (or ``<a name>``) in its target page. External links (http(s) to other
+hosts, ``mailto:``) are counted, never followed. Exit status: 0 when no page has
+a problem, 1 when some page has one, 2 for a usage error or no browser.
+"""
+
+import argparse
+import functools
+import html.parser
+import http.server
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+import urllib.parse
+
+
+class SetupError(Exception):
+    """No site directory, no browser, or a browser that does not start (exit status 2)."""
+
+#: Directories of a Sphinx build that hold assets, not pages.
+SKIP_DIRS = {"_static", "_sources", "_images", "_downloads"}
+
+#: Chromium switches: headless, and no request of Chromium's own (updates,
+#: sync, safe browsing, metrics); only the local server's address resolves.
+CHROMIUM_ARGS = [
+    "--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+    "--disable-background-networking", "--disable-component-update", "--no-first-run",
+    "--no-default-browser-check", "--disable-default-apps", "--disable-sync",
+    "--disable-extensions", "--no-pings", "--disable-domain-reliability",
+    "--disable-client-side-phishing-detection", "--disable-breakpad", "--metrics-recording-only",
+    "--disable-features=Translate,OptimizationHints,MediaRouter,AutofillServerCommunication",
+    "--no-proxy-server", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+    "--window-size=1280,1024",
+]
+
+#: Waits until MathJax 3 (if the page loads it) has typeset the page.
+JS_WAIT_MATHJAX = """
+const done = arguments[arguments.length - 1];
+const mj = window.MathJax;
+if (!mj) { done("absent"); return; }
+if (!mj.startup || !mj.startup.promise) { done("not started"); return; }
+mj.startup.promise.then(() => done("ok"), (e) => done("failed: " + e));
+"""
+
+#: Math elements, images (lazy ones made eager, then awaited) and links.
+JS_COLLECT = """
+const done = arguments[arguments.length - 1];
+const tex = new Map();                       // typeset container -> its TeX source
+try { for (const item of MathJax.startup.document.math) tex.set(item.typesetRoot, item.math); } catch (e) {}
+const math = Array.from(document.querySelectorAll(".math")).map((el) => {
+  const box = el.querySelector("mjx-container"), err = el.querySelector("mjx-merror, [data-mjx-error]");
+  return {text: (box && tex.has(box) ? tex.get(box) : el.textContent).slice(0, 60), typeset: box !== null,
+          error: err && (err.getAttribute("data-mjx-error") || err.textContent || "error")};
+});
+const imgs = Array.from(document.images);
+imgs.forEach((img) => { if (img.loading === "lazy") img.loading = "eager"; });
+const pending = imgs.filter((img) => !img.complete).map((img) => new Promise((ok) => {
+  img.addEventListener("load", ok); img.addEventListener("error", ok); setTimeout(ok, 5000);
+}));
+Promise.all(pending).then(() => done({
+  math: math,
+  images: imgs.map((img) => ({src: img.getAttribute("src") || "", ok: img.complete && img.naturalWidth > 0})),
+  links: Array.from(document.querySelectorAll("a[href]")).map((a) => {
+    try { return new URL(a.getAttribute("href"), document.baseURI).href; }
+    catch (e) { return "invalid:" + a.getAttribute("href"); }
+  }),
+  ids: Array.from(document.querySelectorAll("[id], a[name]")).map((el) => el.id || el.getAttribute("name")),
+}));
+"""
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """Static file handler with no request log and web-server MIME types.
+
+    Chromium asks every server for ``/favicon.ico`` on its own; when the site
+    has none, the answer is 204 (no content) rather than a 404 that no page
+    asked for. A page's own ``<link rel="icon">`` is checked like any resource.
+    """
+
+    extensions_map = {
+        **http.server.SimpleHTTPRequestHandler.extensions_map,
+        ".js": "text/javascript", ".mjs": "text/javascript", ".json": "application/json",
+        ".css": "text/css", ".svg": "image/svg+xml", ".woff": "font/woff", ".woff2": "font/woff2",
+        ".wasm": "application/wasm", ".txt": "text/plain",
+    }
+
+    def send_head(self):
+        if self.path.split("?")[0] == "/favicon.ico" and not os.path.exists(self.translate_path("/favicon.ico")):
+            self.send_response(204)
+            self.end_headers()
+            return None
+        return super().send_head()
+
+    def log_message(self, format, *args):  # noqa: A002 (the base class's name)
+        pass
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass                                 # a browser closing a connection early is no problem
+
+
+def serve(site_dir):
+    """Serve a directory over http on 127.0.0.1, from a daemon thread.
+
+    Parameters
+    ----------
+    site_dir : str
+        The directory to serve.
+
+    Returns
+    -------
+    server : http.server.ThreadingHTTPServer
+        The running server; ``server.server_address[1]`` is its port. Stop it
+        with ``server.shutdown()``.
+    """
+    handler = functools.partial(_QuietHandler, directory=site_dir)
+    server = _QuietServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def find_pages(site_dir):
+    """List the HTML pages of a site, as sorted paths relative to it.
+
+    Parameters
+    ----------
+    site_dir : str
+        The built site.
+
+    Returns
+    -------
+    list of str
+        Relative paths with ``/`` separators, ``index.html`` first when it
+        exists; the asset directories in :data:`SKIP_DIRS` are left out.
+    """
+    pages = []
+    for root, dirs, files in os.walk(site_dir):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+        rel = os.path.relpath(root, site_dir)
+        pages += [f if rel == "." else f"{rel}/{f}".replace(os.sep, "/") for f in files if f.endswith(".html")]
+    return sorted(pages, key=lambda p: (p != "index.html", p))
+
+
+class _Anchors(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if attrs.get("id"):
+            self.names.add(attrs["id"])
+        if tag == "a" and attrs.get("name"):
+            self.names.add(attrs["name"])
+
+
+@functools.lru_cache(maxsize=None)
+def _anchors(path):
+    """The ids and ``<a name>`` anchors of an HTML file, a frozenset (cached per file)."""
+    parser = _Anchors()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        parser.feed(f.read())
+    return frozenset(parser.names)
+
+
+def find_browser(chromium=None, chromedriver=None):
+    """Locate Chromium and chromedriver, preferring Debian's packages.
+
+    Parameters
+    ----------
+    chromium, chromedriver : str, optional
+        Explicit paths. By default: Debian's browser binary itself
+        (``/usr/lib/chromium/chromium``, so that the flags of the
+        ``/usr/bin/chromium`` wrapper script and of ``/etc/chromium.d`` do not
+        apply), else ``chromium`` on the PATH; ``chromedriver`` on the PATH,
+        else ``/usr/bin/chromedriver``.
+
+    Returns
+    -------
+    (str, str) or None
+        The two paths, or None when either is not an executable file.
+    """
+    def usable(path):
+        return path if path and os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+    chromium = usable(chromium) if chromium else next(filter(usable, (
+        "/usr/lib/chromium/chromium", shutil.which("chromium"), shutil.which("chromium-browser"))), None)
+    chromedriver = usable(chromedriver) if chromedriver else next(filter(usable, (
+        shutil.which("chromedriver"), "/usr/bin/chromedriver")), None)
+    return (chromium, chromedriver) if chromium and chromedriver else None
+
+
+def start_browser(chromium, chromedriver):
+    """Start headless Chromium through chromedriver, with console logging.
+
+    The driver's path is given explicitly, so Selenium never runs Selenium
+    Manager (which would try to download a driver).
+
+    Parameters
+    ----------
+    chromium, chromedriver : str
+        Paths of the browser and of its driver.
+
+    Returns
+    -------
+    selenium.webdriver.Chrome
+    """
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in CHROMIUM_ARGS:
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=chromedriver), options=options)
+    driver.set_page_load_timeout(60)
+    driver.set_script_timeout(30)
+    return driver
+
+
+def _check_link(url, base, site_dir, page, page_ids):
+    """None if an internal link (absolute URL) resolves, else why not.
+
+    A link into ``page`` itself is looked up in ``page_ids``, the ids of the
+    rendered page; a link into another page in that page's HTML source.
+    """
+    target, _, fragment = url.partition("#")
+    fragment = urllib.parse.unquote(fragment)
+    path = urllib.parse.unquote(urllib.parse.urlsplit(target).path).lstrip("/")
+    if path == "" or path.endswith("/"):
+        path += "index.html"
+    file = os.path.join(site_dir, *path.split("/"))
+    if os.path.isdir(file):
+        path, file = path + "/index.html", os.path.join(file, "index.html")
+    if not os.path.isfile(file):
+        return f"link to missing {path}: {url[len(base) - 1:]}"
+    if not fragment or fragment.lower() == "top" or not path.endswith((".html", ".htm")):
+        return None
+    ids = page_ids if path == page else _anchors(os.path.realpath(file))
+    if fragment not in ids:
+        return f"link to missing anchor #{fragment} in {path}"
+    return None
+
+
+def check_page(driver, base, site_dir, page):
+    """Load one page and check its console, math, images and links.
+
+    Parameters
+    ----------
+    driver : selenium.webdriver.Chrome
+        A browser from :func:`start_browser`.
+    base : str
+        The local server's root URL.
+    site_dir : str
+        The served directory.
+    page : str
+        The page's path relative to ``site_dir``.
+
+    Returns
+    -------
+    dict
+        ``page``, ``seconds``, ``math`` (elements), ``math_typeset``,
+        ``images``, ``images_ok``, ``internal_links``, ``external_links``
+        and ``problems`` (a list of str).
+    """
+    from selenium.common.exceptions import WebDriverException
+
+    start = time.perf_counter()
+    problems = []
+    driver.get_log("browser")                # drop anything left from the page before
+    try:
+        driver.get(base + urllib.parse.quote(page))
+        driver.execute_async_script(
+            "const done = arguments[0];"
+            "(function wait() { document.readyState === 'complete' ? done() : setTimeout(wait, 20); })();")
+        mathjax = driver.execute_async_script(JS_WAIT_MATHJAX)
+        data = driver.execute_async_script(JS_COLLECT)
+    except WebDriverException as err:        # a page that never finishes loading or typesetting
+        problems.append(f"page did not finish: {(err.msg or type(err).__name__).splitlines()[0]}")
+        mathjax, data = "", {"math": [], "images": [], "links": [], "ids": []}
+
+    math = data["math"]
+    bad = [m for m in math if not m["typeset"] or m["error"]]
+    if mathjax.startswith("failed") or (bad and mathjax != "ok"):
+        problems.append(f"{len(bad)} of {len(math)} math elements not typeset: MathJax {mathjax}")
+    else:
+        problems += [(f"MathJax error ({m['error']}) in " if m["typeset"] else "math not typeset: ")
+                     + repr(m["text"]) for m in bad[:5]]
+        problems += [f"... and {len(bad) - 5} more math elements"] if len(bad) > 5 else []
+    for img in data["images"]:
+        if not img["ok"]:
+            problems.append(f"image did not load: {img['src']}")
+
+    internal = external = 0
+    page_ids, seen = set(data["ids"]), set()
+    for url in data["links"]:
+        scheme, netloc = urllib.parse.urlsplit(url)[:2]
+        if url.startswith(base):
+            internal += 1
+            if url not in seen:
+                seen.add(url)
+                why = _check_link(url, base, site_dir, page, page_ids)
+                if why:
+                    problems.append(why)
+        elif scheme == "invalid":
+            internal += 1
+            problems.append(f"invalid link: {url[8:]}")
+        elif scheme == "file" or (scheme in ("http", "https") and netloc.startswith(("127.0.0.1", "localhost"))):
+            internal += 1
+            problems.append(f"link outside the site: {url}")
+        elif scheme in ("http", "https", "mailto", "ftp"):
+            external += 1
+
+    try:
+        problems += ["console: " + e.get("message", "").replace(base, "/")
+                     for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+        driver.execute_script("localStorage.clear(); sessionStorage.clear();")  # each page: a first visit
+    except WebDriverException as err:
+        problems.append(f"browser failed: {(err.msg or type(err).__name__).splitlines()[0]}")
+    return {
+        "page": page, "seconds": round(time.perf_counter() - start, 3),
+        "math": len(math), "math_typeset": sum(m["typeset"] and not m["error"] for m in math),
+        "images": len(data["images"]), "images_ok": sum(i["ok"] for i in data["images"]),
+        "internal_links": internal, "external_links": external, "problems": problems,
+    }
+
+
+def check_site(site_dir, max_pages=None, progress=None, chromium=None, chromedriver=None):
+    """Check every page of a built site in headless Chromium.
+
+    Parameters
+    ----------
+    site_dir : str
+        The built HTML site (e.g. ``docs/_build/html``).
+    max_pages : int, optional
+        Check only the first ``max_pages`` pages (``index.html`` first).
+    progress : file, optional
+        Where to write a progress line every 10 pages (e.g. ``sys.stderr``).
+    chromium, chromedriver : str, optional
+        Paths of the browser and its driver (see :func:`find_browser`).
+
+    Returns
+    -------
+    dict
+        ``site``, ``pages`` (one :func:`check_page` record each), ``problems``
+        (their total), ``seconds`` (all, with the browser's start) and
+        ``seconds_per_page`` (the mean time of a page).
+
+    Raises
+    ------
+    SetupError
+        If ``site_dir`` is not a directory, if Chromium, chromedriver or
+        selenium is missing, or if the browser does not start.
+    """
+    site_dir = os.path.realpath(site_dir)
+    if not os.path.isdir(site_dir):
+        raise SetupError(f"no such directory: {site_dir}")
+    found = find_browser(chromium, chromedriver)
+    if found is None:
+        raise SetupError(
+            "Chromium or chromedriver not found" + (f" ({chromium}, {chromedriver})" if chromium or chromedriver
+                                                    else "") + ": apt-get install chromium chromium-driver")
+    if importlib.util.find_spec("selenium") is None:
+        raise SetupError("selenium is not installed: python -m pip install selenium")
+    pages = find_pages(site_dir)[:max_pages]
+    start = time.perf_counter()
+    _anchors.cache_clear()
+    server = serve(site_dir)
+    base = f"http://127.0.0.1:{server.server_address[1]}/"
+    records, driver = [], None
+    try:
+        try:
+            driver = start_browser(*found)
+        except Exception as err:             # e.g. a chromedriver of another version than Chromium
+            raise SetupError(f"the browser did not start: {err}".strip()) from err
+        for i, page in enumerate(pages, 1):
+            records.append(check_page(driver, base, site_dir, page))
+            if progress and (i % 10 == 0 or i == len(pages)):
+                print(f"check_site: {i}/{len(pages)} pages", file=progress, flush=True)
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.shutdown()
+        server.server_close()
+    return {
+        "site": site_dir, "pages": records, "problems": sum(len(r["problems"]) for r in records),
+        "seconds": round(time.perf_counter() - start, 2),
+        "seconds_per_page": round(sum(r["seconds"] for r in records) / max(len(records), 1), 3),
+    }
+
+
+def format_table(report):
+    """Render a report from :func:`check_site` as a text table and a summary line.
+
+    Parameters
+    ----------
+    report : dict
+
+    Returns
+    -------
+    str
+    """
+    rows = [("page", "math", "images", "links int/ext", "problems")]
+    for r in report["pages"]:
+        rows.append((r["page"], f"{r['math_typeset']}/{r['math']}", f"{r['images_ok']}/{r['images']}",
+                     f"{r['internal_links']}/{r['external_links']}", str(len(r["problems"]))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for r in report["pages"]:
+        lines += [f"{r['page']}: {p}" for p in r["problems"]]
+    pages = report["pages"]
+    lines.append(
+        f"{len(pages)} pages, {sum(r['math_typeset'] for r in pages)} math elements typeset on "
+        f"{sum(r['math_typeset'] > 0 for r in pages)} pages, {sum(r['images_ok'] for r in pages)} images, "
+        f"{sum(r['internal_links'] for r in pages)} internal / {sum(r['external_links'] for r in pages)} "
+        f"external links; {report['problems']} problems "
+        f"({report['seconds']} s, {report['seconds_per_page']} s/page)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """Command-line entry point; returns the exit status (0, 1 or 2)."""
+    parser = argparse.ArgumentParser(
+        prog="check_site.py",
+        description="Render every page of a built HTML site (Sphinx) in headless Chromium, served from "
+                    "127.0.0.1, and check that each loads with no console error, that its math is "
+                    "typeset by MathJax, and that its images and internal links resolve. No network "
+                    "is used. Exit status: 0 no problem, 1 problems, 2 usage error or no browser.",
+        epilog="Needs Debian's chromium and chromium-driver packages and Python's selenium.")
+    parser.add_argument("site_dir", help="the built site, e.g. docs/_build/html")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    parser.add_argument("--max-pages", type=int, metavar="N", help="check only the first N pages")
+    parser.add_argument("--chromium", metavar="PATH", help="the Chromium binary (default: Debian's)")
+    parser.add_argument("--chromedriver", metavar="PATH", help="the chromedriver binary (default: on PATH)")
+    args = parser.parse_args(argv)
+    if args.max_pages is not None and args.max_pages < 1:
+        parser.error("--max-pages must be at least 1")
+    try:
+        report = check_site(args.site_dir, args.max_pages, progress=sys.stderr,
+                            chromium=args.chromium, chromedriver=args.chromedriver)
+    except SetupError as err:
+        print(f"check_site.py: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=1) if args.json else format_table(report))
+    return 1 if report["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

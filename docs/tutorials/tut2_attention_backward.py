@@ -1,0 +1,543 @@
+r"""
+Single-head attention's backward, derived by hand
+=================================================
+
+One head of scaled dot-product attention is three lines:
+
+.. math::
+
+   T = s\, Q K^{\top}, \qquad
+   P = \operatorname{softmax}_{\text{rows}}(T), \qquad
+   O = P V,
+
+with :math:`Q` of shape :math:`(L, E)`, :math:`K` of shape :math:`(S, E)`,
+:math:`V` of shape :math:`(S, E_v)` and the scale :math:`s = 1/\sqrt{E}`.
+This page derives the backward pass in index notation, one line at a time
+and last line first, checks **each step alone** by finite differences, then
+the whole chain against :func:`sdpa_ref.sdpa_backward` and
+:func:`sdpa_ref.check_vjp`, and shows each step's line in the package's
+teaching core, ``sdpa_ref/attention.py``. The last section runs the same
+derivation forwards (the JVP). It builds on the softmax VJP of the previous
+tutorial.
+"""
+
+import inspect
+
+import numpy as np
+
+import sdpa_ref
+import sdpa_ref.attention
+import sdpa_ref.pivot
+import sdpa_ref.transforms
+
+rng = np.random.default_rng(0)
+L, S, E, Ev = 3, 4, 5, 2                     # query rows, keys, query/key width, value width
+scale = 1 / np.sqrt(E)
+Q = rng.standard_normal((L, E))
+K = rng.standard_normal((S, E))
+V = rng.standard_normal((S, Ev))
+dO = rng.standard_normal((L, Ev))            # the upstream gradient: random, never all ones
+
+
+def softmax_rows(T):
+    return sdpa_ref.softmax(T, axis=-1)
+
+
+def forward(Q, K, V):
+    T = scale * Q @ K.T                      # (L, S)
+    P = softmax_rows(T)                      # (L, S), each row sums to 1
+    O = P @ V                                # (L, Ev)
+    return T, P, O
+
+
+T, P, O = forward(Q, K, V)
+out, res = sdpa_ref.sdpa_forward(Q, K, V, method="plain")   # the teaching core: sdpa_ref/attention.py
+np.testing.assert_allclose(out, O, rtol=1e-13, atol=1e-15)
+np.testing.assert_allclose(res.probs.reshape(L, S), P, rtol=1e-13, atol=1e-15)
+print("O =\n", np.array2string(O, precision=4))
+
+# %%
+# The loss, the check, and how to read it
+# ---------------------------------------
+#
+# A backward pass takes the gradient of some scalar loss with respect to the
+# output and returns the gradients with respect to the inputs. Any loss will
+# do; the simplest that exercises every entry is linear in :math:`O`,
+#
+# .. math::
+#
+#    \mathcal{L} = \sum_{l, j} dO_{lj}\, O_{lj} = \langle dO, O \rangle ,
+#
+# with a random :math:`dO`: then :math:`\partial \mathcal{L} / \partial O =
+# dO` exactly, and the gradient of :math:`\mathcal{L}` with respect to an
+# input is that input's VJP of :math:`dO`. (We write :math:`\mathcal{L}` for
+# the loss; :math:`L` is the number of query rows.)
+#
+# Each step is checked with central differences in float64,
+# :math:`\partial f / \partial x_i \approx (f(x + h e_i) - f(x - h e_i)) / 2h`
+# with :math:`h = 10^{-6}`, for every entry of the step's input (the shapes
+# are tiny, so this costs nothing), and compared with the hand-derived
+# gradient by a relative error,
+#
+# .. math::
+#
+#    \text{rel} = \frac{\max_i |a_i - n_i|}{\max_i |a_i| + \max_i |n_i|} ,
+#
+# analytic :math:`a` against numeric :math:`n`. How to read it, after the
+# `cs231n notes on gradient checking
+# <https://cs231n.github.io/neural-networks-3/#gradcheck>`_: in float64 on a
+# smooth function, as here, a right gradient gives about :math:`10^{-8}` or
+# much less (the truncation error :math:`O(h^2)` and the rounding error
+# :math:`O(\epsilon/h)` of the difference quotient); :math:`10^{-4}` would
+# already be suspicious, and :math:`10^{-2}` or more means the formula is
+# wrong. Kinks (a ReLU, a max, a mask edge) can spoil a right gradient when
+# :math:`x \pm h` straddles one; attention without masks has none. Every
+# check below fails this page's build above :math:`10^{-6}`.
+
+H = 1e-6
+TOL = 1e-6
+
+
+def num_grad(f, X, h=H):
+    """Central-difference gradient of the scalar function f at X, one entry at a time (X is not modified)."""
+    G = np.zeros_like(X)
+    for idx in np.ndindex(X.shape):
+        Xp, Xm = X.copy(), X.copy()
+        Xp[idx] += h
+        Xm[idx] -= h
+        G[idx] = (f(Xp) - f(Xm)) / (2 * h)
+    return G
+
+
+def rel_error(a, n):
+    return float(np.abs(a - n).max() / max(np.abs(a).max() + np.abs(n).max(), np.finfo(float).tiny))
+
+
+def check(name, analytic, numeric, tol=TOL):
+    err = rel_error(analytic, numeric)
+    print(f"{name:<34} relative error {err:.1e}")
+    if not err <= tol:                       # "not <=" also catches NaN
+        raise AssertionError(f"{name}: relative error {err:.3e} > {tol:g}:\n{analytic}\nvs\n{numeric}")
+
+
+BACKWARD_SRC = inspect.getsource(sdpa_ref.attention.backward)
+JVP_SRC = inspect.getsource(sdpa_ref.attention.jvp)
+
+
+def cited(src, *texts):
+    """The lines this page shows from the teaching core must exist (once each): a rename fails the build."""
+    for t in texts:
+        if src.count(t) != 1:
+            raise AssertionError(f"expected {t!r} exactly once in the cited source, found {src.count(t)} times")
+
+
+# %%
+# Step 1: :math:`O = P V` gives :math:`dV` and :math:`dP`
+# --------------------------------------------------------
+#
+# In indices, :math:`O_{lj} = \sum_s P_{ls} V_{sj}`, so
+# :math:`\partial O_{lj} / \partial V_{sj'} = P_{ls}\, \delta_{jj'}` and
+# :math:`\partial O_{lj} / \partial P_{l's} = \delta_{ll'} V_{sj}`. Summing
+# over every output entry :math:`(l, j)` with the weights
+# :math:`dO_{lj}`:
+#
+# .. math::
+#
+#    dV_{sj} = \frac{\partial \mathcal{L}}{\partial V_{sj}}
+#            = \sum_{l} dO_{lj}\, P_{ls} = (P^{\top} dO)_{sj},
+#    \qquad
+#    dP_{ls} = \frac{\partial \mathcal{L}}{\partial P_{ls}}
+#            = \sum_{j} dO_{lj}\, V_{sj} = (dO\, V^{\top})_{ls}.
+#
+# This is the rule for any product :math:`C = A B`: :math:`dA = dC\,
+# B^{\top}` and :math:`dB = A^{\top} dC`; the shapes confirm it
+# (:math:`P^{\top} dO` is :math:`(S, E_v)` like :math:`V`; :math:`dO\,
+# V^{\top}` is :math:`(L, S)` like :math:`P`).
+#
+# The check of this step alone treats :math:`P` and :math:`V` as free
+# inputs of :math:`\langle dO, P V\rangle`: a perturbed :math:`P` is not
+# renormalised, because the step does not know that :math:`P` came from a
+# softmax. First the directional derivative along a random :math:`\delta V`,
+# :math:`(\mathcal{L}(V + h\,\delta V) - \mathcal{L}(V - h\,\delta V)) / 2h`
+# against :math:`\langle dV, \delta V\rangle`, then every entry.
+
+dV = P.T @ dO                                # dV_sj = sum_l P_ls dO_lj
+dP = dO @ V.T                                # dP_ls = sum_j dO_lj V_sj
+
+dV_dir = rng.standard_normal(V.shape)
+directional = (np.sum(dO * (P @ (V + H * dV_dir))) - np.sum(dO * (P @ (V - H * dV_dir)))) / (2 * H)
+check("<dV, dV_dir> vs its difference", np.sum(dV * dV_dir), directional)
+check("dV = P^T dO", dV, num_grad(lambda V_: np.sum(dO * (P @ V_)), V))
+check("dP = dO V^T", dP, num_grad(lambda P_: np.sum(dO * (P_ @ V)), P))
+
+# %%
+# In the teaching core (:func:`sdpa_ref.attention.backward`) these are the
+# first lines after the set-up; each comment names the forward line it
+# inverts:
+#
+# .. literalinclude:: /../sdpa_ref/attention.py
+#    :language: python
+#    :pyobject: backward
+#    :lineno-match:
+#    :dedent:
+#    :start-at: dV = P_drop^T dO
+#    :end-at: dP = dropout_vjp(
+#
+# ``P_drop`` is :math:`P` after dropout, :math:`P \odot Z / (1 - p)`, with
+# the keep mask :math:`Z`; ``dropout_vjp`` multiplies by the same factor.
+# Without dropout both are the identity. ``_grouped`` and ``.sum(axis=-3)``
+# are grouped-query attention: the :math:`G` query heads that share one
+# key/value head each contribute to its :math:`dV`. Here :math:`G = 1`.
+
+cited(BACKWARD_SRC, "dV = P_drop^T dO", "dP_drop = dO V^T", "dP = dropout_vjp(",
+      "dv = (np.swapaxes(_grouped(P_drop, prob), -1, -2) @ dO).sum(axis=-3)",
+      "dO @ np.swapaxes(v, -1, -2)")
+
+# %%
+# Step 2: :math:`P = \operatorname{softmax}_{\text{rows}}(T)` gives :math:`dT`
+# ------------------------------------------------------------------------------
+#
+# Row :math:`l` of :math:`P` depends on row :math:`l` of :math:`T` alone,
+# through the softmax whose Jacobian the previous tutorial derived:
+#
+# .. math::
+#
+#    \frac{\partial P_{ls}}{\partial T_{l't}}
+#    = \delta_{ll'}\, P_{ls} (\delta_{st} - P_{lt}) .
+#
+# Hence
+#
+# .. math::
+#
+#    dT_{lt} = \sum_{l', s} dP_{l's} \frac{\partial P_{l's}}{\partial T_{lt}}
+#            = \sum_{s} dP_{ls}\, P_{ls} (\delta_{st} - P_{lt})
+#            = P_{lt} \big(dP_{lt} - D_l\big),
+#    \qquad D_l = \sum_s P_{ls}\, dP_{ls} ,
+#
+# that is :math:`dT = P \odot (dP - \operatorname{rowsum}(P \odot dP))`:
+# the softmax VJP :math:`p \odot (g - \langle g, p\rangle)`, row by row. The
+# check of this step alone differentiates :math:`\langle dP,
+# \operatorname{softmax}_{\text{rows}}(T)\rangle` with :math:`dP` held
+# fixed.
+
+D = np.sum(P * dP, axis=1, keepdims=True)    # D_l = sum_s P_ls dP_ls, (L, 1)
+dT = P * (dP - D)
+check("dT = P * (dP - rowsum(P * dP))", dT, num_grad(lambda T_: np.sum(dP * softmax_rows(T_)), T))
+
+# %%
+# The FlashAttention identity
+# ^^^^^^^^^^^^^^^^^^^^^^^^^^^
+#
+# :math:`D_l` needs the whole row of :math:`P` and of :math:`dP`, an
+# :math:`L \times S` product. But substituting :math:`dP = dO\, V^{\top}`,
+#
+# .. math::
+#
+#    D_l = \sum_s P_{ls} \sum_j dO_{lj} V_{sj}
+#        = \sum_j dO_{lj} \sum_s P_{ls} V_{sj}
+#        = \sum_j dO_{lj}\, O_{lj} ,
+#
+# the row sums of :math:`dO \odot O`, from two :math:`L \times E_v` arrays
+# that the backward has anyway. FlashAttention computes :math:`D` this way
+# before its loop over key blocks, so it never holds a row of :math:`dP`;
+# the package's ``"fast"`` engine does the same. The two forms are equal in
+# exact arithmetic; in floating point they agree to rounding:
+
+D_flash = np.sum(dO * O, axis=1, keepdims=True)
+print("D from rowsum(P * dP):", np.array2string(D.ravel(), precision=12))
+print("D from rowsum(dO * O):", np.array2string(D_flash.ravel(), precision=12))
+print(f"relative difference  : {rel_error(D, D_flash):.1e}   (rounding only)")
+np.testing.assert_allclose(D_flash, D, rtol=1e-12, atol=1e-15)
+
+# %%
+# In the teaching core the comment carries the derivation and one call does
+# the row pass (``vjp`` of :mod:`sdpa_ref.normalize`; ``p_extra`` and
+# ``dlse`` are for attention sinks and for a loss that reads the
+# log-sum-exp, both absent here):
+#
+# .. literalinclude:: /../sdpa_ref/attention.py
+#    :language: python
+#    :pyobject: backward
+#    :lineno-match:
+#    :dedent:
+#    :start-at: P = softmax(T), J = diag(P) - P P^T
+#    :end-at: dT, dextra = vjp(P, dP
+#
+# Without sinks or ``dlse`` that call is :func:`sdpa_ref.softmax_vjp`, whose
+# one formula line is
+#
+# .. literalinclude:: /../sdpa_ref/pivot.py
+#    :language: python
+#    :pyobject: pivoted_vjp
+#    :lineno-match:
+#
+# with :math:`c` the entry of :math:`dP` at the row's largest :math:`P`.
+# Since the rows of :math:`P` sum to 1, subtracting :math:`c` changes
+# nothing, :math:`P \odot ((g - c) - \langle g - c, P\rangle) = P \odot (g
+# - \langle g, P\rangle)`; it only makes the dominant term of the sum exactly
+# 0, which helps accuracy on peaked rows.
+
+cited(BACKWARD_SRC, "P = softmax(T), J = diag(P) - P P^T", "dT = J dP = P * (dP - D), D = rowsum(P * dP)",
+      "dT, dextra = vjp(P, dP")
+cited(inspect.getsource(sdpa_ref.pivot.pivoted_vjp), "return y * (gc - np.sum(gc * y, axis=axis, keepdims=True))")
+c = dP[np.arange(L), np.argmax(P, axis=1)][:, None]
+np.testing.assert_allclose(P * ((dP - c) - np.sum(P * (dP - c), axis=1, keepdims=True)), dT, rtol=1e-12, atol=1e-15)
+np.testing.assert_allclose(sdpa_ref.softmax_vjp(P, dP), dT, rtol=1e-12, atol=1e-15)
+
+# %%
+# Step 3: :math:`T = s\, Q K^{\top}` gives :math:`dQ` and :math:`dK`
+# -------------------------------------------------------------------
+#
+# :math:`T_{ls} = s \sum_e Q_{le} K_{se}`, so
+# :math:`\partial T_{l's} / \partial Q_{le} = s\, \delta_{ll'} K_{se}` and
+# :math:`\partial T_{ls'} / \partial K_{se} = s\, Q_{le}\, \delta_{ss'}`:
+#
+# .. math::
+#
+#    dQ_{le} = \sum_{s} dT_{ls}\, s\, K_{se} = s\, (dT\, K)_{le},
+#    \qquad
+#    dK_{se} = \sum_{l} dT_{ls}\, s\, Q_{le} = s\, (dT^{\top} Q)_{se}.
+#
+# The product rule again, for :math:`C = A B` with :math:`A = Q` and
+# :math:`B = K^{\top}`: :math:`dB = Q^{\top} dT`, and :math:`dK` is its
+# transpose. A forgotten transpose is caught by the shapes only when
+# :math:`L \ne S`; a forgotten scale keeps every shape and makes the
+# gradients :math:`\sqrt{E}` times too large: only a numeric check catches
+# either for sure. The check of this step alone differentiates
+# :math:`\langle dT, s\, Q K^{\top}\rangle` with :math:`dT` held fixed.
+
+dQ = scale * dT @ K                          # dQ_le = s sum_s dT_ls K_se
+dK = scale * dT.T @ Q                        # dK_se = s sum_l dT_ls Q_le
+check("dQ = s dT K", dQ, num_grad(lambda Q_: np.sum(dT * (scale * Q_ @ K.T)), Q))
+check("dK = s dT^T Q", dK, num_grad(lambda K_: np.sum(dT * (scale * Q @ K_.T)), K))
+
+# %%
+# In the teaching core:
+#
+# .. literalinclude:: /../sdpa_ref/attention.py
+#    :language: python
+#    :pyobject: backward
+#    :lineno-match:
+#    :dedent:
+#    :start-at: dQ = scale dTraw K
+#    :end-at: dq, dk = scores_vjp(
+#
+# ``dTraw`` is :math:`dT` taken back through the optional softcap
+# :math:`T = c \tanh(T_{\text{raw}}/c)`, which multiplies by
+# :math:`1 - \tanh^2`; without softcap it is :math:`dT`. The two products
+# are in :mod:`sdpa_ref.transforms`:
+#
+# .. literalinclude:: /../sdpa_ref/transforms.py
+#    :language: python
+#    :pyobject: scores_vjp
+#    :lineno-match:
+
+cited(BACKWARD_SRC, "dQ = scale dTraw K, dK = scale dTraw^T Q", "dq, dk = scores_vjp(")
+cited(inspect.getsource(sdpa_ref.transforms.scores_vjp), "np.matmul(dT, k", "np.matmul(np.swapaxes(dT, -1, -2), q")
+
+# %%
+# The general form: what the extra factors are
+# ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+#
+# The lines shown are the general form; with this page's single head and no
+# options, every extra factor is the identity:
+#
+# * **dropout**: ``P_drop`` :math:`= P \odot Z/(1-p)` and ``dropout_vjp``
+#   multiplies :math:`dP` by the same :math:`Z/(1-p)`;
+# * **grouped-query attention**: ``_grouped`` views the :math:`H_q` query
+#   heads as :math:`H_{kv}` groups of :math:`G`, and ``.sum(axis=-3)`` adds
+#   the :math:`G` heads' contributions to the shared :math:`dK` and
+#   :math:`dV`;
+# * **masks, bias, ALiBi**: added to :math:`T`, so their gradient is
+#   :math:`dT` summed to their shape (``additive_vjp``); a masked entry has
+#   :math:`P = 0` and so :math:`dT = 0`;
+# * **softcap**: ``dTraw`` :math:`= dT \odot (1 - \tanh^2)`;
+# * **sinks** (extra logits with no value) and ``dlse`` (a loss that reads
+#   the log-sum-exp): more terms inside the one softmax row pass.
+#
+# The whole chain
+# ---------------
+#
+# Put together, the backward is five lines. We check it against central
+# differences of the whole loss :math:`\langle dO, O(Q, K, V)\rangle`,
+# against the package's :func:`sdpa_ref.sdpa_backward` run on the teaching
+# core (``method="plain"``), and with :func:`sdpa_ref.check_vjp`, which
+# builds the whole Jacobian of :math:`O` both ways (one VJP per output
+# entry, two forward runs per input entry) and compares them entry by entry.
+
+
+def backward_by_hand(Q, K, V, dO):
+    T, P, O = forward(Q, K, V)
+    dV = P.T @ dO
+    dP = dO @ V.T
+    dT = P * (dP - np.sum(P * dP, axis=1, keepdims=True))
+    dQ = scale * dT @ K
+    dK = scale * dT.T @ Q
+    return dQ, dK, dV
+
+
+def loss(Q, K, V):
+    return np.sum(dO * forward(Q, K, V)[2])
+
+
+hand = backward_by_hand(Q, K, V, dO)
+numeric = (num_grad(lambda Q_: loss(Q_, K, V), Q),
+           num_grad(lambda K_: loss(Q, K_, V), K),
+           num_grad(lambda V_: loss(Q, K, V_), V))
+for name, a, n in zip(("dQ", "dK", "dV"), hand, numeric):
+    check(f"whole chain: {name}", a, n)
+
+grads = sdpa_ref.sdpa_backward(res, dO)     # res: the residuals of sdpa_forward(..., method="plain")
+for name, a, b in zip(("dQ", "dK", "dV"), hand, (grads.query, grads.key, grads.value)):
+    print(f"{name} by hand vs sdpa_backward: max |difference| {np.abs(a - b).max():.1e}")
+    np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-14)
+
+
+def attention(q, k, v):
+    return sdpa_ref.sdpa_forward(q, k, v, method="plain")[0]
+
+
+def attention_vjp(g, q, k, v):
+    return tuple(sdpa_ref.sdpa_backward(sdpa_ref.sdpa_forward(q, k, v, method="plain")[1], g))[:3]
+
+
+def hand_vjp(g, q, k, v):
+    return backward_by_hand(q, k, v, g)
+
+
+for who, vjp in (("sdpa_backward", attention_vjp), ("by hand", hand_vjp)):
+    rep = sdpa_ref.check_vjp(attention, vjp, (Q, K, V))
+    print(f"\ncheck_vjp of the backward {who}:\n{rep}")
+    if not rep.ok:
+        raise AssertionError(f"check_vjp failed for the backward {who}:\n{rep}")
+
+# %%
+# What a wrong step looks like
+# ^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+#
+# Drop the row sum :math:`D` from step 2, the most common slip (it is the
+# diagonal-only softmax VJP of the previous tutorial in another guise), and
+# the relative error jumps from rounding size to order :math:`10^{-1}`:
+
+
+def backward_without_D(Q, K, V, dO):        # WRONG: dT = P * dP
+    T, P, O = forward(Q, K, V)
+    dT = P * (dO @ V.T)
+    return scale * dT @ K, scale * dT.T @ Q, P.T @ dO
+
+
+wrong = backward_without_D(Q, K, V, dO)
+for name, a, n in zip(("dQ", "dK"), wrong[:2], numeric[:2]):
+    err = rel_error(a, n)
+    print(f"without D: {name} relative error {err:.1e}")
+    if not err > 1e-2:
+        raise AssertionError(f"expected the backward without D to be visibly wrong in {name}, got {err:.3e}")
+rep = sdpa_ref.check_vjp(attention, lambda g, q, k, v: backward_without_D(q, k, v, g), (Q, K, V))
+print(f"\n{rep}")
+if rep.ok:
+    raise AssertionError("check_vjp should catch the backward without D")
+
+# %%
+# :math:`dV` does not involve :math:`D` and stays right, which is why the
+# checker's table lists the failures under the first two arguments only.
+#
+# Forward mode: the JVP
+# ---------------------
+#
+# The same chain, read forwards, gives the Jacobian-vector product: how
+# :math:`O` moves when the inputs move along tangents :math:`(\delta Q,
+# \delta K, \delta V)`. Differentiate each forward line:
+#
+# .. math::
+#
+#    \delta T &= s\, (\delta Q\, K^{\top} + Q\, \delta K^{\top}), \\
+#    \delta P_{ls} &= \sum_t P_{ls} (\delta_{st} - P_{lt})\, \delta T_{lt}
+#                 = P_{ls} \big(\delta T_{ls} - \textstyle\sum_t P_{lt}\, \delta T_{lt}\big), \\
+#    \delta O &= \delta P\, V + P\, \delta V .
+#
+# The softmax line is the same map as in the backward, because the softmax
+# Jacobian is symmetric: :math:`\delta P = P \odot (\delta T -
+# \operatorname{rowsum}(P \odot \delta T))`. We check it against a central
+# difference of the forward along the tangents, against
+# :func:`sdpa_ref.sdpa_jvp` (the teaching core's
+# :func:`sdpa_ref.attention.jvp`), with :func:`sdpa_ref.check_jvp`, and
+# against the backward through the identity :math:`\langle dO, J\,\delta
+# \rangle = \langle J^{\top} dO, \delta\rangle`, which ties the two modes
+# together.
+
+
+def jvp_by_hand(Q, K, V, dQ_t, dK_t, dV_t):
+    T, P, O = forward(Q, K, V)
+    dT_t = scale * (dQ_t @ K.T + Q @ dK_t.T)
+    dP_t = P * (dT_t - np.sum(P * dT_t, axis=1, keepdims=True))
+    return dP_t @ V + P @ dV_t
+
+
+tangents = (rng.standard_normal(Q.shape), rng.standard_normal(K.shape), rng.standard_normal(V.shape))
+dO_t = jvp_by_hand(Q, K, V, *tangents)
+plus = forward(*(x + H * t for x, t in zip((Q, K, V), tangents)))[2]
+minus = forward(*(x - H * t for x, t in zip((Q, K, V), tangents)))[2]
+check("JVP vs central difference", dO_t, (plus - minus) / (2 * H))
+
+_, dO_lib = sdpa_ref.sdpa_jvp((Q, K, V), tangents, method="plain")
+print(f"JVP by hand vs sdpa_jvp: max |difference| {np.abs(dO_lib - dO_t).max():.1e}")
+np.testing.assert_allclose(dO_lib, dO_t, rtol=1e-12, atol=1e-14)
+
+rep = sdpa_ref.check_jvp(attention, lambda ts, q, k, v: jvp_by_hand(q, k, v, *ts), (Q, K, V))
+print(rep)
+if not rep.ok:
+    raise AssertionError(f"check_jvp failed for the JVP by hand:\n{rep}")
+
+lhs = np.sum(dO * dO_t)                                        # <dO, J delta>
+rhs = sum(np.sum(g * t) for g, t in zip(hand, tangents))      # <J^T dO, delta>
+print(f"<dO, J t> = {lhs:.15f}\n<J^T dO, t> = {rhs:.15f}")
+np.testing.assert_allclose(lhs, rhs, rtol=1e-12)
+
+# %%
+# In the teaching core, :func:`sdpa_ref.attention.jvp` (the scores' tangent,
+# the softmax row pass on it, then the two products):
+#
+# .. literalinclude:: /../sdpa_ref/attention.py
+#    :language: python
+#    :pyobject: jvp
+#    :lineno-match:
+#    :dedent:
+#    :start-at: dTraw = scores_jvp(
+#    :end-at: dO_v = Pd @ _kv(dv)
+
+cited(JVP_SRC, "dTraw = scores_jvp(", "dP = vjp(P, dT, p_extra", "dO = _grouped(dropout_jvp(dP", "dO_v = Pd @ _kv(dv)")
+
+# %%
+# Summary
+# -------
+#
+# .. list-table::
+#    :header-rows: 1
+#
+#    * - forward line
+#      - backward
+#      - shapes
+#    * - :math:`O = P V`
+#      - :math:`dV = P^{\top} dO`
+#
+#        :math:`dP = dO\, V^{\top}`
+#      - :math:`(S, E_v)`
+#
+#        :math:`(L, S)`
+#    * - :math:`P = \operatorname{softmax}_{\text{rows}}(T)`
+#      - :math:`dT = P \odot (dP - D)`
+#
+#        :math:`D = \operatorname{rowsum}(dO \odot O)`
+#      - :math:`(L, S)`
+#
+#        :math:`(L, 1)`
+#    * - :math:`T = s\, Q K^{\top}`
+#      - :math:`dQ = s\, dT\, K`
+#
+#        :math:`dK = s\, dT^{\top} Q`
+#      - :math:`(L, E)`
+#
+#        :math:`(S, E)`
+#
+# Every step was checked alone by finite differences, then the whole chain,
+# and both modes against each other.

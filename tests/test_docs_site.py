@@ -1,0 +1,139 @@
+"""The browser check of the documentation site (docs/check_site.py).
+
+The built site is checked where ``SDPA_REF_DOCS_HTML`` names it (a step of
+.ci/run, after the Sphinx build). The checker itself is tested on small
+synthetic sites: each fault it must catch, and a clean page that must pass.
+Both need Debian's chromium and chromium-driver packages and selenium; they
+skip without them.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+sys.path.insert(0, DOCS)
+import check_site  # noqa: E402
+
+#: The built site has at least this many pages (home, API reference, guides, gallery, genindex, search).
+MIN_PAGES = 10
+
+needs_browser = pytest.mark.skipif(
+    check_site.find_browser() is None or importlib.util.find_spec("selenium") is None,
+    reason="needs Chromium, chromedriver (apt-get install chromium chromium-driver) and selenium")
+
+HEAD = '<!DOCTYPE html><html><head><meta charset="utf-8"><title>t</title>{}</head><body>{}</body></html>'
+
+# Sphinx's MathJax 3 configuration and its deferred script (sphinx-mathjax-offline's copy).
+MATHJAX = ('<script>window.MathJax = {options: {processHtmlClass: "tex2jax_process|mathjax_process|math"}}'
+           '</script><script defer src="mathjax/tex-chtml.js"></script>')
+MATH_BODY = ('<p>Inline <span class="math notranslate nohighlight">\\(x^2\\)</span>.</p>'
+             '<div class="math notranslate nohighlight">\\[\\frac{a}{b}\\]</div>')
+CLEAN_BODY = ('<h1 id="top-title">Clean</h1><img src="pic.svg" alt="pic"><a href="#top-title">here</a> '
+              '<a href="other.html#sec">there</a> <a href="sub/">sub</a> '
+              '<a href="https://example.org/">out</a> <a href="mailto:a@b.c">mail</a>')
+SVG = '<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><rect width="10" height="10"/></svg>'
+
+
+def mathjax_dir():
+    spec = importlib.util.find_spec("sphinx-mathjax-offline")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "static", "mathjax")
+    return path if os.path.isfile(os.path.join(path, "tex-chtml.js")) else None
+
+
+def write(site, name, text):
+    path = site / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+#: Each faulty page of the synthetic site, and what the checker must say about it (its only problem).
+FAULTS = {
+    "js_error.html": ("<script>undefined_function()</script>", "undefined_function is not defined"),
+    "broken_img.html": ('<img src="missing.png" alt="x">', "image did not load: missing.png"),
+    "missing_page.html": ('<a href="nowhere.html">x</a>', "link to missing nowhere.html"),
+    "missing_anchor.html": ('<a href="other.html#no-such-id">x</a><a href="sub/index.html#old">ok</a>',
+                            "link to missing anchor #no-such-id in other.html"),
+    "no_mathjax.html": ('<span class="math notranslate nohighlight">\\(x\\)</span>',
+                        "1 of 1 math elements not typeset: MathJax absent"),
+    "network.html": ('<script src="https://cdn.example.org/x.js"></script>', "ERR_NAME_NOT_RESOLVED"),
+}
+
+
+@needs_browser
+def test_checker_on_synthetic_site(tmp_path, capsys):
+    """One run of the CLI over clean pages and one page per fault (one browser: xdist runs it once)."""
+    write(tmp_path, "pic.svg", SVG)
+    write(tmp_path, "other.html", HEAD.format("", '<h2 id="sec">Section</h2><a href="index.html">home</a>'))
+    write(tmp_path, "sub/index.html", HEAD.format("", '<a name="old"></a><a href="../other.html">o</a>'))
+    write(tmp_path, "_static/skipped.html", HEAD.format("", "<script>undefined_function()</script>"))
+    for page, (body, _) in FAULTS.items():
+        write(tmp_path, page, HEAD.format("", body))
+    faults = dict(FAULTS)
+    mj = mathjax_dir()                       # without it, the clean page has no math
+    if mj is not None:
+        try:
+            os.symlink(mj, tmp_path / "mathjax")
+        except OSError:
+            shutil.copytree(mj, tmp_path / "mathjax")
+        # A TeX error: MathJax typesets it as an error box.
+        write(tmp_path, "math_error.html", HEAD.format(MATHJAX, '<span class="math">\\(x_1_2\\)</span>'))
+        faults["math_error.html"] = (None, "MathJax error (Double subscripts: use braces to clarify) in 'x_1_2'")
+    write(tmp_path, "index.html", HEAD.format(MATHJAX, MATH_BODY + CLEAN_BODY) if mj else HEAD.format("", CLEAN_BODY))
+
+    assert check_site.main([str(tmp_path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    pages = {r["page"]: r for r in report["pages"]}
+    assert sorted(pages) == sorted(["index.html", "other.html", "sub/index.html", *faults])
+    for page, (_, expected) in faults.items():
+        problems = pages[page]["problems"]
+        assert any(expected in p for p in problems), (page, problems)
+        # A broken image is also a failed load in the console.
+        assert len(problems) == 1 + (page == "broken_img.html"), (page, problems)
+    for page in ("index.html", "other.html", "sub/index.html"):
+        assert pages[page]["problems"] == [], page
+    index = pages["index.html"]
+    assert (index["images"], index["images_ok"], index["internal_links"], index["external_links"]) == (1, 1, 3, 2)
+    if mj is not None:
+        assert (index["math"], index["math_typeset"]) == (2, 2)
+    assert report["problems"] == sum(len(r["problems"]) for r in report["pages"])
+
+
+@needs_browser
+def test_cli_clean_site(tmp_path, capsys):
+    write(tmp_path, "index.html", HEAD.format("", '<p id="p">ok</p><a href="#p">p</a>'))
+    assert check_site.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 pages" in out and "0 problems" in out
+
+
+def test_cli_usage_errors(tmp_path, capsys):
+    assert check_site.main([str(tmp_path / "no-such-dir")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        check_site.main([str(tmp_path), "--max-pages", "0"])
+    assert exc.value.code == 2
+
+
+def test_find_pages_skips_assets(tmp_path):
+    for name in ("index.html", "api/f.html", "_static/x.html", "_sources/y.html", "_images/z.html",
+                 "_downloads/d/w.html", "genindex.html", "search.html", "style.css"):
+        write(tmp_path, name, "")
+    assert check_site.find_pages(str(tmp_path)) == ["index.html", "api/f.html", "genindex.html", "search.html"]
+
+
+@needs_browser
+@pytest.mark.skipif(not os.path.isdir(os.environ.get("SDPA_REF_DOCS_HTML", "")),
+                    reason="SDPA_REF_DOCS_HTML does not name a built site (set by .ci/run after the build)")
+def test_built_site():
+    report = check_site.check_site(os.environ["SDPA_REF_DOCS_HTML"])
+    problems = [f"{r['page']}: {p}" for r in report["pages"] for p in r["problems"]]
+    assert problems == [], "\n".join(problems[:50])
+    assert len(report["pages"]) >= MIN_PAGES
+    assert any(r["math_typeset"] > 0 for r in report["pages"]), "no page has typeset math"

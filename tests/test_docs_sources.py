@@ -1,0 +1,78 @@
+"""The documentation's sources: every picture a page shows is drawn by the build, and the README's one committed
+picture is what its example draws today (the site itself is built and checked in a browser by .ci/run)."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+MADE_BY_THE_BUILD = ("_build", "_generated", "auto_examples", "auto_tutorials", "auto_exercises", "generated")
+
+pytestmark = pytest.mark.skipif(not (DOCS / "conf.py").exists(), reason="docs not shipped beside the tests")
+
+
+def _figures():
+    sys.path.insert(0, str(DOCS))
+    try:
+        import _figures
+    finally:
+        sys.path.remove(str(DOCS))
+    return _figures
+
+
+def _pictures_in(text):
+    return re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", text) + re.findall(r"\.\. (?:image|figure):: (\S+)", text)
+
+
+def test_the_only_committed_picture_is_the_readmes():
+    committed = [p for p in DOCS.rglob("*") if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".gif", ".svg")
+                 and not any(part in MADE_BY_THE_BUILD for part in p.relative_to(DOCS).parts)]
+    assert committed == [DOCS / "images" / "saturation.png"]
+
+
+def test_every_picture_a_page_shows_is_made_by_the_build_or_checked_by_it():
+    figures = _figures()
+    made = {"diagnose.png"} | {pathlib.Path(a[a.index("--plot") + 1]).name for a in figures._ARGV.values()
+                               if "--plot" in a}
+    pages = [p for p in list(DOCS.glob("*.md")) + list(DOCS.glob("*.rst"))] + [ROOT / "README.md"]
+    seen = 0
+    for page in pages:
+        for ref in _pictures_in(page.read_text()):
+            seen += 1
+            if ref.startswith("_generated/"):
+                assert page.parent == DOCS and ref.split("/", 1)[1] in made, (page.name, ref)
+            else:
+                target = (page.parent / ref).resolve()
+                assert target == pathlib.Path(figures.README_FIGURE).resolve(), (page.name, ref)
+    assert seen >= 3
+
+
+def test_the_readme_picture_is_what_the_example_draws_now(tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("PIL")
+    out = tmp_path / "saturation.png"
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "saturation_demo.py"), "--plot", str(out)],
+                       capture_output=True, text=True, timeout=120, env={"MPLBACKEND": "Agg", **_env()})
+    assert r.returncode == 0, r.stdout + r.stderr
+    figures = _figures()
+    assert figures._digest(str(out)) == figures._digest(figures.README_FIGURE) is not None
+
+
+def test_the_digest_tells_a_different_picture(tmp_path):
+    # the comparison can fail: fewer seeds draw other counts
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("PIL")
+    out = tmp_path / "s.png"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "saturation_demo.py"), "--plot", str(out),
+                    "--seeds", "300"], capture_output=True, text=True, timeout=120, env={"MPLBACKEND": "Agg", **_env()})
+    figures = _figures()
+    assert figures._digest(str(out)) not in (None, figures._digest(figures.README_FIGURE))
+
+
+def _env():
+    import os
+    return {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
