@@ -84,7 +84,6 @@ sphinx_gallery_conf = {
 # --- HTML: the PyData theme, everything local
 html_theme = "pydata_sphinx_theme"
 html_title = "sdpa_ref " + release
-html_static_path = ["_static"]
 html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
