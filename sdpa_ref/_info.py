@@ -34,7 +34,7 @@ def info() -> Dict[str, Any]:
             install's reason, ``SDPA_REF_NATIVE=0``, or failed to load, with the error; None when in use);
             ``cost`` (str, what running without them costs, approximately; None when in use); ``path`` (str or
             None, the library loaded); ``simd_level`` (str or None, the build of the fast row passes in use,
-            ``"baseline"`` or ``"avx2"``); ``simd_levels`` (list of str, the builds this CPU runs);
+            ``"baseline"``, ``"avx2"`` or ``"avx512"``); ``simd_levels`` (list of str, the builds this CPU runs);
             ``stale`` (bool or None, True when the library was built from other C sources than those installed
             beside it, as after editing them in an editable install: reinstall); ``compiler`` and ``flags``
             (lists of str, as recorded at install, or None).

@@ -512,3 +512,75 @@ def test_the_compiled_kernels_are_installed_wherever_a_compiler_is():
     assert st["in_use"], (f"a C compiler is here but the compiled kernels are not in use: {st['reason']} "
                           "(a checkout: pip install -e .; an installed copy: reinstall it)")
     assert _native.kernels() is not None
+
+
+#: sha256 of the compiled row passes' results on fixed inputs (P, the row max and sum, emptiness, the VJP, exp in
+#: float64 and float32; not the LSE, whose log is libm's): IEEE operations in eight fixed lanes and a fixed order,
+#: so the same on every machine and in every SIMD build; recorded before the AVX-512 build was added (issue 26).
+ROW_PASS_BITS = "f40a8e40d529e48b2ac5afcf7cc78205f334998870c95928ddaa01458579d869"
+
+
+def _row_pass_digest(lib):
+    import hashlib
+
+    from sdpa_ref.exact import _native
+    rng = np.random.default_rng(2026)
+    h = hashlib.sha256()
+    for dtype in (np.float64, np.float32):
+        for n in (1, 5, 8, 37, 256, 1000):
+            t = rng.standard_normal((9, n)).astype(dtype) * 20
+            t[1] = -np.inf
+            t[2, ::2] = -np.inf
+            t[3, -1] = np.nan
+            g = rng.standard_normal((9, n)).astype(dtype)
+            m, s, lse = (np.empty((9, 1), dtype) for _ in range(3))
+            empty = np.empty((9, 1), bool)
+            _native.fast_softmax_rows(lib, t, m, s, lse, empty)
+            t[1] = 0.0
+            _native.fast_softmax_vjp_rows(lib, g, t)
+            for a in (t, m, s, empty, g):
+                h.update(a.tobytes())
+    h.update(_native.fast_exp(lib, rng.uniform(-800, 720, 1001)).tobytes())
+    h.update(_native.fast_exp(lib, rng.uniform(-110, 95, 1001).astype(np.float32)).tobytes())
+    return h.hexdigest()
+
+
+def test_every_simd_build_gives_the_pinned_bits(simd_levels):
+    """Each build this CPU runs (AVX-512 included where it has it) gives the recorded bits: the builds agree with
+    one another and with the builds of every other machine, and adding a build changed no bit."""
+    from sdpa_ref.exact import _native
+    lib, have = simd_levels
+    for level in have:
+        assert _native.simd_level(lib, level) == level
+        assert _row_pass_digest(lib) == ROW_PASS_BITS, level
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def test_a_build_the_cpu_lacks_is_never_picked(simd_levels):
+    """The widest build the CPU runs is the default, and asking for a wider one gives it instead (x86-64 Linux,
+    where /proc/cpuinfo tells what the CPU has; the OS's support for the registers is checked by the library)."""
+    import platform
+
+    from sdpa_ref.exact import _native
+    flags = _cpu_flags()
+    if flags is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs the CPU flags of x86-64 Linux")
+    lib, have = simd_levels
+    expect = ["baseline"] + (["avx2"] if "avx2" in flags else [])
+    if "avx2" in flags and {"avx512f", "avx512dq", "avx512vl", "avx512bw"} <= flags:
+        expect.append("avx512")
+    assert have == expect
+    for level in _native.SIMD_LEVELS:
+        got = _native.simd_level(lib, level)
+        assert got == (level if level in expect else expect[-1])
+    assert _native.simd_level(lib, "best") == expect[-1]

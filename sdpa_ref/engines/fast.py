@@ -20,8 +20,8 @@ is how:
   ``D = rowsum(dO * O)``, for three more passes over ``L x S``;
 * with a C compiler (:mod:`sdpa_ref.exact._native`), the softmax rows (max,
   ``exp(T - m)``, sum, divide, ``log``) and the pivoted VJP rows run as
-  fused compiled loops, row by row in cache, on SIMD vectors (AVX2 where the
-  CPU has it), with a vectorised exp within 1 ulp: IEEE operations in eight
+  fused compiled loops, row by row in cache, on SIMD vectors (AVX2 or AVX-512,
+  the widest the CPU has), with a vectorised exp within 1 ulp: IEEE operations in eight
   fixed lanes and a fixed order, so the bits depend neither on the SIMD
   level nor on NumPy's dispatch; without one (or with
   ``SDPA_REF_NATIVE=0``) the NumPy passes below run, equal to rounding;

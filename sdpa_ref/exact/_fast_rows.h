@@ -25,6 +25,17 @@ FX_INLINE FX(vd) FX(splat)(double a)
 }
 
 FX_INLINE FX(vd) FX(sel)(FX(vi) mask, FX(vd) a, FX(vd) b) { return (FX(vd))(((FX(vi))a & mask) | ((FX(vi))b & ~mask)); }
+/* a > b ? a : b lane by lane (NaN in a gives b; NaN in b gives b; equal zeros give b): exactly x86's MAXPD, one
+ * instruction there (a compare and a blend otherwise, which on AVX-512 makes a longer chain) */
+#if defined(__x86_64__) && FX_W == 8
+FX_INLINE FX(vd) FX(vmax)(FX(vd) a, FX(vd) b) { return (FX(vd))_mm512_max_pd((__m512d)a, (__m512d)b); }
+#elif defined(__x86_64__) && FX_W == 4
+FX_INLINE FX(vd) FX(vmax)(FX(vd) a, FX(vd) b) { return (FX(vd))_mm256_max_pd((__m256d)a, (__m256d)b); }
+#elif defined(__x86_64__) && FX_W == 2
+FX_INLINE FX(vd) FX(vmax)(FX(vd) a, FX(vd) b) { return (FX(vd))_mm_max_pd((__m128d)a, (__m128d)b); }
+#else
+FX_INLINE FX(vd) FX(vmax)(FX(vd) a, FX(vd) b) { return FX(sel)((FX(vi))(a > b), a, b); }
+#endif
 FX_INLINE FX(vd) FX(load)(const double *p) { FX(vd) v; memcpy(&v, p, sizeof v); return v; }
 FX_INLINE void FX(store)(double *p, FX(vd) v) { memcpy(p, &v, sizeof v); }
 
@@ -64,11 +75,11 @@ FX_INLINE FX(vd) FX(exp)(FX(vd) x)
     return FX(sel)(nan, x, e);
 }
 
-/* float32 vectors of the same width (twice the lanes), their masks, and exp in float32 */
-#define FX_WF (2 * FX_W)
-typedef float FX(vf) __attribute__((vector_size(8 * FX_W)));
-typedef int FX(vw) __attribute__((vector_size(8 * FX_W)));
-typedef unsigned FX(vwu) __attribute__((vector_size(8 * FX_W)));
+/* float32 vectors of the same width (twice the lanes, at most eight), their masks, and exp in float32 */
+#define FX_WF (2 * FX_W > 8 ? 8 : 2 * FX_W)             /* at most the eight lanes (AVX-512: half a register) */
+typedef float FX(vf) __attribute__((vector_size(4 * FX_WF)));
+typedef int FX(vw) __attribute__((vector_size(4 * FX_WF)));
+typedef unsigned FX(vwu) __attribute__((vector_size(4 * FX_WF)));
 
 FX_INLINE FX(vf) FX(splatf)(float a)
 {
@@ -82,6 +93,13 @@ FX_INLINE FX(vf) FX(self)(FX(vw) mask, FX(vf) a, FX(vf) b)
 {
     return (FX(vf))(((FX(vw))a & mask) | ((FX(vw))b & ~mask));
 }
+#if defined(__x86_64__) && FX_WF == 8
+FX_INLINE FX(vf) FX(vmaxf)(FX(vf) a, FX(vf) b) { return (FX(vf))_mm256_max_ps((__m256)a, (__m256)b); }
+#elif defined(__x86_64__) && FX_WF == 4
+FX_INLINE FX(vf) FX(vmaxf)(FX(vf) a, FX(vf) b) { return (FX(vf))_mm_max_ps((__m128)a, (__m128)b); }
+#else
+FX_INLINE FX(vf) FX(vmaxf)(FX(vf) a, FX(vf) b) { return FX(self)((FX(vw))(a > b), a, b); }
+#endif
 FX_INLINE FX(vf) FX(loadf)(const float *p) { FX(vf) v; memcpy(&v, p, sizeof v); return v; }
 FX_INLINE void FX(storef)(float *p, FX(vf) v) { memcpy(p, &v, sizeof v); }
 
@@ -122,7 +140,7 @@ FX_INLINE FX(vf) FX(expf)(FX(vf) x)
                           + (((acc)[4 / LW][4 % LW] + (acc)[5 / LW][5 % LW])                                           \
                              + ((acc)[6 / LW][6 % LW] + (acc)[7 / LW][7 % LW])))
 
-#define FX_ROW_KERNELS(TS, T, LW, V, M, LD, ST, SPLAT, SEL, EXP)                                                       \
+#define FX_ROW_KERNELS(TS, T, LW, V, M, LD, ST, SPLAT, SEL, EXP, VMAX)                                                       \
                                                                                                                        \
 /* the largest of x[0:n] (NaN skipped; -inf for a row of -inf or none): x[j] > m ? x[j] : m in eight lanes,            \
  * the rest in order, then the lanes */                                                                                \
@@ -134,8 +152,7 @@ FX_INLINE T FX(rowmax##TS)(const T *x, ptrdiff_t n)                             
     ptrdiff_t j = 0;                                                                                                   \
     for (; j + 8 <= n; j += 8)                                                                                         \
         for (int u = 0; u < (8 / LW); u++) {                                                                           \
-            V v = LD(x + j + u * LW);                                                                                  \
-            m[u] = SEL((M)(v > m[u]), v, m[u]);                                                                        \
+            m[u] = VMAX(LD(x + j + u * LW), m[u]);                                                                     \
         }                                                                                                              \
     T r = -INFINITY;                                                                                                   \
     for (; j < n; j++)                                                                                                 \
@@ -232,8 +249,8 @@ FX_INLINE void FX(softmax_vjp_rows##TS)(T *d, const T *p, ptrdiff_t rows, ptrdif
     }                                                                                                                  \
 }
 
-FX_ROW_KERNELS(, double, FX_W, FX(vd), FX(vi), FX(load), FX(store), FX(splat), FX(sel), FX(exp))
-FX_ROW_KERNELS(_f32, float, FX_WF, FX(vf), FX(vw), FX(loadf), FX(storef), FX(splatf), FX(self), FX(expf))
+FX_ROW_KERNELS(, double, FX_W, FX(vd), FX(vi), FX(load), FX(store), FX(splat), FX(sel), FX(exp), FX(vmax))
+FX_ROW_KERNELS(_f32, float, FX_WF, FX(vf), FX(vw), FX(loadf), FX(storef), FX(splatf), FX(self), FX(expf), FX(vmaxf))
 
 /* The entry points of this build: the kernels, not inlined into one another. */
 FX_ATTR static void FX(softmax_rows_entry)(double *t, ptrdiff_t rows, ptrdiff_t n, double *m, double *s, double *l,

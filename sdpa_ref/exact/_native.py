@@ -7,8 +7,9 @@ code, so they give the same bits; ``_fast_rows.c`` (with the
 ``_fast_rows.h`` it includes once per SIMD build) the fast path's
 fused softmax and softmax-VJP rows (:mod:`sdpa_ref.engines.fast`), which
 have no NumPy twin of the same bits but the same bits on every machine: they
-are built for the baseline and, on x86-64, for AVX2, chosen at run time
-(``SDPA_REF_SIMD=baseline`` or ``avx2`` forces one, read when the library
+are built for the baseline and, on x86-64, for AVX2 and AVX-512 (F, DQ, VL
+and BW), the widest the CPU runs chosen at run time (``SDPA_REF_SIMD=baseline``,
+``avx2`` or ``avx512`` forces one, read when the library
 loads; a level the CPU lacks gives the best one it has; :func:`simd_level`
 switches at run time), and every build gives the same bits.
 
@@ -361,7 +362,7 @@ def fast_exp(lib, x, out=None):
 
 
 #: The SIMD builds of the row passes, by level (``_kernels.c``: ``sdpa_fast_set_level``).
-SIMD_LEVELS = ("baseline", "avx2")
+SIMD_LEVELS = ("baseline", "avx2", "avx512")
 
 
 def _simd_level():
