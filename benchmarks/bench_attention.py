@@ -19,16 +19,24 @@ the ratios.
   ``upcast=False`` (computed in float32);
 * torch64 / torch32: torch.nn.functional.scaled_dot_product_attention forward
   and autograd backward, when torch is installed (same thread count);
-* gemm / gemm32: the six bare matmuls any attention forward + backward must
-  do (Q K^T, P V, P^T dO, dO V^T, dS K, dS^T Q), float64 / float32: the GEMM
-  bound.
+* the GEMM bound, ``bound`` / ``bound32``: the six matmuls any attention
+  forward + backward must do (Q K^T, P V, P^T dO, dO V^T, dS K, dS^T Q),
+  run the fastest way this BLAS runs them at this shape and thread count:
+  the least, in each round, of ``gemm_stacked`` (stacked 4-D ``np.matmul``
+  on a BLAS with all the threads), ``gemm_pool`` (one head at a time per
+  thread of a pool of that many threads, the BLAS held to one thread, as
+  the package runs) and ``gemm_pool_t`` (the same, with ``P^T dO`` and
+  ``dS^T Q`` computed as ``(dO^T P)^T`` and ``(Q^T dS)^T``, the form the fast
+  path uses in float64); the run says which won how often.
 
 At the end a table gives every target of the speed issue with the figure
-measured and whether it is met: gemm / dense >= 0.85 and dense / torch <=
-0.8 at (1, 8, 1024, 64) and (4, 16, 512, 128) in float64 and float32;
-``--copy-task`` times ``examples/copy_task.py`` in the default environment
-(target 60 s); ``--memory-sizes 65536`` runs the long-sequence target (768
-MiB; about 8 minutes).
+measured and whether it is met: bound / dense >= 0.85 at (1, 8, 1024, 64)
+and (4, 16, 512, 128) in float64 and float32, and dense / torch <= 0.8;
+where torch is faster, how much faster and how much of the gap the BLAS
+alone explains (torch's whole forward + backward against this BLAS's six
+GEMMs); ``--copy-task`` times ``examples/copy_task.py --seeds 1`` in the
+default environment (target 60 s); ``--memory-sizes 65536`` runs the
+long-sequence target (768 MiB; about 8 minutes).
 
 Also, in subprocesses (VmHWM from /proc/self/status), the peak resident memory of the whole process for the
 tiled path at L = S = 4096 and 16384 (one head, E = 64, float64), and the
@@ -42,6 +50,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -60,7 +69,36 @@ except ImportError:  # the benchmark runs without torch too
     torch = None
 
 
-def variants(shape):
+def _six(q, k, v, g, transposed=False):
+    """The six products of a forward + backward (P and dS stand in by Q K^T and dO V^T)."""
+    def t(a):
+        return np.swapaxes(a, -1, -2)
+
+    s = q @ t(k)
+    s @ v
+    t(t(g) @ s) if transposed else t(s) @ g           # dV = P^T dO
+    d = g @ t(v)
+    d @ k
+    t(t(q) @ d) if transposed else t(d) @ q           # dK = dS^T Q
+
+
+def _gemm_contenders(q, k, v, g, threads):
+    """The ways of running the six products: stacked on the threaded BLAS, or per head on a pool."""
+    from threadpoolctl import threadpool_limits
+
+    pool = ThreadPoolExecutor(threads)
+    lead = q.shape[:-2]
+    heads = [tuple(a[i] for a in (q, k, v, g)) for i in np.ndindex(*lead)]
+
+    def pooled(transposed):
+        with threadpool_limits(1):
+            list(pool.map(lambda a: _six(*a, transposed=transposed), heads))
+
+    return {"gemm_stacked": lambda: _six(q, k, v, g), "gemm_pool": lambda: pooled(False),
+            "gemm_pool_t": lambda: pooled(True)}
+
+
+def variants(shape, threads=1):
     rng = np.random.default_rng(0)
     q, k, v, g = (rng.standard_normal(shape) for _ in range(4))
 
@@ -82,16 +120,9 @@ def variants(shape):
         _, r = sdpa_forward(q32, k32, v32, upcast=False)
         sdpa_backward(r, g32)
 
-    def gemms(q, k, v, g):
-        s = q @ np.swapaxes(k, -1, -2)
-        s @ v
-        np.swapaxes(s, -1, -2) @ g
-        d = g @ np.swapaxes(v, -1, -2)
-        d @ k
-        np.swapaxes(d, -1, -2) @ q
-
-    out = {"dense": dense, "plain": plain, "tiled": tiled, "gemm": lambda: gemms(q, k, v, g), "dense32": dense32,
-           "gemm32": lambda: gemms(q32, k32, v32, g32)}
+    out = {"dense": dense, "plain": plain, "tiled": tiled, "dense32": dense32}
+    out.update(_gemm_contenders(q, k, v, g, threads))
+    out.update({n + "32": f for n, f in _gemm_contenders(q32, k32, v32, g32, threads).items()})
     if torch is not None:
         for name, dt in (("torch64", torch.float64), ("torch32", torch.float32)):
             tq, tk, tv = (torch.tensor(a, dtype=dt, requires_grad=True) for a in (q, k, v))
@@ -118,7 +149,7 @@ import bench_attention as B
 threadpool_limits({threads})                     # the BLAS (and any OpenMP) of this process: the same for everyone
 if B.torch is not None:
     B.torch.set_num_threads({threads})
-fn = B.variants({shape})[{name!r}]
+fn = B.variants({shape}, {threads})[{name!r}]
 fn()                                             # warm up
 ts = []
 for _ in range({inner}):
@@ -133,7 +164,21 @@ print(json.dumps({{"seconds": float(np.median(ts)), "state": state}}))
 """
 
 
-CONTENDERS = ("dense", "plain", "tiled", "gemm", "dense32", "gemm32", "torch64", "torch32")
+GEMMS = ("gemm_stacked", "gemm_pool", "gemm_pool_t")
+def add_bounds(times):
+    """Add ``bound`` (and ``bound32``) to ``{contender: [seconds per round]}``: in each round the least time of the
+    ways of running the six GEMMs that ran; return how often each way was the fastest."""
+    won = {}
+    for bound, suffix in (("bound", ""), ("bound32", "32")):
+        ways = [g + suffix for g in GEMMS if g + suffix in times]
+        if ways:
+            per_round = np.array([times[w] for w in ways])
+            times[bound] = [float(x) for x in per_round.min(axis=0)]
+            won[bound] = {w: int(np.sum(per_round.argmin(axis=0) == i)) for i, w in enumerate(ways)}
+    return won
+
+
+CONTENDERS = ("dense", "plain", "tiled", *GEMMS, "dense32", *(g + "32" for g in GEMMS), "torch64", "torch32")
 
 
 def time_shapes(repeat, threads, inner=3, shapes=SHAPES, contenders=CONTENDERS):
@@ -151,16 +196,17 @@ def time_shapes(repeat, threads, inner=3, shapes=SHAPES, contenders=CONTENDERS):
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 times[n].append(got["seconds"])
                 states[n] = got["state"]
+        won = add_bounds(times)
         med = {n: float(np.median(t)) for n, t in times.items()}
 
         def ratio(a, b):                          # the median over rounds of the ratio within each round
             r = np.array(times[a]) / np.array(times[b])
             return float(np.median(r)), float(r.min()), float(r.max())
 
-        row = {"shape": "x".join(map(str, shape)), **{f"{n}_s": v for n, v in med.items()}}
-        for a, b in [("gemm", "dense"), ("gemm32", "dense32"), ("plain", "dense"), ("tiled", "dense"),
-                     ("dense", "torch64"), ("dense32", "torch32"), ("gemm", "torch64"), ("gemm32", "torch32")]:
-            if a not in names or b not in names:
+        row = {"shape": "x".join(map(str, shape)), **{f"{n}_s": v for n, v in med.items()}, "bound_won": won}
+        for a, b in [("bound", "dense"), ("bound32", "dense32"), ("plain", "dense"), ("tiled", "dense"),
+                     ("dense", "torch64"), ("dense32", "torch32"), ("bound", "torch64"), ("bound32", "torch32")]:
+            if a not in times or b not in times:
                 continue
             row[f"{a}_over_{b}"], row[f"{a}_over_{b}_min"], row[f"{a}_over_{b}_max"] = ratio(a, b)
         rows.append(row)
@@ -222,25 +268,29 @@ def copy_task():
 
 
 def targets(result):
-    """Rows ``(target, measured, met)`` for every target of the speed issue that this run measured; ``met`` is None
-    for a torch target that is missed where the bare GEMMs alone already take more than 0.8 of torch's time
-    (the issue asks for 0.8 "where the GEMM bound allows it")."""
+    """Rows ``(target, measured, met)`` for every target of the speed issue that this run measured. Where torch is
+    faster than the dense path, ``met`` is None when the BLAS alone explains the whole gap (this BLAS's six GEMMs
+    take longer than torch's whole forward + backward), and the row says how much of the gap it explains."""
     rows = []
     for r in result["timing"]:
         if r["shape"] not in TARGET_SHAPES:
             continue
-        for dt, (g, d, t) in (("float64", ("gemm", "dense", "torch64")), ("float32", ("gemm32", "dense32", "torch32"))):
+        for dt, (g, d, t) in (("float64", ("bound", "dense", "torch64")), ("float32", ("bound32", "dense32", "torch32"))):
             if f"{g}_over_{d}" in r:
                 v = r[f"{g}_over_{d}"]
-                rows.append((f"{r['shape']} {dt}: gemm / dense >= 0.85", f"{v:.3f} ({r[f'{g}_over_{d}_min']:.3f}-"
-                             f"{r[f'{g}_over_{d}_max']:.3f})", v >= 0.85))
+                rows.append((f"{r['shape']} {dt}: bound / dense >= 0.85", f"{v:.3f} ({r[f'{g}_over_{d}_min']:.3f}-"
+                             f"{r[f'{g}_over_{d}_max']:.3f}) of the bound", v >= 0.85))
             if f"{d}_over_{t}" in r:
                 v = r[f"{d}_over_{t}"]
-                bound = r.get(f"{g}_over_{t}")             # the bare GEMMs against torch: what the bound allows
-                ok = True if v <= 0.8 else (None if bound is not None and bound > 0.8 else False)
-                rows.append((f"{r['shape']} {dt}: dense / {t} <= 0.8", f"{v:.3f} ({r[f'{d}_over_{t}_min']:.3f}-"
-                             f"{r[f'{d}_over_{t}_max']:.3f})" + ("" if bound is None else
-                                                                 f"; the GEMMs alone {bound:.3f}"), ok))
+                text = f"{v:.3f} ({r[f'{d}_over_{t}_min']:.3f}-{r[f'{d}_over_{t}_max']:.3f})"
+                ok = v <= 0.8
+                if v > 1 and f"{g}_over_{t}" in r:                  # torch is faster: by how much, and why
+                    b = r[f"{g}_over_{t}"]                          # this BLAS's GEMMs over torch's whole call
+                    explained = min(1.0, max(0.0, (b - 1) / (v - 1)))
+                    text += (f"; torch is {v:.2f}x faster; the six GEMMs of this BLAS alone take {b:.2f} of its "
+                             f"time, so the BLAS explains {explained:.0%} of the gap")
+                    ok = None if explained >= 1 else False
+                rows.append((f"{r['shape']} {dt}: dense / {t} <= 0.8", text, ok))
     if result.get("copy_task_s") is not None:
         rows.append(("copy task (default environment) <= 60 s", f"{result['copy_task_s']:.1f} s",
                      result["copy_task_s"] <= 60))
@@ -334,6 +384,8 @@ def main():
     for r in result["timing"]:
         times = ", ".join(f"{k[:-2]} {v * 1000:.1f} ms" for k, v in r.items() if k.endswith("_s"))
         print(f"{r['shape']}: {times}")
+        for b, won in r["bound_won"].items():
+            print(f"    {b} (the fastest way in each round) was: " + ", ".join(f"{w} {n}x" for w, n in won.items()))
         for k in [k for k in r if "_over_" in k and not k.endswith(("_min", "_max"))]:
             print(f"    {k:<22} {r[k]:.3f} ({r[k + '_min']:.3f}-{r[k + '_max']:.3f})")
     gc = result["gradcheck"]
@@ -352,8 +404,8 @@ def main():
             verdict = {True: "met    ", False: "NOT met", None: "bound  "}[t["met"]]
             print(f"  {verdict}  {t['target']:<48} {t['measured']}")
         if any(t["met"] is None for t in result["targets"]):
-            print("  (bound: not met, and out of reach here: the six bare GEMMs of this BLAS alone take more than "
-                  "0.8 times torch's whole forward + backward)")
+            print("  (bound: not met, and out of reach here: the six bare GEMMs of this BLAS alone take longer "
+                  "than torch's whole forward + backward)")
 
 
 if __name__ == "__main__":

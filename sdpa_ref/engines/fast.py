@@ -50,7 +50,7 @@ from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_outp
 from ..normalize import close, extra_probs, extras, vjp
 from ..pivot import softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_jvp, scores_vjp, transform_scores, \
-    transform_scores_jvp, transform_scores_vjp
+    transform_scores_jvp, transform_scores_vjp, transposed_product
 from .._threads import blas_is_held, num_threads, row_chunks, run_all
 from .contract import Forward, Grads
 
@@ -185,7 +185,7 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
         keep = block_of(prob.keep, lay.nd_f, fidx)
         Pd = Pc if keep is None else dropout_forward(lay.full_view(np.ascontiguousarray(Pc)), keep,
                                                      o.dropout_p).reshape(Pc.shape)
-        np.matmul(np.swapaxes(Pd, -1, -2), dOc, out=dv[idx])              # dV = P_drop^T dO
+        transposed_product(Pd, dOc, out=dv[idx])                          # dV = P_drop^T dO
         dTc = dT[idx] if keep_dT else np.empty(Pc.shape, dtype=ct)
         np.matmul(dOc, np.swapaxes(v, -1, -2), out=dTc)                   # dP = dO V^T ...
         if keep is not None:
