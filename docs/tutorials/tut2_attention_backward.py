@@ -331,9 +331,17 @@ check("dK = s dT^T Q", dK, num_grad(lambda K_: np.sum(dT * (scale * Q @ K_.T)), 
 #    :language: python
 #    :pyobject: scores_vjp
 #    :lineno-match:
+#
+# :math:`dK = dT^{\top} Q` is a product whose first factor is the transposed
+# :math:`L \times S` matrix; ``transposed_product`` computes it as
+# :math:`(Q^{\top} dT)^{\top}` in float64, the same sums, which OpenBLAS
+# runs faster. The order of the
+# additions differs, so the last bits may differ, as they do between BLAS
+# builds; the check below holds either way.
 
 cited(BACKWARD_SRC, "dQ = scale dTraw K, dK = scale dTraw^T Q", "dq, dk = scores_vjp(")
-cited(inspect.getsource(sdpa_ref.transforms.scores_vjp), "np.matmul(dT, k", "np.matmul(np.swapaxes(dT, -1, -2), q")
+cited(inspect.getsource(sdpa_ref.transforms.scores_vjp), "np.matmul(dT, k", "transposed_product(dT, q")
+np.testing.assert_allclose(sdpa_ref.transforms.transposed_product(dT, Q), dT.T @ Q, rtol=1e-12, atol=1e-15)
 
 # %%
 # The general form: what the extra factors are
