@@ -48,8 +48,10 @@ from .api import (
 from .derivatives import BACKWARD_METHODS, AbsorbedGrads, AttentionGrads, sdpa_backward, sdpa_jvp
 from .gradcheck import (
     GradcheckReport,
+    assert_hvp,
     assert_jvp,
     assert_vjp,
+    check_hvp,
     check_jvp,
     check_vjp,
     numerical_jacobian,
@@ -123,6 +125,8 @@ __all__ = [
     "assert_vjp",
     "check_jvp",
     "assert_jvp",
+    "check_hvp",
+    "assert_hvp",
     "numerical_jacobian",
     "GradcheckReport",
     # judging another implementation (sdpa_ref.harness, imported on first use)

@@ -7,6 +7,8 @@ anyone's gradients, not only this package's:
 * ``vjp(g, *args) -> (grad_0, grad_1, ...)``, one gradient per arg
 * ``jvp(tangents, *args) -> output tangent``, ``tangents`` a tuple with one
   entry per arg
+* ``hvp(g, tangents, *args) -> (Hv_0, Hv_1, ...)``, the Hessian of
+  ``<g, fun(*args)>`` times the tangents (:func:`check_hvp`)
 
 All arithmetic is in float64 on private copies of ``args``: the caller's
 arrays are never perturbed.
@@ -49,6 +51,7 @@ relative on well-conditioned functions.
 """
 
 from .checks import DEFAULT_ATOL, DEFAULT_RTOL, assert_jvp, assert_vjp, check_jvp, check_vjp
+from .hessian import assert_hvp, check_hvp
 from .numeric import COMPLEX_STEP, numerical_jacobian
 from .report import GradcheckReport, WorstEntry
 
@@ -63,4 +66,6 @@ __all__ = [
     "assert_vjp",
     "check_jvp",
     "assert_jvp",
+    "check_hvp",
+    "assert_hvp",
 ]
