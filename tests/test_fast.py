@@ -442,8 +442,29 @@ def simd_levels():
     _native.simd_level(lib, "best")
 
 
+def _row_passes(lib, rng, lengths):
+    """``(P, row max, row sum, lse, empty, VJP)`` of the compiled row passes on rows of each length (shorter than
+    the eight lanes, a multiple of them, with a tail), with NaN, -inf and fully masked rows, float64 then float32."""
+    from sdpa_ref.exact import _native
+    out = []
+    for dtype in (np.float64, np.float32):
+        for n in lengths:
+            t = rng.standard_normal((9, n)).astype(dtype) * 20
+            t[1] = -np.inf
+            t[2, ::2] = -np.inf
+            t[3, -1] = np.nan
+            g = rng.standard_normal((9, n)).astype(dtype)
+            m, s, lse = (np.empty((9, 1), dtype) for _ in range(3))
+            empty = np.empty((9, 1), bool)
+            _native.fast_softmax_rows(lib, t, m, s, lse, empty)
+            t[1] = 0.0                                     # the engine fills empty rows; the VJP reads P
+            _native.fast_softmax_vjp_rows(lib, g, t)
+            out.append((t, m, s, lse, empty, g))
+    return out
+
+
 def test_every_simd_build_of_the_row_passes_gives_the_same_bits(simd_levels):
-    """The baseline and the AVX2 build of the compiled row passes, on rows of every length class (shorter than
+    """Every build of the compiled row passes this CPU runs (baseline, AVX2, AVX-512), on rows of every length class (shorter than
     the eight lanes, a multiple of them, with a tail), with NaN, -inf and fully masked rows, in float64 and
     float32, and the whole fast path on top of them."""
     from sdpa_ref.exact import _native
@@ -454,20 +475,7 @@ def test_every_simd_build_of_the_row_passes_gives_the_same_bits(simd_levels):
     def passes(level):
         _native.simd_level(lib, level)
         rng = np.random.default_rng(11)
-        out = []
-        for dtype in (np.float64, np.float32):
-            for n in (1, 5, 8, 37, 256):
-                t = rng.standard_normal((9, n)).astype(dtype) * 20
-                t[1] = -np.inf
-                t[2, ::2] = -np.inf
-                t[3, -1] = np.nan
-                g = rng.standard_normal((9, n)).astype(dtype)
-                m, s, lse = (np.empty((9, 1), dtype) for _ in range(3))
-                empty = np.empty((9, 1), bool)
-                _native.fast_softmax_rows(lib, t, m, s, lse, empty)
-                t[1] = 0.0                                     # the engine fills empty rows; the VJP reads P
-                _native.fast_softmax_vjp_rows(lib, g, t)
-                out += [t, m, s, lse, empty, g]
+        out = [a for row in _row_passes(lib, rng, (1, 5, 8, 37, 256)) for a in row]
         out.append(_native.fast_exp(lib, rng.uniform(-800, 720, 1001)))
         q, k, v, do = (rng.standard_normal((2, 3, 45, 16)) for _ in range(4))
         o, res = sdpa_forward(q, k, v, is_causal=True, softcap=20.0)
@@ -526,20 +534,9 @@ def _row_pass_digest(lib):
     from sdpa_ref.exact import _native
     rng = np.random.default_rng(2026)
     h = hashlib.sha256()
-    for dtype in (np.float64, np.float32):
-        for n in (1, 5, 8, 37, 256, 1000):
-            t = rng.standard_normal((9, n)).astype(dtype) * 20
-            t[1] = -np.inf
-            t[2, ::2] = -np.inf
-            t[3, -1] = np.nan
-            g = rng.standard_normal((9, n)).astype(dtype)
-            m, s, lse = (np.empty((9, 1), dtype) for _ in range(3))
-            empty = np.empty((9, 1), bool)
-            _native.fast_softmax_rows(lib, t, m, s, lse, empty)
-            t[1] = 0.0
-            _native.fast_softmax_vjp_rows(lib, g, t)
-            for a in (t, m, s, empty, g):
-                h.update(a.tobytes())
+    for t, m, s, lse, empty, g in _row_passes(lib, rng, (1, 5, 8, 37, 256, 1000)):
+        for a in (t, m, s, empty, g):
+            h.update(a.tobytes())
     h.update(_native.fast_exp(lib, rng.uniform(-800, 720, 1001)).tobytes())
     h.update(_native.fast_exp(lib, rng.uniform(-110, 95, 1001).astype(np.float32)).tobytes())
     return h.hexdigest()
