@@ -464,9 +464,9 @@ def _row_passes(lib, rng, lengths):
 
 
 def test_every_simd_build_of_the_row_passes_gives_the_same_bits(simd_levels):
-    """Every build of the compiled row passes this CPU runs (baseline, AVX2, AVX-512), on rows of every length class (shorter than
-    the eight lanes, a multiple of them, with a tail), with NaN, -inf and fully masked rows, in float64 and
-    float32, and the whole fast path on top of them."""
+    """Every build of the compiled row passes this CPU runs (baseline, AVX2, AVX-512), on rows of every length
+    class (shorter than the eight lanes, a multiple of them, with a tail), with NaN, -inf and fully masked rows,
+    in float64 and float32, and the whole fast path on top of them."""
     from sdpa_ref.exact import _native
     lib, have = simd_levels
     if len(have) < 2:
