@@ -275,7 +275,8 @@ def targets(result):
     for r in result["timing"]:
         if r["shape"] not in TARGET_SHAPES:
             continue
-        for dt, (g, d, t) in (("float64", ("bound", "dense", "torch64")), ("float32", ("bound32", "dense32", "torch32"))):
+        for dt, (g, d, t) in (("float64", ("bound", "dense", "torch64")),
+                              ("float32", ("bound32", "dense32", "torch32"))):
             if f"{g}_over_{d}" in r:
                 v = r[f"{g}_over_{d}"]
                 rows.append((f"{r['shape']} {dt}: bound / dense >= 0.85", f"{v:.3f} ({r[f'{g}_over_{d}_min']:.3f}-"
