@@ -1,11 +1,11 @@
 """The figures of the Markdown pages, made by every build (never committed).
 
 :func:`make_figures` runs at ``builder-inited`` and writes ``docs/_generated/``:
-``diagnose.png`` and ``diagnose.txt`` (``sdpa-ref diagnose --plot``: the figure and the table). The
-examples' figures come
-from running the examples in the gallery (:func:`gallery_argv` gives each its
-arguments, ``--plot`` into ``_generated/`` among them), so a page that shows
-one shows what this build's run produced.
+``diagnose.png`` and ``diagnose.txt`` (``sdpa-ref diagnose --plot``: the
+figure and the table). The examples' figures come from running the examples
+in the gallery (:func:`gallery_argv` gives each its arguments, ``--plot``
+into ``_generated/`` among them), so a page that shows one shows what this
+build's run produced.
 """
 
 import os
