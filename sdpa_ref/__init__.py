@@ -46,6 +46,7 @@ from .api import (
     split_kv_partials,
 )
 from .derivatives import BACKWARD_METHODS, AbsorbedGrads, AttentionGrads, sdpa_backward, sdpa_jvp
+from .second_order import sdpa_backward_jvp, sdpa_hvp
 from .gradcheck import (
     GradcheckReport,
     assert_hvp,
@@ -94,6 +95,8 @@ __all__ = [
     "sdpa_forward",
     "sdpa_backward",
     "sdpa_jvp",
+    "sdpa_backward_jvp",
+    "sdpa_hvp",
     "sdpa_forward_complex",
     "AbsorbedGrads",
     "AttentionGrads",

@@ -45,6 +45,23 @@ JVP, along ``(dQ, dK, dV, dB)``::
     dT     = dTraw * (1 - tanh^2) + dB
     dP     = P * (dT - rowsum(P * dT))              normalize.vjp: J is symmetric
     dO     = (dP * Z / (1 - p)) V + P_drop dV
+
+Double backward (the tangent of the backward, :func:`backward_jvp`), along the input tangents above and the
+cotangents' tangents ``ddO``, ``ddlse``; ``x'`` is the tangent of ``x``, every line the product rule on a line
+of the backward::
+
+    T', P'                                          the JVP's lines above (P' = J T', with the sinks' p_sink')
+    dV'    = P_drop'^T dO + P_drop^T ddO, summed over the group
+    dP'    = (ddO V^T + dO dV^T) * Z / (1 - p)      dV^T here is the value tangent, not the gradient
+    dT'    = P * (dP' - rowsum(P * dP') [+ ddlse])  J's map on the tangents (normalize.vjp_jvp) ...
+             + P' * (dP - D [+ dlse]) - P * rowsum(P' * dP)      ... and J' dP: the softmax's second order
+    dsink' = p_sink' (dlse - D) - p_sink rowsum(P' * dP) + the map's sink entry
+    dB'    = dT' summed to the bias's shape
+    dTraw' = dT' * sech^2 + dT * (sech^2)',  (sech^2)' = -(2/c) tanh(Traw/c) sech^2 Traw'
+    dQ'    = scale (dTraw' K + dTraw dK)        (dK: the key tangent)
+    dK'    = scale (dTraw'^T Q + dTraw^T dQ)    (dQ: the query tangent), summed over the group
+
+The Hessian-vector product of a loss ``<g, O> + <glse, LSE>`` is the case ``ddO = 0``, ``ddlse = 0``.
 """
 
 from __future__ import annotations
@@ -53,7 +70,7 @@ import numpy as np
 
 from .engines.contract import Forward, Grads
 from .policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, zero_output_rows
-from .normalize import close, extra_probs, extras, vjp
+from .normalize import close, extra_probs, extras, vjp, vjp_jvp
 from .softmax import softmax_parts
 from .transforms import (
     additive_vjp,
@@ -63,12 +80,14 @@ from .transforms import (
     scores_forward,
     scores_jvp,
     scores_vjp,
+    softcap_sech2_jvp,
     transform_scores,
     transform_scores_jvp,
     transform_scores_vjp,
+    transform_scores_vjp_jvp,
 )
 
-__all__ = ["forward", "backward", "jvp"]
+__all__ = ["forward", "backward", "backward_jvp", "jvp"]
 
 
 def forward(prob, *, save_probs=True) -> Forward:
@@ -182,6 +201,65 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
     if dO is None:
         return np.zeros(prob.full_scores[:-1] + (prob.v.shape[-1],), prob.dtype)
     return _full(dO, prob)
+
+
+def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, dbias=None, dextra=None,
+                 ddO=None, ddlse=None) -> Grads:
+    """The tangent of :func:`backward` (the double backward): how each gradient moves along the input tangents
+    (those of :func:`jvp`, None is zero) and the cotangents' tangents ``ddO`` ``(*batch, Hq, L, Ev)`` and
+    ``ddlse`` ``(*batch, Hq, L, 1)`` (None: zero). See the module docstring; each step differentiates one line
+    of :func:`backward` by the product rule, and the softmax's step is :func:`sdpa_ref.normalize.vjp_jvp`.
+    """
+    o = prob.options
+    P, sech2 = fwd.probs, fwd.tanh
+    k, v = _kv(prob.k), _kv(prob.v)
+    dO_g = _grouped(dO, prob)
+    cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))
+
+    def const(x):                                                   # the policy's constant rows: no derivative
+        return x if cr is None or x is None else np.where(cr, x.dtype.type(0), x)
+
+    # the backward's own lines, which the tangent reads: dP, dT, dTraw
+    P_drop = dropout_forward(P, prob.keep, o.dropout_p)
+    dP = dropout_vjp(_full(dO_g @ np.swapaxes(v, -1, -2), prob), prob.keep, o.dropout_p)
+    p_extra = extra_probs(extras(prob), fwd.lse[..., None])
+    dT = const(vjp(P, dP, p_extra, dlse)[0])
+    dTraw = transform_scores_vjp(dT, sech2)
+    # the forward's tangent: Traw', T', P' = J T' (with the sinks' p_sink')
+    dTraw_t = scores_jvp(prob.q, k, dq, None if dk is None else _kv(dk), prob.scale)
+    dTraw_t = np.zeros(prob.full_scores, prob.dtype) if dTraw_t is None else _full(dTraw_t, prob)
+    dT_t = np.broadcast_to(transform_scores_jvp(dTraw_t, sech2, dbias), P.shape)
+    dP_t, dpx_t = vjp(P, dT_t, p_extra, d_extra=dextra)
+    dP_t, dpx_t = const(dP_t), const(dpx_t)
+    # dV = P_drop^T dO  =>  dV' = P_drop'^T dO + P_drop^T ddO, summed over the group
+    dv_t = np.swapaxes(_grouped(dropout_forward(dP_t, prob.keep, o.dropout_p), prob), -1, -2) @ dO_g
+    if ddO is not None:
+        dv_t = dv_t + np.swapaxes(_grouped(P_drop, prob), -1, -2) @ _grouped(ddO, prob)
+    dv_t = dv_t.sum(axis=-3)
+    # dP = (dO V^T) Z / (1 - p)  =>  dP' = (ddO V^T + dO dV^T) Z / (1 - p)
+    ddP = np.zeros_like(dP) if ddO is None else _full(_grouped(ddO, prob) @ np.swapaxes(v, -1, -2), prob)
+    if dv is not None:
+        ddP = ddP + _full(dO_g @ np.swapaxes(_kv(dv), -1, -2), prob)
+    ddP = dropout_vjp(ddP, prob.keep, o.dropout_p)
+    # dT = J dP + P dlse  =>  dT' = J dP' + P ddlse + J' dP + P' dlse (the softmax's second order)
+    ddT, ddx = vjp_jvp(P, dP, dP_t, ddP, p_extra, dpx_t, dlse, ddlse)
+    ddT, ddx = const(ddT), const(ddx)
+    dmask = None if prob.mask_float is None else additive_vjp(ddT, prob.shapes["attn_mask"])
+    dbias_t = None if prob.bias is None else additive_vjp(ddT, prob.shapes["bias"])
+    # dTraw = dT sech^2  =>  dTraw' = dT' sech^2 + dT (sech^2)'
+    dsech2 = None
+    if sech2 is not None:
+        Traw = _full(scores_forward(prob.q, k, prob.scale), prob)
+        dsech2 = softcap_sech2_jvp(Traw, o.softcap, sech2, dTraw_t)
+    ddTraw = transform_scores_vjp_jvp(dT, ddT, sech2, dsech2)
+    # dQ = s dTraw K, dK = s dTraw^T Q  =>  dQ' = s (dTraw' K + dTraw K'), dK' = s (dTraw'^T Q + dTraw^T Q')
+    dq_t, dk_t = scores_vjp(_grouped(ddTraw, prob), prob.q, k, prob.scale)
+    if dk is not None:
+        dq_t = dq_t + scores_vjp(_grouped(dTraw, prob), prob.q, _kv(dk), prob.scale)[0]
+    if dq is not None:
+        dk_t = dk_t + scores_vjp(_grouped(dTraw, prob), dq, k, prob.scale)[1]
+    return Grads(dq=_full(dq_t, prob), dk=dk_t.sum(axis=-3), dv=dv_t, dmask=dmask, dbias=dbias_t,
+                 dextra=None if ddx is None else ddx[..., 0].sum(axis=-1))
 
 
 # ---------------------------------------------------------------- layouts

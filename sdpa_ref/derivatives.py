@@ -20,7 +20,8 @@ from .reads import clean
 from .residuals import AbsorbedGrads, AttentionGrads, AttentionResiduals
 from .transforms import unbroadcast
 
-__all__ = ["BACKWARD_METHODS", "AbsorbedGrads", "AttentionGrads", "sdpa_backward", "sdpa_jvp"]
+__all__ = ["BACKWARD_METHODS", "AbsorbedGrads", "AttentionGrads", "cotangents", "input_tangents", "sdpa_backward",
+           "sdpa_jvp", "user_grads"]
 
 #: Accepted values of ``sdpa_backward(..., method=)``: the engines, and two older names
 #: (``"probs"`` is ``"fast"``, ``"lse"`` is ``"tiled"``: FlashAttention's recomputing backward).
@@ -119,26 +120,41 @@ def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
             raise ValueError("`method` should be 'tiled' (or 'lse') for residuals saved with save_probs=False "
                              f"or by the tiled engine, but got {method!r}")
         name = "tiled"
-    lay = residuals.layout
-    g = V.as_float_array(grad_out, "grad_out")
+    dO, do_bad, dlse, dl_bad = cotangents(residuals, grad_out, grad_lse)
+    engine = Engine(name, (residuals.block_size or blocks.lse_blocks(prob.L, prob.S)) if name == "tiled" else None)
+    with single_threaded_blas():
+        gr = engine.backward(prob, residuals.forward, dO, dlse)
+        bad = poison.backward_taint(prob, residuals.taint, dO, do_bad, dlse, dl_bad)   # what reads poison: NaN
+    return user_grads(residuals, gr, bad)
+
+
+def cotangents(residuals, grad_out, grad_lse, names=("grad_out", "grad_lse")):
+    """``(dO, where not finite, dlse, where not finite)``: ``grad_out`` and ``grad_lse`` (None: zero) checked
+    against the forward's output and LSE (``names`` for the messages), gathered from a layout, and cleaned as
+    the problem cleans its inputs (:meth:`sdpa_ref.problem.Problem.clean_grad_out`)."""
+    prob, lay = residuals.problem, residuals.layout
+    g = V.as_float_array(grad_out, names[0])
     want = prob.out_shape if lay is None else lay.out_shape
     if g.shape != want:
-        raise ValueError(f"`grad_out` should have the output's shape {want}, but got shape {g.shape}")
+        raise ValueError(f"`{names[0]}` should have the output's shape {want}, but got shape {g.shape}")
     if lay is not None:
         g = lay.gather_out(g)                                # the layout's rows into the dense problem's
     dO, do_bad = prob.clean_grad_out(g, residuals.empty)    # 0 where never read, and where not finite
     dlse, dl_bad = None, None
     if grad_lse is not None:
-        gl = V.as_float_array(grad_lse, "grad_lse")
+        gl = V.as_float_array(grad_lse, names[1])
         want = prob.out_shape[:-1] if lay is None else lay.lse_shape
         if gl.shape != want:
-            raise ValueError(f"`grad_lse` should have the LSE's shape {want}, but got shape {gl.shape}")
+            raise ValueError(f"`{names[1]}` should have the LSE's shape {want}, but got shape {gl.shape}")
         gl = gl if lay is None else lay.gather_lse(gl)
         dlse, dl_bad = prob.clean_grad_lse(gl, residuals.empty)
-    engine = Engine(name, (residuals.block_size or blocks.lse_blocks(prob.L, prob.S)) if name == "tiled" else None)
-    with single_threaded_blas():
-        gr = engine.backward(prob, residuals.forward, dO, dlse)
-        bad = poison.backward_taint(prob, residuals.taint, dO, do_bad, dlse, dl_bad)   # what reads poison: NaN
+    return dO, do_bad, dlse, dl_bad
+
+
+def user_grads(residuals, gr, bad):
+    """An engine's :class:`~sdpa_ref.engines.contract.Grads` (or their tangents) in the user's shapes, layout and
+    dtypes, NaN where ``bad`` (:func:`sdpa_ref.poison.backward_taint`) says they read poison."""
+    prob, lay = residuals.problem, residuals.layout
     nan_rows = prob.nan_rows_without_keys()              # S = 0 under "nan": as on a fully masked row with keys,
     gr = gr._replace(dq=poison.nan_where(gr.dq, nan_rows))   # dq NaN there, and the sinks' gradient of its head
     shapes, dtypes = prob.shapes, dict(prob.dtypes)
@@ -222,26 +238,43 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
     V.check_choice("fast" if method is None else method, "method", ("fast", "plain", "tiled", "split"))
     out, res = sdpa_forward(*primals, method=method, precision=precision, layout=layout,
                             **dict(options, save_probs=True))
+    prob = res.problem
+    (dq, dk, dv, db, ds), (bq, bk, bv, bb, bs), dv_full = input_tangents(res, tangents)
+    with single_threaded_blas():
+        dO = Engine(res.method, res.block_size).jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dextra=ds)
+        bad = poison.jvp_taint(prob, res.taint, (dq, dk, dv, db), (bq, bk, bv, bb), dv_full, ds, bs)
+    dO = poison.nan_where(dO, bad)                       # what reads poison: NaN
+    dO = poison.nan_where(dO, prob.nan_rows_without_keys() if any(t is not None for t in (dq, dk, dv, db, ds))
+                          else None)
+    dO = dO.reshape(prob.out_shape).astype(prob.out_dtype, copy=False)
+    return out, (dO if res.layout is None else res.layout.out(dO))
+
+
+def input_tangents(res, tangents, name="tangents"):
+    """The input tangents ``(dq, dk, dv, dbias, dsinks)`` of the residuals' problem, where each was not finite,
+    and ``dv_full`` (:meth:`sdpa_ref.problem.Problem.clean_tangents`), from the user's ``tangents`` (3 to 6 of
+    them, None is zero; ``name`` for the messages): checked against the primals' shapes, gathered from a layout,
+    MLA's ``qv`` joined, and cleaned as the primals were."""
     prob, lay, ab = res.problem, res.layout, res.absorbed
     names = ("query", "key", "value", "bias", "sinks", "qv")
     ts = list(tangents) + [None] * (6 - len(tangents))
     if ts[5] is not None and ab is None:
-        raise ValueError("`tangents` should have no qv tangent when no `qv` is given, but got one")
+        raise ValueError(f"`{name}` should have no qv tangent when no `qv` is given, but got one")
     user = dict(prob.shapes, **({} if ab is None else ab.shapes), **({} if lay is None else lay.shapes))
     if ts[3] is not None and prob.bias is None:
-        raise ValueError("`tangents` should have no bias tangent when no `bias` is given, but got one")
+        raise ValueError(f"`{name}` should have no bias tangent when no `bias` is given, but got one")
     if ts[4] is not None and prob.sink is None:
-        raise ValueError("`tangents` should have no sinks tangent when no `sinks` are given, but got one")
+        raise ValueError(f"`{name}` should have no sinks tangent when no `sinks` are given, but got one")
     conv = []
-    for i, (name, t) in enumerate(zip(names, ts)):
+    for i, (arg, t) in enumerate(zip(names, ts)):
         if t is not None:
-            t = V.as_float_array(t, f"tangents[{i}]")
-            want = user[name]
+            t = V.as_float_array(t, f"{name}[{i}]")
+            want = user[arg]
             if t.shape != want:
-                raise ValueError(f"`tangents[{i}]` should have the shape of `{name}` {want}, "
+                raise ValueError(f"`{name}[{i}]` should have the shape of `{arg}` {want}, "
                                  f"but got shape {t.shape}")
-            if lay is not None and name in lay.shapes:
-                t = lay.gather_input(t, name)                # a tangent is gathered as its primal is
+            if lay is not None and arg in lay.shapes:
+                t = lay.gather_input(t, arg)                 # a tangent is gathered as its primal is
         conv.append(t)
     dq, dk, dv, db, ds, dqv = conv
     if ab is not None:                                   # MLA's qv: the joined problem's tangents
@@ -253,14 +286,7 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
     bs = None
     if ds is not None:                                   # (..., Hq, 1, 1); a head's rows read its sink
         ds, bs = clean(_cast_real(ds, prob)[..., None, None])
-    with single_threaded_blas():
-        dO = Engine(res.method, res.block_size).jvp(prob, res.forward, dq, dk, dv, db, dv_full=dv_full, dextra=ds)
-        bad = poison.jvp_taint(prob, res.taint, (dq, dk, dv, db), (bq, bk, bv, bb), dv_full, ds, bs)
-    dO = poison.nan_where(dO, bad)                       # what reads poison: NaN
-    dO = poison.nan_where(dO, prob.nan_rows_without_keys() if any(t is not None for t in (dq, dk, dv, db, ds))
-                          else None)
-    dO = dO.reshape(prob.out_shape).astype(prob.out_dtype, copy=False)
-    return out, (dO if lay is None else lay.out(dO))
+    return (dq, dk, dv, db, ds), (bq, bk, bv, bb, bs), dv_full
 
 
 def _cast_real(t, prob):

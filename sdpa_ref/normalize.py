@@ -14,7 +14,8 @@ merged by :func:`sdpa_ref.lse.combine_in`), then *closes* it here:
 * :func:`vjp_in` is the softmax VJP over the keys and the extra columns (the
   pivoted form of :mod:`sdpa_ref.pivot`), with the LSE's cotangent, and
   each extra logit's gradient; the same map is the JVP (the Jacobian is
-  symmetric), with the extra logits' tangent.
+  symmetric), with the extra logits' tangent; :func:`vjp_jvp` is its
+  tangent, the softmax's second order (the double backward).
 
 An engine never names the extra logits: it asks :func:`extras` for them,
 closes its rows, and sums the extra gradient over the rows into
@@ -41,7 +42,7 @@ from .sinks import fold_sink_in, sink_probs, sink_probs_in
 from .softmax import softmax_lse_vjp, softmax_vjp
 
 __all__ = ["EXTRA_NAME", "Closed", "close", "close_in", "extra_grad_in", "extra_probs", "extra_probs_in",
-           "extra_shape", "extras", "keys_only", "vjp", "vjp_delta_in", "vjp_in"]
+           "extra_shape", "extras", "keys_only", "vjp", "vjp_delta_in", "vjp_in", "vjp_jvp"]
 
 
 class Closed(NamedTuple):
@@ -141,6 +142,35 @@ def vjp(P, g, p_extra=None, g_lse=None, d_extra=None):
         return (softmax_vjp(P, g) if g_lse is None else softmax_lse_vjp(P, g, g_lse)), None
     with np.errstate(invalid="ignore"):
         return vjp_in(NUMPY, P, g, p_extra, g_lse, d_extra)
+
+
+def vjp_jvp(P, g, dP, dg, p_extra=None, dp_extra=None, g_lse=None, dg_lse=None):
+    r"""The tangent of :func:`vjp` ``(dT, d_extra)`` when ``P`` moves by ``dP`` (with the extra columns'
+    ``dp_extra``), ``g`` by ``dg`` and the LSE's cotangent ``g_lse`` by ``dg_lse`` (None: zero): the softmax's
+    second order, on NumPy arrays along the last axis.
+
+    The VJP is :math:`dT = J g + P \bar\lambda` with :math:`J = \operatorname{diag}(P) - P P^T` over the keys
+    and the extra columns (whose ``g`` is 0). Its tangent is the same map on the tangents plus what ``J`` and
+    ``P`` move by, :math:`\dot J g = \dot P \odot g - \dot P (P \cdot g) - P (\dot P \cdot g)`:
+
+    .. math::
+
+        \dot{dT} = J \dot g + P \dot{\bar\lambda} + \dot P \odot (g - D + \bar\lambda) - P\, (\dot P \cdot g),
+        \qquad D = P \cdot g,
+
+    and on an extra column (``g = 0``): :math:`\dot p_\sigma (\bar\lambda - D) - p_\sigma (\dot P \cdot g)`
+    plus the first term's entry. ``dP`` and ``dp_extra`` are the forward's tangent (:func:`vjp` with the scores'
+    tangent and ``d_extra``: :math:`\dot P = J \dot T`).
+    """
+    with np.errstate(invalid="ignore"):
+        ddT, ddx = vjp(P, dg, p_extra, dg_lse)               # J g' + P lambda': the first-order map on the tangents
+        D = np.sum(P * g, axis=-1, keepdims=True)
+        c = g - D if g_lse is None else g - D + g_lse
+        E = np.sum(dP * g, axis=-1, keepdims=True)           # dP . g (an extra column's g is 0)
+        ddT = ddT + dP * c - P * E
+        if p_extra is not None:
+            ddx = ddx + dp_extra * (-D if g_lse is None else g_lse - D) - p_extra * E
+    return ddT, ddx
 
 
 def extra_grad_in(X, p_extra, c, D):

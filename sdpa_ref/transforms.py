@@ -3,7 +3,8 @@ r"""Score transforms: each one's forward, VJP and JVP side by side.
 The scores of attention are built in stages (``SEMANTICS.md``)::
 
     Traw = scale * Q K^T                 scores_forward      / scores_vjp    / scores_jvp
-    T    = cap * tanh(Traw / cap)        softcap_forward     / softcap_vjp   / softcap_jvp    (softcap_sech2)
+    T    = cap * tanh(Traw / cap)        softcap_forward     / softcap_vjp   / softcap_jvp    (softcap_sech2,
+                                                                       its tangent softcap_sech2_jvp)
     T    = T + B                         additive_forward    / additive_vjp  / additive_jvp   (float mask, bias)
     T    = T - slope * |i + off - j|     alibi_forward       (a constant: identity VJP and JVP)
     T    = -inf outside the allowed set  (masks.allowed_set)
@@ -46,11 +47,13 @@ __all__ = [
     "softcap_forward",
     "softcap_jvp",
     "softcap_sech2",
+    "softcap_sech2_jvp",
     "softcap_vjp",
     "transform_scores",
     "transform_scores_in",
     "transform_scores_jvp",
     "transform_scores_vjp",
+    "transform_scores_vjp_jvp",
     "unbroadcast",
 ]
 
@@ -158,6 +161,22 @@ def softcap_vjp(sech2, g, out=None):
 def softcap_jvp(sech2, dt, out=None):
     """An element-wise map's JVP is the same product as its VJP: ``dT = sech^2(Traw / cap) dTraw``."""
     return softcap_vjp(sech2, dt, out=out)
+
+
+def softcap_sech2_jvp(t, cap, sech2, dt):
+    r"""The tangent of softcap's slope :func:`softcap_sech2` along ``dt`` (the raw scores' tangent), what the
+    tangent of softcap's VJP adds (its second derivative):
+
+    .. math::
+
+        \frac{d}{dx}\, \operatorname{sech}^2(x / c) = -\frac{2}{c} \tanh(x / c)\, \operatorname{sech}^2(x / c).
+
+    ``t`` the raw scores, ``sech2`` their slope; both factors are bounded (``|tanh| <= 1``), so no cancellation.
+    """
+    c = t.dtype.type(cap)
+    with np.errstate(over="ignore"):
+        th = np.tanh(t / c)
+    return (t.dtype.type(-2) / c) * th * sech2 * dt
 
 
 # ------------------------------------------ additive terms: T = T + B (float mask, bias)
@@ -325,6 +344,13 @@ def transform_scores_jvp(dTraw, sech2, dB=None):
     """``dTraw`` -> ``dT``: through softcap, plus the bias tangent."""
     dT = dTraw if sech2 is None else softcap_jvp(sech2, dTraw)
     return additive_jvp(dT, dB)
+
+
+def transform_scores_vjp_jvp(dT, ddT, sech2, dsech2):
+    """The tangent of :func:`transform_scores_vjp`: ``ddT`` (the tangent of ``dT``) through softcap, plus ``dT``
+    times the tangent of softcap's slope (``dsech2``, :func:`softcap_sech2_jvp`). The other terms are linear in
+    the scores, so their second derivative is 0."""
+    return ddT if sech2 is None else softcap_vjp(sech2, ddT) + dT * dsech2
 
 
 # ------------------------------------------------------- public builders

@@ -1,0 +1,269 @@
+"""The double backward and the Hessian-vector product (sdpa_backward_jvp, sdpa_hvp) against finite differences
+of the backward, over every option of the finite-difference grid, sinks, the LSE's cotangent, MLA's qv and the
+layouts; the Hessian's symmetry; clear errors."""
+
+import numpy as np
+import pytest
+
+from sdpa_ref import (
+    AttentionGrads,
+    Packed,
+    assert_hvp,
+    assert_jvp,
+    check_jvp,
+    sdpa_backward,
+    sdpa_backward_jvp,
+    sdpa_forward,
+    sdpa_hvp,
+)
+from sdpa_ref.harness.grid import gradcheck_grid
+
+FIELDS = ("query", "key", "value", "attn_mask", "bias", "sinks")
+
+
+class Differentiable:
+    """The backward of one problem as a function of its differentiable inputs and both cotangents, with its JVP
+    (the double backward) and the loss's HVP, in the forms check_jvp / check_hvp take."""
+
+    def __init__(self, kw, with_lse=False, layout=None):
+        self.kw, self.layout, self.with_lse = dict(kw), layout, with_lse
+        self.names = ["query", "key", "value"] + [n for n in ("bias", "sinks", "qv") if kw.get(n) is not None]
+        self.slot = {"query": 0, "key": 1, "value": 2, "bias": 3, "sinks": 4, "qv": 5}
+        self.args = [np.asarray(kw[n], dtype=np.float64) for n in self.names]
+        out, res = self.forward(*self.args)
+        self.out_shape, self.lse_shape = out.shape, res.lse.shape
+
+    def call_kw(self, xs):
+        kw = dict(self.kw, **dict(zip(self.names, xs)))
+        q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+        return (q, k, v), kw
+
+    def forward(self, *xs):
+        (q, k, v), kw = self.call_kw(xs)
+        return sdpa_forward(q, k, v, method="plain", layout=self.layout, **kw)
+
+    def fun(self, *xs):                                  # the loss's outputs: O (and the LSE)
+        out, res = self.forward(*xs)
+        return np.concatenate([out.ravel(), res.lse.ravel()]) if self.with_lse else out
+
+    def split(self, g):
+        if not self.with_lse:
+            return g.reshape(self.out_shape), None
+        n = int(np.prod(self.out_shape))
+        return g[:n].reshape(self.out_shape), g[n:].reshape(self.lse_shape)
+
+    def tangents(self, ts):
+        t = [None] * 6
+        for n, x in zip(self.names, ts):
+            t[self.slot[n]] = x
+        return tuple(t)
+
+    def vjp(self, g, *xs):
+        dO, dl = self.split(g)
+        gr = sdpa_backward(self.forward(*xs)[1], dO, grad_lse=dl)
+        return [getattr(gr, n) for n in self.names]
+
+    def hvp(self, g, ts, *xs):
+        dO, dl = self.split(g)
+        (q, k, v), kw = self.call_kw(xs)
+        hv = sdpa_hvp((q, k, v), self.tangents(ts), dO, grad_lse=dl, layout=self.layout, **kw)
+        return [getattr(hv, n) for n in self.names]
+
+    # the whole backward, cotangents included, as one function, and its JVP: the double backward
+    def backward_fun(self, *xs_g):
+        xs, g = xs_g[:-1], xs_g[-1]
+        dO, dl = self.split(g)
+        gr = sdpa_backward(self.forward(*xs)[1], dO, grad_lse=dl)
+        return np.concatenate([np.ravel(x) for x in gr if x is not None])
+
+    def backward_jvp(self, ts_all, *xs_g):
+        xs, g = xs_g[:-1], xs_g[-1]
+        dO, dl = self.split(g)
+        ddO, ddl = self.split(ts_all[-1])
+        (q, k, v), kw = self.call_kw(xs)
+        gr, gt = sdpa_backward_jvp((q, k, v), self.tangents(ts_all[:-1]), dO, ddO, grad_lse=dl,
+                                   grad_lse_tangent=ddl, layout=self.layout, **kw)
+        for a, b in zip(gr, gt):
+            assert (a is None) == (b is None)
+            assert b is None or (a.shape == b.shape and a.dtype == b.dtype)
+        return np.concatenate([np.ravel(x) for x in gt if x is not None])
+
+    def cotangent(self, seed=1):
+        rng = np.random.default_rng(seed)
+        n = int(np.prod(self.out_shape)) + (int(np.prod(self.lse_shape)) if self.with_lse else 0)
+        g = rng.standard_normal(n)
+        return g if self.with_lse else g.reshape(self.out_shape)
+
+
+def _grid_kwargs(case):
+    kw = case.make_inputs()
+    return kw
+
+
+GRID = gradcheck_grid()
+
+
+@pytest.mark.parametrize("case", GRID, ids=[c.name for c in GRID])
+def test_double_backward_matches_differences_of_the_backward(case):
+    d = Differentiable(_grid_kwargs(case), with_lse=GRID.index(case) % 2 == 0)
+    if case.opts.get("fully_masked") == "nan" and case.has_fully_masked_rows():
+        pytest.skip("NaN gradients: the pattern is tested below")
+    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="projection", rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", [c for c in GRID if "dropout" in c.arrays and c.Hq != c.Hkv][:6]
+                         + [c for c in GRID if c.opts.get("softcap")][:2],
+                         ids=lambda c: c.name)
+def test_hvp_full_hessian_and_symmetry(case):
+    d = Differentiable(_grid_kwargs(case), with_lse=True)
+    assert_hvp(d.fun, d.vjp, d.hvp, d.args, cotangent=d.cotangent(), mode="full", rtol=1e-5)
+
+
+def _kw(rng, B=2, Hq=4, Hkv=2, L=3, S=5, E=3, Ev=2, **extra):
+    kw = dict(query=rng.standard_normal((B, Hq, L, E)), key=rng.standard_normal((B, Hkv, S, E)),
+              value=rng.standard_normal((B, Hkv, S, Ev)), enable_gqa=Hq != Hkv)
+    kw.update(extra)
+    return kw
+
+
+SPECIAL = {
+    "sinks": lambda r: _kw(r, sinks=r.uniform(-1, 2, 4)),
+    "sinks+causal+softcap+bias": lambda r: _kw(r, sinks=r.uniform(-1, 2, 4), is_causal=True, softcap=1.7,
+                                               bias=r.standard_normal((4, 3, 5))),
+    "sinks+masked rows": lambda r: _kw(r, sinks=np.array([0.5, -np.inf, 1.0, 2.0]),
+                                       attn_mask=np.arange(3)[:, None] != 1 + 0 * np.arange(5)),
+    "qv": lambda r: _kw(r, Hkv=4, qv=r.standard_normal((2, 4, 3, 2))),
+    "qv+causal-br+sinks": lambda r: _kw(r, Hkv=4, qv=r.standard_normal((2, 4, 3, 2)), is_causal=True,
+                                        causal_alignment="bottom_right", sinks=r.uniform(-1, 2, 4)),
+    "dropout+softcap+alibi+window": lambda r: _kw(r, dropout_p=0.3, dropout_mask=r.random((2, 4, 3, 5)) > 0.3,
+                                                  softcap=2.5, alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]),
+                                                  window=(1, 2)),
+    "uniform policy+sinks": lambda r: _kw(r, fully_masked="uniform", sinks=r.uniform(-1, 2, 4),
+                                          attn_mask=np.arange(3)[:, None] != 1 + 0 * np.arange(5)),
+}
+
+
+@pytest.mark.parametrize("name", SPECIAL)
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_double_backward_special_options(name, with_lse):
+    d = Differentiable(SPECIAL[name](np.random.default_rng(7)), with_lse=with_lse)
+    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=1e-5)
+    assert_hvp(d.fun, d.vjp, d.hvp, d.args, cotangent=d.cotangent(), mode="projection", rtol=1e-5)
+
+
+def test_double_backward_on_a_packed_layout():
+    rng = np.random.default_rng(3)
+    cu_q, cu_k = np.array([0, 2, 5]), np.array([0, 3, 7])
+    kw = dict(query=rng.standard_normal((5, 2, 3)), key=rng.standard_normal((7, 2, 3)),
+              value=rng.standard_normal((7, 2, 2)), is_causal=True, causal_alignment="bottom_right",
+              sinks=rng.uniform(-1, 1, 2))
+    d = Differentiable(kw, with_lse=True, layout=Packed(cu_q, cu_k))
+    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=1e-5)
+
+
+def test_first_order_part_is_sdpa_backward_bits():
+    rng = np.random.default_rng(5)
+    kw = SPECIAL["sinks+causal+softcap+bias"](rng)
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    out, res = sdpa_forward(q, k, v, method="plain", **kw)
+    g = rng.standard_normal(out.shape)
+    want = sdpa_backward(res, g)
+    got, _ = sdpa_backward_jvp((q, k, v), (q, None, None), g, **kw)
+    assert isinstance(got, AttentionGrads)
+    for a, b in zip(want, got):
+        assert (a is None and b is None) or np.array_equal(a, b)
+
+
+def test_hvp_is_linear_in_the_tangent_and_zero_along_nothing():
+    rng = np.random.default_rng(6)
+    kw = SPECIAL["dropout+softcap+alibi+window"](rng)
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    g = rng.standard_normal((2, 4, 3, 2))
+    zero = sdpa_hvp((q, k, v), (None, None, None), g, **kw)
+    assert all(x is None or not np.any(x) for x in zero)
+    u = [rng.standard_normal(x.shape) for x in (q, k, v)]
+    w = [rng.standard_normal(x.shape) for x in (q, k, v)]
+    a = sdpa_hvp((q, k, v), tuple(u), g, **kw)
+    b = sdpa_hvp((q, k, v), tuple(w), g, **kw)
+    c = sdpa_hvp((q, k, v), tuple(2 * x - 3 * y for x, y in zip(u, w)), g, **kw)
+    for x, y, z in zip(a, b, c):
+        if x is not None:
+            np.testing.assert_allclose(z, 2 * x - 3 * y, rtol=1e-12, atol=1e-12)
+
+
+def test_a_wrong_second_order_term_is_caught():
+    """The checks above can fail: drop softcap's second derivative and the double backward is rejected."""
+    import sdpa_ref.attention as core
+
+    rng = np.random.default_rng(8)
+    d = Differentiable(_kw(rng, softcap=1.2), with_lse=False)
+    real = core.transform_scores_vjp_jvp
+    try:
+        core.transform_scores_vjp_jvp = lambda dT, ddT, sech2, dsech2: real(dT, ddT, sech2, 0 * dsech2)
+        rep = check_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="projection", rtol=1e-5)
+    finally:
+        core.transform_scores_vjp_jvp = real
+    assert not rep.ok
+
+
+def test_nan_policy_rows_give_nan_where_the_gradient_is_nan():
+    case = next(c for c in GRID if c.opts.get("fully_masked") == "nan" and c.has_fully_masked_rows())
+    kw = case.make_inputs()
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    out, res = sdpa_forward(q, k, v, **kw)
+    g = np.random.default_rng(2).standard_normal(out.shape)
+    gr, gt = sdpa_backward_jvp((q, k, v), (q, k, v), g, g, **kw)
+    for a, b in zip(gr, gt):
+        if a is not None:
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+
+
+def test_poisoned_tangent_marks_at_least_what_reads_it():
+    rng = np.random.default_rng(9)
+    kw = _kw(rng, is_causal=True)
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    g = rng.standard_normal((2, 4, 3, 2))
+    dq = np.zeros_like(q)
+    dq[0, 1, 2, 0] = np.nan
+    hv = sdpa_hvp((q, k, v), (dq, None, None), g, **kw)
+    assert np.isnan(hv.query[0, 1, 2]).all()                 # the row whose tangent is NaN
+    assert np.isfinite(hv.query[1]).all() and np.isfinite(hv.key[1]).all()     # another batch entry reads none
+    assert np.isfinite(hv.query[0, 1, :2]).all()             # rows that do not read it
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(method="tiled"), "`method` should not be given"),
+    (dict(precision="reproducible"), "`precision` should not be given"),
+])
+def test_schedule_keywords_are_refused(bad, match):
+    q = np.ones((2, 3))
+    with pytest.raises(TypeError, match=match):
+        sdpa_hvp((q, q, q), (q, None, None), q, **bad)
+
+
+def test_bad_tangents_and_cotangents_are_clear_errors():
+    q = np.ones((2, 3))
+    with pytest.raises(ValueError, match="`grad_out_tangent` should have the output's shape"):
+        sdpa_backward_jvp((q, q, q), (q, None, None), q, np.ones((3, 3)))
+    with pytest.raises(ValueError, match=r"`tangents\[1\]` should have the shape of `key`"):
+        sdpa_hvp((q, q, q), (None, np.ones((4, 3)), None), q)
+    with pytest.raises(ValueError, match="`grad_lse_tangent` should have the LSE's shape"):
+        sdpa_backward_jvp((q, q, q), (q, None, None), q, grad_lse_tangent=np.ones(3))
+    with pytest.raises(TypeError, match="`tangents` should be a tuple"):
+        sdpa_hvp((q, q, q), q, q)
+
+
+def test_inputs_are_not_modified():
+    rng = np.random.default_rng(4)
+    kw = SPECIAL["sinks"](rng)
+    before = {n: np.copy(x) for n, x in kw.items() if isinstance(x, np.ndarray)}
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    g = rng.standard_normal((2, 4, 3, 2))
+    t = (np.copy(q), np.copy(k), np.copy(v))
+    t0 = [np.copy(x) for x in t]
+    sdpa_backward_jvp((q, k, v), t, g, np.copy(g), **kw)
+    for n, x in dict(kw, query=q, key=k, value=v).items():
+        if n in before:
+            np.testing.assert_array_equal(x, before[n])
+    for a, b in zip(t, t0):
+        np.testing.assert_array_equal(a, b)
