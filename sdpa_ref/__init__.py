@@ -47,6 +47,8 @@ from .api import (
 )
 from .derivatives import BACKWARD_METHODS, AbsorbedGrads, AttentionGrads, sdpa_backward, sdpa_jvp
 from .second_order import sdpa_backward_jvp, sdpa_hvp
+from .residuals import ScoreModGrads
+from .score_mod import ScoreMod, check_score_mod
 from .gradcheck import (
     GradcheckReport,
     assert_hvp,
@@ -73,7 +75,7 @@ from .softmax import (
     softmax_lse,
     softmax_vjp,
 )
-from .transforms import alibi_bias, alibi_slopes
+from .alibi import alibi_bias, alibi_slopes
 from ._info import info
 
 __version__ = "0.1.0"
@@ -99,6 +101,9 @@ __all__ = [
     "sdpa_hvp",
     "sdpa_forward_complex",
     "AbsorbedGrads",
+    "ScoreMod",
+    "ScoreModGrads",
+    "check_score_mod",
     "AttentionGrads",
     "AttentionResiduals",
     "FULLY_MASKED_POLICIES",

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .engines.blocks import Blocks
 from .engines.contract import Forward, Grads
 from .policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from .normalize import close, extra_probs, extras, vjp, vjp_jvp
@@ -159,12 +160,15 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     # T = ... + M + B, broadcast  =>  dM = dB = dT summed over the axes M and B were broadcast along
     dmask = None if prob.mask_float is None else additive_vjp(dT, prob.shapes["attn_mask"])
     dbias = None if prob.bias is None else additive_vjp(dT, prob.shapes["bias"])
-    # T = c tanh(Traw / c)  =>  dTraw = dT * (1 - tanh^2(Traw / c))   (sech2, computed without cancellation)
+    # T = fn(c tanh(Traw / c); theta)  =>  dtheta = sum dT dfn/dtheta (the score function's captured tensors)
+    dmod = Blocks(prob).mod_grads(dT, 0, prob.L, 0, prob.S)
+    # T = fn(c tanh(Traw / c))  =>  dTraw = dT * fn' * (1 - tanh^2(Traw / c))   (sech2: the chain's slope)
     dTraw = transform_scores_vjp(dT, sech2)
     # Traw = scale Q K^T  =>  dQ = scale dTraw K, dK = scale dTraw^T Q (summed over the group)
     dq, dk = scores_vjp(_grouped(dTraw, prob), prob.q, k, prob.scale)
     return Grads(dq=_full(dq, prob), dk=dk.sum(axis=-3), dv=dv, dmask=dmask, dbias=dbias,
-                 dextra=None if dextra is None else dextra[..., 0].sum(axis=-1))   # summed over the rows
+                 dextra=None if dextra is None else dextra[..., 0].sum(axis=-1),   # summed over the rows
+                 dmod=None if dmod is None else tuple(dmod))
 
 
 def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dextra=None):

@@ -17,7 +17,7 @@ from ._threads import single_threaded_blas
 from .api import METHODS, Engine, sdpa_forward
 from .engines import blocks
 from .reads import clean
-from .residuals import AbsorbedGrads, AttentionGrads, AttentionResiduals
+from .residuals import AbsorbedGrads, AttentionGrads, AttentionResiduals, ScoreModGrads
 from .transforms import unbroadcast
 
 __all__ = ["BACKWARD_METHODS", "AbsorbedGrads", "AttentionGrads", "cotangents", "input_tangents", "sdpa_backward",
@@ -176,8 +176,12 @@ def user_grads(residuals, gr, bad):
         dtypes.update(residuals.absorbed.dtypes)
     if lay is not None:                                  # the gather's VJP: back into the layout
         g.update({n: lay.scatter_input(g[n], n) for n in ("query", "key", "value", "qv") if g.get(n) is not None})
-    kind = AttentionGrads if residuals.absorbed is None else AbsorbedGrads
-    return kind(**{n: None if x is None else x.astype(dtypes[n], copy=False) for n, x in g.items()})
+    g = {n: None if x is None else x.astype(dtypes[n], copy=False) for n, x in g.items()}
+    if gr.dmod is not None:                              # the score function's captured tensors: NaN when any
+        hit = bad is not None and any(np.any(bad[n]) for n in ("query", "key") if bad.get(n) is not None)
+        mod = tuple(np.full_like(x, np.nan) if hit else x for x in gr.dmod)      # score's gradient reads poison
+        return ScoreModGrads(**dict(g, qv=g.get("qv"), score_mod=mod))
+    return (AttentionGrads if residuals.absorbed is None else AbsorbedGrads)(**g)
 
 
 def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, **options):

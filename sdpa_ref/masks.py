@@ -29,6 +29,7 @@ import numpy as np
 
 from . import _validate as V
 from .options import ALIGNMENTS
+from .score_mod import apply_mask_mod
 
 __all__ = [
     "alignment_offset",
@@ -56,8 +57,10 @@ def alignment_offset(L, S, alignment="top_left"):
 
 
 def allowed_set(L, S, *, is_causal=False, window=None, alignment="top_left", q_lengths=None, kv_lengths=None,
-                mask=None, rows=None, cols=None, sink_tokens=0, chunk=None, kv_indices=None):
-    """The allowed set: bool mask AND causal AND window AND chunk AND gathered indices AND lengths, or ``None``
+                mask=None, rows=None, cols=None, sink_tokens=0, chunk=None, kv_indices=None, mask_mod=None,
+                full=None):
+    """The allowed set: bool mask AND causal AND window AND chunk AND gathered indices AND mask function AND
+    lengths, or ``None``
     when nothing is excluded.
 
     With ``p = i + off`` the query's position on the keys' axis:
@@ -83,6 +86,9 @@ def allowed_set(L, S, *, is_causal=False, window=None, alignment="top_left", q_l
     q_lengths, kv_lengths : ndarray of int64, (...), optional
         Per-batch lengths (validated by :func:`sdpa_ref._validate.lengths`).
     mask : ndarray of bool, broadcastable to (..., Hq, L, S), optional
+    mask_mod : callable, optional
+        A mask function ``(b, h, q_idx, kv_idx) -> bool`` (:func:`sdpa_ref.score_mod.apply_mask_mod`), with
+        ``full`` the scores' shape ``(*batch, Hq, L, S)``.
     rows, cols : (start, stop), optional
         Only this block of query rows and key columns (the tiled engine asks
         for one block at a time); the default is all.
@@ -112,6 +118,8 @@ def allowed_set(L, S, *, is_causal=False, window=None, alignment="top_left", q_l
             parts.append((j >= start) & (j < start + chunk))
     if kv_indices is not None:
         parts.append(_named(kv_indices, i0, i1, j0, j1))
+    if mask_mod is not None:
+        parts.append(apply_mask_mod(mask_mod, full, rows, cols))
     if kv_lengths is not None:
         parts.append(j < _per_batch(kv_lengths))
     if q_lengths is not None:

@@ -27,6 +27,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _validate as V
+from .score_mod import as_score_mod
 
 __all__ = [
     "ALIGNMENTS",
@@ -84,6 +85,15 @@ class AttentionOptions:
     attention_chunk: Optional[int] = _opt(None, judged=False)
     gather_kv_indices: Any = _opt(None, array=True, judged=False)
     qv: Any = _opt(None, array=True, judged=False)          # MLA's absorbed second query (sdpa_ref.absorbed)
+    # programmable attention (sdpa_ref.score_mod): FlexAttention's score and mask functions
+    score_mod: Any = _opt(None, judged=False)
+    mask_mod: Any = _opt(None, judged=False)
+
+    @property
+    def has_slope(self) -> bool:
+        """Whether the score chain has an element-wise part with a slope (softcap, a score function), which a
+        backward or JVP reads (``Forward.tanh``)."""
+        return self.softcap is not None or self.score_mod is not None
 
     @classmethod
     def from_kwargs(cls, where: str = "sdpa_forward", **kwargs) -> "AttentionOptions":
@@ -117,6 +127,10 @@ class AttentionOptions:
         if not 0.0 <= p < 1.0:
             raise ValueError(f"`dropout_p` should be in [0, 1), but got {p!r}")
         o["dropout_p"] = p
+        o["score_mod"] = as_score_mod(o["score_mod"])
+        if o["mask_mod"] is not None and not callable(o["mask_mod"]):
+            raise TypeError(f"`mask_mod` should be a callable mask_mod(b, h, q_idx, kv_idx) -> bool, "
+                            f"but got {V.describe(o['mask_mod'])}")
         return cls(**o)
 
 
@@ -216,6 +230,17 @@ DOC_OPTIONS = r"""
         softcap : float > 0
             Scores become ``cap * tanh(scores / cap)`` after scaling, before
             the mask, bias and ALiBi.
+        score_mod : callable or ScoreMod
+            FlexAttention's score function ``fn(score, b, h, q_idx, kv_idx)``,
+            NumPy and vectorised (:mod:`sdpa_ref.score_mod`), applied after
+            the scale and softcap, before the float mask, bias, ALiBi and the
+            allowed set. A :class:`~sdpa_ref.ScoreMod` adds its derivative
+            and captured tensors, whose gradients are ``grads.score_mod``.
+            Not with ``precision="reproducible"`` or second order.
+        mask_mod : callable
+            FlexAttention's mask function ``mask_mod(b, h, q_idx, kv_idx) ->
+            bool`` (True: the key takes part), intersected with the other
+            masks.
         alibi_slopes : array_like, (Hq,) or (..., Hq)
             Adds ``-slope * |i + off - j|`` to the scores, as FlashAttention.
         q_lengths, kv_lengths : array_like of int, (...)

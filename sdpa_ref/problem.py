@@ -133,7 +133,7 @@ class Problem:
         rt = np.dtype(ct.type(0).real.dtype)
         G = Hq // Hkv if Hkv else 1
         arrays = (q_lengths, kv_lengths, mask_bool, kv_indices)
-        at = find_unread(full_scores, G, lambda rows: _allowed(opts, L, S, arrays, rows), keep,
+        at = find_unread(full_scores, G, lambda rows: _allowed(opts, full_scores, arrays, rows), keep,
                          {"q": qh.shape[:-1], "k": kh.shape[:-1], "v": vh.shape[:-1],
                           "mask": None if mask_float is None else mask_float.shape,
                           "bias": None if bias is None else bias.shape})
@@ -173,7 +173,7 @@ class Problem:
                     "bias": None if bias is None else bias.dtype, "sinks": None if sinks is None else sinks.dtype},
             out_dtype=out_dtype, poison=poison, v_full=v_full, unread=at,
             excluded_counts=None if opts.fully_masked != "jax" else
-            _own(excluded_counts(full_scores, lambda rows: _allowed(opts, L, S, arrays, rows))),
+            _own(excluded_counts(full_scores, lambda rows: _allowed(opts, full_scores, arrays, rows))),
             sink=None if sinks is None else _own(sinks[..., None, None], rt), kv_indices=_own(kv_indices),
         )
 
@@ -218,7 +218,7 @@ class Problem:
 
     def allowed(self, rows=None, cols=None):
         """The structural allowed set of the scores (or of one block), or None: see :func:`masks.allowed_set`."""
-        return _allowed(self.options, self.L, self.S, (self.q_lengths, self.kv_lengths, self.mask_bool,
+        return _allowed(self.options, self.full_scores, (self.q_lengths, self.kv_lengths, self.mask_bool,
                                                         self.kv_indices), rows, cols)
 
     def padded_rows(self, rows=None):
@@ -350,10 +350,11 @@ def _cast(a, dtype):
         return a.astype(dtype, copy=False)
 
 
-def _allowed(opts, L, S, arrays, rows=None, cols=None):
+def _allowed(opts, full, arrays, rows=None, cols=None):
     """:func:`masks.allowed_set` of a problem's options and its ``(q_lengths, kv_lengths, bool mask, kv_indices)``:
     the one place that hands every allowed-set parameter on."""
     q_lengths, kv_lengths, mask, kv_indices = arrays
-    return allowed_set(L, S, is_causal=opts.is_causal, window=opts.window, alignment=opts.causal_alignment,
-                       q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask, rows=rows, cols=cols,
-                       sink_tokens=opts.sink_token_length, chunk=opts.attention_chunk, kv_indices=kv_indices)
+    return allowed_set(full[-2], full[-1], is_causal=opts.is_causal, window=opts.window,
+                       alignment=opts.causal_alignment, q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask,
+                       rows=rows, cols=cols, sink_tokens=opts.sink_token_length, chunk=opts.attention_chunk,
+                       kv_indices=kv_indices, mask_mod=opts.mask_mod, full=tuple(full))

@@ -293,6 +293,10 @@ class ReadsArith:
         v, t, z = _parts(a)
         return Reads(f(v), t, z if keeps_zero else None)
 
+    def elementwise(self, f, a):
+        """A NumPy element-wise map ``f`` (a score function): each entry reads what its argument reads."""
+        return self._of(f, a)
+
     def exp(self, a):
         return self._of(np.exp, a)
 

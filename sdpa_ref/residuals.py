@@ -13,7 +13,7 @@ from .lse import convert_lse
 from .options import check_bool
 from .reads import nan_where
 
-__all__ = ["AbsorbedGrads", "AttentionGrads", "AttentionResiduals"]
+__all__ = ["AbsorbedGrads", "AttentionGrads", "AttentionResiduals", "ScoreModGrads"]
 
 
 class AttentionGrads(NamedTuple):
@@ -45,6 +45,21 @@ class AbsorbedGrads(NamedTuple):
     bias: Optional[np.ndarray]
     sinks: Optional[np.ndarray]
     qv: np.ndarray
+
+
+class ScoreModGrads(NamedTuple):
+    """:class:`AttentionGrads` of a forward whose score function captures tensors (``ScoreMod(params=...)``):
+    the six fields, ``qv`` (None without it) and ``score_mod``, a tuple with one gradient per captured tensor,
+    in its shape (float64)."""
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    attn_mask: Optional[np.ndarray]
+    bias: Optional[np.ndarray]
+    sinks: Optional[np.ndarray]
+    qv: Optional[np.ndarray]
+    score_mod: tuple
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,9 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
         if name in options:
             raise TypeError(f"`{name}` should not be given: second order has one schedule (the teaching core's, "
                             f"on the dense problem with P saved), but got {name}={options[name]!r}")
+    if options.get("score_mod") is not None:
+        raise ValueError("`score_mod` should not be given to second order: its second derivative is not part of a "
+                         "ScoreMod (score and mask functions have first-order derivatives only)")
     _, res = sdpa_forward(*primals, method="plain", layout=layout, save_probs=True, **options)
     prob = res.problem
     grads = sdpa_backward(res, grad_out, grad_lse=grad_lse)

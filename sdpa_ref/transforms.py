@@ -5,6 +5,8 @@ The scores of attention are built in stages (``SEMANTICS.md``)::
     Traw = scale * Q K^T                 scores_forward      / scores_vjp    / scores_jvp
     T    = cap * tanh(Traw / cap)        softcap_forward     / softcap_vjp   / softcap_jvp    (softcap_sech2,
                                                                        its tangent softcap_sech2_jvp)
+    T    = fn(T, b, h, i, j)             score_mod.score_mod_forward (a user's score function; its slope
+                                                                       multiplies softcap's)
     T    = T + B                         additive_forward    / additive_vjp  / additive_jvp   (float mask, bias)
     T    = T - slope * |i + off - j|     alibi_forward       (a constant: identity VJP and JVP)
     T    = -inf outside the allowed set  (masks.allowed_set)
@@ -28,21 +30,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from .masks import ALIGNMENTS, _check_size, block_of, diagonal_offset
+from .masks import block_of, diagonal_offset
+from .score_mod import indices, params_vjp, score_mod_forward
 
 __all__ = [
     "additive_forward",
     "additive_jvp",
     "additive_vjp",
-    "alibi_bias",
     "alibi_distance",
     "alibi_forward",
-    "alibi_slopes",
     "dropout_forward",
     "dropout_jvp",
     "dropout_vjp",
     "scores_forward",
     "scores_jvp",
+    "score_mod_params_vjp",
     "scores_vjp",
     "softcap_forward",
     "softcap_jvp",
@@ -278,18 +280,26 @@ def transform_scores(prob, T, rows=None, cols=None, lead=None, sech2=False, sech
     selected by ``lead`` (slices of the leading axes: a chunk of heads),
     ``rows`` and ``cols`` (``(start, stop)``: a tile); the default is all of
     it. ``allowed`` is the block's allowed set when the caller has it
-    already. With softcap and ``sech2=True`` (a backward or a JVP will
-    follow), ``sech2`` is its derivative :func:`softcap_sech2` (written into
-    ``sech2_out`` if given); otherwise None.
+    already. With ``sech2=True`` (a backward or a JVP will follow), ``sech2``
+    is the slope of the chain's element-wise part, ``dT / dTraw`` before the
+    additive terms: softcap's :func:`softcap_sech2` times the score
+    function's derivative (:mod:`sdpa_ref.score_mod`), written into
+    ``sech2_out`` if given; None when the chain has neither.
     """
     o, nd = prob.options, len(prob.full_scores)
     rows = rows if rows is not None else (0, prob.L)
     cols = cols if cols is not None else (0, prob.S)
-    d = None
+    d, slope = None, sech2 or sech2_out is not None
     if o.softcap is not None:
-        if sech2 or sech2_out is not None:
+        if slope:
             d = softcap_sech2(T, o.softcap, out=sech2_out)
         T, _ = softcap_forward(T, o.softcap, out=T, tanh_out=T)
+    if o.score_mod is not None:                              # fn(T): its slope multiplies softcap's
+        out, s = score_mod_forward(o.score_mod, T, indices(prob.full_scores, lead, rows, cols), slope)
+        if slope:
+            d = np.multiply(d, s, out=d) if d is not None else (s if sech2_out is None else
+                                                                 np.copyto(sech2_out, s) or sech2_out)
+        np.copyto(T, out)
     for b in (prob.mask_float, prob.bias):
         if b is not None:
             T = additive_forward(T, block_of(b, nd, lead, rows, cols), out=T)
@@ -301,7 +311,22 @@ def transform_scores(prob, T, rows=None, cols=None, lead=None, sech2=False, sech
         allowed = block_of(prob.allowed(rows, cols), nd, lead)
     if allowed is not None:
         np.copyto(T, -np.inf, where=~allowed)
+        if o.score_mod is not None and d is not None:        # a masked entry's slope is never read: 0, not NaN
+            np.copyto(d, 0, where=~allowed)
     return T, d
+
+
+def score_mod_params_vjp(prob, g, Traw, rows=None, cols=None, acc=None):
+    """The score function's captured tensors' gradients (:func:`sdpa_ref.score_mod.params_vjp`) from ``g``, the
+    gradient of the block's final scores (the additive terms pass it on unchanged), and its raw scores ``Traw``
+    (overwritten: softcap is recomputed on them for the function's input); added to the list ``acc`` (None: a new
+    one). None when the problem's score function captures nothing."""
+    mod = prob.options.score_mod
+    if mod is None or not mod.params:
+        return acc
+    t = Traw if prob.options.softcap is None else softcap_forward(Traw, prob.options.softcap, out=Traw, tanh_out=Traw)[0]
+    got = params_vjp(mod, g, t, indices(prob.full_scores, None, rows, cols))
+    return list(got) if acc is None else [a + b for a, b in zip(acc, got)]
 
 
 def transform_scores_in(X, prob, T, lead=None, rows=None, excluded=None):
@@ -320,6 +345,14 @@ def transform_scores_in(X, prob, T, lead=None, rows=None, excluded=None):
     d = None
     if o.softcap is not None:                                # cap * tanh(T / cap), and its slope
         T, d = softcap_forward_in(X, T, o.softcap)
+    if o.score_mod is not None:                              # fn(T), a NumPy function: only where X maps one
+        if not hasattr(X, "elementwise"):
+            raise ValueError(f"`score_mod` should not be given with this arithmetic ({type(X).__name__}): a NumPy "
+                             "function has no double-double or fixed-order low-precision form")
+        idx, mod, t_in = indices(prob.full_scores, lead, rows), o.score_mod, T
+        T = X.elementwise(lambda t: score_mod_forward(mod, t, idx)[0], t_in)
+        s = X.elementwise(lambda t: score_mod_forward(mod, t, idx, slope=True)[1], t_in)
+        d = s if d is None else X.mul(d, s)
     for b in (prob.mask_float, prob.bias):                   # + M + B: a -inf entry excludes its key
         if b is not None:
             T, excluded = additive_forward_in(X, T, block_of(b, nd, lead, rows), excluded)
@@ -351,64 +384,6 @@ def transform_scores_vjp_jvp(dT, ddT, sech2, dsech2):
     times the tangent of softcap's slope (``dsech2``, :func:`softcap_sech2_jvp`). The other terms are linear in
     the scores, so their second derivative is 0."""
     return ddT if sech2 is None else softcap_vjp(sech2, ddT) + dT * dsech2
-
-
-# ------------------------------------------------------- public builders
-
-
-def alibi_bias(slopes, L, S, alignment="top_left"):
-    """Float ALiBi bias ``-slope * |i + off - j|`` of shape ``(..., Hq, L, S)``.
-
-    ``slopes`` is ``(Hq,)`` or ``(..., Hq)``. This is what ``alibi_slopes=``
-    adds to the scores; passing it as ``bias=`` gives the same attention.
-
-    Examples
-    --------
-    >>> alibi_bias([0.5], 2, 3)[0].tolist()
-    [[-0.0, -0.5, -1.0], [-0.5, -0.0, -0.5]]
-    """
-    L, S = _check_size(L, "L"), _check_size(S, "S")
-    if alignment not in ALIGNMENTS:
-        raise ValueError(f"`alignment` should be one of {ALIGNMENTS!r}, but got {alignment!r}")
-    try:
-        s = np.asarray(slopes)
-    except ValueError:                                     # ragged
-        s = np.asarray(slopes, dtype=object)
-    if s.dtype.kind not in "iuf" or isinstance(slopes, np.ma.MaskedArray):
-        raise TypeError(f"`slopes` should be real numbers (an int or float array), but got {slopes!r}")
-    s = s.astype(np.float64)
-    if not np.all(np.isfinite(s)):
-        raise ValueError(f"`slopes` should be finite, but got {slopes!r}")
-    if s.ndim < 1:
-        raise ValueError(f"`slopes` should have shape (Hq,) or (..., Hq), but got shape {s.shape}")
-    return -s[..., None, None] * alibi_distance(L, S, alignment)
-
-
-def alibi_slopes(n_heads):
-    """The standard ALiBi slopes of Press et al. (2022) for ``n_heads`` heads.
-
-    For a power of two ``n``, the geometric sequence ``2^(-8/n * (h + 1))``,
-    ``h = 0 .. n-1``. Otherwise the slopes of the largest power of two
-    ``m < n``, followed by every other slope of ``2m`` heads, as in the
-    paper's reference code.
-
-    Examples
-    --------
-    >>> alibi_slopes(4).tolist()
-    [0.25, 0.0625, 0.015625, 0.00390625]
-    """
-    n = _check_size(n_heads, "n_heads")
-    if n == 0:
-        return np.zeros(0)
-
-    def pow2(m):
-        start = 2.0 ** (-8.0 / m)
-        return [start ** (h + 1) for h in range(m)]
-
-    m = 1 << (n.bit_length() - 1)
-    if m == n:
-        return np.array(pow2(n))
-    return np.array(pow2(m) + pow2(2 * m)[0::2][: n - m])
 
 
 def unbroadcast(g, shape, arith=None):

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..exact import _native
 from ..masks import block_of
-from ..transforms import scores_forward, transform_scores
+from ..transforms import score_mod_params_vjp, scores_forward, transform_scores
 
 __all__ = ["Blocks", "DEFAULT_BLOCK_BUDGET", "auto_block_size", "check_block_size", "exp_inplace", "lse_blocks",
            "ranges"]
@@ -69,15 +69,24 @@ class Blocks:
     def __init__(self, prob):
         self.p = prob
 
-    def scores(self, i0, i1, j0, j1, allowed, sech2=False):
-        """``(T, sech2)`` of the block, ``(*batch, Hq, bi, bj)`` (softcap's slope with ``sech2``, else None)."""
+    def raw(self, i0, i1, j0, j1):
+        """The raw scores ``scale * Q_I K_J^T`` of the block, ``(*batch, Hq, bi, bj)``, a fresh array."""
         p = self.p
         T = scores_forward(p.q[..., i0:i1, :], p.k[..., None, j0:j1, :], p.scale)   # (..., Hkv, G, bi, bj)
         T = T.reshape(T.shape[:-4] + (p.Hq, i1 - i0, j1 - j0))
         want = p.batch + T.shape[-3:]
         if T.shape != want:                                          # batch dims that only `value` has
             T = np.broadcast_to(T, want).copy()
-        return transform_scores(p, T, (i0, i1), (j0, j1), sech2=sech2, allowed=allowed)
+        return T
+
+    def scores(self, i0, i1, j0, j1, allowed, sech2=False):
+        """``(T, sech2)`` of the block, ``(*batch, Hq, bi, bj)`` (the chain's slope with ``sech2``, else None)."""
+        return transform_scores(self.p, self.raw(i0, i1, j0, j1), (i0, i1), (j0, j1), sech2=sech2, allowed=allowed)
+
+    def mod_grads(self, dT, i0, i1, j0, j1, acc=None):
+        """The score function's captured tensors' gradients from the block's ``dT``, added to ``acc`` (a list, or
+        None: a new one); None without captured tensors."""
+        return score_mod_params_vjp(self.p, dT, self.raw(i0, i1, j0, j1), (i0, i1), (j0, j1), acc)
 
     def keep(self, i0, i1, j0, j1):
         return block_of(self.p.keep, len(self.p.full_scores), None, (i0, i1), (j0, j1))

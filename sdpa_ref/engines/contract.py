@@ -34,8 +34,9 @@ class Forward(NamedTuple):
     out: np.ndarray                    # O    (*batch, Hq, L, Ev)
     lse: np.ndarray                    # LSE  (*batch, Hq, L); -inf on rows with no allowed key
     probs: Optional[np.ndarray]        # P    (*batch, Hq, L, S), or None when not saved
-    tanh: Optional[np.ndarray]         # softcap's slope 1 - tanh^2(Traw / cap), computed as sech^2 (no cancellation),
-    #                                    (*batch, Hq, L, S) with softcap and saved P, else None (the name is kept)
+    tanh: Optional[np.ndarray]         # the score chain's slope: softcap's 1 - tanh^2(Traw / cap), computed as sech^2
+    #                                    (no cancellation), times a score function's derivative; (*batch, Hq, L, S)
+    #                                    with either and saved P, else None (the name is kept)
     empty: np.ndarray                  # (*batch, Hq, L, 1) bool: rows with no allowed key
     rowmax: np.ndarray                 # m (*batch, Hq, L, 1), real: the row's max score, 0 on rows with no key
     rowsum: np.ndarray                 # s (*batch, Hq, L, 1): sum_j exp(T_j - m); LSE = m + log(s)
@@ -53,3 +54,5 @@ class Grads(NamedTuple):
     dbias: Optional[np.ndarray]        # the bias's gradient, in its own shape
     dextra: Optional[np.ndarray] = None  # the extra logits' (the sinks') gradient (*batch, Hq), summed over the
     #                                      rows (sdpa_ref.normalize); None without them
+    dmod: Optional[tuple] = None       # the score function's captured tensors' gradients (sdpa_ref.score_mod),
+    #                                    each in its tensor's shape; None without them

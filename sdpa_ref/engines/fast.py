@@ -52,6 +52,7 @@ from ..pivot import softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_jvp, scores_vjp, transform_scores, \
     transform_scores_jvp, transform_scores_vjp, transposed_product
 from .._threads import blas_is_held, num_threads, row_chunks, run_all
+from .blocks import Blocks
 from .contract import Forward, Grads
 
 __all__ = ["forward", "backward", "jvp"]
@@ -77,7 +78,7 @@ def forward(prob, *, save_probs=True) -> Forward:
     rowmax = np.empty(lead + (GL, 1), dtype=ct)
     rowsum = np.empty(lead + (GL, 1), dtype=ct)
     empty = np.empty(lead + (GL, 1), dtype=bool)
-    sech2 = None if o.softcap is None or not save_probs else np.empty_like(T)      # softcap's slope
+    sech2 = None if not o.has_slope or not save_probs else np.empty_like(T)      # the chain's slope
     allowed = prob.allowed()
     sub = max(1, _CACHE_ENTRIES // max(S, 1))          # rows per cache-sized block
     ext = lay.per_row(extras(prob))                    # the normaliser's extra logits (sinks), one per row
@@ -160,7 +161,8 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     sdg = None if fwd.tanh is None else np.broadcast_to(fwd.tanh, full).reshape(grouped + (S,))   # sech^2
     # the whole dT is kept only when attn_mask or bias needs its gradient (summed down afterwards);
     # otherwise each chunk works in its own buffer, which the allocator reuses
-    keep_dT = prob.mask_float is not None or prob.bias is not None
+    keep_dT = prob.mask_float is not None or prob.bias is not None or (o.score_mod is not None and
+                                                                        bool(o.score_mod.params))
     dT = np.empty(grouped + (S,), dtype=ct) if keep_dT else None
     dq = np.empty(grouped + (E,), dtype=ct)
     dk = np.empty(lead + (S, E), dtype=ct)
@@ -211,7 +213,12 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     return Grads(dq=dq.reshape(full[:-1] + (E,)), dk=dk, dv=dv,
                  dmask=None if prob.mask_float is None else additive_vjp(dT, prob.shapes["attn_mask"]),
                  dbias=None if prob.bias is None else additive_vjp(dT, prob.shapes["bias"]),
-                 dextra=None if dext is None else dext.reshape(full[:-1]).sum(axis=-1))
+                 dextra=None if dext is None else dext.reshape(full[:-1]).sum(axis=-1),
+                 dmod=None if dT is None else _tuple(Blocks(prob).mod_grads(dT, 0, prob.L, 0, S)))
+
+
+def _tuple(x):
+    return None if x is None else tuple(x)
 
 
 def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dextra=None) -> np.ndarray:

@@ -79,7 +79,7 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
     Traw = _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale), prob)           # scale Q K^T, (..., Hq, L, S)
     P = X.empty(full)
     Pd = X.empty(full) if prob.keep is not None else P
-    sd = X.empty(full) if o.softcap is not None else None                              # sech^2(Traw / cap)
+    sd = X.empty(full) if o.has_slope else None                         # sech^2(Traw / cap) (times fn')
     m, s_val = (np.empty(full[:-1] + (1,), X.dtype) for _ in range(2))
     lse = X.empty(full[:-1] + (1,))
     ext = extras(prob)                                               # the normaliser's extra logits (sinks)

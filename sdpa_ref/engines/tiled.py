@@ -256,9 +256,11 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
     dmask = None if prob.mask_float is None else np.zeros(prob.shapes["attn_mask"], dtype=ct)
     dbias = None if prob.bias is None else np.zeros(prob.shapes["bias"], dtype=ct)
     dext = None if extras(prob) is None else np.zeros(full[:-1], dtype=ct)
+    dmod = None
 
     def rows(i0, i1):
         """One block of rows; its temporaries die with the call, before the next block makes its own."""
+        nonlocal dmod
         dOg = bl.grouped(dO[..., i0:i1, :])
 
         def dP_of(j0, j1, P, keep, sech2):                          # dO V^T Z / (1 - p)
@@ -279,6 +281,7 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
                 if acc is not None:                                  # dB = dT, summed to B's shape
                     view = block_of(acc, nd, None, (i0, i1), (j0, j1))
                     view += unbroadcast(dT, view.shape)
+            dmod = bl.mod_grads(dT, i0, i1, j0, j1, dmod)          # the score function's captured tensors
             dTraw = transform_scores_vjp(dT, sech2)
             dq_i, dk_j = scores_vjp(bl.grouped(dTraw), prob.q[..., i0:i1, :], prob.k[..., None, j0:j1, :],
                                     prob.scale)
@@ -288,7 +291,7 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
     for i0, i1 in _ranges(L, rb):
         rows(i0, i1)
     return Grads(dq=dq, dk=dk, dv=dv, dmask=dmask, dbias=dbias,
-                 dextra=None if dext is None else dext.sum(axis=-1))
+                 dextra=None if dext is None else dext.sum(axis=-1), dmod=None if dmod is None else tuple(dmod))
 
 
 def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None, dextra=None, *,
