@@ -49,6 +49,7 @@ from .derivatives import BACKWARD_METHODS, AbsorbedGrads, AttentionGrads, sdpa_b
 from .second_order import sdpa_backward_jvp, sdpa_hvp
 from .residuals import ScoreModGrads
 from .score_mod import ScoreMod, check_score_mod
+from .block_mask import BlockMask
 from .gradcheck import (
     GradcheckReport,
     assert_hvp,
@@ -102,6 +103,7 @@ __all__ = [
     "sdpa_forward_complex",
     "AbsorbedGrads",
     "ScoreMod",
+    "BlockMask",
     "ScoreModGrads",
     "check_score_mod",
     "AttentionGrads",

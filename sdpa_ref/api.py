@@ -323,6 +323,8 @@ def _engine(method, block_size, prob, allowed, precision="fast", splits=(None, N
     if method is None:
         method = "split" if split else "tiled" if block_size is not None else allowed[0]
     V.check_choice(method, "method", allowed)
+    if method in ("split", "tiled"):
+        block_size = _tiles(block_size, prob)
     if method == "split":
         return Engine(method, blocks.check_block_size("auto" if block_size is None else block_size, prob),
                       splitkv.bounds(prob, *splits))
@@ -336,6 +338,20 @@ def _engine(method, block_size, prob, allowed, precision="fast", splits=(None, N
                              f"engines'), but got {block_size!r}")
         return Engine(method)
     return Engine(method, blocks.check_block_size("auto" if block_size is None else block_size, prob))
+
+
+def _tiles(block_size, prob):
+    """The tiled engine's block with a ``block_mask``: its tile, so that each block is one tile."""
+    bm = prob.options.block_mask
+    if bm is None:
+        return block_size
+    bq, bk = bm.block_size
+    if bq != bk:
+        raise ValueError(f"`block_mask` should have square tiles for the tiled and split engines (their blocks are "
+                         f"square), but has {bq} x {bk}")
+    if block_size not in (None, "auto", bq):
+        raise ValueError(f"`block_size` should be None or the block mask's tile {bq}, but got {block_size!r}")
+    return bq
 
 
 def _with_lengths(opts, gathered):

@@ -27,6 +27,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _validate as V
+from .block_mask import BlockMask
 from .score_mod import as_score_mod
 
 __all__ = [
@@ -88,6 +89,7 @@ class AttentionOptions:
     # programmable attention (sdpa_ref.score_mod): FlexAttention's score and mask functions
     score_mod: Any = _opt(None, judged=False)
     mask_mod: Any = _opt(None, judged=False)
+    block_mask: Any = _opt(None, judged=False)               # sdpa_ref.block_mask: tiles, with its mask function
 
     @property
     def has_slope(self) -> bool:
@@ -128,6 +130,13 @@ class AttentionOptions:
             raise ValueError(f"`dropout_p` should be in [0, 1), but got {p!r}")
         o["dropout_p"] = p
         o["score_mod"] = as_score_mod(o["score_mod"])
+        if o["block_mask"] is not None:                      # its mask function is the problem's
+            if not isinstance(o["block_mask"], BlockMask):
+                raise TypeError(f"`block_mask` should be a sdpa_ref.BlockMask, but got {V.describe(o['block_mask'])}")
+            if o["mask_mod"] is not None and o["mask_mod"] is not o["block_mask"].mask_mod:
+                raise ValueError("`mask_mod` should not be given beside `block_mask` (its mask function goes inside "
+                                 "it, as in FlexAttention), but got both")
+            o["mask_mod"] = o["block_mask"].effective_mask_mod()
         if o["mask_mod"] is not None and not callable(o["mask_mod"]):
             raise TypeError(f"`mask_mod` should be a callable mask_mod(b, h, q_idx, kv_idx) -> bool, "
                             f"but got {V.describe(o['mask_mod'])}")
@@ -241,6 +250,13 @@ DOC_OPTIONS = r"""
             FlexAttention's mask function ``mask_mod(b, h, q_idx, kv_idx) ->
             bool`` (True: the key takes part), intersected with the other
             masks.
+        block_mask : BlockMask
+            FlexAttention's block-sparse mask (or cuDNN's bit-packed tiles,
+            :meth:`~sdpa_ref.BlockMask.from_bits`) with its mask function,
+            checked against it when the problem is built; the tiled engine
+            takes its tiles as blocks, skips the absent ones and does not
+            evaluate the mask function on the full ones
+            (``residuals.tile_counts``).
         alibi_slopes : array_like, (Hq,) or (..., Hq)
             Adds ``-slope * |i + off - j|`` to the scores, as FlashAttention.
         q_lengths, kv_lengths : array_like of int, (...)

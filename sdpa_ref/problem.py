@@ -24,16 +24,19 @@ is not finite (:mod:`.reads` records where; :mod:`.poison` finds which results r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import numpy as np
 
 from . import _validate as V
+from .block_mask import TileCounts, tile_status, validate
 from .masks import allowed_set, padded_rows, slice_ls
 from .policy import zero_output_rows
 from .options import AttentionOptions
 from .reads import Poison, clean, scrub
+from .score_mod import apply_mask_mod
 from .unread import Unread, excluded_counts, find_unread, fold
 
 __all__ = ["Problem", "Unread"]
@@ -66,6 +69,7 @@ class Problem:
     excluded_counts: Optional[np.ndarray] = None  # "jax": (*batch, Hq, L, 1) keys the structural rules exclude
     sink: Optional[np.ndarray] = None   # (..., Hq, 1, 1) the sink logits (real compute dtype; -inf: none), or None
     kv_indices: Optional[np.ndarray] = None  # gather_kv_indices, int64 broadcastable to (..., Hq, L, K), or None
+    tile_counts: Optional[TileCounts] = None  # with a block mask: the tiles the tiled engine skipped and visited
 
     @classmethod
     def build(cls, query, key, value, opts: AttentionOptions, *, complex_ok=False) -> "Problem":
@@ -175,6 +179,7 @@ class Problem:
             excluded_counts=None if opts.fully_masked != "jax" else
             _own(excluded_counts(full_scores, lambda rows: _allowed(opts, full_scores, arrays, rows))),
             sink=None if sinks is None else _own(sinks[..., None, None], rt), kv_indices=_own(kv_indices),
+            tile_counts=_tiles(opts, full_scores),
         )
 
     # ----------------------------------------------------------- shapes
@@ -217,9 +222,22 @@ class Problem:
     # ------------------------------------------------------ allowed set
 
     def allowed(self, rows=None, cols=None):
-        """The structural allowed set of the scores (or of one block), or None: see :func:`masks.allowed_set`."""
-        return _allowed(self.options, self.full_scores, (self.q_lengths, self.kv_lengths, self.mask_bool,
-                                                        self.kv_indices), rows, cols)
+        """The structural allowed set of the scores (or of one block), or None: see :func:`masks.allowed_set`.
+
+        With a block mask, a block that is one tile absent for every batch entry and head is all False, and one
+        that is full is the other masks' set without the mask function (counted in :attr:`tile_counts`).
+        """
+        arrays, opts = (self.q_lengths, self.kv_lengths, self.mask_bool, self.kv_indices), self.options
+        st = None if opts.block_mask is None or rows is None or cols is None else \
+            tile_status(opts.block_mask, self.full_scores, rows, cols)
+        if st is not None:
+            self.tile_counts[st] += 1
+            if st == "absent":
+                return np.zeros((rows[1] - rows[0], cols[1] - cols[0]), bool)
+            if st == "full":                                     # every entry, as the other masks say
+                a = _allowed(dataclasses.replace(opts, mask_mod=None), self.full_scores, arrays, rows, cols)
+                return np.ones((rows[1] - rows[0], cols[1] - cols[0]), bool) if a is None else a
+        return _allowed(opts, self.full_scores, arrays, rows, cols)
 
     def padded_rows(self, rows=None):
         """``(*batch, 1, L, 1)`` bool: query rows past ``q_len`` (of the block ``rows``), or None."""
@@ -348,6 +366,16 @@ def _cast(a, dtype):
     """``a`` in ``dtype`` (itself when it is already); a signalling NaN (random bits in memory) casts quietly."""
     with np.errstate(invalid="ignore"):
         return a.astype(dtype, copy=False)
+
+
+def _tiles(opts, full):
+    """A block mask checked against its mask function on the whole of the scores (:func:`block_mask.validate`),
+    and its tile counts; None without one."""
+    bm = opts.block_mask
+    if bm is None:
+        return None
+    validate(bm, full, None if bm.mask_mod is None else apply_mask_mod(bm.mask_mod, tuple(full)))
+    return TileCounts()
 
 
 def _allowed(opts, full, arrays, rows=None, cols=None):

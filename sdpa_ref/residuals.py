@@ -104,6 +104,14 @@ class AttentionResiduals:
         return x if self.layout is None else self.layout.lse(x, fill)
 
     @property
+    def tile_counts(self):
+        """With a ``block_mask``: how many tiles the tiled engine skipped (``"absent"``), visited without the mask
+        function (``"full"``) and with it (``"partial"``), over the forward and every backward and JVP run on these
+        residuals so far (a copy); None without one."""
+        c = self.problem.tile_counts
+        return None if c is None else dict(c)
+
+    @property
     def lse(self):
         """The log-sum-exp of the allowed scores ``(..., Hq, L)``; ``-inf`` on rows with no key (FlashAttention's
         ``(Hq, total_q)`` for a packed layout, ``(B, Hq, Lq)`` for a KV cache)."""
