@@ -15,6 +15,8 @@ RUNS = [
     ("saturation_demo.py", ["--seeds", "500"]),
     ("variance_growth.py", ["--n", "8000"]),
     ("wrong_scaling.py", []),
+    ("score_functions.py", []),
+    ("hessian_transformer.py", []),
     # a smoke run: 2 seeds of a few steps, no claim checked (the full run, 5 seeds, takes ~3 min)
     ("copy_task.py", ["--seeds", "2", "--steps", "4", "--eval-every", "2", "--min-accuracy", "0"]),
 ]
