@@ -32,6 +32,7 @@ from .score_mod import as_score_mod
 
 __all__ = [
     "ALIGNMENTS",
+    "FUNCTION_OPTIONS",
     "DOC_OPTIONS",
     "ARRAY_OPTIONS",
     "FULLY_MASKED_POLICIES",
@@ -150,6 +151,11 @@ _DEFAULTS = {f.name: f.default for f in fields(AttentionOptions)}
 OPTION_NAMES = tuple(f.name for f in fields(AttentionOptions) if f.metadata["semantic"] and f.metadata["judged"])
 #: The options of :data:`OPTION_NAMES` that are arrays.
 ARRAY_OPTIONS = tuple(f.name for f in fields(AttentionOptions) if f.metadata["array"] and f.name in OPTION_NAMES)
+
+
+#: The options that are functions (FlexAttention's score and mask functions): a Python :class:`~sdpa_ref.Case`
+#: may carry them and the harness judges them, but no case file or golden vector can hold one.
+FUNCTION_OPTIONS = ("score_mod", "mask_mod")
 
 
 #: The numpydoc "Parameters" entries of the options, shared by the entry points' docstrings.

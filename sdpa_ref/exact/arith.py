@@ -252,6 +252,13 @@ class LowPrecision:
     def tanh(self, x):
         return self._rounded(dd_tanh, x)
 
+    def elementwise(self, f, x):
+        """A NumPy element-wise map (a score function) as a kernel computes it in this dtype: on the values
+        (float32 for the narrower dtypes, as kernels widen them), rounded to the dtype once."""
+        w = np.float32 if self.dtype.itemsize < 4 else self.dtype
+        with np.errstate(all="ignore"):
+            return np.asarray(f(np.asarray(x).astype(w))).astype(self.dtype)
+
     def exact_product(self, a, b):
         """``fl(a * b)`` in the dtype (the name is the double-double's; here one rounding)."""
         return np.asarray(a).astype(self.dtype) * np.asarray(b).astype(self.dtype)

@@ -31,7 +31,8 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from ..api import sdpa_forward
-from ..options import ARRAY_OPTIONS, OPTION_NAMES, AttentionOptions
+from ..options import ARRAY_OPTIONS, FUNCTION_OPTIONS, OPTION_NAMES, AttentionOptions
+from ..score_mod import ScoreMod
 from .lowp import dequantized, is_fp8, quantize
 
 __all__ = ["ARRAY_KINDS", "SUITE_VERSION", "SUITES", "Case", "get_suite", "grad_out_for", "tangents_for"]
@@ -50,7 +51,11 @@ class Case:
 
     ``options`` holds the scalar options (names from
     :data:`~sdpa_ref.options.OPTION_NAMES`) as sorted ``(name, value)``
-    pairs; ``arrays`` names the arrays to draw (the keys of
+    pairs, and may hold a score function and a mask function
+    (:data:`~sdpa_ref.options.FUNCTION_OPTIONS`: ``score_mod``, ``mask_mod``;
+    then the reference is the float64 NumPy engines', as a score function has
+    no double-double form, and the case cannot be written to a case file or
+    golden vectors); ``arrays`` names the arrays to draw (the keys of
     :data:`ARRAY_KINDS`): a bool ``mask`` (``masked_rows``: every third row
     from row 1 fully False), a ``float_mask`` ``(batch, 1, L, S)``
     (with ``masked_rows``: -inf on those rows), a ``bias`` ``(Hq, L, S)``, ``alibi`` slopes, per-batch ``lengths``
@@ -75,7 +80,11 @@ class Case:
     logit_scale: float = 1.0
 
     def __post_init__(self):
-        bad = [k for k, _ in self.options if k not in OPTION_NAMES or k in ARRAY_OPTIONS]
+        for k, f in self.options:
+            if k in FUNCTION_OPTIONS and not callable(f) and not isinstance(f, ScoreMod):
+                raise TypeError(f"`Case` option {k} should be a function, but got {type(f).__name__}")
+        bad = [k for k, _ in self.options if (k not in OPTION_NAMES or k in ARRAY_OPTIONS)
+               and k not in FUNCTION_OPTIONS]
         bad += [a for a in self.arrays if a not in ARRAY_KINDS]
         if bad:
             raise ValueError(f"`Case` should name scalar options of {OPTION_NAMES} and arrays of "
@@ -164,7 +173,12 @@ class Case:
         return dataclasses.replace(self, name=self.name + "-gather", arrays=self.arrays + ("gather",))
 
     def options_json(self) -> dict:
-        """The scalar options and the names of the drawn arrays, JSON-ready."""
+        """The scalar options and the names of the drawn arrays, JSON-ready (a ``ValueError`` for a case with a
+        score or mask function, which no file can hold)."""
+        fns = [k for k, _ in self.options if k in FUNCTION_OPTIONS]
+        if fns:
+            raise ValueError(f"case {self.name!r} should have no {' or '.join(fns)} to be written to a file (a "
+                             "function has no stored form), but has")
         d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.options}
         if self.Hq != self.Hkv:
             d["enable_gqa"] = True
@@ -176,8 +190,8 @@ class Case:
 def _option_names(case: Case) -> frozenset:
     defaults = AttentionOptions()
     inp = case.make_inputs()
-    return frozenset(k for k, v in inp.items() if k in OPTION_NAMES
-                     and (k in ARRAY_OPTIONS or getattr(defaults, k) != v))
+    return frozenset(k for k, v in inp.items() if (k in OPTION_NAMES or k in FUNCTION_OPTIONS)
+                     and (k in ARRAY_OPTIONS or getattr(defaults, k) is not v))
 
 
 @functools.lru_cache(maxsize=None)

@@ -76,7 +76,7 @@ import numpy as np
 
 from .._validate import check_choice, check_tolerance
 from ..lse import check_base, check_empty
-from ..options import OPTION_NAMES, check_bool
+from ..options import FUNCTION_OPTIONS, OPTION_NAMES, check_bool
 from .storage import STORAGE_LAYOUTS
 from ._limits import CaseTimeout, call_in_process
 from .casefile import load_cases
@@ -126,21 +126,22 @@ def resolve_supports(forward, supports=None, backward=None) -> frozenset:
         found = [_from_signature(f) for f in (forward, backward) if f is not None]
         found = [f for f in found if f is not None]
         if not found:
-            return frozenset(OPTION_NAMES)
+            return frozenset(OPTION_NAMES + FUNCTION_OPTIONS)
         return frozenset.intersection(*found)
     if isinstance(supports, str):
         supports = (supports,)
     supports = frozenset(supports)
-    unknown = supports - set(OPTION_NAMES)
+    unknown = supports - set(OPTION_NAMES + FUNCTION_OPTIONS)
     if unknown:
-        raise ValueError(f"`supports` should name options among {OPTION_NAMES}, but got unknown {sorted(unknown)}")
+        raise ValueError(f"`supports` should name options among {OPTION_NAMES + FUNCTION_OPTIONS}, but got unknown "
+                         f"{sorted(unknown)}")
     return supports
 
 
 def _from_signature(fn):
     """The option names ``fn`` takes as keywords, or None when it takes ``**kwargs`` or has no signature."""
     if isinstance(fn, Remote):                             # as the child saw it
-        return None if fn.params is None else frozenset(set(fn.params) & set(OPTION_NAMES))
+        return None if fn.params is None else frozenset(set(fn.params) & set(OPTION_NAMES + FUNCTION_OPTIONS))
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -148,7 +149,7 @@ def _from_signature(fn):
     if any(p.kind == p.VAR_KEYWORD for p in params):
         return None
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return frozenset(names & set(OPTION_NAMES))
+    return frozenset(names & set(OPTION_NAMES + FUNCTION_OPTIONS))
 
 
 def _as_dtypes(dtypes):
@@ -207,7 +208,8 @@ def check_implementation(
         returning the output's tangent, judged like a gradient.
     supports : iterable of str, optional
         Option names the implementation understands (see
-        :data:`sdpa_ref.OPTION_NAMES`); by default ``forward.supports``, else
+        :data:`sdpa_ref.OPTION_NAMES`, and ``score_mod``, ``mask_mod`` for a
+        Python case that carries them); by default ``forward.supports``, else
         the option names among the keyword parameters of ``forward`` (and
         ``backward``), else (a ``**kwargs``) every option. A case needing
         another option is skipped, never called.
