@@ -16,18 +16,21 @@ import numpy as np
 
 from . import _validate as V
 from . import attention, poison
+from .engines import second
 from ._threads import single_threaded_blas
 from .api import sdpa_forward
 from .derivatives import cotangents, input_tangents, sdpa_backward, user_grads
 
 __all__ = ["sdpa_backward_jvp", "sdpa_hvp"]
 
-#: Keywords of :func:`sdpa_forward` that choose how, not what: second order has one schedule.
-_SCHEDULE = ("method", "precision", "save_probs", "block_size", "num_splits", "split_bounds")
+#: Keywords of :func:`sdpa_forward` that choose a schedule second order does not have.
+_SCHEDULE = ("precision", "save_probs", "num_splits", "split_bounds")
+#: The schedules of second order, by ``method=``.
+METHODS = ("plain", "tiled")
 
 
 def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, grad_lse=None,
-                      grad_lse_tangent=None, layout=None, **options):
+                      grad_lse_tangent=None, method=None, block_size=None, layout=None, **options):
     r"""The double backward: the gradients of attention and their tangent, ``(grads, grads_tangent)``.
 
     Parameters
@@ -44,22 +47,28 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
         Its tangent (None: zero, the Hessian-vector product).
     grad_lse, grad_lse_tangent : array_like, (..., Hq, L), optional
         The LSE's cotangent and its tangent (None: zero).
+    method : {"plain", "tiled"}, optional
+        The schedule: ``"plain"`` (the default without ``block_size``), the
+        teaching core's :func:`sdpa_ref.attention.backward_jvp` on the dense
+        problem with ``P`` saved; ``"tiled"`` (the default with
+        ``block_size``), :func:`sdpa_ref.engines.second.backward_jvp`, which
+        recomputes ``P`` block by block from the tiled forward's row max and
+        sum in two sweeps, with no ``L x S`` array. They agree to rounding.
+    block_size : int or "auto", optional
+        The tiled schedule's block, as in :func:`sdpa_forward`.
     layout : Packed or KVCache, optional
         As in :func:`sdpa_forward`; tangents and cotangents in the layout's
         shapes, results in it too.
     **options
         The keyword arguments of :func:`sdpa_forward` that say what is
         computed (masks, bias, softcap, ALiBi, sinks, dropout, ``qv``, the
-        policy, ...). Not ``method``, ``precision``, ``block_size``,
-        ``num_splits``, ``split_bounds`` or ``save_probs``: second order has
-        one schedule, the teaching core's, on the dense problem with ``P``
-        saved.
+        policy, a mask function or block mask, ...). Not ``precision``,
+        ``num_splits``, ``split_bounds``, ``save_probs`` or ``score_mod``.
 
     Returns
     -------
     grads : AttentionGrads or AbsorbedGrads
-        :func:`sdpa_backward` of the forward (the ``"plain"`` engine's), the
-        same bits.
+        :func:`sdpa_backward` of the forward of ``method``, the same bits.
     grads_tangent : AttentionGrads or AbsorbedGrads
         The derivative of each gradient along the tangents, in the same
         shapes and dtypes: the Hessian-vector product when
@@ -94,12 +103,17 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
                         f"but got {V.describe(tangents)}")
     for name in _SCHEDULE:
         if name in options:
-            raise TypeError(f"`{name}` should not be given: second order has one schedule (the teaching core's, "
-                            f"on the dense problem with P saved), but got {name}={options[name]!r}")
+            raise TypeError(f"`{name}` should not be given: second order has the plain and tiled schedules in "
+                            f"float64 or the inputs' dtype, but got {name}={options[name]!r}")
+    method = method if method is not None else ("plain" if block_size is None else "tiled")
+    V.check_choice(method, "method", METHODS)
+    if method == "plain" and block_size is not None:
+        raise ValueError(f"`block_size` should be None with method='plain', but got {block_size!r}")
     if options.get("score_mod") is not None:
         raise ValueError("`score_mod` should not be given to second order: its second derivative is not part of a "
                          "ScoreMod (score and mask functions have first-order derivatives only)")
-    _, res = sdpa_forward(*primals, method="plain", layout=layout, save_probs=True, **options)
+    _, res = sdpa_forward(*primals, method=method, layout=layout, save_probs=True,
+                          **dict(options, **({} if block_size is None else {"block_size": block_size})))
     prob = res.problem
     grads = sdpa_backward(res, grad_out, grad_lse=grad_lse)
     dO, do_bad, dlse, dl_bad = cotangents(res, grad_out, grad_lse)
@@ -111,14 +125,16 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
         ddO = None if grad_out_tangent is None else ddO
     (dq, dk, dv, db, ds), (bq, bk, bv, bb, bs), dv_full = input_tangents(res, tangents)
     with single_threaded_blas():
-        gt = attention.backward_jvp(prob, res.forward, dO, dlse, dq, dk, dv, db, ds, ddO, ddlse)
+        args = (prob, res.forward, dO, dlse, dq, dk, dv, db, ds, ddO, ddlse)
+        gt = attention.backward_jvp(*args) if method == "plain" else second.backward_jvp(
+            *args, block_size=res.block_size)
         jb = poison.jvp_taint(prob, res.taint, (dq, dk, dv, db), (bq, bk, bv, bb), dv_full, ds, bs)
         rows_bad, lse_bad = _union(do_bad, ddo_bad, jb), _union(dl_bad, ddl_bad)
         bad = poison.backward_taint(prob, res.taint, dO, rows_bad, dlse if dlse is not None else ddlse, lse_bad)
     return grads, user_grads(res, gt, bad)
 
 
-def sdpa_hvp(primals, tangents, grad_out, *, grad_lse=None, layout=None, **options):
+def sdpa_hvp(primals, tangents, grad_out, *, grad_lse=None, method=None, block_size=None, layout=None, **options):
     r"""The Hessian-vector product of the loss :math:`\langle dO, O\rangle + \langle dlse, \mathrm{LSE}\rangle`
     along ``tangents``: :func:`sdpa_backward_jvp` with the cotangents held fixed (its ``grads_tangent``).
 
@@ -135,7 +151,8 @@ def sdpa_hvp(primals, tangents, grad_out, *, grad_lse=None, layout=None, **optio
     >>> hv.query.shape, float(np.abs(hv.value).max()) > 0
     ((2, 3), True)
     """
-    return sdpa_backward_jvp(primals, tangents, grad_out, grad_lse=grad_lse, layout=layout, **options)[1]
+    return sdpa_backward_jvp(primals, tangents, grad_out, grad_lse=grad_lse, method=method, block_size=block_size,
+                             layout=layout, **options)[1]
 
 
 def _union(*bads):

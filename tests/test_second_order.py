@@ -40,7 +40,8 @@ class Differentiable:
 
     def forward(self, *xs):
         (q, k, v), kw = self.call_kw(xs)
-        return sdpa_forward(q, k, v, method="plain", layout=self.layout, **kw)
+        kw.setdefault("method", "plain")
+        return sdpa_forward(q, k, v, layout=self.layout, **kw)
 
     def fun(self, *xs):                                  # the loss's outputs: O (and the LSE)
         out, res = self.forward(*xs)
@@ -109,6 +110,52 @@ def test_double_backward_matches_differences_of_the_backward(case):
     if case.opts.get("fully_masked") == "nan" and case.has_fully_masked_rows():
         pytest.skip("NaN gradients: the pattern is tested below")
     assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="projection", rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", GRID, ids=[c.name for c in GRID])
+def test_tiled_double_backward_equals_the_cores(case):
+    """The bounded-memory schedule (two sweeps over blocks of 2 keys) against the teaching core's, every
+    gradient's tangent, with both cotangents and their tangents."""
+    kw = case.make_inputs()
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    rng = np.random.default_rng(3)
+    out, res = sdpa_forward(q, k, v, **kw)
+    g, gt = rng.standard_normal(out.shape), rng.standard_normal(out.shape)
+    gl, glt = rng.standard_normal(res.lse.shape), rng.standard_normal(res.lse.shape)
+    t = tuple(rng.standard_normal(x.shape) for x in (q, k, v)) + (
+        (rng.standard_normal(kw["bias"].shape),) if "bias" in kw else ())
+    a = sdpa_backward_jvp((q, k, v), t, g, gt, grad_lse=gl, grad_lse_tangent=glt, **kw)
+    b = sdpa_backward_jvp((q, k, v), t, g, gt, grad_lse=gl, grad_lse_tangent=glt, method="tiled", block_size=2,
+                          **kw)
+    for x, xt, y, yt in zip(a[0], a[1], b[0], b[1]):
+        if x is None:
+            assert y is None and xt is None and yt is None
+            continue
+        np.testing.assert_allclose(y, x, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(yt, xt, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("name", ["sinks+causal+softcap+bias", "qv+causal-br+sinks", "uniform policy+sinks"])
+def test_tiled_double_backward_special_options(name):
+    d = Differentiable(SPECIAL[name](np.random.default_rng(7)), with_lse=True)
+    d.kw.update(method="tiled", block_size=2)
+    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=1e-5)
+
+
+def test_tiled_double_backward_with_a_block_mask_skips_its_tiles():
+    from sdpa_ref import BlockMask
+
+    rng = np.random.default_rng(11)
+    kw = _kw(rng, L=8, S=8)
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    bm = BlockMask.from_mask_mod(lambda b, h, i, j: j <= i, 1, 1, 8, 8, block_size=2)
+    g = rng.standard_normal((2, 4, 8, 2))
+    t = tuple(rng.standard_normal(x.shape) for x in (q, k, v))
+    a = sdpa_hvp((q, k, v), t, g, is_causal=True, **kw)
+    b = sdpa_hvp((q, k, v), t, g, block_mask=bm, method="tiled", **kw)
+    for x, y in zip(a, b):
+        if x is not None:
+            np.testing.assert_allclose(y, x, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize("case", [c for c in GRID if "dropout" in c.arrays and c.Hq != c.Hkv][:6]
@@ -232,12 +279,14 @@ def test_poisoned_tangent_marks_at_least_what_reads_it():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(method="tiled"), "`method` should not be given"),
+    (dict(method="fast"), "`method` should be one of"),
+    (dict(method="plain", block_size=4), "`block_size` should be None with method='plain'"),
     (dict(precision="reproducible"), "`precision` should not be given"),
+    (dict(num_splits=2), "`num_splits` should not be given"),
 ])
 def test_schedule_keywords_are_refused(bad, match):
     q = np.ones((2, 3))
-    with pytest.raises(TypeError, match=match):
+    with pytest.raises((TypeError, ValueError), match=match):
         sdpa_hvp((q, q, q), (q, None, None), q, **bad)
 
 
@@ -267,3 +316,19 @@ def test_inputs_are_not_modified():
             np.testing.assert_array_equal(x, before[n])
     for a, b in zip(t, t0):
         np.testing.assert_array_equal(a, b)
+
+
+def test_tiled_double_backward_makes_no_l_by_s_array():
+    import tracemalloc
+
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal((1, 1, 512, 8)) for _ in range(3))
+    g = rng.standard_normal(q.shape)
+    t = (rng.standard_normal(q.shape), rng.standard_normal(k.shape), None)
+    peaks = {}
+    for how in ("plain", "tiled"):
+        tracemalloc.start()
+        sdpa_hvp((q, k, v), t, g, softcap=4.0, method=how, **({"block_size": 64} if how == "tiled" else {}))
+        peaks[how] = tracemalloc.get_traced_memory()[1] / (512 * 512 * 8)
+        tracemalloc.stop()
+    assert peaks["tiled"] < 0.5 < 4 < peaks["plain"], peaks        # in units of one L x S float64 array
