@@ -331,4 +331,4 @@ def test_tiled_double_backward_makes_no_l_by_s_array():
         sdpa_hvp((q, k, v), t, g, softcap=4.0, method=how, **({"block_size": 64} if how == "tiled" else {}))
         peaks[how] = tracemalloc.get_traced_memory()[1] / (512 * 512 * 8)
         tracemalloc.stop()
-    assert peaks["tiled"] < 0.5 < 4 < peaks["plain"], peaks        # in units of one L x S float64 array
+    assert peaks["tiled"] < 1 < 4 < peaks["plain"], peaks          # in units of one L x S float64 array
