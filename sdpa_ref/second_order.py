@@ -151,6 +151,10 @@ def sdpa_hvp(primals, tangents, grad_out, *, grad_lse=None, method=None, block_s
     >>> hv.query.shape, float(np.abs(hv.value).max()) > 0
     ((2, 3), True)
     """
+    for name in ("grad_out_tangent", "grad_lse_tangent"):
+        if name in options:
+            raise TypeError(f"`{name}` should not be given to sdpa_hvp (its cotangents are held fixed; the "
+                            "double backward with their tangents is sdpa_backward_jvp), but got it")
     return sdpa_backward_jvp(primals, tangents, grad_out, grad_lse=grad_lse, method=method, block_size=block_size,
                              layout=layout, **options)[1]
 

@@ -174,11 +174,13 @@ def softcap_sech2_jvp(t, cap, sech2, dt):
         \frac{d}{dx}\, \operatorname{sech}^2(x / c) = -\frac{2}{c} \tanh(x / c)\, \operatorname{sech}^2(x / c).
 
     ``t`` the raw scores, ``sech2`` their slope; both factors are bounded (``|tanh| <= 1``), so no cancellation.
+    The division by ``cap`` comes last, so that a tiny cap whose ``2 / cap`` overflows still gives 0 where
+    ``tanh * sech^2`` is 0 (not ``inf * 0``).
     """
     c = t.dtype.type(cap)
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         th = np.tanh(t / c)
-    return (t.dtype.type(-2) / c) * th * sech2 * dt
+        return (t.dtype.type(-2) * th * sech2 * dt) / c
 
 
 # ------------------------------------------ additive terms: T = T + B (float mask, bias)

@@ -120,3 +120,29 @@ def test_the_callers_arrays_are_not_touched():
     x = X.copy()
     sr.check_hvp(sr.softmax, softmax_vjp, softmax_hvp, (x,))
     assert np.array_equal(x, X)
+
+
+def test_symmetry_is_checked_on_the_finite_rows_when_some_are_nan():
+    """A NaN row makes <u, H v> NaN on both sides; the check must then look at the finite rows, not pass."""
+    A = np.array([[1.0, 2.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])          # not symmetric in rows 0 and 1
+
+    def fun(x):
+        return np.array([x @ x])
+
+    def vjp(g, x):
+        r = g[0] * (A @ x)
+        r[2] = np.nan
+        return [r]
+
+    def hvp(g, t, x):
+        r = g[0] * (A @ t[0])
+        r[2] = np.nan
+        return [r]
+
+    rep = sr.check_hvp(fun, vjp, hvp, [np.array([0.3, -0.7, 0.2])], cotangent=np.array([1.0]))
+    assert not rep.ok and any(n.startswith("not symmetric") for n in rep.notes), str(rep)
+    S = (A + A.T) / 2
+    rep = sr.check_hvp(fun, lambda g, x: [np.r_[(g[0] * (S @ x))[:2], np.nan]],
+                    lambda g, t, x: [np.r_[(g[0] * (S @ t[0]))[:2], np.nan]], [np.array([0.3, -0.7, 0.2])],
+                    cotangent=np.array([1.0]), mode="projection")
+    assert any("on the 2 of 3 rows of H that are finite" in n for n in rep.notes), str(rep)

@@ -332,3 +332,22 @@ def test_tiled_double_backward_makes_no_l_by_s_array():
         peaks[how] = tracemalloc.get_traced_memory()[1] / (512 * 512 * 8)
         tracemalloc.stop()
     assert peaks["tiled"] < 1 < 4 < peaks["plain"], peaks          # in units of one L x S float64 array
+
+
+def test_sdpa_hvp_refuses_the_cotangents_tangents():
+    q = np.ones((2, 3))
+    for name in ("grad_out_tangent", "grad_lse_tangent"):
+        with pytest.raises(TypeError, match=f"`{name}` should not be given to sdpa_hvp"):
+            sdpa_hvp((q, q, q), (q, None, None), q, **{name: np.ones(2)})
+
+
+@pytest.mark.parametrize("method", ["plain", "tiled"])
+def test_a_tiny_softcap_gives_finite_second_order(method):
+    """2 / cap overflows; where tanh * sech^2 is 0 the curvature term is 0, not inf * 0."""
+    rng = np.random.default_rng(23)
+    q, k, v = rng.standard_normal((1, 2, 4, 3)), rng.standard_normal((1, 2, 5, 3)), rng.standard_normal((1, 2, 5, 2))
+    g = rng.standard_normal((1, 2, 4, 2))
+    t = tuple(rng.standard_normal(x.shape) for x in (q, k, v))
+    with np.errstate(all="raise"):
+        h = sdpa_hvp((q, k, v), t, g, softcap=1e-310, method=method)
+    assert all(np.isfinite(x).all() for x in h if x is not None)
