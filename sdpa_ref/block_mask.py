@@ -111,7 +111,11 @@ class BlockMask:
                                  f"{ind.shape} and {n.shape}")
             if np.any(n < 0) or np.any(n > nk):
                 raise ValueError(f"`{nn}` should be in [0, {nk}], but got values from {n.min()} to {n.max()}")
-            lead = np.broadcast_shapes(tiles.shape[:2], n.shape[:2], ind.shape[:2])
+            try:
+                lead = np.broadcast_shapes(tiles.shape[:2], n.shape[:2], ind.shape[:2])
+            except ValueError:
+                raise ValueError(f"`{nn}` and `{ni}` should have (B, H) that broadcast with those of `kv_indices` "
+                                 f"{tiles.shape[:2]}, but got {n.shape[:2]} and {ind.shape[:2]}") from None
             tiles = np.broadcast_to(tiles, lead + (nq, nk)).copy()
             n, ind = np.broadcast_to(n, lead + (nq,)), np.broadcast_to(ind, lead + (nq, nk))
             used = np.arange(nk) < n[..., None]
@@ -134,6 +138,9 @@ class BlockMask:
         t = _index_array(tiles, "tiles", 4)
         if np.any((t < 0) | (t > 2)):
             raise ValueError("`tiles` should hold 0 (absent), 1 (partial) or 2 (full), but holds other values")
+        if mask_mod is not None and not callable(mask_mod):
+            raise TypeError(f"`mask_mod` should be a callable mask_mod(b, h, q_idx, kv_idx) -> bool, "
+                            f"but got {V.describe(mask_mod)}")
         self = cls.__new__(cls)
         self.block_size, self.mask_mod = _block(block_size), mask_mod
         self.tiles = t.astype(np.int8)
@@ -146,6 +153,12 @@ class BlockMask:
         evaluated on it (``B`` or ``H`` 1: the function must not depend on that index)."""
         from .score_mod import apply_mask_mod
 
+        if not callable(mask_mod):
+            raise TypeError(f"`mask_mod` should be a callable mask_mod(b, h, q_idx, kv_idx) -> bool, "
+                            f"but got {V.describe(mask_mod)}")
+        for name, x in (("B", B), ("H", H), ("L", L), ("S", S)):
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)) or x < 0:
+                raise TypeError(f"`{name}` should be an int >= 0, but got {V.describe(x)}")
         bq, bk = _block(block_size)
         anyv, allv = _any_all(np.broadcast_to(apply_mask_mod(mask_mod, (B, H, L, S)), (B, H, L, S)), bq, bk)
         return cls.from_tiles(np.where(allv & anyv, FULL, np.where(anyv, PARTIAL, ABSENT)), block_size=(bq, bk),
@@ -157,6 +170,10 @@ class BlockMask:
         in bit ``c % 8`` (least significant first) of byte ``c // 8`` of row ``r``, as
         ``numpy.packbits(..., bitorder="little")`` writes them; a set bit is a partial tile (``full_bits``: full
         ones, in the same layout)."""
+        if isinstance(n_kv_tiles, (bool, np.bool_)) or not isinstance(n_kv_tiles, (numbers.Integral, np.integer)) \
+                or n_kv_tiles < 0:
+            raise TypeError(f"`n_kv_tiles` should be an int >= 0, but got {V.describe(n_kv_tiles)}")
+
         def unpack(x, name):
             a = np.asarray(x)
             if a.dtype != np.uint8 or a.ndim != 4:
@@ -170,6 +187,10 @@ class BlockMask:
         t = unpack(bits, "bits")
         if full_bits is not None:
             f = unpack(full_bits, "full_bits")
+            if f.shape[-2] != t.shape[-2] or not all(a in (1, b) or b == 1 for a, b in zip(f.shape[:2], t.shape[:2])):
+                raise ValueError(f"`full_bits` should have the rows of tiles and (B, H) of `bits` {np.shape(bits)}, but "
+                                 f"got shape {np.shape(full_bits)}")
+            t, f = np.broadcast_arrays(t, f)
             if np.any((t == 1) & (f == 1)):
                 raise ValueError("`bits` and `full_bits` should not both mark a tile, but do")
             t = np.where(f == 1, FULL, t)
@@ -238,7 +259,7 @@ def tile_status(bm, full, rows, cols):
     None when the block is not one tile."""
     bq, bk = bm.block_size
     (i0, i1), (j0, j1) = rows, cols
-    if i0 % bq or j0 % bk or i1 != min(i0 + bq, full[-2]) or j1 != min(j0 + bk, full[-1]):
+    if i1 <= i0 or j1 <= j0 or i0 % bq or j0 % bk or i1 != min(i0 + bq, full[-2]) or j1 != min(j0 + bk, full[-1]):
         return None
     t = bm.tiles[..., i0 // bq, j0 // bk]
     if np.all(t == ABSENT):

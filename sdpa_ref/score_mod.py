@@ -122,17 +122,19 @@ def indices(full, lead=None, rows=None, cols=None):
     return b, h, np.arange(i0, i1, dtype=np.int64)[:, None], np.arange(j0, j1, dtype=np.int64)[None, :]
 
 
-def _call(mod, score, idx, params, what="score_mod"):
+def _call(mod, score, idx, params, what="score_mod", f=None):
+    """``f`` (the score function by default) on a block, its result checked: real numbers (complex only for
+    complex scores), broadcastable to the block; a write into ``score`` is a clear error."""
     try:
-        r = mod.fn(score, *idx, *params)
+        r = (mod.fn if f is None else f)(score, *idx, *params)
     except ValueError as e:
         if "read-only" in str(e):
             raise ValueError(f"`{what}` should not write into its `score` argument (it is read-only), but it "
                              f"did: {e}") from None
         raise
     r = np.asarray(r)
-    if r.dtype.kind not in "fiuc" or (r.dtype.kind == "c" and not np.iscomplexobj(score)):
-        raise TypeError(f"`{what}` should return real numbers, but returned an array of dtype {r.dtype}")
+    if r.dtype.kind not in "fiu" + ("c" if np.iscomplexobj(score) else ""):
+        raise TypeError(f"`{what}` should return real numbers, but returned {V.describe(r)}")
     try:
         return np.broadcast_to(r, score.shape)
     except ValueError:
@@ -156,12 +158,7 @@ def score_mod_forward(mod, t, idx, slope=False):
     if not slope:
         return out, None
     if mod.grad is not None:
-        d = np.asarray(mod.grad(_readonly(t), *idx, *ps))
-        try:
-            return out, np.broadcast_to(d, t.shape).astype(t.dtype)
-        except ValueError:
-            raise ValueError(f"`grad` of {mod.name} should return an array broadcastable to the scores' block "
-                             f"{t.shape}, but returned shape {d.shape}") from None
+        return out, _call(mod, _readonly(t), idx, ps, f"grad of {mod.name}", mod.grad).astype(t.dtype)
     return out, complex_step_slope(mod, t, idx).astype(t.dtype)
 
 
@@ -178,15 +175,24 @@ def complex_step_slope(mod, t, idx):
             raise ValueError(f"`score_mod` {mod.name} could not be evaluated at complex scores for its derivative "
                              f"by the complex step ({e}): give ScoreMod(fn, grad=...)") from None
         h = 2.0 ** -20 * np.maximum(1.0, np.abs(np.where(np.isfinite(x), x, 0.0)))
-        fd = (np.asarray(_call(mod, x + h, idx, ps), np.float64) - np.asarray(_call(mod, x - h, idx, ps), np.float64)
-              ) / (2 * h)
+        fp, fm = (np.asarray(_call(mod, x + s * h, idx, ps), np.float64) for s in (1, -1))
+        fd = (fp - fm) / (2 * h)
+        tol = _tolerance(d, fp, fm, h)
     ok = np.isfinite(x) & np.isfinite(d) & np.isfinite(fd)
-    bad = ok & (np.abs(d - fd) > 1e-5 * np.maximum(1.0, np.abs(d)))
+    bad = ok & (np.abs(d - fd) > tol)
     if np.any(bad):
         at = tuple(int(a[0]) for a in np.nonzero(bad))
         raise ValueError(f"`score_mod` {mod.name} is not analytic at score {x[at]!r} (index {at}): its complex step "
                          f"gives the slope {d[at]!r}, central differences {fd[at]!r}; give ScoreMod(fn, grad=...)")
     return d
+
+
+def _tolerance(d, fp, fm, h):
+    """How far a central difference ``(fp - fm) / 2h`` may be from a derivative ``d``: ``1e-5`` relative (the
+    truncation of a step of ``2^-20``), plus the rounding of ``fp`` and ``fm`` divided by the step (a large
+    value, such as a score function's ``-1e9`` penalty, rounds by more than the slope it differences)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return 1e-5 * np.maximum(1.0, np.abs(d)) + 8 * np.finfo(np.float64).eps * (np.abs(fp) + np.abs(fm)) / (2 * h)
 
 
 def params_vjp(mod, g, t, idx):
@@ -212,16 +218,28 @@ def params_vjp(mod, g, t, idx):
                          "the complex step computes one by one: give ScoreMod(..., params_vjp=...)")
     x, gg = t.astype(np.float64), g.astype(np.float64)
     live = gg != 0
+
+    def loss(k, q):                                        # sum g * fn over the live entries, with params[k] = q
+        with np.errstate(over="ignore", invalid="ignore"):
+            r = np.asarray(_call(mod, x.astype(q.dtype), idx, mod.params[:k] + (q,) + mod.params[k + 1:]))
+            return np.sum(np.where(live, gg * r, 0.0)), np.sum(np.where(live, np.abs(gg * r), 0.0))
+
     out = []
     for k, p in enumerate(mod.params):
         grad = np.zeros(p.shape)
         for e in range(p.size):
-            q = p.astype(np.complex128)
             eta = _ETA * max(1.0, abs(float(p.flat[e])))
+            q = p.astype(np.complex128)
             q.flat[e] += 1j * eta
-            with np.errstate(over="ignore", invalid="ignore"):
-                d = np.asarray(_call(mod, x.astype(np.complex128), idx, mod.params[:k] + (q,) + mod.params[k + 1:]))
-            grad.flat[e] = np.sum(np.where(live, gg * (d.imag / eta), 0.0))
+            grad.flat[e] = loss(k, q)[0].imag / eta
+            h = 2.0 ** -20 * max(1.0, abs(float(p.flat[e])))           # checked, as the score's slope is
+            (lp, ap), (lm, am) = (loss(k, p + s * h * (np.arange(p.size) == e).reshape(p.shape)) for s in (1, -1))
+            fd = (lp - lm) / (2 * h)
+            if np.isfinite(grad.flat[e]) and np.isfinite(fd) and abs(grad.flat[e] - fd) > _tolerance(
+                    grad.flat[e], ap, am, h):
+                raise ValueError(f"`score_mod` {mod.name} is not analytic in params[{k}] at index "
+                                 f"{np.unravel_index(e, p.shape)}: its complex step gives {grad.flat[e]!r}, central "
+                                 f"differences {fd!r}; give ScoreMod(..., params_vjp=...)")
         out.append(grad)
     return tuple(out)
 
@@ -252,8 +270,13 @@ def check_score_mod(score_mod, shape: Tuple[int, ...] = (2, 3, 4, 5), *, seed: i
     from .gradcheck import check_vjp
 
     mod = as_score_mod(score_mod)
+    if mod is None:
+        raise TypeError("`score_mod` should be a callable or a ScoreMod, but got None")
+    if not isinstance(shape, (tuple, list)) or len(shape) < 4 or not all(
+            isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1 for n in shape):
+        raise ValueError(f"`shape` should be (*batch, Hq, L, S) with at least 4 positive ints, but got {shape!r}")
     rng = np.random.default_rng(seed)
-    idx = indices(tuple(shape))
+    idx = indices(tuple(int(n) for n in shape))
     x0 = rng.standard_normal(shape) * 2.0
 
     def fun(x, *ps):

@@ -289,6 +289,7 @@ def transform_scores(prob, T, rows=None, cols=None, lead=None, sech2=False, sech
     ``sech2_out`` if given; None when the chain has neither.
     """
     o, nd = prob.options, len(prob.full_scores)
+    block = (rows, cols)                                     # as asked: a whole problem is no tile of a block mask
     rows = rows if rows is not None else (0, prob.L)
     cols = cols if cols is not None else (0, prob.S)
     d, slope = None, sech2 or sech2_out is not None
@@ -310,7 +311,7 @@ def transform_scores(prob, T, rows=None, cols=None, lead=None, sech2=False, sech
                               dtype=T.real.dtype)
         T = alibi_forward(T, block_of(prob.alibi, nd, lead), block_of(dist, nd, lead), out=T)
     if allowed is None:
-        allowed = block_of(prob.allowed(rows, cols), nd, lead)
+        allowed = block_of(prob.allowed(*block), nd, lead)
     if allowed is not None:
         np.copyto(T, -np.inf, where=~allowed)
         if o.score_mod is not None and d is not None:        # a masked entry's slope is never read: 0, not NaN

@@ -168,3 +168,40 @@ def test_bad_block_masks_are_clear_errors():
         BlockMask.from_bits(np.ones((1, 1, 2, 1), np.uint8), 3, full_bits=np.ones((1, 1, 2, 1), np.uint8))
     with pytest.raises(TypeError, match="`block_size` should be an int >= 1"):
         BlockMask(n, i, block_size=0)
+
+
+def test_the_split_engine_walks_each_split_on_the_tile_grid():
+    q, k, v = (x[:, :, :16] for x in _inputs(6))
+    bm = BlockMask.from_mask_mod(causal, 1, 1, 16, 16, block_size=4)
+    _, res = sdpa_forward(q, k, v, block_mask=bm, method="split", num_splits=2, enable_gqa=True)
+    c = res.tile_counts                               # 16 tiles; each split's blocks are tiles of its own keys
+    assert c["absent"] + c["full"] + c["partial"] <= 2 * 16 and c["partial"] == 4, c
+    out, _ = sdpa_forward(q, k, v, is_causal=True, enable_gqa=True)
+    np.testing.assert_allclose(sdpa_forward(q, k, v, block_mask=bm, method="split", num_splits=2,
+                                            enable_gqa=True)[0], out, rtol=1e-13, atol=1e-14)
+
+
+def test_only_the_tiled_engines_count_tiles_and_empty_problems_work():
+    q, k, v = (x[:, :, :4] for x in _inputs(7))
+    bm = BlockMask.from_mask_mod(causal, 1, 1, 4, 4, block_size=8)     # one tile: the whole problem
+    _, res = sdpa_forward(q, k, v, block_mask=bm, method="plain", enable_gqa=True)
+    assert res.tile_counts == {"absent": 0, "full": 0, "partial": 0}
+    z = np.zeros((1, 1, 0, 3))
+    for m in ("plain", "fast", "tiled"):
+        out, _ = sdpa_forward(z, z, z, block_mask=BlockMask.from_mask_mod(causal, 1, 1, 0, 0), method=m)
+        assert out.shape == (1, 1, 0, 3)
+
+
+def test_more_bad_block_masks_are_clear_errors():
+    n, i = np.ones((1, 1, 2), np.int64), np.zeros((1, 1, 2, 3), np.int64)
+    with pytest.raises(ValueError, match="should have .B, H. that broadcast"):
+        BlockMask(np.ones((2, 1, 2), np.int64), np.zeros((3, 1, 2, 3), np.int64))
+    with pytest.raises(TypeError, match="`n_kv_tiles` should be an int"):
+        BlockMask.from_bits(np.ones((1, 1, 2, 1), np.uint8), 3.5)
+    with pytest.raises(ValueError, match="`full_bits` should have the rows of tiles"):
+        BlockMask.from_bits(np.ones((1, 1, 2, 1), np.uint8), 3, full_bits=np.zeros((1, 1, 3, 1), np.uint8))
+    with pytest.raises(TypeError, match="`mask_mod` should be a callable"):
+        BlockMask.from_mask_mod(None, 1, 1, 4, 4)
+    with pytest.raises(TypeError, match="`mask_mod` should be a callable"):
+        BlockMask.from_tiles(np.zeros((1, 1, 1, 1), np.int8), mask_mod=3)
+    assert BlockMask(n, i).tiles.shape == (1, 1, 2, 3)

@@ -94,3 +94,12 @@ def test_function_cases_cannot_be_written_to_files(tmp_path):
         CASES[0].options_json()
     with pytest.raises(TypeError, match="should be a function"):
         Case("bad", L=4, S=4, options=(("mask_mod", 3),))
+
+
+def test_default_valued_options_are_not_required_and_requires_takes_functions():
+    from sdpa_ref.harness.conformance import resolve_requires
+
+    c = Case("c", L=4, S=4, options=(("causal_alignment", "top_left"), ("dropout_p", 0.0), ("fully_masked", "zero")))
+    assert c.option_names == frozenset()
+    assert CASES[2].option_names == {"enable_gqa", "mask_mod", "score_mod"}
+    assert resolve_requires(None, {"mask_mod"}) == {"mask_mod"}

@@ -236,3 +236,41 @@ def test_the_caller_and_the_table_are_not_modified():
     o1, _ = sdpa_forward(q, k, v, score_mod=mod, enable_gqa=True)
     o2, _ = sdpa_forward(q, k, v, bias=_relpos_bias(), enable_gqa=True)
     assert np.array_equal(o1, o2)
+
+
+def test_a_large_additive_penalty_is_not_taken_for_a_kink():
+    """s - 1e9 (j > i): affine, its slope 1 exact; the central difference rounds by |f| eps / h."""
+    q, k, v = _inputs(13)
+    for pen in (1e9, 1e6, np.finfo(float).max / 4):
+        out, _ = sdpa_forward(q, k, v, enable_gqa=True, score_mod=lambda s, b, h, i, j, p=pen: s - p * (j > i))
+        want, _ = sdpa_forward(q, k, v, enable_gqa=True, is_causal=True)
+        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-13)
+
+
+def test_a_function_not_analytic_in_its_captured_tensor_needs_its_vjp():
+    q, k, v = (x[:1] for x in _inputs(14))
+    fn = lambda s, b, h, i, j, w: s * np.abs(w)[h]                             # noqa: E731
+    _, res = sdpa_forward(q, k, v, enable_gqa=True, score_mod=ScoreMod(fn, params=(np.array([-0.7, 1.3, 1, 2]),)))
+    with pytest.raises(ValueError, match=r"not analytic in params\[0\]"):
+        sdpa_backward(res, np.ones((1, HQ, L, EV)))
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m["method"])
+def test_captured_tensors_get_a_zero_gradient_when_no_key_is_read(method):
+    q, k, v = _inputs(15)
+    _, res = sdpa_forward(q, k, v, enable_gqa=True, kv_lengths=np.array([0, 0]),
+                          score_mod=ScoreMod(relpos_fn, params=(TABLE,)), **method)
+    gr = sdpa_backward(res, np.ones((B, HQ, L, EV)))
+    assert isinstance(gr, ScoreModGrads) and np.array_equal(gr.score_mod[0], np.zeros_like(TABLE))
+
+
+def test_a_bad_grad_is_a_clear_error():
+    q, k, v = _inputs()
+    for bad, match in ((lambda s, b, h, i, j: None, "should return real numbers"),
+                       (lambda s, b, h, i, j: s + 0j, "should return real numbers"),
+                       (lambda s, b, h, i, j: s[..., :1, :2], "broadcastable"),
+                       (lambda s, b, h, i, j: s.__iadd__(1), "should not write into its `score`")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            sdpa_forward(q, k, v, enable_gqa=True, score_mod=ScoreMod(softcap_fn, grad=bad))
+    with pytest.raises(ValueError, match=r"`shape` should be \(\*batch, Hq, L, S\)"):
+        check_score_mod(softcap_fn, shape=(3, 4))

@@ -87,14 +87,15 @@ def split_problem(prob, b, i):
     mask.setflags(write=False)
     alone = keys_only(prob, mask_bool=mask, v_full=None,
                       options=dataclasses.replace(prob.options, fully_masked="zero"))
-    return alone, (int(lo.min(initial=0)), int(hi.max(initial=0)))
+    return alone, (int(lo.min()) if lo.size else 0, int(hi.max(initial=0)))
 
 
 def _parts(prob, i0, i1, b, block):
     """Per split, ``(m, l, acc, empty)`` of the rows ``[i0, i1)`` over its keys."""
     for i in range(b.shape[-1] - 1):
-        alone, keys = split_problem(prob, b, i)
-        yield tiled.key_pass(alone, Blocks(alone), i0, i1, keys, block)
+        alone, (k0, k1) = split_problem(prob, b, i)
+        k0 = min(k0, k1) // block * block                     # on the grid of the blocks (a block mask's tiles)
+        yield tiled.key_pass(alone, Blocks(alone), i0, i1, (k0, max(k0, k1)), block)
 
 
 def _normalised(m, l, acc, empty):

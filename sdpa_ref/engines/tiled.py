@@ -290,6 +290,9 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
 
     for i0, i1 in _ranges(L, rb):
         rows(i0, i1)
+    mod = o.score_mod
+    if dmod is None and mod is not None and mod.params:            # no block visited: a zero gradient
+        dmod = [np.zeros(p.shape) for p in mod.params]
     return Grads(dq=dq, dk=dk, dv=dv, dmask=dmask, dbias=dbias,
                  dextra=None if dext is None else dext.sum(axis=-1), dmod=None if dmod is None else tuple(dmod))
 

@@ -190,8 +190,9 @@ class Case:
 def _option_names(case: Case) -> frozenset:
     defaults = AttentionOptions()
     inp = case.make_inputs()
-    return frozenset(k for k, v in inp.items() if (k in OPTION_NAMES or k in FUNCTION_OPTIONS)
-                     and (k in ARRAY_OPTIONS or getattr(defaults, k) is not v))
+    return frozenset(k for k, v in inp.items()
+                     if (k in OPTION_NAMES and (k in ARRAY_OPTIONS or getattr(defaults, k) != v))
+                     or (k in FUNCTION_OPTIONS and v is not None))
 
 
 @functools.lru_cache(maxsize=None)

@@ -111,9 +111,10 @@ def resolve_requires(forward, requires=None) -> frozenset:
         requires = frozenset(requires)
     except TypeError:
         raise TypeError(f"`requires` should be a set of option names, but got {type(requires).__name__}") from None
-    unknown = requires - set(OPTION_NAMES)
+    unknown = requires - set(OPTION_NAMES + FUNCTION_OPTIONS)
     if unknown:
-        raise ValueError(f"`requires` should name options among {OPTION_NAMES}, but got unknown {sorted(unknown)}")
+        raise ValueError(f"`requires` should name options among {OPTION_NAMES + FUNCTION_OPTIONS}, but got unknown "
+                         f"{sorted(unknown)}")
     return requires
 
 
