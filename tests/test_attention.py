@@ -10,7 +10,7 @@ from sdpa_ref import (
     sdpa_forward,
 )
 from sdpa_ref.harness.grid import gradcheck_grid as attention_cases
-from sdpa_ref.harness.selfcheck import CHECK_RTOL, COMPLEX_RTOL, LSE_RTOL, run_attention_case
+from sdpa_ref.harness.selfcheck import CHECK_RTOL, COMPLEX_RTOL, HVP_RTOL, LSE_RTOL, run_attention_case
 
 from oracle import oracle_attention
 from strategies import attention_problem
@@ -98,6 +98,7 @@ def test_gradients_by_finite_differences_and_complex_step(case):
     assert res.cs_rel_error <= COMPLEX_RTOL
     assert res.lse_rel_error <= LSE_RTOL
     assert res.ip_rel_error <= COMPLEX_RTOL
+    assert res.hvp_rel_error <= HVP_RTOL
 
 
 # ---------------------------------------------------------------- properties

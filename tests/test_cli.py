@@ -25,7 +25,7 @@ def test_check_json(capsys):
 def test_check_csv(capsys):
     assert main(["check", "--format", "csv", "--filter", "softmax"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "case,status,fd_rel_error,cs_rel_error,lse_rel_error,ip_rel_error,seconds"
+    assert lines[0] == "case,status,fd_rel_error,cs_rel_error,lse_rel_error,ip_rel_error,hvp_rel_error,seconds"
     assert len(lines) == 1 + 9
 
 

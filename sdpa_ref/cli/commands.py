@@ -30,7 +30,7 @@ def _cmd_check(args) -> int:
     rows = [
         {"case": r.name, "status": "ok" if r.ok else "FAIL", "fd_rel_error": r.max_rel_error,
          "cs_rel_error": r.cs_rel_error, "lse_rel_error": r.lse_rel_error, "ip_rel_error": r.ip_rel_error,
-         "seconds": round(r.seconds, 4)}
+         "hvp_rel_error": r.hvp_rel_error, "seconds": round(r.seconds, 4)}
         for r in results
     ]
     n_fail = sum(not r.ok for r in results)
@@ -43,7 +43,8 @@ def _cmd_check(args) -> int:
               f"{tols['rtol']:.0e}); complex step {worst('cs_rel_error'):.2e} "
               f"({tols.get('complex_rtol', selfcheck.COMPLEX_RTOL):.0e}); lse vs probs backward "
               f"{worst('lse_rel_error'):.2e} ({selfcheck.LSE_RTOL:.0e}); <g,Jt> vs <J^T g,t> "
-              f"{worst('ip_rel_error'):.2e}")
+              f"{worst('ip_rel_error'):.2e}; Hessian-vector product vs differences of the VJP "
+              f"{worst('hvp_rel_error'):.2e} ({selfcheck.HVP_RTOL:.0e})")
         print("symmetric relative error |a-n|/(|a|+|n|), float64; fd: sdpa_backward and sdpa_jvp vs central differences; "
               "cs: sdpa_backward and sdpa_jvp vs the complex step")
         for r in results:

@@ -16,7 +16,11 @@ Each attention case is checked four ways:
   default one, to ``LSE_RTOL`` (1e-13) in the normwise relative error
   ``max|a - b| / max(1, max|a|)`` of each gradient;
 * ``ip``: the inner-product identity ``<g, J t> == <J^T g, t>`` between the
-  JVP and the VJP, to 1e-12.
+  JVP and the VJP, to 1e-12;
+* ``hvp``: second order, the Hessian-vector product of ``<g, O>``
+  (:func:`sdpa_ref.sdpa_hvp`) along two random directions against central
+  differences of the VJP, to ``HVP_RTOL`` (1e-6), and the tiled schedule's
+  against the teaching core's, to ``LSE_RTOL`` (normwise).
 
 The differentiable arguments are ``query``, ``key``, ``value``, then a float
 ``attn_mask`` and a ``bias`` when the case has them.
@@ -38,13 +42,14 @@ import numpy as np
 from .._validate import check_tolerance
 from ..api import sdpa_forward, sdpa_forward_complex
 from ..derivatives import sdpa_backward, sdpa_jvp
+from ..second_order import sdpa_hvp
 from ..gradcheck import check_jvp, check_vjp
 from ..softmax import log_softmax, log_softmax_vjp, softmax, softmax_jvp, softmax_vjp
 from .cases import Case
 from .grid import gradcheck_grid
 
 __all__ = [
-    "CHECK_RTOL", "CHECK_ATOL", "COMPLEX_RTOL", "COMPLEX_ATOL", "LSE_RTOL",
+    "CHECK_RTOL", "CHECK_ATOL", "COMPLEX_RTOL", "COMPLEX_ATOL", "HVP_RTOL", "LSE_RTOL",
     "CheckResult", "differentiable_inputs", "run_attention_case", "run_checks", "softmax_checks",
 ]
 
@@ -58,6 +63,8 @@ COMPLEX_RTOL = 1e-12
 COMPLEX_ATOL = 1e-14
 #: The recomputing and teaching backwards against the default one.
 LSE_RTOL = 1e-13
+#: The Hessian-vector product against central differences of the VJP.
+HVP_RTOL = 1e-6
 
 
 @dataclass
@@ -71,13 +78,14 @@ class CheckResult:
     cs_rel_error: Optional[float] = None
     lse_rel_error: Optional[float] = None
     ip_rel_error: Optional[float] = None
+    hvp_rel_error: Optional[float] = None
     report: Optional[object] = field(default=None, repr=False)
 
     def as_dict(self):
         return {"name": self.name, "ok": self.ok, "fd_rel_error": self.max_rel_error,
                 "fd_abs_error": self.max_abs_error, "cs_rel_error": self.cs_rel_error,
                 "lse_rel_error": self.lse_rel_error, "ip_rel_error": self.ip_rel_error,
-                "seconds": self.seconds, "detail": self.detail}
+                "hvp_rel_error": self.hvp_rel_error, "seconds": self.seconds, "detail": self.detail}
 
 
 # ------------------------------------------------------------------ inputs
@@ -213,11 +221,15 @@ def run_attention_case(case: Case, *, rtol=CHECK_RTOL, atol=CHECK_ATOL, complex_
     gj = list(grads[:3]) + ([grads[-1]] if bias is not None else [])
     rhs = float(sum(np.sum(a * t) for a, t in zip(gj, ts)))
     ip_err = abs(lhs - rhs) / max(abs(lhs) + abs(rhs), 1e-300)
-    ok = fd.ok and fd_j.ok and cs.ok and cs_j.ok and lse_err <= lse_rtol and ip_err <= complex_rtol
+    hv, hv_err = _second_order(q, k, v, bias, opts, fmask, g, seed, lse_rtol)
+    ok = fd.ok and fd_j.ok and cs.ok and cs_j.ok and lse_err <= lse_rtol and ip_err <= complex_rtol and hv.ok \
+        and hv_err <= lse_rtol
     detail = []
-    for rep in (fd, fd_j, cs, cs_j):
+    for rep in (fd, fd_j, cs, cs_j, hv):
         if not rep.ok:
             detail.append(str(rep))
+    if hv_err > lse_rtol:
+        detail.append(f"the tiled second order differs from the plain one by {hv_err:.3e} (> {lse_rtol:.0e})")
     if lse_err > lse_rtol:
         detail.append(f"lse backward differs from the probs backward by {lse_err:.3e} (> {lse_rtol:.0e})")
     if ip_err > complex_rtol:
@@ -225,7 +237,29 @@ def run_attention_case(case: Case, *, rtol=CHECK_RTOL, atol=CHECK_ATOL, complex_
     return CheckResult(case.name, ok, max(fd.max_rel_error, fd_j.max_rel_error),
                        max(fd.max_abs_error, fd_j.max_abs_error), time.perf_counter() - t0,
                        "\n".join(detail), cs_rel_error=max(cs.max_rel_error, cs_j.max_rel_error),
-                       lse_rel_error=lse_err, ip_rel_error=ip_err, report=fd)
+                       lse_rel_error=lse_err, ip_rel_error=ip_err, hvp_rel_error=hv.max_rel_error, report=fd)
+
+
+def _second_order(q, k, v, bias, opts, fmask, g, seed, lse_rtol):
+    """``(report, tiled vs plain)``: the HVP of ``<g, O>`` along random directions of ``(q, k, v[, bias])``
+    against central differences of the VJP, and the tiled schedule's HVP against the plain one's."""
+    kw = dict(opts, attn_mask=fmask if fmask is not None else opts.get("attn_mask"), bias=bias)
+    args = (q, k, v) + ((bias,) if bias is not None else ())
+
+    def grad(*a):
+        kw_a = dict(kw, bias=a[3] if len(a) > 3 else None)
+        gr = sdpa_backward(sdpa_forward(*a[:3], **kw_a)[1], g)
+        return np.concatenate([x.ravel() for x in (gr.query, gr.key, gr.value) + ((gr.bias,) if len(a) > 3 else ())])
+
+    def hvp(ts, *a, **how):
+        kw_a = dict(kw, bias=a[3] if len(a) > 3 else None)
+        h = sdpa_hvp(tuple(a[:3]), tuple(ts), g, **kw_a, **how)
+        return np.concatenate([x.ravel() for x in (h.query, h.key, h.value) + ((h.bias,) if len(a) > 3 else ())])
+
+    rep = check_jvp(grad, hvp, args, mode="projection", n_projections=2, rtol=HVP_RTOL, atol=CHECK_ATOL,
+                    seed=seed + 3)
+    ts = [np.random.default_rng(seed + 4).standard_normal(a.shape) for a in args]
+    return rep, _rel_diff(hvp(ts, *args), hvp(ts, *args, method="tiled", block_size=2), lse_rtol)
 
 
 def _rel_diff(a, b, rtol=None):
@@ -268,6 +302,15 @@ def _nan_policy_check(case, t0, **tols):
     for a, b in zip(gn, gl):
         if a is not None and not np.array_equal(np.isnan(a), np.isnan(b)):
             problems.append("the lse backward has another NaN pattern")
+    ts = tuple(np.random.default_rng(case.seed + 4).standard_normal(x.shape) for x in (q, k, v))
+    hn = sdpa_hvp((q, k, v), ts, g, attn_mask=mask, bias=bias, **rest)       # second order: the gradient's NaN
+    hz = sdpa_hvp((q, k, v), ts, g, attn_mask=mask, bias=bias, **dict(rest, fully_masked="zero"))    # pattern
+    for a, b, c in zip(gn, hn, hz):
+        if a is not None and not np.array_equal(np.isnan(a), np.isnan(b)):
+            problems.append("the Hessian-vector product has another NaN pattern than the gradient")
+        elif a is not None:
+            fin = ~np.isnan(b)
+            worst = max(worst, float(np.max(np.abs(b[fin] - c[fin]), initial=0.0)))
     zero = run_attention_case(replace(case, options=tuple(sorted(dict(case.options, fully_masked="zero").items()))),
                               **tols)
     ok = not problems and worst == 0.0 and zero.ok
@@ -275,7 +318,7 @@ def _nan_policy_check(case, t0, **tols):
     return CheckResult(case.name + " (NaN pattern; finite part == zero policy)", ok, zero.max_rel_error,
                        max(worst, zero.max_abs_error), time.perf_counter() - t0, detail,
                        cs_rel_error=zero.cs_rel_error, lse_rel_error=zero.lse_rel_error,
-                       ip_rel_error=zero.ip_rel_error)
+                       ip_rel_error=zero.ip_rel_error, hvp_rel_error=zero.hvp_rel_error)
 
 
 # ---------------------------------------------------------------- softmax
