@@ -81,9 +81,9 @@ from .transforms import (
     scores_forward,
     scores_jvp,
     scores_vjp,
-    softcap_sech2_jvp,
     transform_scores,
     transform_scores_jvp,
+    transform_scores_slope_jvp,
     transform_scores_vjp,
     transform_scores_vjp_jvp,
 )
@@ -250,11 +250,11 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
     ddT, ddx = const(ddT), const(ddx)
     dmask = None if prob.mask_float is None else additive_vjp(ddT, prob.shapes["attn_mask"])
     dbias_t = None if prob.bias is None else additive_vjp(ddT, prob.shapes["bias"])
-    # dTraw = dT sech^2  =>  dTraw' = dT' sech^2 + dT (sech^2)'
+    # dTraw = dT sech^2  =>  dTraw' = dT' sech^2 + dT (sech^2)'   (sech^2: the chain's slope, softcap's times fn')
     dsech2 = None
     if sech2 is not None:
         Traw = _full(scores_forward(prob.q, k, prob.scale), prob)
-        dsech2 = softcap_sech2_jvp(Traw, o.softcap, sech2, dTraw_t)
+        dsech2 = transform_scores_slope_jvp(prob, Traw, sech2, dTraw_t, allowed=prob.allowed())
     ddTraw = transform_scores_vjp_jvp(dT, ddT, sech2, dsech2)
     # dQ = s dTraw K, dK = s dTraw^T Q  =>  dQ' = s (dTraw' K + dTraw K'), dK' = s (dTraw'^T Q + dTraw^T Q')
     dq_t, dk_t = scores_vjp(_grouped(ddTraw, prob), prob.q, k, prob.scale)

@@ -251,7 +251,7 @@ DOC_OPTIONS = r"""
             the scale and softcap, before the float mask, bias, ALiBi and the
             allowed set. A :class:`~sdpa_ref.ScoreMod` adds its derivative
             and captured tensors, whose gradients are ``grads.score_mod``.
-            Not with ``precision="reproducible"`` or second order.
+            Not with ``precision="reproducible"``.
         mask_mod : callable
             FlexAttention's mask function ``mask_mod(b, h, q_idx, kv_idx) ->
             bool`` (True: the key takes part), intersected with the other

@@ -41,6 +41,7 @@ import numpy as np
 from . import _validate as V
 
 __all__ = ["ScoreMod", "apply_mask_mod", "as_score_mod", "check_score_mod", "complex_step_slope", "indices",
+           "score_mod_curvature",
            "params_vjp", "score_mod_forward"]
 
 #: The complex step's imaginary increment (relative to max(1, |score|)).
@@ -69,13 +70,19 @@ class ScoreMod:
         ``params_vjp(g, score, b, h, q_idx, kv_idx, *params) -> tuple``:
         :math:`\\sum g\\, \\partial f / \\partial \\theta` for each captured
         tensor, in its shape. None: the complex step, one entry at a time.
+    grad2 : callable, optional
+        ``grad2(score, b, h, q_idx, kv_idx, *params)``: the second
+        derivative in ``score``, for second order
+        (:func:`sdpa_ref.sdpa_backward_jvp`). None: the complex step on
+        ``grad``, checked against central differences (second order then
+        needs ``grad``).
     name : str, optional
         For messages.
     """
 
     def __init__(self, fn: Callable, grad: Optional[Callable] = None, params=(), params_vjp: Optional[Callable] = None,
-                 name: Optional[str] = None):
-        for arg, f in (("fn", fn), ("grad", grad), ("params_vjp", params_vjp)):
+                 name: Optional[str] = None, grad2: Optional[Callable] = None):
+        for arg, f in (("fn", fn), ("grad", grad), ("params_vjp", params_vjp), ("grad2", grad2)):
             if f is not None and not callable(f):
                 raise TypeError(f"`{arg}` should be a callable, but got {V.describe(f)}")
         if fn is None:
@@ -89,7 +96,7 @@ class ScoreMod:
                 raise ValueError(f"`params[{i}]` should be finite, but got non-finite entries")
             a.flags.writeable = False
             own.append(a)
-        self.fn, self.grad, self.params, self.params_vjp = fn, grad, tuple(own), params_vjp
+        self.fn, self.grad, self.params, self.params_vjp, self.grad2 = fn, grad, tuple(own), params_vjp, grad2
         self.name = name or getattr(fn, "__name__", "score_mod")
 
     def __repr__(self):
@@ -160,6 +167,19 @@ def score_mod_forward(mod, t, idx, slope=False):
     if mod.grad is not None:
         return out, _call(mod, _readonly(t), idx, ps, f"grad of {mod.name}", mod.grad).astype(t.dtype)
     return out, complex_step_slope(mod, t, idx).astype(t.dtype)
+
+
+def score_mod_curvature(mod, t, idx):
+    """``d^2 fn / d score^2`` on the block ``t`` (float64): the user's ``grad2``, or the complex step on ``grad``
+    checked against its central differences; a ``ValueError`` when the function has neither (second order needs
+    one of them)."""
+    ps = tuple(p.astype(t.dtype, copy=False) for p in mod.params)
+    if mod.grad2 is not None:
+        return _call(mod, _readonly(t), idx, ps, f"grad2 of {mod.name}", mod.grad2).astype(np.float64)
+    if mod.grad is None:
+        raise ValueError(f"`score_mod` {mod.name} should have its derivative for second order: give "
+                         "ScoreMod(fn, grad=...) (its second derivative is then the complex step on grad) or grad2=")
+    return complex_step_slope(ScoreMod(mod.grad, params=mod.params, name=f"grad of {mod.name}"), t, idx)
 
 
 def complex_step_slope(mod, t, idx):

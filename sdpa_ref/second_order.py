@@ -20,6 +20,7 @@ from .engines import second
 from ._threads import single_threaded_blas
 from .api import sdpa_forward
 from .derivatives import cotangents, input_tangents, sdpa_backward, user_grads
+from .score_mod import as_score_mod
 
 __all__ = ["sdpa_backward_jvp", "sdpa_hvp"]
 
@@ -62,8 +63,9 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
     **options
         The keyword arguments of :func:`sdpa_forward` that say what is
         computed (masks, bias, softcap, ALiBi, sinks, dropout, ``qv``, the
-        policy, a mask function or block mask, ...). Not ``precision``,
-        ``num_splits``, ``split_bounds``, ``save_probs`` or ``score_mod``.
+        policy, a mask function or block mask, a score function with its
+        ``grad`` or ``grad2`` and no captured tensor, ...). Not
+        ``precision``, ``num_splits``, ``split_bounds`` or ``save_probs``.
 
     Returns
     -------
@@ -109,9 +111,10 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
     V.check_choice(method, "method", METHODS)
     if method == "plain" and block_size is not None:
         raise ValueError(f"`block_size` should be None with method='plain', but got {block_size!r}")
-    if options.get("score_mod") is not None:
-        raise ValueError("`score_mod` should not be given to second order: its second derivative is not part of a "
-                         "ScoreMod (score and mask functions have first-order derivatives only)")
+    mod = as_score_mod(options.get("score_mod"))
+    if mod is not None and mod.params:
+        raise ValueError("`score_mod` should capture no tensor for second order (the tangent of their gradient is "
+                         f"not computed), but captures {len(mod.params)}")
     _, res = sdpa_forward(*primals, method=method, layout=layout, save_probs=True,
                           **dict(options, **({} if block_size is None else {"block_size": block_size})))
     prob = res.problem

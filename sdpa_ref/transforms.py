@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .broadcast import unbroadcast
 from .masks import block_of, diagonal_offset
-from .score_mod import indices, params_vjp, score_mod_forward
+from .score_mod import indices, params_vjp, score_mod_curvature, score_mod_forward
 
 __all__ = [
     "additive_forward",
@@ -54,6 +55,7 @@ __all__ = [
     "transform_scores",
     "transform_scores_in",
     "transform_scores_jvp",
+    "transform_scores_slope_jvp",
     "transform_scores_vjp",
     "transform_scores_vjp_jvp",
     "unbroadcast",
@@ -382,32 +384,26 @@ def transform_scores_jvp(dTraw, sech2, dB=None):
     return additive_jvp(dT, dB)
 
 
+def transform_scores_slope_jvp(prob, Traw, slope, dTraw, rows=None, cols=None, allowed=None):
+    """The tangent of the chain's slope (:func:`transform_scores`' ``sech2``, ``s(Traw) fn'(u)``, ``u`` softcap's
+    output) along the raw scores' tangent: ``(s' fn'(u) + s^2 fn''(u)) dTraw`` by the product and chain rules
+    (softcap's :func:`softcap_sech2_jvp`, the score function's
+    :func:`~sdpa_ref.score_mod.score_mod_curvature`), 0 outside ``allowed``; None without a slope."""
+    o = prob.options
+    if slope is None or o.score_mod is None:
+        return None if slope is None else softcap_sech2_jvp(Traw, o.softcap, slope, dTraw)
+    idx = indices(prob.full_scores, None, rows, cols)
+    s = None if o.softcap is None else softcap_sech2(Traw, o.softcap)
+    u = Traw if s is None else softcap_forward(Traw, o.softcap)[0]
+    fp = score_mod_forward(o.score_mod, u, idx, slope=True)[1]
+    fpp = score_mod_curvature(o.score_mod, u, idx).astype(Traw.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = fpp * dTraw if s is None else softcap_sech2_jvp(Traw, o.softcap, s, dTraw) * fp + s * s * fpp * dTraw
+    return d if allowed is None else np.where(allowed, d, d.dtype.type(0))
+
+
 def transform_scores_vjp_jvp(dT, ddT, sech2, dsech2):
     """The tangent of :func:`transform_scores_vjp`: ``ddT`` (the tangent of ``dT``) through softcap, plus ``dT``
     times the tangent of softcap's slope (``dsech2``, :func:`softcap_sech2_jvp`). The other terms are linear in
     the scores, so their second derivative is 0."""
     return ddT if sech2 is None else softcap_vjp(sech2, ddT) + dT * dsech2
-
-
-def unbroadcast(g, shape, arith=None):
-    """Sum ``g`` down to ``shape``, undoing NumPy broadcasting (autograd's ``unbroadcast``).
-
-    ``arith``: an arithmetic of :mod:`sdpa_ref.exact.arith` (its values, dd pairs included); then each
-    summed axis is its own fixed-order tree (``arith.sum``), one axis at a time, leading ones first, so
-    the bits do not depend on NumPy's reduction order.
-    """
-    shape = tuple(shape)
-    if arith is not None:
-        while arith.value(g).ndim > len(shape):
-            g = arith.sum(g, axis=0)
-        for ax, n in enumerate(shape):
-            if n == 1 and arith.value(g).shape[ax] != 1:
-                g = arith.sum(g, axis=ax, keepdims=True)
-        return arith.reshape(g, shape)
-    extra = g.ndim - len(shape)
-    if extra > 0:
-        g = g.sum(axis=tuple(range(extra)))
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
-    if axes:
-        g = g.sum(axis=axes, keepdims=True)
-    return g.reshape(shape)

@@ -204,7 +204,7 @@ def test_bad_functions_are_clear_errors():
         sdpa_forward(q, k, v, score_mod=lambda s, b, h, i, j: s[..., :2], **kw)
     with pytest.raises(ValueError, match="precision='reproducible'"):
         sdpa_forward(q, k, v, score_mod=softcap_fn, precision="reproducible", **kw)
-    with pytest.raises(ValueError, match="second order"):
+    with pytest.raises(ValueError, match="should have its derivative for second order"):
         sdpa_hvp((q, k, v), (q, None, None), np.ones((B, HQ, L, EV)), score_mod=softcap_fn, **kw)
     with pytest.raises(ValueError, match="should be finite"):
         ScoreMod(relpos_fn, params=(np.array([np.nan]),))

@@ -351,3 +351,55 @@ def test_a_tiny_softcap_gives_finite_second_order(method):
     with np.errstate(all="raise"):
         h = sdpa_hvp((q, k, v), t, g, softcap=1e-310, method=method)
     assert all(np.isfinite(x).all() for x in h if x is not None)
+
+
+def _gated(s, b, h, i, j):
+    return s * np.tanh(s) + 0.5 * s
+
+
+def _gated_grad(s, b, h, i, j):
+    return np.tanh(s) + s / np.cosh(s) ** 2 + 0.5
+
+
+def _gated_grad2(s, b, h, i, j):
+    return 2 / np.cosh(s) ** 2 * (1 - s * np.tanh(s))
+
+
+@pytest.mark.parametrize("method", ["plain", "tiled"])
+@pytest.mark.parametrize("given", ["grad", "grad2"])
+def test_double_backward_through_a_score_function(method, given):
+    from sdpa_ref import ScoreMod
+
+    mod = ScoreMod(_gated, grad=_gated_grad, grad2=_gated_grad2 if given == "grad2" else None)
+    kw = _kw(np.random.default_rng(21), score_mod=mod, softcap=2.5, is_causal=True,
+             bias=np.random.default_rng(22).standard_normal((4, 3, 5)))
+    d = Differentiable(kw, with_lse=True)
+    d.kw.update(method=method, **({"block_size": 2} if method == "tiled" else {}))
+    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=1e-5)
+
+
+def test_softcap_as_a_score_function_has_the_built_ins_second_order():
+    from sdpa_ref import ScoreMod
+
+    rng = np.random.default_rng(23)
+    kw = _kw(rng)
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    g, t = rng.standard_normal((2, 4, 3, 2)), tuple(rng.standard_normal(x.shape) for x in (q, k, v))
+    cap = 1.3
+    mod = ScoreMod(lambda s, *r: cap * np.tanh(s / cap), grad=lambda s, *r: 1 / np.cosh(s / cap) ** 2)
+    a = sdpa_hvp((q, k, v), t, g, softcap=cap, **kw)
+    b = sdpa_hvp((q, k, v), t, g, score_mod=mod, **kw)
+    for x, y in zip(a, b):
+        if x is not None:
+            np.testing.assert_allclose(y, x, rtol=1e-13, atol=1e-14)
+
+
+def test_second_order_refuses_captured_tensors_and_needs_a_derivative():
+    from sdpa_ref import ScoreMod
+
+    q = np.ones((2, 3))
+    with pytest.raises(ValueError, match="should capture no tensor for second order"):
+        sdpa_hvp((q, q, q), (q, None, None), q, score_mod=ScoreMod(lambda s, b, h, i, j, w: s * w[0],
+                                                                   params=(np.ones(1),)))
+    with pytest.raises(ValueError, match="should have its derivative for second order"):
+        sdpa_hvp((q, q, q), (q, None, None), q, score_mod=_gated)

@@ -79,13 +79,15 @@ def test_hvp_matches_torch_sdpa_math_double_backward(causal, mask, scale, hkv):
         _close(getattr(got, name), w, name)
 
 
-def _plain_torch(q, k, v, sinks, *, cap, keep, p, hkv):
-    """O and the LSE, as the textbook writes them."""
+def _plain_torch(q, k, v, sinks, *, cap, keep, p, hkv, gated=False):
+    """O and the LSE, as the textbook writes them (``gated``: the score function ``t tanh(t) + t / 2``)."""
     g = HQ // hkv
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     t = q @ k.transpose(-1, -2) / np.sqrt(E)
     if cap is not None:
         t = cap * torch.tanh(t / cap)
+    if gated:
+        t = t * torch.tanh(t) + 0.5 * t
     if sinks is not None:
         t = torch.cat([t, sinks[None, :, None, None].expand(t.shape[:-1] + (1,))], dim=-1)
     lse = torch.logsumexp(t, dim=-1)
@@ -122,5 +124,29 @@ def test_hvp_matches_torch_double_backward_beyond_sdpa(cap, sinks, dropout, with
     for method in ("plain", "tiled"):
         got = sdpa_hvp((q, k, v), tuple(dirs[:3]) + ((None, dirs[3]) if sinks else ()), g,
                        grad_lse=gl if with_lse else None, method=method, **opts)
+        for name, w in zip(("query", "key", "value", "sinks"), want):
+            _close(getattr(got, name), w, f"{name} ({method})")
+
+
+@pytest.mark.parametrize("cap, sinks", list(itertools.product((None, 1.5), (False, True))))
+def test_hvp_through_a_score_function_matches_torch(cap, sinks):
+    from sdpa_ref import ScoreMod
+
+    rng = np.random.default_rng(abs(hash((cap, sinks, "gated"))) % 2**32)
+    q, k, v = rng.standard_normal((B, HQ, L, E)), rng.standard_normal((B, 2, S, E)), rng.standard_normal((B, 2, S, EV))
+    s = rng.uniform(-1, 2, HQ) if sinks else None
+    g = rng.standard_normal((B, HQ, L, EV))
+    primals = [q, k, v] + ([s] if sinks else [])
+    dirs = [rng.standard_normal(x.shape) for x in primals]
+
+    def loss(q_, k_, v_, *sk):
+        out, _ = _plain_torch(q_, k_, v_, sk[0] if sk else None, cap=cap, keep=None, p=0.0, hkv=2, gated=True)
+        return (out * torch.tensor(g)).sum()
+
+    want = _torch_hvp(loss, primals, dirs)
+    mod = ScoreMod(lambda t, *r: t * np.tanh(t) + 0.5 * t, grad=lambda t, *r: np.tanh(t) + t / np.cosh(t) ** 2 + 0.5)
+    for method in ("plain", "tiled"):
+        got = sdpa_hvp((q, k, v), tuple(dirs[:3]) + ((None, dirs[3]) if sinks else ()), g, softcap=cap, sinks=s,
+                       score_mod=mod, enable_gqa=True, method=method)
         for name, w in zip(("query", "key", "value", "sinks"), want):
             _close(getattr(got, name), w, f"{name} ({method})")

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..normalize import extra_probs, extras
 from ..policy import constant_rows, counts, excluded, fill_empty_rows
-from ..transforms import dropout_forward, scores_jvp, scores_vjp, softcap_sech2_jvp, transform_scores_jvp, \
+from ..transforms import dropout_forward, scores_jvp, scores_vjp, transform_scores_jvp, transform_scores_slope_jvp, \
     transform_scores_vjp, transform_scores_vjp_jvp, unbroadcast
 from ..masks import block_of
 from .blocks import Blocks, check_block_size, exp_inplace as _exp, ranges as _ranges
@@ -143,8 +143,9 @@ def _rows(prob, bl, fwd, i0, i1, b, dO, dlse, tangents, ddO, ddlse, out, acc, de
                 view = block_of(a, nd, None, (i0, i1), (j0, j1))
                 view += unbroadcast(ddT, view.shape)
         dslope = None
-        if slope is not None:                                       # softcap's slope moves with the raw scores
-            dslope = softcap_sech2_jvp(bl.raw(i0, i1, j0, j1), o.softcap, slope, traw_t)
+        if slope is not None:                                       # the chain's slope moves with the raw scores
+            dslope = transform_scores_slope_jvp(prob, bl.raw(i0, i1, j0, j1), slope, traw_t, (i0, i1), (j0, j1),
+                                                job[2])
         dTraw = transform_scores_vjp(dT, slope)
         ddTraw = transform_scores_vjp_jvp(dT, ddT, slope, dslope)
         kJ = prob.k[..., None, j0:j1, :]
