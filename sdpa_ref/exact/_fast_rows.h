@@ -36,6 +36,16 @@ FX_INLINE FX(vd) FX(vmax)(FX(vd) a, FX(vd) b) { return (FX(vd))_mm_max_pd((__m12
 #else
 FX_INLINE FX(vd) FX(vmax)(FX(vd) a, FX(vd) b) { return FX(sel)((FX(vi))(a > b), a, b); }
 #endif
+/* a < b ? a : b lane by lane: exactly x86's MINPD */
+#if defined(__x86_64__) && FX_W == 8
+FX_INLINE FX(vd) FX(vmin)(FX(vd) a, FX(vd) b) { return (FX(vd))_mm512_min_pd((__m512d)a, (__m512d)b); }
+#elif defined(__x86_64__) && FX_W == 4
+FX_INLINE FX(vd) FX(vmin)(FX(vd) a, FX(vd) b) { return (FX(vd))_mm256_min_pd((__m256d)a, (__m256d)b); }
+#elif defined(__x86_64__) && FX_W == 2
+FX_INLINE FX(vd) FX(vmin)(FX(vd) a, FX(vd) b) { return (FX(vd))_mm_min_pd((__m128d)a, (__m128d)b); }
+#else
+FX_INLINE FX(vd) FX(vmin)(FX(vd) a, FX(vd) b) { return FX(sel)((FX(vi))(a < b), a, b); }
+#endif
 FX_INLINE FX(vd) FX(load)(const double *p) { FX(vd) v; memcpy(&v, p, sizeof v); return v; }
 FX_INLINE void FX(store)(double *p, FX(vd) v) { memcpy(p, &v, sizeof v); }
 
@@ -50,8 +60,7 @@ FX_INLINE FX(vd) FX(exp)(FX(vd) x)
     const double LN2_HI = 0x1.62e42feep-1, LN2_LO = 0x1.a39ef35793c76p-33, SHIFT = 0x1.8p52;
     FX(vi) nan = x != x;
     FX(vi) inside = x >= FX(splat)(FX_EXP_FLOOR);                      /* false for NaN */
-    FX(vd) h = FX(sel)(inside, x, FX(splat)(FX_EXP_FLOOR));
-    h = FX(sel)(h < FX(splat)(710.0), h, FX(splat)(710.0));
+    FX(vd) h = FX(vmin)(FX(vmax)(x, FX(splat)(FX_EXP_FLOOR)), FX(splat)(710.0));   /* NaN gives the floor */
     FX(vd) ks = h * FX(splat)(0x1.71547652b82fep0) + FX(splat)(SHIFT);  /* x / ln2, rounded to an integer */
     FX(vi) k = (FX(vi))ks - (FX(vi))FX(splat)(SHIFT);
     FX(vd) kd = ks - FX(splat)(SHIFT);
