@@ -36,7 +36,8 @@ FX_INLINE FX(vd) FX(vmax)(FX(vd) a, FX(vd) b) { return (FX(vd))_mm_max_pd((__m12
 #else
 FX_INLINE FX(vd) FX(vmax)(FX(vd) a, FX(vd) b) { return FX(sel)((FX(vi))(a > b), a, b); }
 #endif
-/* a < b ? a : b lane by lane: exactly x86's MINPD */
+/* a < b ? a : b lane by lane: exactly x86's MINPD (and MINPS below); with MAXPD, the exp's clamp to
+ * [floor, 710] in two instructions, where a compare and a select each took four */
 #if defined(__x86_64__) && FX_W == 8
 FX_INLINE FX(vd) FX(vmin)(FX(vd) a, FX(vd) b) { return (FX(vd))_mm512_min_pd((__m512d)a, (__m512d)b); }
 #elif defined(__x86_64__) && FX_W == 4
@@ -109,6 +110,13 @@ FX_INLINE FX(vf) FX(vmaxf)(FX(vf) a, FX(vf) b) { return (FX(vf))_mm_max_ps((__m1
 #else
 FX_INLINE FX(vf) FX(vmaxf)(FX(vf) a, FX(vf) b) { return FX(self)((FX(vw))(a > b), a, b); }
 #endif
+#if defined(__x86_64__) && FX_WF == 8
+FX_INLINE FX(vf) FX(vminf)(FX(vf) a, FX(vf) b) { return (FX(vf))_mm256_min_ps((__m256)a, (__m256)b); }
+#elif defined(__x86_64__) && FX_WF == 4
+FX_INLINE FX(vf) FX(vminf)(FX(vf) a, FX(vf) b) { return (FX(vf))_mm_min_ps((__m128)a, (__m128)b); }
+#else
+FX_INLINE FX(vf) FX(vminf)(FX(vf) a, FX(vf) b) { return FX(self)((FX(vw))(a < b), a, b); }
+#endif
 FX_INLINE FX(vf) FX(loadf)(const float *p) { FX(vf) v; memcpy(&v, p, sizeof v); return v; }
 FX_INLINE void FX(storef)(float *p, FX(vf) v) { memcpy(p, &v, sizeof v); }
 
@@ -120,8 +128,7 @@ FX_INLINE FX(vf) FX(expf)(FX(vf) x)
     const float LN2_HI = 0x1.62e4p-1f, LN2_LO = 0x1.7f7d1cp-20f, SHIFT = 0x1.8p23f;
     FX(vw) nan = x != x;
     FX(vw) inside = x >= FX(splatf)(-104.0f);
-    FX(vf) h = FX(self)(inside, x, FX(splatf)(-104.0f));
-    h = FX(self)(h < FX(splatf)(89.0f), h, FX(splatf)(89.0f));
+    FX(vf) h = FX(vminf)(FX(vmaxf)(x, FX(splatf)(-104.0f)), FX(splatf)(89.0f));   /* NaN gives the floor */
     FX(vf) ks = h * FX(splatf)(0x1.715476p0f) + FX(splatf)(SHIFT);
     FX(vw) k = (FX(vw))ks - (FX(vw))FX(splatf)(SHIFT);
     FX(vf) kd = ks - FX(splatf)(SHIFT);
