@@ -41,10 +41,11 @@ from sdpa_ref.exact import _native  # noqa: E402
 from sdpa_ref.transforms import transposed_product  # noqa: E402
 
 
-def operations(q, k, v, g, scale):
+def operations(q, k, v, g, scale, pool=None):
     """``[(name, kind, fn(h))]``: each operation of the fast forward + backward for head ``h`` (an index of the
-    leading axes), on arrays of its shapes; ``None`` for ``fn(h)`` marks an operation of the calling thread, run
-    once (``fn()``)."""
+    leading axes), on arrays of its shapes; kind ``"serial"`` marks an operation started once by the calling
+    thread (``fn()``): the residuals' copies, and the new ``L x S`` buffer, which the calling thread allocates and
+    ``pool`` (None: the calling thread) touches head by head, as the engine's forward does."""
     swap = lambda a: np.swapaxes(a, -1, -2)  # noqa: E731
     T = (q * scale) @ swap(k)
     P = np.exp(T - T.max(-1, keepdims=True))
@@ -55,7 +56,6 @@ def operations(q, k, v, g, scale):
     n = T.shape[-2]
     rows1 = [np.empty(T.shape[:-1] + (1,), dtype=T.dtype) for _ in range(3)]
     empty = np.empty(T.shape[:-1] + (1,), dtype=bool)
-    fresh = {}
 
     def fused_softmax(h):
         np.copyto(buf[h], T[h])                        # the pass works in place: on a copy of the scores
@@ -78,18 +78,18 @@ def operations(q, k, v, g, scale):
         d -= np.einsum("ij,ij->i", d, P[h])[:, None]
         d *= P[h]
 
-    def new_buffer(h):
-        if h == next(iter(np.ndindex(*T.shape[:-2]))):
-            fresh["T"] = np.empty_like(T)              # one buffer for every head, as the engine's T
-        while "T" not in fresh:
-            time.sleep(0)
-        fresh["T"][h].fill(0.0)
+    heads = list(np.ndindex(*T.shape[:-2]))
+
+    def new_buffer():
+        t = np.empty_like(T)                           # one buffer for every head, as the engine's T
+        touch = lambda h: t[h].fill(0.0)  # noqa: E731
+        list(map(touch, heads) if pool is None else pool.map(touch, heads))
 
     copies = lambda h: np.copyto(buf[h], T[h])  # noqa: E731
     inputs = (q, k, v)
     return [
         ("inputs copied (residuals)", "serial", lambda: [np.array(a) for a in inputs]),
-        ("new L x S buffer, touched", "memory", new_buffer),
+        ("new L x S buffer, touched", "serial", new_buffer),
         ("T = (s q) K^T", "GEMM", lambda h: np.matmul(q[h] * scale, swap(k[h]), out=buf[h])),
         ("copy of T (for the next)", "memory", copies),
         ("softmax rows" + (", compiled" if lib is not None else ", NumPy"), "row pass",
@@ -133,7 +133,7 @@ def main(argv=None):
     scale = dt.type(1 / np.sqrt(args.shape[-1]))
     heads = list(np.ndindex(*args.shape[:2]))
     pool = ThreadPoolExecutor(threads)
-    ops, _ = operations(q, k, v, g, scale)
+    ops, _ = operations(q, k, v, g, scale, pool)
 
     def pooled(fn):
         return lambda: list(pool.map(fn, heads))
