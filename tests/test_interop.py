@@ -54,24 +54,36 @@ def test_torch_cpu_float32_under_the_relative_rule():
     assert all(r.status == "FAIL" and r.ratio <= TORCH_CPU_MAX_RATIO for r in rep.failures), str(rep)
 
 
+@pytest.fixture(scope="module")
+def jax_float32_report():
+    """JAX in float32 under the relative rule (its rows carry the honest float32 ensemble's error per case)."""
+    pytest.importorskip("jax")
+    from sdpa_ref.adapters import jax_dpa
+
+    fwd, bwd, _ = jax_dpa()
+    return check_implementation(fwd, backward=bwd, dtypes=("float32",))
+
+
 # Measured with JAX 0.10.2: it casts the logits to float32 even for float64 input
-# (jax/_src/nn/functions.py), so float64 agrees to ~3e-7, not 1e-12.
-def test_jax_float64_agrees_to_float32_softmax_precision():
-    pytest.importorskip("jax")
+# (jax/_src/nn/functions.py), so in float64 it errs as float32 logits do: about 3e-7 on ordinary cases, up to
+# 1.7e-5 (dk) on the large-logit ones, where a fixed 1e-5 was too tight. The yardstick is float32 precision on
+# the same case: the honest ensemble computing in float32 (the relative rule's baseline). JAX's float64 stayed
+# within 0.26 of that error on every row; past 1 it would be worse than float32 arithmetic.
+def test_jax_float64_agrees_to_float32_softmax_precision(jax_float32_report):
     from sdpa_ref.adapters import jax_dpa
 
     fwd, bwd, _ = jax_dpa()
-    rep = check_implementation(fwd, backward=bwd, dtypes=("float64",), rule=FixedRule(rtol=1e-5, atol=1e-5))
-    assert rep.ok, str(rep)
-    worst = max(r.error for r in rep.rows if r.status == "pass")
-    assert 1e-9 < worst < 1e-5   # float32 logits; if it drops to 1e-15, JAX stopped casting: update the README
+    rep = check_implementation(fwd, backward=bwd, dtypes=("float64",), rule=FixedRule(rtol=1e-12, atol=1e-12))
+    honest32 = {(r.case, r.quantity): r.honest_error for r in jax_float32_report.rows if r.honest_error}
+    judged = [(r.error / honest32[r.case, r.quantity], r) for r in rep.rows
+              if r.status in ("pass", "FAIL") and (r.case, r.quantity) in honest32]
+    assert len(judged) > 100 and not [r for r in rep.rows if r.status == "error"], str(rep)
+    ratio, row = max(judged, key=lambda x: x[0])
+    assert ratio <= 1.0, f"{row.case} {row.quantity}: float64 error {row.error:.3e} is {ratio:.2f}x float32's"
+    assert max(r.error for _, r in judged) > 1e-9   # float32 logits; if it drops to 1e-15, JAX stopped casting
 
 
-def test_jax_float32_under_the_relative_rule():
-    pytest.importorskip("jax")
-    from sdpa_ref.adapters import jax_dpa
-
-    fwd, bwd, _ = jax_dpa()
-    rep = check_implementation(fwd, backward=bwd, dtypes=("float32",))
+def test_jax_float32_under_the_relative_rule(jax_float32_report):
+    rep = jax_float32_report
     assert _fail_set(rep) <= {("large-logits-L16-S16", "out")}, str(rep)
     assert rep.counts["pass"] > 50
