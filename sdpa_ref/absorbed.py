@@ -48,13 +48,23 @@ class Absorbed:
                                 axis=-1)
         self.v = v
 
-    def split(self, dq2, dk2, dv):
-        """``(dq, dqv, dk, dv)`` in the inputs' shapes (in the compute dtype: the caller casts) from the joined
-        problem's ``dq2``, ``dk2`` and the values' own ``dv``."""
-        E = self.E
-        dq, dqv = unbroadcast(dq2[..., :E], self.shapes["query"]), unbroadcast(dq2[..., E:], self.shapes["qv"])
-        dk = unbroadcast(dk2[..., :E], self.shapes["key"])
-        return dq, dqv, dk, dv + unbroadcast(dk2[..., E:], self.shapes["value"])       # v read twice
+    def split(self, dq2, dk2, dv, arith=None):
+        """``(dq, dqv, dk, dv)`` in the inputs' shapes from the joined problem's ``dq2``, ``dk2`` and the values'
+        own ``dv``: the one definition of the split, in NumPy (``arith`` None: the compute dtype, the caller
+        casts) or over an arithmetic of :mod:`sdpa_ref.exact.arith` whose values these are (double-double for
+        ``precision="reproducible"``: a broadcast key's or value's sum and ``dV``'s two uses are then exact to
+        about 100 bits, and the caller rounds each result once)."""
+        E, X = self.E, arith
+
+        def cols(x, s):                                   # the query's (or key's) own columns, or qv's (v's)
+            return x[..., s] if X is None else X.at(x, (Ellipsis, s))
+
+        head, tail = slice(None, E), slice(E, None)
+        dq = unbroadcast(cols(dq2, head), self.shapes["query"], X)
+        dqv = unbroadcast(cols(dq2, tail), self.shapes["qv"], X)
+        dk = unbroadcast(cols(dk2, head), self.shapes["key"], X)
+        dv, dv_keys = unbroadcast(dv, self.shapes["value"], X), unbroadcast(cols(dk2, tail), self.shapes["value"], X)
+        return dq, dqv, dk, (dv + dv_keys if X is None else X.add(dv, dv_keys))        # v read twice
 
     def tangents(self, dq, dk, dv, dqv):
         """The joined problem's tangents ``(dq2, dk2, dv)`` from those of ``query``, ``key``, ``value``, ``qv``

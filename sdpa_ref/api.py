@@ -71,9 +71,14 @@ class Engine(NamedTuple):
         kw = dict(self._kw(), **({"split_bounds": self.split_bounds} if self.name == "split" else {}))
         return ENGINES[self.name].forward(prob, save_probs=save_probs, **kw)
 
-    def backward(self, prob, fwd, dO, dlse=None):
-        """The engine's :class:`~sdpa_ref.engines.contract.Grads`."""
-        return ENGINES[self.name].backward(prob, fwd, dO, dlse, **self._kw())
+    def backward(self, prob, fwd, dO, dlse=None, *, absorbed=None):
+        """The engine's :class:`~sdpa_ref.engines.contract.Grads`. ``absorbed``: MLA's ``qv`` joined
+        (:class:`~sdpa_ref.absorbed.Absorbed`), or None; the reproducible engine splits the gradients itself, in
+        its arithmetic (``dV``'s two uses summed before its one rounding), the others leave the split to the API."""
+        kw = self._kw()
+        if self.name == "reproducible" and absorbed is not None:
+            kw["absorbed"] = absorbed
+        return ENGINES[self.name].backward(prob, fwd, dO, dlse, **kw)
 
     def jvp(self, prob, fwd, dq=None, dk=None, dv=None, dbias=None, *, dv_full=None, dextra=None):
         """The output tangent ``(*batch, Hq, L, Ev)``."""

@@ -123,7 +123,7 @@ def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
     dO, do_bad, dlse, dl_bad = cotangents(residuals, grad_out, grad_lse)
     engine = Engine(name, (residuals.block_size or blocks.lse_blocks(prob.L, prob.S)) if name == "tiled" else None)
     with single_threaded_blas():
-        gr = engine.backward(prob, residuals.forward, dO, dlse)
+        gr = engine.backward(prob, residuals.forward, dO, dlse, absorbed=residuals.absorbed)
         bad = poison.backward_taint(prob, residuals.taint, dO, do_bad, dlse, dl_bad)   # what reads poison: NaN
     return user_grads(residuals, gr, bad)
 
@@ -173,6 +173,9 @@ def user_grads(residuals, gr, bad):
                                     ("bias", gr.dbias), ("sinks", gr.dextra))}
     if residuals.absorbed is not None:                   # MLA's qv: the joined gradients split, dV both uses
         g["query"], g["qv"], g["key"], g["value"] = residuals.absorbed.split(g["query"], g["key"], g["value"])
+        if gr.absorbed is not None:                      # the engine's own split, rounded once (reproducible):
+            g.update({n: np.where(np.isnan(g[n]), g[n], x)   # its values, NaN where the split above reads poison
+                      for n, x in zip(("query", "qv", "key", "value"), gr.absorbed)})
         dtypes.update(residuals.absorbed.dtypes)
     if lay is not None:                                  # the gather's VJP: back into the layout
         g.update({n: lay.scatter_input(g[n], n) for n in ("query", "key", "value", "qv") if g.get(n) is not None})
@@ -264,7 +267,8 @@ def input_tangents(res, tangents, name="tangents"):
     ts = list(tangents) + [None] * (6 - len(tangents))
     if ts[5] is not None and ab is None:
         raise ValueError(f"`{name}` should have no qv tangent when no `qv` is given, but got one")
-    user = dict(prob.shapes, **({} if ab is None else ab.shapes), **({} if lay is None else lay.shapes))
+    # the user's shapes: the layout's over the dense ones of qv's join, over the joined problem's (one name each)
+    user = {**prob.shapes, **({} if ab is None else ab.shapes), **({} if lay is None else lay.shapes)}
     if ts[3] is not None and prob.bias is None:
         raise ValueError(f"`{name}` should have no bias tangent when no `bias` is given, but got one")
     if ts[4] is not None and prob.sink is None:

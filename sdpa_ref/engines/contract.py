@@ -56,3 +56,6 @@ class Grads(NamedTuple):
     #                                      rows (sdpa_ref.normalize); None without them
     dmod: Optional[tuple] = None       # the score function's captured tensors' gradients (sdpa_ref.score_mod),
     #                                    each in its tensor's shape; None without them
+    absorbed: Optional[tuple] = None   # with MLA's qv, (dq, dqv, dk, dv) in the inputs' shapes, split by the engine
+    #                                    in its own arithmetic (sdpa_ref.absorbed.Absorbed.split) and rounded once:
+    #                                    the reproducible one's; None: the API splits dq, dk, dv above

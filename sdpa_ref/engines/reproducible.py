@@ -132,16 +132,19 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
 
 
 @_quiet
-def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None) -> Grads:
+def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None, absorbed=None) -> Grads:
     """The core's backward; every gradient rounded once. ``dlse`` ``(*batch, Hq, L, 1)`` float64 or None;
-    ``arith`` as in :func:`forward`."""
+    ``arith`` as in :func:`forward`. ``absorbed``: MLA's ``qv`` joined into ``prob``
+    (:class:`sdpa_ref.absorbed.Absorbed`); the gradients are then also split in the arithmetic, ``dV``'s two
+    uses (and a broadcast key's or value's batch) summed before the one rounding (``Grads.absorbed``)."""
     X = arith or for_problem(prob)
+    whole = absorbed is None                                          # else dk and dv are summed further
     o, full, nd = prob.options, prob.full_scores, len(prob.full_scores)
     P, Pd, sd = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["sech2"]
     padded = prob.padded_rows()
     dOg = _grouped(dO, prob)                                          # (..., Hkv, G, L, Ev)
     dv = X.matmul(_t(_fold(_grouped(Pd, prob))), _fold(dOg),          # P_drop^T dO, the group folded in
-                  final=_no_sum(prob.batch + prob.v.shape[-3:], prob.shapes["value"]))
+                  final=whole and _no_sum(prob.batch + prob.v.shape[-3:], prob.shapes["value"]))
     dP = _full(X.matmul(dOg, _t(_kv(prob.v))), prob)                 # dO V^T
     keep_dT = prob.mask_float is not None or prob.bias is not None
     dT = X.empty(full) if keep_dT else None
@@ -175,8 +178,8 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None) -> Grads:
     dTg = _grouped(dTraw, prob)
     dq = _full(X.matmul(dTg, _kv(prob.k), final=_no_sum(full[:-1] + (prob.q.shape[-1],), prob.shapes["query"]),
                         scale=prob.scale), prob)
-    dk = X.matmul(_t(_fold(dTg)), _fold_q(prob), final=_no_sum(prob.batch + prob.k.shape[-3:], prob.shapes["key"]),
-                  scale=prob.scale)
+    dk = X.matmul(_t(_fold(dTg)), _fold_q(prob),
+                  final=whole and _no_sum(prob.batch + prob.k.shape[-3:], prob.shapes["key"]), scale=prob.scale)
     heads = None if nan_rows is None else np.any(_grouped(nan_rows, prob), axis=(-3, -2))[..., None]
     for x, ok, what in ((dq, nan_rows, "dq"), (dk, heads, "dk"), (dv, heads, "dv")):
         _no_silent_nan(X, x, ok, what)
@@ -187,9 +190,10 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None) -> Grads:
                                                                                extra_shape(prob)),
                        f"{EXTRA_NAME} gradient")
         dextra = _round(X, dextra)
-    return Grads(dq=_round(X, unbroadcast(dq, prob.shapes["query"], X)),
-                 dk=_round(X, unbroadcast(dk, prob.shapes["key"], X)),
-                 dv=_round(X, unbroadcast(dv, prob.shapes["value"], X)), dmask=dmask, dbias=dbias, dextra=dextra)
+    dq, dk, dv = (unbroadcast(x, prob.shapes[n], X) for x, n in ((dq, "query"), (dk, "key"), (dv, "value")))
+    split = None if whole else tuple(_round(X, x) for x in absorbed.split(dq, dk, dv, arith=X))
+    return Grads(dq=_round(X, dq), dk=_round(X, dk), dv=_round(X, dv), dmask=dmask, dbias=dbias, dextra=dextra,
+                 absorbed=split)
 
 
 @_quiet
