@@ -1,0 +1,276 @@
+"""Every combination an entry point documents works, and agrees with the same problem written by hand.
+
+The entry points (the forward, :func:`sdpa_backward`, :func:`sdpa_jvp`, :func:`sdpa_backward_jvp`,
+:func:`sdpa_hvp`) over the product of the layouts (dense, packed ``thd``, a paged KV cache whose unused slot
+holds NaN) and the optional inputs (MLA's ``qv``, sinks, ``grad_lse``, a score function, the precision).
+Each result is checked against an independent spelling of the same problem, not only for running:
+
+* a layout against each sequence as its own dense problem, cut out of the storage and its gradients put
+  back (summed where storage is shared) by hand here, not by :mod:`sdpa_ref.layouts`;
+* ``qv`` against ``[q | qv]`` attending to ``[k | v]`` with values ``v`` and scale ``1 / sqrt(E + Ev)``,
+  its gradients split by hand (``dV = dV' + dK'_{E:}``, both uses of ``V``);
+* sinks against the same sinks per sequence, their gradient summed over the sequences.
+
+What is refused by design is asserted as its clear error: ``precision="reproducible"`` with a score function
+(no double-double form), second order with ``precision=`` or a score function that captures a tensor.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import sdpa_ref
+from sdpa_ref import ScoreMod, sdpa_backward, sdpa_backward_jvp, sdpa_forward, sdpa_hvp, sdpa_jvp
+from sdpa_ref.layouts import KVCache, Packed
+
+from helpers import assert_close_normwise
+
+#: Normwise agreement of two float64 spellings of one problem (a few roundings of O(1) values apart).
+RTOL = 1e-12
+Hq, Hkv, E, Ev = 2, 1, 3, 2
+
+#: A curved score function that reads the head and the indices (not the batch: a sequence alone is batch 0),
+#: with its first and second derivatives.
+SCORE = ScoreMod(lambda s, b, h, i, j: 2 * np.tanh(s / 2) + 0.25 * h * (j - i),
+                 grad=lambda s, b, h, i, j: 1 - np.tanh(s / 2) ** 2,
+                 grad2=lambda s, b, h, i, j: -np.tanh(s / 2) * (1 - np.tanh(s / 2) ** 2), name="tanh and a slope")
+
+
+class _Layout:
+    """A layout's storage and, by hand, each sequence's rows in it: ``q_rows[b]``, ``k_rows[b]`` index the
+    storage with its leading axes flattened (queries, outputs: ``(n, H, F)``; keys and values likewise)."""
+
+    def __init__(self, name, rng):
+        self.name = name
+        if name == "dense":
+            self.kw, self.q_lead, self.k_lead = {}, None, None
+            self.q_shape, self.k_shape = (2, Hq, 3), (2, Hkv, 4)
+        elif name == "packed":
+            self.kw = {"layout": Packed(cu_seqlens_q=np.array([0, 2, 5]), cu_seqlens_k=np.array([0, 3, 7]))}
+            self.q_rows, self.k_rows = [np.arange(0, 2), np.arange(2, 5)], [np.arange(0, 3), np.arange(3, 7)]
+            self.q_shape, self.k_shape = (5, Hq), (7, Hkv)
+        else:                                            # pages of 2 slots; page 0's second slot unused
+            self.kw = {"layout": KVCache(cache_seqlens=np.array([3, 4]), block_table=np.array([[2, 0], [1, 3]]))}
+            self.q_rows, self.k_rows = [np.arange(0, 2), np.arange(2, 4)], [np.array([4, 5, 0]),
+                                                                            np.array([2, 3, 6, 7])]
+            self.q_shape, self.k_shape = (2, 2, Hq), (4, 2, Hkv)
+        self.unused = None if name != "paged" else 1     # a flat key slot no sequence uses: NaN, never read
+
+    def arrays(self, rng):
+        q, qv = rng.standard_normal(self.q_shape + (E,)), rng.standard_normal(self.q_shape + (Ev,))
+        k, v = rng.standard_normal(self.k_shape + (E,)), rng.standard_normal(self.k_shape + (Ev,))
+        if self.unused is not None:
+            for x in (k, v):
+                x.reshape((-1,) + x.shape[-2:])[self.unused] = np.nan
+        return q, k, v, qv
+
+    def seqs(self, x, kind):
+        """The dense ``(1, H, n_b, F)`` arrays of each sequence of a query-like (``"q"``) or key-like (``"k"``)
+        storage array; the dense layout is one problem of its own."""
+        if self.name == "dense":
+            return [x]
+        flat = x.reshape((-1,) + x.shape[-2:])
+        return [np.swapaxes(flat[r], 0, 1)[None] for r in (self.q_rows if kind == "q" else self.k_rows)]
+
+    def put(self, parts, kind, shape):
+        """The inverse of :meth:`seqs` for gradients: each sequence's back in the storage, summed where shared,
+        0 where no sequence reads."""
+        if self.name == "dense":
+            return parts[0]
+        out = np.zeros((int(np.prod(shape[:-2])),) + shape[-2:])
+        for r, p in zip(self.q_rows if kind == "q" else self.k_rows, parts):
+            np.add.at(out, r, np.swapaxes(p[0], 0, 1))
+        return out.reshape(shape)
+
+    def lse_seqs(self, x):
+        """A per-row quantity in the layout's LSE layout, per sequence ``(1, Hq, n_b)``."""
+        if self.name == "dense":
+            return [x]
+        if self.name == "packed":                        # (Hq, total_q)
+            return [x[:, r][None] for r in self.q_rows]
+        return [x[b][None] for b in range(len(self.q_rows))]     # (B, Hq, Lq)
+
+    def lse_shape(self):
+        return {"dense": (2, Hq, 3), "packed": (Hq, 5), "paged": (2, Hq, 2)}[self.name]
+
+    def put_lse(self, parts):
+        if self.name == "dense":
+            return parts[0]
+        if self.name == "packed":
+            out = np.full((Hq, 5), -np.inf)
+            for r, p in zip(self.q_rows, parts):
+                out[:, r] = p[0]
+            return out
+        return np.concatenate(parts)
+
+
+def _case(layout, qv, sinks, score, seed=0):
+    """The arrays, the options and the tangents and cotangents of one combination."""
+    rng = np.random.default_rng(seed)
+    lay = _Layout(layout, rng)
+    q, k, v, qv_ = lay.arrays(rng)
+    opts = dict(enable_gqa=True, is_causal=True, causal_alignment="bottom_right", **lay.kw)
+    if sinks:
+        opts["sinks"] = rng.standard_normal(Hq)
+    if score:
+        opts["score_mod"] = SCORE
+    t = [np.where(np.isnan(x), 0.0, rng.standard_normal(x.shape)) for x in (q, k, v, qv_)]
+    g = rng.standard_normal(lay.q_shape + (Ev,))
+    return dict(lay=lay, q=q, k=k, v=v, qv=qv_ if qv else None, opts=opts, t=t, dsinks=rng.standard_normal(Hq),
+                g=g, gt=rng.standard_normal(g.shape), gl=rng.standard_normal(lay.lse_shape()),
+                glt=rng.standard_normal(lay.lse_shape()))
+
+
+def _joined(c, b):
+    """Sequence ``b`` as a dense problem with qv joined by hand: ``(q2, k2, v, tangents, dense options)``."""
+    lay = c["lay"]
+    q, k, v = (lay.seqs(x, kind)[b] for x, kind in ((c["q"], "q"), (c["k"], "k"), (c["v"], "k")))
+    tq, tk, tv, tqv = (lay.seqs(x, kind)[b] for x, kind in zip(c["t"], "qkkq"))
+    opts = {n: x for n, x in c["opts"].items() if n != "layout"}
+    if c["qv"] is not None:
+        qv = lay.seqs(c["qv"], "q")[b]
+        q, tq = np.concatenate([q, qv], -1), np.concatenate([tq, tqv], -1)
+        k, tk = np.concatenate([k, v], -1), np.concatenate([tk, tv], -1)
+        opts["scale"] = 1 / np.sqrt(E + Ev)
+    return q, k, v, (tq, tk, tv, None, c["dsinks"] if "sinks" in opts else None), opts
+
+
+def _n(c):
+    return 1 if c["lay"].name == "dense" else 2
+
+
+def _grads_by_hand(c, per_seq):
+    """Per-sequence joined gradients (or their tangents) split and put back: a dict by field."""
+    lay, out = c["lay"], {}
+    dq = [g.query for g in per_seq]
+    dk = [g.key for g in per_seq]
+    dv = [g.value for g in per_seq]
+    if c["qv"] is not None:
+        out["qv"] = lay.put([x[..., E:] for x in dq], "q", c["qv"].shape)
+        dv = [a + b[..., E:] for a, b in zip(dv, dk)]             # V read twice
+        dq, dk = [x[..., :E] for x in dq], [x[..., :E] for x in dk]
+    out["query"] = lay.put(dq, "q", c["q"].shape)
+    out["key"] = lay.put(dk, "k", c["k"].shape)
+    out["value"] = lay.put(dv, "k", c["v"].shape)
+    if "sinks" in c["opts"]:
+        out["sinks"] = sum(g.sinks for g in per_seq)
+    return out
+
+
+def _check_grads(got, want):
+    assert (getattr(got, "qv", None) is None) == ("qv" not in want)
+    assert (got.sinks is None) == ("sinks" not in want)
+    for name, w in want.items():
+        assert_close_normwise(w, getattr(got, name), RTOL)
+
+
+def _refused(c, precision):
+    return precision == "reproducible" and "score_mod" in c["opts"]
+
+
+def _seq_cotangents(c, b, with_lse):
+    lay = c["lay"]
+    g = lay.seqs(c["g"], "q")[b]
+    gl = lay.lse_seqs(c["gl"])[b] if with_lse else None
+    return g, gl
+
+
+LAYOUTS = ("dense", "packed", "paged")
+FIRST = list(itertools.product(LAYOUTS, (False, True), (False, True), (False, True), ("fast", "reproducible")))
+
+
+@pytest.mark.parametrize("layout, qv, sinks, score, precision", FIRST)
+def test_forward(layout, qv, sinks, score, precision):
+    c = _case(layout, qv, sinks, score)
+    call = lambda: sdpa_ref.scaled_dot_product_attention(c["q"], c["k"], c["v"], qv=c["qv"], return_lse=True,  # noqa
+                                                         precision=precision, **c["opts"])
+    if _refused(c, precision):
+        with pytest.raises(ValueError, match="`score_mod` should not be given with precision='reproducible'"):
+            call()
+        return
+    out, lse = call()
+    parts = [sdpa_ref.scaled_dot_product_attention(*_joined(c, b)[:3], return_lse=True, precision=precision,
+                                                   **_joined(c, b)[4]) for b in range(_n(c))]
+    assert_close_normwise(c["lay"].put([p[0] for p in parts], "q", out.shape), out, RTOL)
+    assert_close_normwise(c["lay"].put_lse([p[1] for p in parts]), lse, RTOL)
+    assert np.all(np.isfinite(out))                              # the unused NaN slot is never read
+
+
+@pytest.mark.parametrize("layout, qv, sinks, score, precision",
+                         FIRST)
+@pytest.mark.parametrize("grad_lse", (False, True))
+def test_backward(layout, qv, sinks, score, precision, grad_lse):
+    c = _case(layout, qv, sinks, score)
+    call = lambda: sdpa_forward(c["q"], c["k"], c["v"], qv=c["qv"], precision=precision, **c["opts"])  # noqa
+    if _refused(c, precision):
+        with pytest.raises(ValueError, match="`score_mod`"):
+            call()
+        return
+    got = sdpa_backward(call()[1], c["g"], grad_lse=c["gl"] if grad_lse else None)
+    per_seq = []
+    for b in range(_n(c)):
+        q, k, v, _, o = _joined(c, b)
+        g, gl = _seq_cotangents(c, b, grad_lse)
+        per_seq.append(sdpa_backward(sdpa_forward(q, k, v, precision=precision, **o)[1], g, grad_lse=gl))
+    _check_grads(got, _grads_by_hand(c, per_seq))
+    for x in (got.key, got.value):
+        assert np.all(np.isfinite(x))
+
+
+def _tangents(c):
+    ts = (c["t"][0], c["t"][1], c["t"][2], None, c["dsinks"] if "sinks" in c["opts"] else None)
+    return ts + ((c["t"][3],) if c["qv"] is not None else ())
+
+
+@pytest.mark.parametrize("layout, qv, sinks, score, precision", FIRST)
+def test_jvp(layout, qv, sinks, score, precision):
+    c = _case(layout, qv, sinks, score)
+    call = lambda: sdpa_jvp((c["q"], c["k"], c["v"]), _tangents(c), qv=c["qv"], precision=precision,  # noqa
+                            **c["opts"])
+    if _refused(c, precision):
+        with pytest.raises(ValueError, match="`score_mod`"):
+            call()
+        return
+    out, tan = call()
+    parts = [sdpa_jvp(_joined(c, b)[:3], _joined(c, b)[3], precision=precision, **_joined(c, b)[4])
+             for b in range(_n(c))]
+    assert_close_normwise(c["lay"].put([p[0] for p in parts], "q", out.shape), out, RTOL)
+    assert_close_normwise(c["lay"].put([p[1] for p in parts], "q", tan.shape), tan, RTOL)
+
+
+SECOND = list(itertools.product(LAYOUTS, (False, True), (False, True), (False, True), (False, True)))
+
+
+@pytest.mark.parametrize("layout, qv, sinks, score, grad_lse", SECOND)
+def test_backward_jvp_and_hvp(layout, qv, sinks, score, grad_lse):
+    c = _case(layout, qv, sinks, score)
+    gl, glt = (c["gl"], c["glt"]) if grad_lse else (None, None)
+    grads, tan = sdpa_backward_jvp((c["q"], c["k"], c["v"]), _tangents(c), c["g"], c["gt"], grad_lse=gl,
+                                   grad_lse_tangent=glt, qv=c["qv"], **c["opts"])
+    hvp = sdpa_hvp((c["q"], c["k"], c["v"]), _tangents(c), c["g"], grad_lse=gl, qv=c["qv"], **c["opts"])
+    per = {"grads": [], "tan": [], "hvp": []}
+    for b in range(_n(c)):
+        q, k, v, ts, o = _joined(c, b)
+        g, gl_b = _seq_cotangents(c, b, grad_lse)
+        gt = c["lay"].seqs(c["gt"], "q")[b]
+        glt_b = c["lay"].lse_seqs(c["glt"])[b] if grad_lse else None
+        gr_b, tan_b = sdpa_backward_jvp((q, k, v), ts, g, gt, grad_lse=gl_b, grad_lse_tangent=glt_b, **o)
+        per["grads"].append(gr_b)
+        per["tan"].append(tan_b)
+        per["hvp"].append(sdpa_hvp((q, k, v), ts, g, grad_lse=gl_b, **o))
+    for got, key in ((grads, "grads"), (tan, "tan"), (hvp, "hvp")):
+        _check_grads(got, _grads_by_hand(c, per[key]))
+
+
+def test_second_order_refuses_what_it_does_not_have():
+    c = _case("packed", True, True, False)
+    args = ((c["q"], c["k"], c["v"]), _tangents(c), c["g"])
+    with pytest.raises(TypeError, match="`precision` should not be given"):
+        sdpa_backward_jvp(*args, qv=c["qv"], precision="reproducible", **c["opts"])
+    with pytest.raises(TypeError, match="`precision` should not be given"):
+        sdpa_hvp(*args, qv=c["qv"], precision="fast", **c["opts"])
+    captured = ScoreMod(lambda s, b, h, i, j, w: s * w[0], grad=lambda s, b, h, i, j, w: 0 * s + w[0],
+                        params=(np.ones(1),))
+    with pytest.raises(ValueError, match="`score_mod` should capture no tensor for second order"):
+        sdpa_hvp(*args, qv=c["qv"], **dict(c["opts"], score_mod=captured))
