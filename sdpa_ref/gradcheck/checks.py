@@ -6,7 +6,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .._validate import check_choice, check_tolerance
+from .._validate import check_choice, check_tolerance, describe
 from .numeric import METHODS, Numeric, batched_call, batched_shape, call, copy_args, default_eps, numeric_blocks, \
     valid_columns
 from .report import GradcheckReport, compare
@@ -48,19 +48,26 @@ def check_vjp(
     mode : {"full", "projection"}
         ``"full"`` builds the whole analytic Jacobian (one VJP per output
         entry, with one-hot cotangents) and the whole numeric one (two
-        evaluations per input entry) and compares them entry by entry.
+        evaluations per input entry) and compares them entry by entry; then
+        it pushes ``n_projections`` dense random cotangents (every entry
+        non-zero, every arg at once), whose VJPs must be the same combination
+        of the one-hot rows (a VJP right on one-hot cotangents only, as
+        ``J^T |g|`` is, fails).
         ``"projection"`` compares :math:`\langle J^T g, u\rangle` with
         :math:`\langle g, J u\rangle` for random ``g`` and ``u``: one VJP and
-        two evaluations per projection. When it fails, the full check is run
-        to say where.
+        two evaluations per projection. When one fails, the full check is run
+        to say where, and the verdict stays failed; when a projection is not
+        finite on either side (the output holds NaN), it proves nothing, and
+        the full check judges.
     eps : float, optional
         Relative finite-difference step (see the module docstring).
     rtol, atol : float
         Tolerances of the comparison rule.
     seed : int
-        Seed of the random projections.
+        Seed of the random projections and probes, an int >= 0.
     n_projections : int
-        Number of random projections in ``"projection"`` mode.
+        Number of random projections in ``"projection"`` mode, and of dense
+        probes in ``"full"`` mode.
     method : {"central", "complex"}
         How the numeric derivative is taken: central differences, or the
         complex step (exact to rounding; ``fun`` must accept complex input).
@@ -113,9 +120,12 @@ def check_jvp(
         As in :func:`check_vjp`. ``"full"`` pushes one one-hot tangent per
         input entry; ``"projection"`` compares the whole output tangent
         :math:`J u` for random ``u`` with its central difference, entry by
-        entry. With ``vectorized=True`` (``fun`` and ``jvp`` broadcast over
-        one new leading axis, the tangents included) the full check makes
-        one batched ``jvp`` call per argument, with all its one-hot tangents.
+        entry. The full check then pushes ``n_projections`` dense random
+        tangents over every arg at once, whose JVPs must be the same
+        combination of the one-hot columns. With ``vectorized=True`` (``fun``
+        and ``jvp`` broadcast over one new leading axis, the tangents
+        included) the full check makes one batched ``jvp`` call per argument,
+        with all its one-hot tangents, and one with the dense probes.
 
     Returns
     -------
@@ -140,10 +150,12 @@ def _asserted(rep):
 
 
 def _run(projection, full, fun, derivative, args, mode, eps, rtol, atol, seed, n_projections, method, vectorized):
-    """The shared body of check_vjp / check_jvp: projection first, full to locate a failure."""
+    """The shared body of check_vjp / check_jvp: projection first, full to locate a failure or to judge what
+    the projections could not (a failed projection is never overruled)."""
     check_choice(mode, "mode", _MODES)
     check_choice(method, "method", METHODS)
     rtol, atol = check_tolerance(rtol, "rtol"), check_tolerance(atol, "atol")
+    check_seed(seed)
     if isinstance(n_projections, (bool, np.bool_)) or not isinstance(n_projections, (int, np.integer)) \
             or n_projections < 1:
         raise ValueError(f"`n_projections` should be an int >= 1 (0 checks nothing), but got {n_projections!r}")
@@ -151,65 +163,135 @@ def _run(projection, full, fun, derivative, args, mode, eps, rtol, atol, seed, n
     out = call(fun, xs)
     nd = Numeric(fun, default_eps(eps, method), method, vectorized=bool(vectorized))
     if mode == "full":
-        return full(nd, derivative, xs, out, rtol, atol)
-    rep = projection(nd, derivative, xs, out, rtol, atol, seed, n_projections)
-    if rep.ok:
+        return full(nd, derivative, xs, out, rtol, atol, seed, n_projections)
+    rep, unjudged = projection(nd, derivative, xs, out, rtol, atol, seed, n_projections)
+    if rep.ok and not unjudged:
         return rep
-    located = full(nd, derivative, xs, out, rtol, atol)
+    located = full(nd, derivative, xs, out, rtol, atol, seed, n_projections)
     located.mode = "projection, then full"
-    located.notes = rep.notes + [f"projection check failed (max_rel={rep.max_rel_error:.3e}); full check follows"]
+    notes = list(rep.notes)
+    if unjudged:
+        notes.append(f"{unjudged} of {n_projections} projections were not finite on either side (a NaN in the "
+                     "output or the derivative), which proves nothing: the full check judges entry by entry")
+    if not rep.ok:
+        located.ok = False                  # the full check locates; it never overrules the failed projection
+        located.max_abs_error = max(located.max_abs_error, rep.max_abs_error)
+        located.max_rel_error = max(located.max_rel_error, rep.max_rel_error)
+        notes.append(f"projection check failed (max_rel={rep.max_rel_error:.3e}, worst projection "
+                     f"{rep.worst.output_index if rep.worst else None}: analytic "
+                     f"{rep.worst.analytic if rep.worst else None!r}, numeric {rep.worst.numeric if rep.worst else None!r})"
+                     "; the full check follows to locate it, and does not overrule it")
+    located.notes = notes + located.notes
     return located
 
 
-def _as_grads(res, xs, who):
-    if len(xs) == 1 and isinstance(res, np.ndarray):
-        res = (res,)
+def check_seed(seed):
+    """``seed`` of the random projections and probes: an int >= 0 (NumPy's own error otherwise, or none)."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"`seed` should be an int >= 0, but got {describe(seed)}")
+    if seed < 0:
+        raise ValueError(f"`seed` should be an int >= 0, but got {int(seed)}")
+    return int(seed)
+
+
+def _as_real(r, who, what, shape):
+    """A derivative's result as a float64 array: None, complex and non-numeric results are a TypeError naming
+    ``who`` (the imaginary part is never dropped)."""
+    name = f"`{who}` {what}" if what else f"`{who}`"
+    if r is None:
+        raise TypeError(f"{name} should be a real array of shape {shape}, but got None")
+    try:
+        arr = np.asarray(r)
+    except Exception as exc:                # a ragged sequence, say
+        raise TypeError(f"{name} should be a real array of shape {shape}, but got {describe(r)} "
+                        f"({type(exc).__name__}: {exc})") from None
+    if arr.dtype.kind == "c":
+        raise TypeError(f"{name} should be real, but got dtype {arr.dtype} (a complex result fails: its imaginary "
+                        "part would be dropped)")
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"{name} should be a real array of shape {shape}, but got dtype {arr.dtype}")
+    return arr.astype(np.float64, copy=False)
+
+
+def _as_sequence(res, n, who, vectorized=False):
+    if n == 1 and isinstance(res, np.ndarray):
+        return [res]
+    if res is None or isinstance(res, (str, bytes, dict)) or not hasattr(res, "__iter__"):
+        raise TypeError(f"`{who}` should return a sequence of {n} arrays (one per arg"
+                        f"{', each with the batch axis first' if vectorized else ''}), but got {describe(res)}")
     res = list(res)
-    if len(res) != len(xs):
-        raise ValueError(f"`{who}` should return {len(xs)} gradients (one per arg), but got {len(res)}")
+    if len(res) != n:
+        raise ValueError(f"`{who}` should return {n} gradients (one per arg), but got {len(res)}")
+    return res
+
+
+def _as_grads(res, xs, who):
+    res = _as_sequence(res, len(xs), who)
     grads = []
     for k, (r, x) in enumerate(zip(res, xs)):
-        r = np.asarray(r, dtype=np.float64)
+        r = _as_real(r, who, f"gradient {k}", x.shape)
         if r.shape != x.shape:
             raise ValueError(f"`{who}` gradient {k} should have shape {x.shape}, but got shape {r.shape}")
         grads.append(r)
     return grads
 
 
-def _vjp_full(nd, vjp, xs, out, rtol, atol):
-    m = out.size
-    if nd.vectorized:
-        # one VJP of all one-hot cotangents; the args are broadcast (views) to the batch
-        G = np.eye(m).reshape((m,) + out.shape)
-        bx = [np.broadcast_to(x, (m,) + x.shape) for x in xs]
-        res = batched_call(vjp, "vjp", G, *bx)
-        res = (res,) if len(xs) == 1 and isinstance(res, np.ndarray) else list(res)
-        if len(res) != len(xs):
-            raise ValueError(f"`vjp` should return {len(xs)} gradients (one per arg), but got {len(res)}")
+def _vjp_batch(nd, vjp, cotangent, p, out, xs):
+    """``[(p, x.size) for x in xs]``: the VJPs of the ``p`` cotangents ``cotangent(o)`` (one batched call of them
+    all when vectorized; one at a time otherwise, so that no ``(p, out.size)`` array is held)."""
+    if nd.vectorized:                               # the args are broadcast (views) to the batch
+        G = np.stack([cotangent(o) for o in range(p)]) if p else np.zeros((0,) + out.shape)
+        bx = [np.broadcast_to(x, (p,) + x.shape) for x in xs]
+        res = _as_sequence(batched_call(vjp, "vjp", G, *bx), len(xs), "vjp", vectorized=True)
         ana = []
         for k, (r, x) in enumerate(zip(res, xs)):
-            r = np.asarray(r, dtype=np.float64)
-            if r.shape != (m,) + x.shape:
-                raise ValueError(f"`vjp` gradient {k} should have shape {(m,) + x.shape} for vectorized=True, "
+            r = _as_real(r, "vjp", f"gradient {k}", (p,) + x.shape)
+            if r.shape != (p,) + x.shape:
+                raise ValueError(f"`vjp` gradient {k} should have shape {(p,) + x.shape} for vectorized=True, "
                                  f"but got shape {r.shape}")
-            ana.append(r.reshape(m, -1))
-        n_calls = 1
-    else:
-        ana = [np.empty((m, x.size)) for x in xs]
-        for o in range(m):
-            g = np.zeros(out.shape)
-            g.flat[o] = 1.0
-            grads = _as_grads(vjp(g, *[x.copy() for x in xs]), xs, "vjp")
-            for k, gr in enumerate(grads):
-                ana[k][o] = gr.ravel()
-        n_calls = m
+            ana.append(r.reshape(p, -1))
+        return ana, 1
+    ana = [np.empty((p, x.size)) for x in xs]
+    for o in range(p):
+        grads = _as_grads(vjp(cotangent(o), *[x.copy() for x in xs]), xs, "vjp")
+        for k, gr in enumerate(grads):
+            ana[k][o] = gr.ravel()
+    return ana, p
+
+
+def _vjp_full(nd, vjp, xs, out, rtol, atol, seed, n_probes):
+    m = out.size
+    ana, n_calls = _vjp_batch(nd, vjp, lambda o: _one_hot(out.shape, o), m, out, xs)
     num = numeric_blocks(nd, xs, out)
     if nd.vectorized:
         n_evals = 1 + len(xs) + n_calls             # one batched call per arg (plus and minus together)
     else:
         n_evals = 1 + (1 if nd.method == "complex" else 2) * sum(x.size for x in xs) + n_calls
-    meta = {"valid": valid_columns(xs, m), "shapes": [x.shape for x in xs]}
-    return compare("check_vjp", _mode("full", nd), ana, num, rtol, atol, meta, out.shape, n_evals)
+    valid = valid_columns(xs, m)
+    meta = {"valid": valid, "shapes": [x.shape for x in xs]}
+    rep = compare("check_vjp", _mode("full", nd), ana, num, rtol, atol, meta, out.shape, n_evals)
+    # dense probes: VJPs of cotangents with every entry non-zero against the one-hot rows they combine
+    G = np.random.default_rng(seed).standard_normal((n_probes,) + out.shape)
+    got, n_calls = _vjp_batch(nd, vjp, lambda o: G[o].copy(), n_probes, out, xs)
+    Gf = G.reshape(n_probes, m)
+    want, scale = [], []
+    with np.errstate(invalid="ignore", over="ignore"):
+        for A, ok_cols in zip(ana, valid):
+            A = np.where(ok_cols, A, 0.0)          # the columns of non-finite inputs are not compared
+            want.append(Gf @ A)
+            scale.append(np.abs(Gf) @ np.abs(A))
+    meta = {"valid": [np.broadcast_to(v[:1], (n_probes, v.shape[1])) for v in valid], "shapes": meta["shapes"]}
+    probes = compare("check_vjp", "probes", got, want, rtol, atol, meta, (n_probes,), n_calls, scales=scale,
+                     require_finite=False)
+    w = probes.worst
+    where = w and f"probe {w.output_index[0]}: the gradient of arg {w.arg} at index {w.index}"
+    return _with_probes(rep, probes, n_probes, "cotangents", "J^T |g|", where)
+
+
+def _one_hot(shape, o):
+    e = np.zeros(shape)
+    e.flat[o] = 1.0
+    return e
 
 
 def _directions(xs, rng):
@@ -228,6 +310,26 @@ def _mode(mode, nd):
     return m + ", vectorized" if nd.vectorized else m
 
 
+def _with_probes(rep, probes, n_probes, what, example, where):
+    """The full report ``rep`` with the dense probes' verdict: they fail it, and then name the worst."""
+    rep.n_evals += probes.n_evals
+    if probes.ok:
+        rep.notes.append(f"dense probes: {n_probes} random {what} over every arg at once agree with the one-hot "
+                         f"Jacobian's combination (max rel {probes.max_rel_error:.1e})")
+        return rep
+    rep.ok = False
+    rep.max_abs_error = max(rep.max_abs_error, probes.max_abs_error)
+    rep.max_rel_error = max(rep.max_rel_error, probes.max_rel_error)
+    w = probes.worst
+    rep.notes.extend(probes.notes)
+    rep.notes.append(f"dense probes FAILED: {sum(r['failed'] for r in probes.per_arg)} entries of {n_probes} random "
+                     f"{what} over every arg at once differ from the one-hot Jacobian's combination (worst: {where}: "
+                     f"derivative {w.analytic!r}, combination {w.numeric!r}, rel {w.rel_error:.3e}): the derivative "
+                     f"is not linear, right on one-hot vectors only (such as {example}, or a branch on which args "
+                     "are non-zero)")
+    return rep
+
+
 def _vjp_projection(nd, vjp, xs, out, rtol, atol, seed, n_projections):
     rng = np.random.default_rng(seed)
     ana, num = [], []
@@ -235,18 +337,37 @@ def _vjp_projection(nd, vjp, xs, out, rtol, atol, seed, n_projections):
         g = rng.standard_normal(out.shape)
         us = _directions(xs, rng)
         grads = _as_grads(vjp(g, *[x.copy() for x in xs]), xs, "vjp")
-        ana.append(sum(float(np.sum(gr * u)) for gr, u in zip(grads, us)))
-        num.append(float(np.sum(g * nd.directional(xs, us))))
+        with np.errstate(invalid="ignore", over="ignore"):
+            ana.append(sum(float(np.sum(gr * u)) for gr, u in zip(grads, us)))
+            num.append(float(np.sum(g * nd.directional(xs, us))))
     a = np.array(ana).reshape(-1, 1)
     n = np.array(num).reshape(-1, 1)
-    meta = {"valid": [np.ones_like(a, dtype=bool)], "shapes": [(1,)]}
-    rep = compare("check_vjp", _mode("projection", nd), [a], [n], rtol, atol, meta, (len(ana),), 1 + 3 * len(ana))
+    judged = np.isfinite(a) | np.isfinite(n)        # NaN against NaN proves nothing: the full check judges those
+    meta = {"valid": [judged], "shapes": [(1,)]}
+    rep = compare("check_vjp", _mode("projection", nd), [a], [n], rtol, atol, meta, (len(ana),), 1 + 3 * len(ana),
+                  require_finite=False)
     rep.per_arg = []
-    rep.notes = [f"<J^T g, u> vs <g, J u> over {len(ana)} random projections (worst 'output' = projection number)"]
-    return rep
+    rep.notes = [f"<J^T g, u> vs <g, J u> over {len(ana)} random projections (worst 'output' = projection number)"] \
+        + rep.notes
+    return rep, int(np.count_nonzero(~judged))
 
 
-def _jvp_full(nd, jvp, xs, out, rtol, atol):
+def _jvp_batch(nd, jvp, tangents, p, xs, out):
+    """``(out.size, p)``: the JVPs of the ``p`` tangents ``tangents(i)`` (a list with one array per arg): one
+    batched call of them all when vectorized, one at a time otherwise."""
+    if nd.vectorized:
+        each = [tangents(i) for i in range(p)]
+        ts = [np.stack([t[a] for t in each]) if p else np.zeros((0,) + y.shape) for a, y in enumerate(xs)]
+        bx = [np.broadcast_to(y, (p,) + y.shape) for y in xs]
+        res = _as_real(batched_call(jvp, "jvp", tuple(ts), *bx), "jvp", "tangent", (p,) + out.shape)
+        return (batched_shape(res, p, out.shape, "jvp").T if p else np.empty((out.size, 0))), 1
+    J = np.empty((out.size, p))
+    for i in range(p):
+        J[:, i] = _as_tangent(jvp(tuple(tangents(i)), *[y.copy() for y in xs]), out).ravel()
+    return J, p
+
+
+def _jvp_full(nd, jvp, xs, out, rtol, atol, seed, n_probes):
     m = out.size
     ana = []
     for a, x in enumerate(xs):
@@ -256,22 +377,36 @@ def _jvp_full(nd, jvp, xs, out, rtol, atol):
                   for b, y in enumerate(xs)]
             ts[a].reshape(n, n)[np.arange(n), np.arange(n)] = 1.0
             bx = [np.broadcast_to(y, (n,) + y.shape) for y in xs]
-            res = np.asarray(batched_call(jvp, "jvp", tuple(ts), *bx), dtype=np.float64)
+            res = _as_real(batched_call(jvp, "jvp", tuple(ts), *bx), "jvp", "tangent", (n,) + out.shape)
             ana.append(batched_shape(res, n, out.shape, "jvp").T if n else np.empty((m, 0)))
             continue
-        J = np.empty((m, x.size))
-        for i in range(x.size):
-            ts = [np.zeros(y.shape) for y in xs]
-            ts[a].flat[i] = 1.0
-            J[:, i] = _as_tangent(jvp(tuple(ts), *[y.copy() for y in xs]), out).ravel()
-        ana.append(J)
+        ana.append(_jvp_batch(nd, jvp, lambda i, a=a: [_one_hot(y.shape, i) if b == a else np.zeros(y.shape)
+                                                        for b, y in enumerate(xs)], x.size, xs, out)[0])
     num = numeric_blocks(nd, xs, out)
     if nd.vectorized:
         n_evals = 1 + 2 * len(xs)                   # per arg: one batched difference call and one batched jvp
     else:
         n_evals = 1 + (2 if nd.method == "complex" else 3) * sum(x.size for x in xs)
-    meta = {"valid": valid_columns(xs, m), "shapes": [x.shape for x in xs]}
-    return compare("check_jvp", _mode("full", nd), ana, num, rtol, atol, meta, out.shape, n_evals)
+    valid = valid_columns(xs, m)
+    meta = {"valid": valid, "shapes": [x.shape for x in xs]}
+    rep = compare("check_jvp", _mode("full", nd), ana, num, rtol, atol, meta, out.shape, n_evals)
+    # dense probes: tangents non-zero on every arg at once against the one-hot columns they combine
+    rng = np.random.default_rng(seed)
+    us = [_directions(xs, rng) for _ in range(n_probes)]
+    got, n_calls = _jvp_batch(nd, jvp, lambda i: [u.copy() for u in us[i]], n_probes, xs, out)
+    want, scale = np.zeros((m, n_probes)), np.zeros((m, n_probes))
+    with np.errstate(invalid="ignore", over="ignore"):
+        for a, (A, ok_cols) in enumerate(zip(ana, valid)):
+            A = np.where(ok_cols, A, 0.0)           # the tangents are 0 on non-finite inputs
+            T = np.stack([u[a].ravel() for u in us], axis=1)
+            want += A @ T
+            scale += np.abs(A) @ np.abs(T)
+    meta = {"valid": [np.ones((m, n_probes), bool)], "shapes": [(n_probes,)]}
+    probes = compare("check_jvp", "probes", [got], [want], rtol, atol, meta, out.shape, n_calls, scales=[scale],
+                     require_finite=False)
+    w = probes.worst
+    where = w and f"probe {w.index[0]}: the tangent at output {w.output_index}"
+    return _with_probes(rep, probes, n_probes, "tangents", "|t|", where)
 
 
 def _jvp_projection(nd, jvp, xs, out, rtol, atol, seed, n_projections):
@@ -284,14 +419,18 @@ def _jvp_projection(nd, jvp, xs, out, rtol, atol, seed, n_projections):
     a = np.stack(ana, axis=1) if ana else np.zeros((out.size, 0))
     n = np.stack(num, axis=1) if num else np.zeros((out.size, 0))
     meta = {"valid": [np.ones_like(a, dtype=bool)], "shapes": [(a.shape[1],)]}
-    rep = compare("check_jvp", _mode("projection", nd), [a], [n], rtol, atol, meta, out.shape, 1 + 3 * a.shape[1])
+    rep = compare("check_jvp", _mode("projection", nd), [a], [n], rtol, atol, meta, out.shape, 1 + 3 * a.shape[1],
+                  require_finite=False)
     rep.per_arg = []
-    rep.notes = [f"J u vs its central difference over {a.shape[1]} random tangents (worst 'index' = tangent number)"]
-    return rep
+    rep.notes = [f"J u vs its central difference over {a.shape[1]} random tangents (worst 'index' = tangent number)"] \
+        + rep.notes
+    # entry by entry, so the NaN patterns are compared and the finite parts judged; none finite judges nothing
+    unjudged = a.shape[1] if a.size and not (np.isfinite(a) & np.isfinite(n)).any() else 0
+    return rep, unjudged
 
 
 def _as_tangent(t, out):
-    t = np.asarray(t, dtype=np.float64)
+    t = _as_real(t, "jvp", "tangent", out.shape)
     if t.shape != out.shape:
         raise ValueError(f"`jvp` should return a tangent of the output's shape {out.shape}, but got shape {t.shape}")
     return t

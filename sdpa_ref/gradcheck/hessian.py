@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .checks import DEFAULT_ATOL, DEFAULT_RTOL, _as_grads, _asserted, check_jvp
+from .checks import DEFAULT_ATOL, DEFAULT_RTOL, _as_grads, _as_real, _asserted, check_jvp, check_seed
 from .numeric import call, copy_args
 from .report import GradcheckReport, errors
 
@@ -64,8 +64,9 @@ def check_hvp(
     args : sequence of array_like
         Where to check. Copied to float64; never modified.
     cotangent : array_like, optional
-        ``g``, of the output's shape; a standard normal one (from ``seed``)
-        by default.
+        ``g``, of the output's shape, real and finite (a NaN in ``g`` makes
+        the gradient and every product NaN, which proves nothing); a
+        standard normal one (from ``seed``) by default.
     mode : {"full", "projection"}
         As in :func:`sdpa_ref.check_jvp`: ``"full"`` pushes one one-hot
         tangent per input entry and compares the whole Hessian with the
@@ -75,8 +76,8 @@ def check_hvp(
     eps, rtol, atol, n_projections
         As in :func:`sdpa_ref.check_jvp`.
     seed : int
-        Seed of the default cotangent, the projections and the symmetry
-        probes.
+        Seed of the default cotangent, the projections, the dense probes and
+        the symmetry probes, an int >= 0.
     symmetry : bool
         Also require :math:`\langle u, H v\rangle = \langle H u, v\rangle`
         (under the same rule) for ``n_projections`` random pairs.
@@ -97,15 +98,19 @@ def check_hvp(
     """
     if not isinstance(symmetry, (bool, np.bool_)):
         raise TypeError(f"`symmetry` should be a bool, but got {type(symmetry).__name__}")
+    rng = np.random.default_rng(check_seed(seed))
     xs = copy_args(args)
     out = call(fun, xs)
-    rng = np.random.default_rng(seed)
     if cotangent is None:
         g = rng.standard_normal(out.shape)
     else:
-        g = np.asarray(cotangent, dtype=np.float64)
+        g = _as_real(cotangent, "cotangent", "", out.shape)
         if g.shape != out.shape:
             raise ValueError(f"`cotangent` should have the output's shape {out.shape}, but got shape {g.shape}")
+        if not np.isfinite(g).all():
+            raise ValueError(f"`cotangent` should be finite (a NaN or infinite entry makes the gradient and every "
+                             f"product NaN, which proves nothing), but got {int(np.count_nonzero(~np.isfinite(g)))} "
+                             "non-finite entries")
     sizes = [x.size for x in xs]
 
     def flat(res, x, who):

@@ -2,7 +2,11 @@
 
 The rule (see :mod:`sdpa_ref.gradcheck`): an analytic value ``a`` and a
 numeric value ``n`` agree when ``|a - n| <= atol`` or
-``|a - n| / max(tiny, |a| + |n|) <= rtol``. Two NaNs agree; one NaN does not.
+``|a - n| / max(tiny, |a| + |n|) <= rtol``. Two NaNs agree (the same entry is
+NaN on both sides: the NaN patterns are compared, and the finite parts
+judged); one NaN, or one infinity, does not, and the report names it. A
+comparison with entries but none finite on both sides proves nothing and
+fails.
 """
 
 from __future__ import annotations
@@ -75,20 +79,24 @@ class GradcheckReport:
         return "\n".join(lines)
 
 
-def errors(a, n):
-    """Absolute and symmetric relative errors, and ``|a| + |n|``; NaN pairs agree, one NaN disagrees."""
+def errors(a, n, scale=None):
+    """Absolute and symmetric relative errors, and ``|a| + |n|``; NaN pairs agree, one NaN disagrees.
+
+    ``scale``, when given, stands for ``|n|`` in the size: a bound on it, such as ``|A|^T |g|`` for
+    ``n = A^T g``, so that rounding in a sum that cancels is not taken for an error.
+    """
     if np.isfinite(a).all() and np.isfinite(n).all():      # the common case, without the where-chains
         abs_err = np.subtract(a, n)
         np.abs(abs_err, out=abs_err)
         size = np.abs(a)
-        size += np.abs(n)
+        size += np.abs(n) if scale is None else scale
         rel = np.maximum(size, _TINY)
         np.divide(abs_err, rel, out=rel)
         return abs_err, rel, size
     with np.errstate(invalid="ignore"):
         both_nan = np.isnan(a) & np.isnan(n)
         abs_err = np.abs(a - n)
-        size = np.abs(a) + np.abs(n)
+        size = np.abs(a) + (np.abs(n) if scale is None else scale)
         rel = abs_err / np.maximum(_TINY, size)
     one_bad = ~np.isfinite(abs_err) & ~both_nan
     inf_equal = np.isinf(a) & (a == n)
@@ -97,19 +105,33 @@ def errors(a, n):
     return abs_err, rel, size
 
 
-def compare(kind, mode, ana, num, rtol, atol, arg_index_shapes, out_shape, n_evals, notes=None):
+def compare(kind, mode, ana, num, rtol, atol, arg_index_shapes, out_shape, n_evals, notes=None, scales=None,
+            require_finite=True):
     """Compare lists of (analytic, numeric, valid-mask) blocks and build a report.
 
     Each block is ``(o, i)`` shaped: o over output entries, i over the arg's
-    entries. ``valid`` excludes columns of non-finite inputs.
+    entries. ``valid`` excludes columns of non-finite inputs. ``scales``
+    (one per block) stand for ``|n|`` in the size (see :func:`errors`).
+    Entries that are not finite on one side only are counted and named in a
+    note; with ``require_finite``, valid entries none of which is finite on
+    both sides fail (two NaNs prove nothing).
     """
     per_arg = []
     max_abs = max_rel = 0.0
     worst = None
     worst_key = (-1.0, -1.0)
     ok = True
+    notes = list(notes or [])
+    n_valid = n_finite = 0
     for k, (a, n, valid) in enumerate(zip(ana, num, arg_index_shapes["valid"])):
-        abs_err, rel, size = errors(a, n)
+        abs_err, rel, size = errors(a, n, None if scales is None else scales[k])
+        valid = np.broadcast_to(valid, a.shape)
+        fa, fn = np.isfinite(a), np.isfinite(n)
+        n_valid += int(np.count_nonzero(valid))
+        n_finite += int(np.count_nonzero(fa & fn & valid))
+        for side, where in (("analytic", ~fa & fn & valid), ("numeric", fa & ~fn & valid)):
+            if where.any():
+                notes.append(_one_sided(k, side, a, n, where, arg_index_shapes["shapes"][k], out_shape))
         all_valid = bool(np.all(valid))
         if not all_valid:
             abs_err = np.where(valid, abs_err, 0.0)
@@ -146,7 +168,23 @@ def compare(kind, mode, ana, num, rtol, atol, arg_index_shapes, out_shape, n_eva
                     analytic=float(a.flat[flat]), numeric=float(n.flat[flat]),
                     abs_error=float(abs_err.flat[flat]), rel_error=float(rel.flat[flat]),
                 )
+    if require_finite and n_valid and not n_finite:
+        ok = False
+        notes.append(f"no finite entry to compare: each of the {n_valid} entries is NaN or infinite on both sides, "
+                     "which proves nothing")
     return GradcheckReport(
         ok=bool(ok), kind=kind, mode=mode, max_abs_error=max_abs, max_rel_error=max_rel,
-        rtol=rtol, atol=atol, worst=worst, per_arg=per_arg, n_evals=n_evals, notes=list(notes or []),
+        rtol=rtol, atol=atol, worst=worst, per_arg=per_arg, n_evals=n_evals, notes=notes,
     )
+
+
+def _one_sided(k, side, a, n, where, shape, out_shape):
+    """A note naming the entries of block ``k`` that are not finite on ``side`` alone, and the first of them."""
+    o, i = np.unravel_index(int(np.argmax(where.ravel())), a.shape)
+    where_txt = f"arg {k} index {tuple(int(t) for t in np.unravel_index(i, shape))}"
+    if out_shape is not None:
+        where_txt += f" output {tuple(int(t) for t in np.unravel_index(o, out_shape))}"
+    other = "numeric" if side == "analytic" else "analytic"
+    value = a[o, i] if side == "analytic" else n[o, i]
+    return (f"{int(np.count_nonzero(where))} entries are NaN or infinite in the {side} result where the {other} one "
+            f"is finite (first: {where_txt}, {side} {float(value)!r}); the NaN patterns must be the same")
