@@ -20,7 +20,7 @@ Forward::
     Traw   = scale * Q K^T                          scores_forward
     T      = transforms(Traw)                       softcap, + mask + bias + ALiBi, -inf outside A
     P      = exp(T - m) / s, m = rowmax T, s = rowsum exp(T - m)
-                                                    softmax_parts; rows with no key: the policy
+                                                    normalize.row_softmax; rows with no key: the policy
              [m, s = max(m, sink), s e^(m-m') + e^(sink-m')]   normalize.close: the extra logits (sinks), each
                                                     a score with no value
     LSE    = m + log s
@@ -71,8 +71,7 @@ import numpy as np
 from .engines.blocks import Blocks
 from .engines.contract import Forward, Grads
 from .policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, zero_output_rows
-from .normalize import close, extra_probs, extras, vjp, vjp_jvp
-from .softmax import softmax_parts
+from .normalize import close, extra_probs, extras, row_softmax, vjp, vjp_jvp
 from .transforms import (
     additive_vjp,
     dropout_forward,
@@ -99,8 +98,8 @@ def forward(prob, *, save_probs=True) -> Forward:
     T = _full(Traw, prob, copy=True)                                # the same scores as (..., Hq, L, S)
     T, sech2 = transform_scores(prob, T, sech2=save_probs)          # T = c tanh(Traw/c) + M + B + ALiBi; -inf
     #                                                                 outside A; sech2 = 1 - tanh^2(Traw/c)
-    P, m, s = softmax_parts(T)                                      # P = exp(T - m) / s; exp(-inf) = 0
-    empty = np.max(T.real, axis=-1, keepdims=True, initial=-np.inf) == -np.inf   # rows with no allowed key
+    P, m, s, empty = row_softmax(T)                                 # P = exp(T - m) / s; exp(-inf) = 0; empty:
+    #                                                                 no allowed key; a NaN or +inf score: NaN row
     nrm = close(m, s, empty, extras(prob))                          # the normaliser closed by its extra logits
     lse_keys = None
     if nrm.r is not None:                                           # (sinks: one more score each, no value)

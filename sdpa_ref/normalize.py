@@ -41,8 +41,55 @@ from .pivot import sink_grad_in, sink_softmax_vjp_in, softmax_vjp_delta_in, soft
 from .sinks import fold_sink_in, sink_probs, sink_probs_in
 from .softmax import softmax_lse_vjp, softmax_vjp
 
-__all__ = ["EXTRA_NAME", "Closed", "close", "close_in", "extra_grad_in", "extra_probs", "extra_probs_in",
+__all__ = ["EXTRA_NAME", "Closed", "close", "nan_row_probs", "row_softmax", "row_stats", "close_in", "extra_grad_in",
+           "extra_probs", "extra_probs_in",
            "extra_shape", "extras", "keys_only", "vjp", "vjp_delta_in", "vjp_in", "vjp_jvp"]
+
+
+def row_stats(T):
+    r"""A row's statistics and the one NaN rule: ``(m, empty, nan)``, each ``(..., 1)``, from the scores ``T``
+    ``(..., S)`` after the whole chain (``-inf`` outside the allowed set).
+
+    * ``empty``: every score is ``-inf`` -- no key is allowed, or every allowed score is ``-inf`` (a score that is
+      ``-inf`` excludes its key). The ``fully_masked`` policy fills such a row.
+    * ``nan``: some score is NaN or ``+inf`` (on an allowed key, since the rest are ``-inf``). Such a row has no
+      finite answer: its ``P`` is NaN on every key whose score is not ``-inf`` and 0 on the others
+      (:func:`nan_row_probs`), its sum and LSE are NaN, and it is never empty. ``precision="reproducible"``
+      raises a ValueError instead.
+    * ``m``: the shift, the largest score where that is finite, 0 on the other rows.
+
+    The max propagates NaN (``np.max``), so a NaN is never lost in it. Every engine follows this rule: the core
+    and the fast engine's NumPy passes through this function, the tiled engine per key block, the reproducible
+    arithmetics' ``row_max``, and the compiled row passes (``_fast_rows.h``, which detect the NaN in their max
+    pass; their ``m`` on a NaN row is the largest non-NaN score instead of 0, a value no result reads).
+    """
+    with np.errstate(invalid="ignore"):
+        top = np.max(T.real, axis=-1, keepdims=True, initial=-np.inf)
+    empty = top == -np.inf
+    nan = ~(top < np.inf) & ~empty                          # NaN or +inf
+    return np.where(empty | nan, top.dtype.type(0), top), empty, nan
+
+
+def nan_row_probs(P, T, nan):
+    """``P`` with :func:`row_stats`' NaN rows (``nan`` ``(..., 1)``) as the rule says: NaN where ``T`` is not
+    ``-inf``, 0 where it is (those keys are not read). Other rows are returned as they are."""
+    if not np.any(nan):
+        return P
+    return np.where(nan, np.where(T == -np.inf, P.dtype.type(0), P.dtype.type(np.nan)), P)
+
+
+def row_softmax(T):
+    r"""``(P, m, s, empty)`` of each row of ``T`` by :func:`row_stats`: :math:`P = e^{T - m} / s`,
+    :math:`s = \sum_j e^{T_j - m}`, NaN rows as the rule says (``s`` NaN), ``P`` 0/0 on empty rows (the policy
+    fills them). The teaching core's row pass."""
+    m, empty, nan = row_stats(T)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        e = np.exp(T - m)
+        s = np.sum(e, axis=-1, keepdims=True)
+        P = e / s
+    if np.any(nan):
+        P, s = nan_row_probs(P, T, nan), np.where(nan, s.dtype.type(np.nan), s)
+    return P, m, s, empty
 
 
 class Closed(NamedTuple):

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["block_partial", "combine_partials", "pivoted_vjp", "row_pivot", "rowdot", "sink_grad_in",
-           "sink_softmax_vjp_in", "softmax_vjp_delta_in", "softmax_vjp_in", "softmax_vjp_rows"]
+__all__ = ["block_partial", "combine_partials", "nan_rows_vjp", "pivoted_vjp", "row_pivot", "rowdot",
+           "sink_grad_in", "sink_softmax_vjp_in", "softmax_vjp_delta_in", "softmax_vjp_in", "softmax_vjp_rows"]
 
 
 def row_pivot(y, g, axis=-1):
@@ -49,9 +49,23 @@ def row_pivot(y, g, axis=-1):
 
 
 def pivoted_vjp(y, g, axis=-1):
-    """``y * ((g - c) - sum(y * (g - c)))`` along ``axis``, ``c`` = :func:`row_pivot` (validated arrays)."""
+    """``y * ((g - c) - sum(y * (g - c)))`` along ``axis``, ``c`` = :func:`row_pivot` (validated arrays); a row
+    whose sum is NaN as :func:`nan_rows_vjp` says."""
     gc = g - row_pivot(y, g, axis)
-    return y * (gc - np.sum(gc * y, axis=axis, keepdims=True))
+    D = np.sum(gc * y, axis=axis, keepdims=True)
+    return nan_rows_vjp(y * (gc - D), y, D)
+
+
+def nan_rows_vjp(dT, P, D):
+    r"""The VJP's one NaN rule: on a row whose :math:`D` is NaN (a NaN row of the forward,
+    :func:`sdpa_ref.normalize.row_stats`, whose ``P`` is NaN on its allowed keys and 0 elsewhere), an entry with
+    :math:`P = 0` is not read and its :math:`dT` is 0, not :math:`0 \cdot \mathrm{NaN}`: the NaN stays on the
+    keys the row reads. Other rows are returned as they are (the same bits); the compiled row pass
+    (``_fast_rows.h``) and the tiled sweeps apply the same rule."""
+    bad = D != D
+    if not np.any(bad):
+        return dT
+    return np.where(bad & (P == 0), dT.dtype.type(0), dT)
 
 
 def softmax_vjp_rows(g, P, rows):
@@ -63,6 +77,7 @@ def softmax_vjp_rows(g, P, rows):
         D = np.einsum("ij,ij->i", gb, pb)[:, None]
         np.subtract(gb, D, out=gb)
         np.multiply(gb, pb, out=gb)
+        gb[...] = nan_rows_vjp(gb, pb, D)
 
 
 def block_partial(P, g):

@@ -271,7 +271,8 @@ def additive_forward_in(X, t, b, excluded=None):
 def alibi_forward_in(X, t, slopes, dist):
     """``t - slope * dist`` in ``X``, the product exact in double-double; a term that overflows makes ``-inf``."""
     ab = X.exact_product(slopes, dist)
-    return X.where(np.isinf(X.value(ab)), X.neg(ab), X.sub(t, ab))
+    over = np.isinf(X.value(ab))                 # t - inf in float64: -inf, or NaN where t is +inf (as NumPy's chain)
+    return X.where(over, X.add_d(X.neg(ab), np.where(over, X.value(t), 0)), X.sub(t, ab))
 
 
 # ------------------------------------------------------------ the chains

@@ -47,7 +47,7 @@ import numpy as np
 from ..exact import _native
 from ..masks import block_of
 from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, zero_output_rows
-from ..normalize import close, extra_probs, extras, vjp
+from ..normalize import close, extra_probs, extras, row_stats, vjp
 from ..pivot import softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_jvp, scores_vjp, transform_scores, \
     transform_scores_jvp, transform_scores_vjp, transposed_product
@@ -92,15 +92,17 @@ def forward(prob, *, save_probs=True) -> Forward:
             for r0 in range(0, t.shape[0], sub):
                 tb, eb, lb = t[r0:r0 + sub], empty_c[r0:r0 + sub], lse_c[r0:r0 + sub]
                 m, s = m_c[r0:r0 + sub], s_c[r0:r0 + sub]
-                np.max(tb, axis=-1, keepdims=True, initial=-np.inf, out=m)
-                np.equal(m, -np.inf, out=eb)
-                m[eb] = 0.0
+                m[...], eb[...], nan = row_stats(tb)         # the one rule: empty, NaN rows, the shift
+                neg = None if not nan.any() else tb == -np.inf
                 np.subtract(tb, m, out=tb)
                 np.exp(tb, out=tb)
                 s[...] = _row_sums(tb)
                 np.divide(tb, s, out=tb)
                 np.log(s, out=lb)
                 lb += m
+                if neg is not None:                          # NaN rows: NaN on the keys they read, 0 elsewhere
+                    tb[...] = np.where(nan, np.where(neg, t.dtype.type(0), t.dtype.type(np.nan)), tb)
+                    s[nan], lb[nan] = np.nan, np.nan
 
     def chunk(idx, inner_parallel):
         fidx = lay.full_index(idx)

@@ -43,8 +43,8 @@ from ..masks import block_of
 from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, policy_fill
 from ..arith import NUMPY
 from ..lse import combine_in
-from ..pivot import block_partial, combine_partials
-from ..normalize import close, extra_grad_in, extra_probs, extras
+from ..pivot import block_partial, combine_partials, nan_rows_vjp
+from ..normalize import close, extra_grad_in, extra_probs, extras, nan_row_probs, row_stats
 from ..transforms import dropout_forward, scores_jvp, scores_vjp, transform_scores_jvp, transform_scores_vjp, \
     unbroadcast
 from .blocks import Blocks, check_block_size, exp_inplace as _exp, ranges as _ranges
@@ -84,11 +84,9 @@ def key_pass(prob, bl, i0, i1, keys, block):
         if allowed is not None and not np.any(allowed):
             continue                                                # a wholly masked block
         T, _ = bl.scores(i0, i1, j0, j1, allowed)
-        m_b = np.max(T.real, axis=-1, keepdims=True)                # the block's own normaliser (m_b, l_b) ...
-        e_b = m_b == -np.inf
-        m_b = np.where(e_b, rt.type(0), m_b)
+        m_b, e_b, nan_b = row_stats(T)                             # the block's own normaliser (m_b, l_b) ...
         with np.errstate(invalid="ignore", over="ignore"):
-            e = _exp(T - m_b)
+            e = nan_row_probs(_exp(T - m_b), T, nan_b)              # (a NaN row: NaN on its allowed keys)
             m, l, (a, b), row_empty = combine_in(NUMPY, [m, m_b], [l, e.sum(axis=-1, keepdims=True)],
                                                  [row_empty, e_b])          # ... merged into the running one
         pv = bl.times_v(dropout_forward(e, bl.keep(i0, i1, j0, j1), o.dropout_p), j0, j1)
@@ -208,7 +206,7 @@ class _Sweeps:
         else:
             T, sech2 = self.bl.scores(i0, i1, j0, j1, allowed, sech2=True)
         with np.errstate(invalid="ignore", over="ignore"):
-            P = _exp(T - self.m) / self.s                           # as the forward made it
+            P = nan_row_probs(_exp(T - self.m) / self.s, T, self.s != self.s)    # as the forward made it
         P = fill_empty_rows(P, self.em, self.pad, o.fully_masked, prob.S, n=self.n,
                             excl=excluded(prob, (i0, i1), (j0, j1)))
         keep = self.bl.keep(i0, i1, j0, j1)
@@ -226,7 +224,7 @@ class _Sweeps:
                 P, g, sech2, keep = self._recompute(*job)
                 np.subtract(g, self.c, out=g)
             np.subtract(g, D, out=g)
-            t = np.multiply(P, g, out=g)
+            t = nan_rows_vjp(np.multiply(P, g, out=g), P, D)       # a NaN row: 0 where P is 0
             if self.const is not None:
                 t = np.where(self.const, ct.type(0), t)
             yield job[0], job[1], P, keep, sech2, t

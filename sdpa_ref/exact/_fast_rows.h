@@ -159,33 +159,62 @@ FX_INLINE FX(vf) FX(expf)(FX(vf) x)
 #define FX_ROW_KERNELS(TS, T, LW, V, M, LD, ST, SPLAT, SEL, EXP, VMAX)                                                       \
                                                                                                                        \
 /* the largest of x[0:n] (NaN skipped; -inf for a row of -inf or none): x[j] > m ? x[j] : m in eight lanes,            \
- * the rest in order, then the lanes */                                                                                \
-FX_INLINE T FX(rowmax##TS)(const T *x, ptrdiff_t n)                                                                    \
+ * the rest in order, then the lanes; *nan_out (when given) says whether a NaN was seen, in the same pass            \
+ * (normalize.row_stats: a NaN score makes the row NaN, it must not be lost by the skipping max) */                 \
+FX_INLINE T FX(rowmax##TS)(const T *x, ptrdiff_t n, int *nan_out)                                                       \
 {                                                                                                                      \
-    V m[(8 / LW)];                                                                                                     \
-    for (int u = 0; u < (8 / LW); u++)                                                                                 \
+    V m[(8 / LW)], seen[(8 / LW)];                                                                                     \
+    for (int u = 0; u < (8 / LW); u++) {                                                                               \
         m[u] = SPLAT(-INFINITY);                                                                                       \
+        seen[u] = SPLAT(0);                                                                                            \
+    }                                                                                                                  \
     ptrdiff_t j = 0;                                                                                                   \
-    for (; j + 8 <= n; j += 8)                                                                                         \
-        for (int u = 0; u < (8 / LW); u++) {                                                                           \
-            m[u] = VMAX(LD(x + j + u * LW), m[u]);                                                                     \
-        }                                                                                                              \
+    if (nan_out)                                                                                                       \
+        for (; j + 8 <= n; j += 8)                                                                                     \
+            for (int u = 0; u < (8 / LW); u++) {                                                                       \
+                V a = LD(x + j + u * LW);                                                                              \
+                m[u] = VMAX(a, m[u]);                                                                                  \
+                seen[u] = (V)((M)seen[u] | (M)(a != a));                                                               \
+            }                                                                                                          \
+    else                                                                                                               \
+        for (; j + 8 <= n; j += 8)                                                                                     \
+            for (int u = 0; u < (8 / LW); u++) {                                                                       \
+                m[u] = VMAX(LD(x + j + u * LW), m[u]);                                                                 \
+            }                                                                                                          \
     T r = -INFINITY;                                                                                                   \
-    for (; j < n; j++)                                                                                                 \
+    int nan = 0;                                                                                                       \
+    for (; j < n; j++) {                                                                                               \
         r = x[j] > r ? x[j] : r;                                                                                       \
-    for (int l = 0; l < 8; l++)                                                                                        \
+        nan |= x[j] != x[j];                                                                                           \
+    }                                                                                                                  \
+    for (int l = 0; l < 8; l++) {                                                                                      \
         r = m[l / LW][l % LW] > r ? m[l / LW][l % LW] : r;                                                             \
+        nan |= ((M)seen[l / LW])[l % LW] != 0;                                                                         \
+    }                                                                                                                  \
+    if (nan_out)                                                                                                       \
+        *nan_out = nan;                                                                                                \
     return r;                                                                                                          \
 }                                                                                                                      \
                                                                                                                        \
 /* softmax of each row of t [rows x n] in place, with its max m, sum s and lse = m + log(s) per row, and               \
- * empty = (the row has no finite score): m is 0 there, s 0 and P 0/0 (NaN: the engine fills such rows) */             \
+ * empty = (every score is -inf): m is 0 there, s 0 and P 0/0 (NaN: the engine fills such rows). A row with a NaN    \
+ * or +inf score is NaN (normalize.row_stats): P NaN where the score is not -inf and 0 where it is, s and lse NaN,  \
+ * m the largest non-NaN score (0 where that is not finite), not empty */                                            \
 FX_INLINE void FX(softmax_rows##TS)(T *t, ptrdiff_t rows, ptrdiff_t n, T *m_out, T *s_out, T *lse_out,                 \
                                     unsigned char *empty_out)                                                          \
 {                                                                                                                      \
     for (ptrdiff_t r = 0; r < rows; r++) {                                                                             \
         T *x = t + r * n;                                                                                              \
-        T m = FX(rowmax##TS)(x, n);                                                                                    \
+        int nan;                                                                                                       \
+        T m = FX(rowmax##TS)(x, n, &nan);                                                                              \
+        if (nan || m == INFINITY) {                                                                                    \
+            for (ptrdiff_t j = 0; j < n; j++)                                                                          \
+                x[j] = x[j] == -INFINITY ? (T)0 : (T)NAN;                                                              \
+            m_out[r] = m == -INFINITY || m == INFINITY ? (T)0 : m;                                                     \
+            s_out[r] = lse_out[r] = (T)NAN;                                                                            \
+            empty_out[r] = 0;                                                                                          \
+            continue;                                                                                                  \
+        }                                                                                                              \
         unsigned char empty = m == -INFINITY;                                                                          \
         if (empty) m = 0;                                                                                              \
         V acc[(8 / LW)], mv = SPLAT(m);                                                                                \
@@ -230,7 +259,7 @@ FX_INLINE void FX(softmax_vjp_rows##TS)(T *d, const T *p, ptrdiff_t rows, ptrdif
     for (ptrdiff_t r = 0; r < rows; r++) {                                                                             \
         T *g = d + r * n;                                                                                              \
         const T *q = p + r * n;                                                                                        \
-        T top = FX(rowmax##TS)(q, n);                                                                                  \
+        T top = FX(rowmax##TS)(q, n, NULL);                                                                            \
         ptrdiff_t at = 0;                                                                                              \
         while (at < n && !(q[at] == top))                                                                              \
             at++;                                                                                                      \
@@ -257,6 +286,11 @@ FX_INLINE void FX(softmax_vjp_rows##TS)(T *d, const T *p, ptrdiff_t rows, ptrdif
                 g[j + l] = bg[l];                                                                                      \
         }                                                                                                              \
         T D = FX_SUM8(acc, LW);                                                                                        \
+        if (D != D) {                   /* a NaN row (pivot.py): an entry with p = 0 is not read, its d is 0 */        \
+            for (j = 0; j < n; j++)                                                                                    \
+                g[j] = q[j] == 0 ? (T)0 : (g[j] - D) * q[j];                                                           \
+            continue;                                                                                                  \
+        }                                                                                                              \
         V Dv = SPLAT(D);                                                                                               \
         for (j = 0; j + LW <= n; j += LW)                                                                              \
             ST(g + j, (LD(g + j) - Dv) * LD(q + j));                                                                   \
