@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from .commands import _cmd_check, _cmd_conform, _cmd_diagnose, _cmd_saturation, _cmd_vectors, _cmd_verify
 from .commands import _cmd_info
+from ..harness.budget import describe_limits
 from ..harness.lowp import TEST_DTYPES
 from .output import _add_format, format_rows
 
@@ -184,8 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "OUT_DIR, named plainly, are read; a set written with --cases is regenerated from the case "
                     "definitions its manifest stores. manifest.json itself must be what a fresh write would give, "
                     "byte for byte (every field a judge reads: the dtype, the rule and its k, the file list; "
-                    "package_version and cases_file excepted), with no key twice. Exit 1 on any mismatch, 2 on a "
-                    "malformed manifest.",
+                    "package_version and cases_file excepted), with no key twice. Bounded work: the cases are "
+                    "regenerated one at a time in the manifest's order, and a set past the limits (VERIFY_LIMITS) "
+                    "is refused before anything is computed; " + describe_limits() + ". Exit 1 on any mismatch, 2 on "
+                    "a malformed or refused manifest.",
     )
     p.add_argument("out_dir", metavar="OUT_DIR")
     _add_format(p)

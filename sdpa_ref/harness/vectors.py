@@ -57,7 +57,6 @@ ensemble, not options.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -73,6 +72,8 @@ from .cases import SUITE_VERSION, get_suite, grad_out_for
 from .ensemble import ensemble_errors, honest_errors
 from .lowp import DESCALES, LOW_DTYPES, TEST_DTYPES, as_test_dtype, dequantized, is_low, output_dtype
 from ._files import UnsafeDestination, WriteFolder
+from ._kept import KeptFiles
+from .budget import check_verify_budget
 from .casefile import CaseFileError, case_definition, cases_from_definitions, load_cases
 from .rules import RelativeRule
 from .vector_layouts import LAYOUT_FORMAT_VERSION, VECTOR_LAYOUTS, in_layout, layout_arrays
@@ -126,6 +127,7 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
         cases = load_cases(cases) if source is not None else list(cases)
         custom = {"cases": [case_definition(c) for c in cases]}
         cases_from_definitions(custom["cases"], "`cases`")       # valid and uniquely named, as verify will read them
+        check_verify_budget(cases, dt.name, where="`cases`")     # and within what verify accepts
         if source is not None:
             custom["cases_file"] = source
         suite = "custom"
@@ -192,9 +194,25 @@ def case_arrays(case, dt) -> Dict[str, np.ndarray]:
     return {n: a.copy() for n, a in _case_arrays(case, np.dtype(dt).name).items()}
 
 
-@functools.lru_cache(maxsize=128)
-def _case_arrays(case, dt, layout=None):
-    """:func:`case_arrays`, computed once per process: the computation is deterministic to the bit."""
+def _case_arrays(case, dt, layout=None, keep=True):
+    """:func:`case_arrays`, small files kept per process (:data:`_KEPT`); ``verify`` keeps nothing (``keep=False``:
+    it holds one case at a time)."""
+    key = (case, np.dtype(dt).name, layout)
+    arrays = _KEPT.get(key)
+    if arrays is None:
+        arrays = _regenerated(case, dt, layout)
+        if keep:
+            _KEPT.put(key, arrays)
+    return arrays
+
+
+#: Files of at most 4 MiB kept, 64 MiB in all (a file is the same bits every time it is computed).
+_KEPT = KeptFiles(4 << 20, 64 << 20)
+clear_cache = _KEPT.clear
+
+
+def _regenerated(case, dt, layout=None):
+    """Every array of ``case``'s vector file, computed anew."""
     dt = np.dtype(dt)
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
@@ -303,11 +321,16 @@ def verify_vectors(out_dir) -> VerifyReport:
     ``manifest.json`` and the regular files it names, inside ``out_dir``, by
     plain name -- no ``..``, no absolute paths, no symlinks, no devices or
     FIFOs -- with bounded reads, and hashes each file before parsing it. It
-    then regenerates every case of the manifest's suite from the suite's
+    then regenerates each case of the manifest's suite from the suite's
     definition (inputs, options and every reference array, with
-    ``precision="reproducible"``: the same bits on any machine) and compares
-    bytes, so replaced inputs, recomputed outputs, changed options, deleted,
-    duplicated or foreign cases are all NOT VERIFIED. The manifest is
+    ``precision="reproducible"``: the same bits on any machine), one at a time
+    in the manifest's order, keeping only its entry, and compares bytes, so
+    replaced inputs, recomputed outputs, changed options, deleted, duplicated
+    or foreign cases are all NOT VERIFIED. Bounded work: before computing
+    anything, a set past :data:`~.budget.VERIFY_LIMITS` is refused
+    (:class:`ManifestError`). Per case: 2**22 score entries (batch x Hq x L x S), 2**20 entries in an input,
+    2**26 bytes (64 MiB) of file, 2**28 work (scores x (E + Ev + 16)); in total 2**24 score entries, 2**29 bytes
+    (512 MiB), 2**30 work (2**18 more per case): seconds in float64, a minute in bfloat16, 0.5 GB. The manifest is
     regenerated too and compared byte for byte (every field a judge reads:
     dtype, output_dtype, storage, reference, tolerance_rule, relative_rule,
     format and suite versions, the case definitions, each file's name, case,
@@ -337,23 +360,17 @@ def verify_vectors(out_dir) -> VerifyReport:
         suite = get_suite(manifest["suite"])
     if layout is not None:
         suite = in_layout(suite, layout)
-    fresh, entries = {}, []
-    for case in suite:                                  # deterministic to the bit, cached per process
-        arrays = _case_arrays(case, dt.name, layout)
+    check_verify_budget(suite, dt.name, where=shown(os.path.join(out_dir, "manifest.json"), 300))
+    by_file = {f"{case.name}.npz": case for case in suite}
+    entries, seen = {}, set()                           # each case's manifest entry: all that is kept of it
+
+    def regenerate(fname):                              # one case, its arrays freed by the caller
+        arrays = _case_arrays(by_file[fname], dt.name, layout, keep=False)
         data = _npz_bytes(arrays)
-        fresh[f"{case.name}.npz"] = (case, arrays, data)
-        entries.append(_file_entry(case, arrays, data))
-    kept = {k: manifest[k] for k in PROVENANCE if isinstance(manifest.get(k), str)}
-    if "cases_file" in kept:
-        custom = dict(custom or {}, cases_file=kept["cases_file"])
-    want = _manifest(manifest["suite"], dt, entries, custom, kept.get("package_version", __version__), layout)
-    if raw != manifest_bytes(want):
-        diff = manifest_differences(manifest, want)
-        rep.problems.append("manifest.json is not what a fresh write of this set gives: " + (
-            "; ".join(diff) if diff else "the same fields, but other bytes (layout, key order, escapes or the "
-                                         "spelling of a number)"))
-    seen = set()
-    for entry in manifest["files"]:
+        entries[fname] = _file_entry(by_file[fname], arrays, data)
+        return arrays, data
+
+    for entry in manifest["files"]:                     # in the manifest's order: read, regenerate, compare
         fname = entry["file"]
         row = {"file": shown(fname, 200), "hash_ok": False, "recompute_ok": False, "max_rel_diff": float("nan"),
                "ok": False}
@@ -363,6 +380,7 @@ def verify_vectors(out_dir) -> VerifyReport:
             continue
         seen.add(fname)
         data, why = read_member(out_dir, fname)
+        fresh = regenerate(fname) if fname in by_file else None
         if data is None:
             row["note"] = why
             continue
@@ -370,15 +388,27 @@ def verify_vectors(out_dir) -> VerifyReport:
         if not row["hash_ok"]:
             row["note"] = "sha256 differs from the manifest (not parsed)"
             continue
-        if fname not in fresh:
+        if fresh is None:
             row["note"] = f"not a case of the {manifest['suite']!r} suite"
             continue
-        if fresh[fname][2] == data:
+        if fresh[1] == data:
             row["recompute_ok"], row["max_rel_diff"] = True, 0.0
         else:
-            row["note"], row["max_rel_diff"] = differences(data, fresh[fname][1])
+            row["note"], row["max_rel_diff"] = differences(data, fresh[0])
         row["ok"] = row["hash_ok"] and row["recompute_ok"]
-    for name in sorted(set(fresh) - seen):
+    for fname in [f for f in by_file if f not in entries]:     # cases the manifest leaves out: their entries too
+        regenerate(fname)
+    kept = {k: manifest[k] for k in PROVENANCE if isinstance(manifest.get(k), str)}
+    if "cases_file" in kept:
+        custom = dict(custom or {}, cases_file=kept["cases_file"])
+    want = _manifest(manifest["suite"], dt, [entries[f] for f in by_file], custom,
+                     kept.get("package_version", __version__), layout)
+    if raw != manifest_bytes(want):
+        diff = manifest_differences(manifest, want)
+        rep.problems.insert(0, "manifest.json is not what a fresh write of this set gives: " + (
+            "; ".join(diff) if diff else "the same fields, but other bytes (layout, key order, escapes or the "
+                                         "spelling of a number)"))
+    for name in sorted(set(by_file) - seen):
         rep.problems.append(f"case {shown(name)} of the {manifest['suite']!r} suite is missing from the manifest")
     try:
         on_disk = os.listdir(out_dir)
