@@ -16,16 +16,19 @@ bits on every machine. Then a quantity passes when
 
 .. math::
 
-    \max|impl - ref64| \le k \cdot \max|honest - ref64| + atol_{dtype}
+    \max|impl - ref64| \le \max(k \cdot \max|honest - ref64| + atol_{dtype},\;
+    ulp_{dt}(M) / 2 + ulp_{64}(M))
 
 with ``k = 3`` (calibrated by ``benchmarks/calibrate_rule.py``; see
 :class:`RelativeRule`) and ``atol_dtype = 2 max|fl(fl(ref64 + 0.3) - 0.3) -
 ref64|``, the rounding of the output's magnitude in that dtype
 (FlashAttention's own floor). An implementation is thus allowed what honest
 same-precision kernels err by, no more, and no fixed tolerance has to be
-guessed per dtype. In float64 the ensemble computes in float64 and the
-allowance is a few float64 roundings; :class:`FixedRule` or
-:class:`ULPRule` state a float64 tolerance directly.
+guessed per dtype; and never less than the rounding of the dtype ``dt`` the
+quantity is returned in (``M = max|ref64|``; :func:`.rules.returned_rounding`),
+so the exact value rounded to that dtype always passes. In float64 the
+ensemble computes in float64 and the allowance is a few float64 roundings;
+:class:`FixedRule` or :class:`ULPRule` state a float64 tolerance directly.
 
 The test dtypes are float64, float32, float16 and, with the ``lowp`` extra
 (``ml_dtypes``), bfloat16, float8_e4m3fn and float8_e5m2. At fp8, as
