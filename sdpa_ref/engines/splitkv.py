@@ -1,20 +1,24 @@
-r"""The split-KV schedule: partial results over splits of the keys, merged by their log-sum-exps.
+r"""The split-KV schedule: partial results over splits of the keys, merged by their normalisers.
 
 ``method="split"`` (or ``num_splits=`` / ``split_bounds=``) lands here. A decode kernel (Flash-Decoding,
 FlashAttention's ``num_splits``, FlashInfer, FlashMLA) cuts each sequence's keys into splits, attends to each
 split alone -- an output ``out_i`` normalised over its own keys and their log-sum-exp ``lse_i`` (``(0, -inf)``
-for a split with no allowed key) -- and merges them (:func:`sdpa_ref.merge_attention`)::
+for a split with no allowed key) -- and merges them (:func:`sdpa_ref.merge_attention`; :func:`partials` gives
+those parts)::
 
     for each split i, keys [b_i, b_{i+1}) of the sequence:
         m_i, l_i, acc_i = the tiled engine's online softmax over those keys      (tiled.key_pass)
-        out_i = acc_i / l_i,   lse_i = m_i + log l_i
-    out, lse   = merge_attention(out_*, lse_*)        w_i = e^(lse_i - lse),  out = sum_i w_i out_i
-    (m, l)     = combine_in(m_*, l_*)                 the row's normaliser, kept for the backward
+    (m, l, alpha) = combine_in(m_*, l_*)              m = max m_i, alpha_i = e^(m_i - m), l = sum alpha_i l_i
+    out           = sum_i alpha_i acc_i / l           the merge of merge_attention, w_i = alpha_i l_i / l
     then the sinks close the normaliser and the fully-masked policy fills the rows with no key (tiled.Rows).
 
-The sink is no split's: the merge is over the keys, and the sink joins the merged normaliser as it joins a
-row's in every engine (a part with ``out = 0`` and ``lse = sink``). The result equals the unsplit one to
-rounding, on every option; the backward and the JVP are the tiled engine's, from the merged normaliser.
+The merge is ``merge_attention``'s, with its weights ``w_i = e^(lse_i - lse)`` taken from the parts' ``(m_i,
+l_i)`` rather than from their rounded log-sum-exps: ``lse_i = m_i + log l_i`` keeps ``log l_i`` only to the ulp
+of ``m_i``, which is 16 at scores of ``1e17`` (a weight ``e^16`` off), so a merge by the LSEs is exact only up
+to scores of a few hundred. The sink is no split's: the merge is over the keys, and the sink joins the merged
+normaliser as it joins a row's in every engine. The result equals the unsplit one to rounding, on every option.
+The backward and the JVP are the tiled engine's, which recompute each row's normaliser from the scores they
+recompute (a score recomputed in another block shape may be an ulp off the forward's).
 
 ``bounds`` are per sequence: an int array broadcastable to ``(*batch, n + 1)``, ``0`` first, non-decreasing,
 the last at least the sequence's key count; split ``i`` holds the keys ``b_i <= j < b_{i+1}`` (its dense key
@@ -31,15 +35,24 @@ import numpy as np
 
 from ..arith import NUMPY
 from ..lse import combine_in
-from ..merge import merge_attention
 from ..normalize import keys_only
 from . import tiled
 from .blocks import Blocks, check_block_size, ranges as _ranges
 from .contract import Forward
 
-__all__ = ["backward", "bounds", "forward", "jvp", "partials", "split_problem"]
+__all__ = ["MAX_EMPTY_SPLITS", "backward", "bounds", "forward", "jvp", "max_splits", "partials", "split_problem"]
 
 backward, jvp = tiled.backward, tiled.jvp
+
+
+#: Splits beyond the key count are empty; up to this many are allowed all the same, and no more, so that a huge
+#: ``num_splits`` is a clear error before anything of its size is allocated.
+MAX_EMPTY_SPLITS = 256
+
+
+def max_splits(prob):
+    """The most splits ``num_splits`` or ``split_bounds`` may ask for: ``max(S, MAX_EMPTY_SPLITS)``."""
+    return max(prob.S, MAX_EMPTY_SPLITS)
 
 
 def bounds(prob, num_splits=None, split_bounds=None):
@@ -52,14 +65,19 @@ def bounds(prob, num_splits=None, split_bounds=None):
     kv = np.broadcast_to(prob.S if prob.kv_lengths is None else prob.kv_lengths, prob.batch).astype(np.int64)
     if num_splits is not None:
         if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (numbers.Integral, np.integer)) \
-                or num_splits < 1:
-            raise ValueError(f"`num_splits` should be a positive int, but got {num_splits!r}")
+                or not 1 <= int(num_splits) <= max_splits(prob):
+            raise ValueError(f"`num_splits` should be a positive int of at most {max_splits(prob)} (the key count "
+                             f"S={prob.S}, or {MAX_EMPTY_SPLITS} when that is fewer: more splits are only empty "
+                             f"ones), but got {num_splits!r}")
         n = int(num_splits)
         chunk = -(-kv // n)
         b = np.minimum(chunk[..., None] * np.arange(n + 1), kv[..., None])
         b[..., -1] = prob.S
         return b
     b = np.asarray(split_bounds)
+    if b.ndim >= 1 and b.shape[-1] - 1 > max_splits(prob):
+        raise ValueError(f"`split_bounds` should hold at most {max_splits(prob)} splits (the key count S={prob.S}, "
+                         f"or {MAX_EMPTY_SPLITS} when that is fewer), but got {b.shape[-1] - 1}")
     if b.dtype == bool or not np.issubdtype(b.dtype, np.integer) or b.ndim < 1 or b.shape[-1] < 2:
         raise ValueError("`split_bounds` should be integers (..., n + 1) with n >= 1 (split i holds the keys "
                          f"b[i] <= j < b[i + 1]), but got dtype {b.dtype} and shape {b.shape}")
@@ -128,8 +146,10 @@ def forward(prob, *, save_probs=False, block_size="auto", split_bounds=None) -> 
     rows = tiled.Rows(prob)
     for i0, i1 in _ranges(prob.L, block):
         parts = list(_parts(prob, i0, i1, split_bounds, block))
-        outs, lses = zip(*(_normalised(*p) for p in parts))
-        out, _ = merge_attention(np.stack(outs), np.stack(lses))    # the kernels' combine, over the keys
-        m, l, _, empty = combine_in(NUMPY, [p[0] for p in parts], [p[1] for p in parts], [p[3] for p in parts])
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            m, l, alpha, empty = combine_in(NUMPY, [p[0] for p in parts], [p[1] for p in parts],
+                                            [p[3] for p in parts])
+            acc = sum(a * np.where(p[3], prob.dtype.type(0), p[2]) for a, p in zip(alpha, parts))
+            out = acc / np.where(empty, 1, l)                       # the merge by (m_i, l_i), not by lse_i
         rows.close(i0, i1, m, l, out.astype(prob.dtype, copy=False), empty)
     return rows.forward()

@@ -44,7 +44,7 @@ from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_outp
 from ..arith import NUMPY
 from ..lse import combine_in
 from ..pivot import block_partial, combine_partials, nan_rows_vjp
-from ..normalize import close, extra_grad_in, extra_probs, extras, nan_row_probs, row_stats
+from ..normalize import close, extra_grad_in, extras, nan_row_probs, row_stats
 from ..transforms import dropout_forward, scores_jvp, scores_vjp, transform_scores_jvp, transform_scores_vjp, \
     unbroadcast
 from .blocks import Blocks, check_block_size, exp_inplace as _exp, ranges as _ranges
@@ -175,8 +175,6 @@ class _Sweeps:
         self.prob, self.bl, self.i0, self.i1, self.g_block = prob, bl, i0, i1, g_block
         self.em = fwd.empty[..., i0:i1, :]
         self.pad = prob.padded_rows((i0, i1))
-        self.m = fwd.rowmax.reshape(prob.full_scores[:-1] + (1,))[..., i0:i1, :]
-        self.s = np.where(self.em, ct.type(1), fwd.rowsum.reshape(prob.full_scores[:-1] + (1,))[..., i0:i1, :])
         self.n = counts(prob, (i0, i1))
         self.const = constant_rows(self.em, self.pad, o.fully_masked, self.n)  # P does not depend on T there
         self.jobs = []
@@ -186,17 +184,56 @@ class _Sweeps:
             if skip and not (o.fully_masked in ("uniform", "nan", "jax") and np.any(self.em)):
                 continue                                            # P = 0 on the whole block
             self.jobs.append((j0, j1, skip, allowed))
-        self.cached = self._recompute(*self.jobs[0]) if len(self.jobs) == 1 else None
-        self.ps = extra_probs(extras(prob, (i0, i1)), fwd.lse[..., i0:i1, None])
+        firsts = [self._first(*job) for job in self.jobs]           # (m_b, l_b, empty_b, partial, (Pe, g, ...))
+        rt = ct.type(0).real.dtype
+        lead = prob.full_scores[:-2] + (i1 - i0, 1)
+        if firsts:                                                  # the keys' normaliser, from these scores
+            with np.errstate(invalid="ignore", over="ignore"):
+                m, l, alpha, kempty = combine_in(NUMPY, *(list(x) for x in zip(*(f[:3] for f in firsts))))
+        else:
+            m, l, alpha, kempty = np.zeros(lead, rt), np.zeros(lead, ct), [], np.ones(lead, bool)
+        nrm = close(m, l, kempty, extras(prob, (i0, i1)))           # the extra logits join it, as in the forward
+        self.m = np.where(nrm.empty, rt.type(0), nrm.m)
+        self.s = np.where(nrm.empty | self.em, ct.type(1), nrm.s)
+        self.ps = nrm.p_extra
+        r = 1 if nrm.r is None else nrm.r                          # P = e^(T - m_b) alpha_b r / l
+        l = np.where(kempty, ct.type(1), l)
         parts = []
         if self.ps is not None:                                     # the extra column: g_extra, its own pivot
             gs = np.zeros(self.ps.shape) if g_extra is None else np.broadcast_to(g_extra, self.ps.shape)
             parts.append((self.ps, gs, np.zeros(self.ps.shape), self.ps))
-        for job in self.jobs:
-            P, g, _, _ = self.cached if self.cached is not None else self._recompute(*job)
-            parts.append(block_partial(P, g))                       # g - c_b, in place
+        self.cached = None
+        for a, (_, _, _, (pm, c_b, s1, sp), kept) in zip(alpha, firsts):
+            with np.errstate(invalid="ignore", over="ignore"):
+                w = np.where(self.em | (self.s != self.s), ct.type(1), a * r / l)   # (the policy's rows:
+                parts.append((pm * w.real, c_b, s1 * w, sp * w))  # their fill; a NaN row: NaN, as it is)
+            if len(self.jobs) == 1:
+                Pe, g, sech2, keep = kept
+                self.cached = np.multiply(Pe, w, out=Pe), g, sech2, keep
         self.parts = parts
         self.c, self.D = combine_partials(parts) if parts else (None, None)
+
+    def _first(self, j0, j1, skip, allowed):
+        """The first sweep's look at one block: its own normaliser ``(m_b, l_b, empty_b)`` from the scores it
+        recomputes, and the pivoted partial sums (:func:`sdpa_ref.pivot.block_partial`) of its unnormalised
+        ``e^(T - m_b)`` (the fully masked rows filled by the policy), which the row's normaliser rescales."""
+        prob, o, ct, i0, i1 = self.prob, self.prob.options, self.prob.dtype, self.i0, self.i1
+        if skip:
+            T, sech2 = np.full(prob.batch + (prob.Hq, i1 - i0, j1 - j0), -np.inf, dtype=ct), None
+        else:
+            T, sech2 = self.bl.scores(i0, i1, j0, j1, allowed, sech2=True)
+        T = np.broadcast_to(T, prob.full_scores[:-2] + T.shape[-2:])
+        m_b, e_b, nan_b = row_stats(T)                             # as the forward's key blocks
+        with np.errstate(invalid="ignore", over="ignore"):
+            e = nan_row_probs(_exp(T - m_b), T, nan_b)              # (a NaN row: NaN on its allowed keys)
+            l_b = e.sum(axis=-1, keepdims=True)
+        Pe = fill_empty_rows(e, self.em, self.pad, o.fully_masked, prob.S, n=self.n,
+                             excl=excluded(prob, (i0, i1), (j0, j1)))
+        keep = self.bl.keep(i0, i1, j0, j1)
+        g = self.g_block(j0, j1, Pe, keep, sech2)
+        with np.errstate(invalid="ignore"):
+            part = block_partial(Pe, g)                             # g - c_b, in place
+        return m_b, l_b, e_b, part, (Pe, g, sech2, keep)
 
     def _recompute(self, j0, j1, skip, allowed):
         """``(P, g, sech2, keep)`` of one block; ``g`` is a fresh array."""
@@ -206,7 +243,7 @@ class _Sweeps:
         else:
             T, sech2 = self.bl.scores(i0, i1, j0, j1, allowed, sech2=True)
         with np.errstate(invalid="ignore", over="ignore"):
-            P = nan_row_probs(_exp(T - self.m) / self.s, T, self.s != self.s)    # as the forward made it
+            P = nan_row_probs(_exp(T - self.m) / self.s, T, self.s != self.s)    # the first sweep's normaliser
         P = fill_empty_rows(P, self.em, self.pad, o.fully_masked, prob.S, n=self.n,
                             excl=excluded(prob, (i0, i1), (j0, j1)))
         keep = self.bl.keep(i0, i1, j0, j1)
