@@ -53,7 +53,7 @@ of the backward::
     T', P'                                          the JVP's lines above (P' = J T', with the sinks' p_sink')
     dV'    = P_drop'^T dO + P_drop^T ddO, summed over the group
     dP'    = (ddO V^T + dO dV^T) * Z / (1 - p)      dV^T here is the value tangent, not the gradient
-    dT'    = P * (dP' - rowsum(P * dP') [+ ddlse])  J's map on the tangents (normalize.vjp_jvp) ...
+    dT'    = P * (dP' - rowsum(P * dP') [+ ddlse])  J's map on the tangents (normalize.vjp_jvp_scores) ...
              + P' * (dP - D [+ dlse]) - P * rowsum(P' * dP)      ... and J' dP: the softmax's second order
     dsink' = p_sink' (dlse - D) - p_sink rowsum(P' * dP) + the map's sink entry
     dB'    = dT' summed to the bias's shape
@@ -71,7 +71,7 @@ import numpy as np
 from .engines.blocks import Blocks
 from .engines.contract import Forward, Grads
 from .policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, zero_output_rows
-from .normalize import close, extra_probs, extras, row_softmax, vjp, vjp_jvp
+from .normalize import close, extra_probs, extras, row_softmax, vjp, vjp_jvp_scores
 from .transforms import (
     additive_vjp,
     dropout_forward,
@@ -211,7 +211,8 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
     """The tangent of :func:`backward` (the double backward): how each gradient moves along the input tangents
     (those of :func:`jvp`, None is zero) and the cotangents' tangents ``ddO`` ``(*batch, Hq, L, Ev)`` and
     ``ddlse`` ``(*batch, Hq, L, 1)`` (None: zero). See the module docstring; each step differentiates one line
-    of :func:`backward` by the product rule, and the softmax's step is :func:`sdpa_ref.normalize.vjp_jvp`.
+    of :func:`backward` by the product rule, and the softmax's step is :func:`sdpa_ref.normalize.vjp_jvp_scores`
+    (every row sum pivoted at the row's largest probability, as the tiled schedule's).
     """
     o = prob.options
     P, sech2 = fwd.probs, fwd.tanh
@@ -222,31 +223,29 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
     def const(x):                                                   # the policy's constant rows: no derivative
         return x if cr is None or x is None else np.where(cr, x.dtype.type(0), x)
 
-    # the backward's own lines, which the tangent reads: dP, dT, dTraw
+    # the backward's own line that the tangent reads: dP
     P_drop = dropout_forward(P, prob.keep, o.dropout_p)
     dP = dropout_vjp(_full(dO_g @ np.swapaxes(v, -1, -2), prob), prob.keep, o.dropout_p)
     p_extra = extra_probs(extras(prob), fwd.lse[..., None])
-    dT = const(vjp(P, dP, p_extra, dlse)[0])
-    dTraw = transform_scores_vjp(dT, sech2)
-    # the forward's tangent: Traw', T', P' = J T' (with the sinks' p_sink')
+    # the forward's tangent: Traw', T'
     dTraw_t = scores_jvp(prob.q, k, dq, None if dk is None else _kv(dk), prob.scale)
     dTraw_t = np.zeros(prob.full_scores, prob.dtype) if dTraw_t is None else _full(dTraw_t, prob)
     dT_t = np.broadcast_to(transform_scores_jvp(dTraw_t, sech2, dbias), P.shape)
-    dP_t, dpx_t = vjp(P, dT_t, p_extra, d_extra=dextra)
-    dP_t, dpx_t = const(dP_t), const(dpx_t)
-    # dV = P_drop^T dO  =>  dV' = P_drop'^T dO + P_drop^T ddO, summed over the group
-    dv_t = np.swapaxes(_grouped(dropout_forward(dP_t, prob.keep, o.dropout_p), prob), -1, -2) @ dO_g
-    if ddO is not None:
-        dv_t = dv_t + np.swapaxes(_grouped(P_drop, prob), -1, -2) @ _grouped(ddO, prob)
-    dv_t = dv_t.sum(axis=-3)
     # dP = (dO V^T) Z / (1 - p)  =>  dP' = (ddO V^T + dO dV^T) Z / (1 - p)
     ddP = np.zeros_like(dP) if ddO is None else _full(_grouped(ddO, prob) @ np.swapaxes(v, -1, -2), prob)
     if dv is not None:
         ddP = ddP + _full(dO_g @ np.swapaxes(_kv(dv), -1, -2), prob)
     ddP = dropout_vjp(ddP, prob.keep, o.dropout_p)
-    # dT = J dP + P dlse  =>  dT' = J dP' + P ddlse + J' dP + P' dlse (the softmax's second order)
-    ddT, ddx = vjp_jvp(P, dP, dP_t, ddP, p_extra, dpx_t, dlse, ddlse)
-    ddT, ddx = const(ddT), const(ddx)
+    # P' = J T' (with the sinks' p_sink'); dT = J dP + P dlse  =>  dT' = J dP' + P ddlse + J' dP + P' dlse (the
+    # softmax's second order), every row sum pivoted at the row's largest P (normalize.vjp_jvp_scores)
+    dT, dP_t, ddT, ext = vjp_jvp_scores(P, dP, dT_t, ddP, p_extra, dextra, dlse, ddlse)
+    dT, dP_t, ddT, ddx = const(dT), const(dP_t), const(ddT), const(None if ext is None else ext[2])
+    dTraw = transform_scores_vjp(dT, sech2)
+    # dV = P_drop^T dO  =>  dV' = P_drop'^T dO + P_drop^T ddO, summed over the group
+    dv_t = np.swapaxes(_grouped(dropout_forward(dP_t, prob.keep, o.dropout_p), prob), -1, -2) @ dO_g
+    if ddO is not None:
+        dv_t = dv_t + np.swapaxes(_grouped(P_drop, prob), -1, -2) @ _grouped(ddO, prob)
+    dv_t = dv_t.sum(axis=-3)
     dmask = None if prob.mask_float is None else additive_vjp(ddT, prob.shapes["attn_mask"])
     dbias_t = None if prob.bias is None else additive_vjp(ddT, prob.shapes["bias"])
     # dTraw = dT sech^2  =>  dTraw' = dT' sech^2 + dT (sech^2)'   (sech^2: the chain's slope, softcap's times fn')

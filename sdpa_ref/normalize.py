@@ -15,7 +15,12 @@ merged by :func:`sdpa_ref.lse.combine_in`), then *closes* it here:
   pivoted form of :mod:`sdpa_ref.pivot`), with the LSE's cotangent, and
   each extra logit's gradient; the same map is the JVP (the Jacobian is
   symmetric), with the extra logits' tangent; :func:`vjp_jvp` is its
-  tangent, the softmax's second order (the double backward).
+  tangent, the softmax's second order (the double backward), and
+  :func:`vjp_jvp_scores` the same from the scores' tangent on a whole row,
+  :func:`second_pivots` and :func:`extra_second` the pieces a schedule over
+  key blocks assembles it from: every row sum of it pivoted at the row's
+  largest probability, the extra logits included
+  (:func:`sdpa_ref.pivot.combine_second`).
 
 An engine never names the extra logits: it asks :func:`extras` for them,
 closes its rows, and sums the extra gradient over the rows into
@@ -37,13 +42,15 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from .arith import NUMPY
-from .pivot import sink_grad_in, sink_softmax_vjp_in, softmax_vjp_delta_in, softmax_vjp_in
+from .pivot import (combine_second, second_entries, second_partial, sink_grad_in, sink_softmax_vjp_in,
+                    softmax_vjp_delta_in, softmax_vjp_in, tangent_probs)
 from .sinks import fold_sink_in, sink_probs, sink_probs_in
 from .softmax import softmax_lse_vjp, softmax_vjp
 
 __all__ = ["EXTRA_NAME", "Closed", "close", "nan_row_probs", "row_softmax", "row_stats", "close_in", "extra_grad_in",
            "extra_probs", "extra_probs_in",
-           "extra_shape", "extras", "keys_only", "vjp", "vjp_delta_in", "vjp_in", "vjp_jvp"]
+           "extra_shape", "extras", "keys_only", "vjp", "vjp_delta_in", "vjp_in", "vjp_jvp",
+           "extra_second", "second_pivots", "vjp_jvp_scores"]
 
 
 def row_stats(T):
@@ -208,16 +215,72 @@ def vjp_jvp(P, g, dP, dg, p_extra=None, dp_extra=None, g_lse=None, dg_lse=None):
     and on an extra column (``g = 0``): :math:`\dot p_\sigma (\bar\lambda - D) - p_\sigma (\dot P \cdot g)`
     plus the first term's entry. ``dP`` and ``dp_extra`` are the forward's tangent (:func:`vjp` with the scores'
     tangent and ``d_extra``: :math:`\dot P = J \dot T`).
+
+    Every row sum is pivoted at the row's largest probability (:func:`sdpa_ref.pivot.combine_second`, whose
+    docstring derives it): :math:`g - D = (g - a) - \sum_j P_j (g_j - a)`, the same for ``dg``, and
+    :math:`\dot P \cdot g = \sum_j \dot P_j (g_j - a)` (:math:`\sum_j \dot P_j = 0`), taken here from the
+    given ``dP``; :func:`vjp_jvp_scores` computes the same from the scores' tangent.
+    """
+    if P.shape[-1] == 0 and p_extra is None:                   # S = 0: no entry, and no pivot to take
+        return np.zeros(P.shape, P.dtype), None
+    with np.errstate(invalid="ignore"):
+        zero = np.zeros(P.shape, P.dtype)                        # no T': the pivots of g and g' alone
+        piv = second_pivots([] if P.shape[-1] == 0 else [second_partial(P, g, zero, dg)], p_extra)
+        E = np.sum(dP * (g - piv.a), axis=-1, keepdims=True)     # rowsum(P' (g - a)), the pivot's term 0
+        if p_extra is not None:
+            E = E + dp_extra * (0 - piv.a)                        # the extra column's g is 0
+        piv = piv._replace(E=E)
+        lam, lam_t = (0 if x is None else x for x in (g_lse, dg_lse))
+        ddT = second_entries(P, dP, g, dg, piv, lam, lam_t)[1]
+        ddx = None if p_extra is None else second_entries(p_extra, dp_extra, 0, 0, piv, lam, lam_t)[1]
+    return ddT, ddx
+
+
+def second_pivots(parts, p_extra=None, t_extra=None):
+    r"""A row's :class:`sdpa_ref.pivot.SecondPivots` from its key blocks' :func:`sdpa_ref.pivot.second_partial`
+    ``parts`` and the extra logits' probability ``p_extra`` ``(..., 1)`` and tangent ``t_extra`` (None: none /
+    zero), the extra column first (it wins a tie, as in first order): one more block with ``g = dP' = 0``."""
+    if p_extra is not None:
+        z = np.zeros(np.shape(p_extra), np.result_type(p_extra))
+        te = z if t_extra is None else np.broadcast_to(t_extra, z.shape)
+        parts = [second_partial(p_extra, z, te, z)] + list(parts)
+    if not parts:                                               # no key and no extra logit: nothing moves
+        raise ValueError("second_pivots needs a key block or an extra logit")
+    return combine_second(parts)
+
+
+def extra_second(piv, p_extra, t_extra=None, g_lse=None, dg_lse=None):
+    r"""``(p', d_extra, d_extra')`` of the extra logits ``(..., 1)`` from the row's pivots ``piv``
+    (:func:`second_pivots`): their probability's tangent :math:`p_\sigma' = p_\sigma ((\sigma' - \tau) - (c -
+    \tau))`, gradient :math:`p_\sigma ((0 - a) - (D - a) + \bar\lambda)` and its tangent
+    :math:`p_\sigma ((0 - b) - F + \bar\lambda') + p_\sigma' ((0 - a) - (D - a) + \bar\lambda) - p_\sigma E`
+    (:func:`sdpa_ref.pivot.second_entries` on a column whose ``g`` and ``dP'`` are 0); None without them."""
+    if p_extra is None:
+        return None
+    te = 0 if t_extra is None else t_extra
+    pt = tangent_probs(p_extra, te, piv)
+    lam, lam_t = (0 if x is None else x for x in (g_lse, dg_lse))
+    return (pt,) + second_entries(p_extra, pt, 0, 0, piv, lam, lam_t)
+
+
+def vjp_jvp_scores(P, g, t, h, p_extra=None, t_extra=None, g_lse=None, dg_lse=None):
+    r"""The softmax's second order on whole rows (the teaching core's), from the scores' tangent ``t``:
+    ``(dT, P', dT', extra)``, ``extra`` :func:`extra_second`'s ``(p', d_extra, d_extra')`` or None.
+
+    ``g`` is :math:`dP`, ``h`` its tangent :math:`dP'`, ``t_extra`` the extra logits' tangent; :math:`P'` the
+    JVP's :math:`J T'`, :math:`dT` the VJP and :math:`dT'` its tangent, as :func:`vjp_jvp`, each row sum pivoted
+    (:func:`sdpa_ref.pivot.combine_second`). The tiled engine assembles the same from key blocks
+    (:mod:`sdpa_ref.engines.second`).
     """
     with np.errstate(invalid="ignore"):
-        ddT, ddx = vjp(P, dg, p_extra, dg_lse)               # J g' + P lambda': the first-order map on the tangents
-        D = np.sum(P * g, axis=-1, keepdims=True)
-        c = g - D if g_lse is None else g - D + g_lse
-        E = np.sum(dP * g, axis=-1, keepdims=True)           # dP . g (an extra column's g is 0)
-        ddT = ddT + dP * c - P * E
-        if p_extra is not None:
-            ddx = ddx + dp_extra * (-D if g_lse is None else g_lse - D) - p_extra * E
-    return ddT, ddx
+        if P.shape[-1] == 0 and p_extra is None:               # S = 0: no entry, and no pivot to take
+            z = np.zeros(P.shape, P.dtype)
+            return z, z, z, None
+        piv = second_pivots([] if P.shape[-1] == 0 else [second_partial(P, g, t, h)], p_extra, t_extra)
+        Pt = tangent_probs(P, t, piv)
+        lam, lam_t = (0 if x is None else x for x in (g_lse, dg_lse))
+        dT, ddT = second_entries(P, Pt, g, h, piv, lam, lam_t)
+        return dT, Pt, ddT, extra_second(piv, p_extra, t_extra, g_lse, dg_lse)
 
 
 def extra_grad_in(X, p_extra, c, D):

@@ -19,15 +19,21 @@ engine computes this form, from here:
 * :func:`block_partial`, :func:`combine_partials` -- a row split into key blocks (the tiled engine): each block's
   own pivot and partial sums, then the row's one pivot and :math:`D`;
 * :func:`softmax_vjp_delta_in` -- the unpivoted form with :math:`D` given, as kernels compute it (the honest
-  ensemble).
+  ensemble);
+* :func:`second_partial`, :func:`combine_second`, :func:`tangent_probs`, :func:`second_entries` -- the
+  softmax's second order (the double backward), pivoted the same way, on a whole row (the teaching core) or
+  key block by key block (the tiled engine).
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 __all__ = ["block_partial", "combine_partials", "nan_rows_vjp", "pivoted_vjp", "row_pivot", "rowdot",
-           "sink_grad_in", "sink_softmax_vjp_in", "softmax_vjp_delta_in", "softmax_vjp_in", "softmax_vjp_rows"]
+           "sink_grad_in", "sink_softmax_vjp_in", "softmax_vjp_delta_in", "softmax_vjp_in", "softmax_vjp_rows",
+           "SecondPivots", "combine_second", "second_entries", "second_partial", "tangent_probs"]
 
 
 def row_pivot(y, g, axis=-1):
@@ -179,3 +185,123 @@ def combine_partials(parts):
     for b in range(1, len(parts)):
         D = D + (s1[b] + (cb[b] - c) * sp[b])
     return c, D
+
+
+# ------------------------------------------------------------------ second order
+
+
+class SecondPivots(NamedTuple):
+    r"""A row's pivots and pivoted sums for the softmax's second order (:func:`combine_second`), ``(..., 1)``
+    each: ``a``, ``tau``, ``b`` are :math:`g`, :math:`T'`, :math:`dP'` at the row's first largest probability,
+    and the sums are taken relative to them."""
+
+    a: Any          # g at the pivot (the first-order pivot, as row_pivot's)
+    tau: Any        # T' at the pivot
+    b: Any          # dP' at the pivot
+    Dg: Any         # D - a = rowsum(P (g - a))
+    Ct: Any         # c - tau = rowsum(P (T' - tau)),  c = rowsum(P T')
+    Fh: Any         # rowsum(P (dP' - b))
+    E: Any          # rowsum(P' (g - a)) = rowsum(P' g);  D' - b = Fh + E,  D' = rowsum(P dP' + P' g)
+
+
+def second_partial(P, g, t, h):
+    r"""One key block's share of the softmax's second order, for :func:`combine_second`.
+
+    ``P`` the block's probabilities, ``g`` the probabilities' cotangent :math:`dP`, ``t`` the scores' tangent
+    :math:`T'`, ``h`` the cotangent's tangent :math:`dP'`, each ``(..., n)`` with ``n >= 1``. With the block's own
+    pivots :math:`a_b, \tau_b, b_b` (``g``, ``t``, ``h`` at the block's first largest ``P``), returns
+    ``(max P, a_b, tau_b, b_b, rowsum(P), rowsum(P (g - a_b)), rowsum(P (t - tau_b)), rowsum(P (h - b_b)),
+    rowsum(P (t - tau_b) (g - a_b)))``. An extra column of the normaliser (a sink) is a block of one column whose
+    ``g`` and ``h`` are 0 and ``t`` its tangent. Nothing is written into the arguments.
+    """
+    idx = np.argmax(P.real, axis=-1, keepdims=True)
+    a, tau, b = (np.take_along_axis(x, idx, axis=-1) for x in (g, t, h))
+    gw = g - a
+    Pu = P * (t - tau)
+    return (np.take_along_axis(P.real, idx, axis=-1), a, tau, b, rowdot(P, None), rowdot(P, gw), rowdot(Pu, None),
+            rowdot(P, h - b), rowdot(Pu, gw))
+
+
+def combine_second(parts):
+    r"""The row's :class:`SecondPivots` from its blocks' :func:`second_partial` (the first part holding the row's
+    largest ``P`` gives the pivots; put the extra column first, so that it wins a tie, as in first order).
+
+    Notes
+    -----
+    The softmax's double backward (:func:`sdpa_ref.normalize.vjp_jvp`) reads three row sums, each an average
+    under :math:`P` (:math:`\sum_j P_j = 1`):
+
+    .. math:: D = \sum_j P_j g_j, \qquad c = \sum_j P_j T'_j, \qquad
+              D' = \sum_j P_j\, dP'_j + \sum_j P'_j g_j, \quad P' = P \odot (T' - c),
+
+    and it uses them only as differences with a row's entries: :math:`g - D`, :math:`T' - c`,
+    :math:`dP' - D'`. When one entry :math:`k` holds nearly all of the row (a dominant key, a sink with
+    :math:`p_\sigma = 1 - 5 \cdot 10^{-18}`), each average agrees with that entry's value to
+    :math:`1 - P_k`, so the plain sums leave the dominant entry's difference -- the part every result of the
+    dominant key and the sink is made of -- as two O(1) numbers that cancel. For any row constant :math:`x_0`,
+
+    .. math:: \sum_j P_j x_j - x_0 = \sum_j P_j (x_j - x_0),
+
+    and taking :math:`x_0` at the largest :math:`P` makes the dominant term exactly 0: every other term is
+    small with its weight, so the difference is computed without cancellation. With :math:`a, \tau, b` the
+    pivot's :math:`g, T', dP'`:
+
+    .. math::
+
+        D - a = \sum_j P_j (g_j - a), \qquad c - \tau = \sum_j P_j (T'_j - \tau), \\
+        D' - b = \sum_j P_j (dP'_j - b) + \sum_j P'_j (g_j - a),
+
+    the last since :math:`\sum_j P'_j = 0` (the tangent of :math:`\sum_j P_j = 1`), where the pivot's term
+    :math:`P'_k (g_k - a)` is exactly 0 and the others are small. With
+    :math:`P'_j = P_j ((T'_j - \tau) - (c - \tau))`,
+
+    .. math:: \sum_j P'_j (g_j - a) = \sum_j P_j (T'_j - \tau)(g_j - a) - (c - \tau)(D - a).
+
+    A row split into key blocks has each block pivoted at its own largest :math:`P` (:math:`a_b`, ...); the
+    row's sums are the blocks' moved to the row's pivot, :math:`x_j - x_0 = (x_j - x_b) + (x_b - x_0)`:
+
+    .. math::
+
+        \sum_{j \in b} P_j (g_j - a) = \sum_{j \in b} P_j (g_j - a_b) + (a_b - a) \sum_{j \in b} P_j,
+
+    and the product term by the product of two such sums, each block's correction a small weight times an O(1)
+    difference (the pivot block's exactly 0). The extra column of the normaliser (a sink) is one more block,
+    with :math:`g = dP' = 0` and :math:`T'` its tangent :math:`\sigma'`.
+    """
+    pm, a_b, tau_b, b_b, s1, sg, st, sh, stg = (np.stack(x) for x in zip(*parts))
+    best = np.argmax(pm, axis=0)[None]
+    a, tau, b = (np.take_along_axis(x, best, axis=0)[0] for x in (a_b, tau_b, b_b))
+    Dg = Ct = Fh = Euw = 0
+    for i in range(len(parts)):
+        da, dt, db = a_b[i] - a, tau_b[i] - tau, b_b[i] - b
+        Dg = Dg + (sg[i] + da * s1[i])
+        Ct = Ct + (st[i] + dt * s1[i])
+        Fh = Fh + (sh[i] + db * s1[i])
+        Euw = Euw + (stg[i] + da * st[i] + dt * (sg[i] + da * s1[i]))
+    return SecondPivots(a, tau, b, Dg, Ct, Fh, Euw - Ct * Dg)
+
+
+def tangent_probs(P, t, piv):
+    r""":math:`P' = P \odot ((T' - \tau) - (c - \tau))`, the probabilities' tangent (the JVP's
+    :math:`J T'`) pivoted by :func:`combine_second`'s ``piv``; ``t`` the scores' tangent :math:`T'`."""
+    return P * ((t - piv.tau) - piv.Ct)
+
+
+def second_entries(P, Pt, g, h, piv, lam=0, lam_t=0):
+    r"""``(dT, dT')`` of each entry: the softmax's VJP and its tangent, pivoted by ``piv``
+    (:func:`combine_second`),
+
+    .. math::
+
+        dT = P \odot r, \quad r = (g - a) - (D - a) + \bar\lambda, \qquad
+        dT' = P \odot ((dP' - b) - F + \bar\lambda') + (P' \odot r - P\, E),
+
+    :math:`F = \sum_j P_j (dP'_j - b)`, :math:`E = \sum_j P'_j (g_j - a)` (so that :math:`F + E = D' - b`),
+    with ``Pt`` :math:`P'` (:func:`tangent_probs`), ``g`` :math:`dP`, ``h`` :math:`dP'`, ``lam`` the LSE's
+    cotangent :math:`\bar\lambda` and ``lam_t`` its tangent (0: none). The two terms of the curvature
+    :math:`J' dP = P' \odot (g - D) - P E` are added together first: on a row whose largest probability is
+    shared by keys with the same weight (a tie) they cancel exactly, which leaves :math:`J\, dP'` its bits.
+    The extra column of the normaliser (a sink) is an entry with ``g = h = 0``: its gradient and the
+    gradient's tangent."""
+    r = (g - piv.a) - piv.Dg + lam
+    return P * r, P * ((h - piv.b) - piv.Fh + lam_t) + (Pt * r - P * piv.E)

@@ -5,29 +5,35 @@ The teaching core's double backward holds ``P``, ``P'``, ``dP``, ``dP'`` and the
 :math:`P = e^{T - m} / s` from the forward's row max and sum; no ``L x S`` array is made. Every quantity
 of the derivation is a row sum or a block's own product, so two sweeps suffice:
 
-* the first accumulates, per row, :math:`D = \sum_j P\, dP`, :math:`c = \sum_j P\, T'` (an extra logit of
-  the normaliser adds :math:`p_\sigma \sigma'`), :math:`F = \sum_j P\, dP'` and :math:`G = \sum_j P\, T'\, dP`;
-  then :math:`P' = P \odot (T' - c)`, :math:`E = \sum_j P'\, dP = G - c D` and :math:`D' = F + E`;
-* the second recomputes each block and forms, as the core does,
+* the first takes each key block's pivot (``dP``, ``T'``, ``dP'`` at the block's largest ``P``) and its row
+  sums relative to it (:func:`sdpa_ref.pivot.second_partial`), and joins them, with the extra logits of the
+  normaliser as one more column, into the row's pivot and :math:`D`, :math:`c = \sum_j P\, T'`,
+  :math:`D' = \sum_j P\, dP' + \sum_j P'\, dP` taken relative to it (:func:`sdpa_ref.normalize.second_pivots`,
+  :func:`sdpa_ref.pivot.combine_second`, which derives the pivoted form);
+* the second recomputes each block and forms, as the core does (:func:`sdpa_ref.pivot.tangent_probs`,
+  :func:`sdpa_ref.pivot.second_entries`),
 
   .. math::
 
-      dT = P \odot (dP - D + \bar\lambda), \qquad
+      P' = P \odot (T' - c), \qquad dT = P \odot (dP - D + \bar\lambda), \qquad
       dT' = P \odot (dP' - D' + \bar\lambda') + P' \odot (dP - D + \bar\lambda),
 
-  then :math:`dV' \mathrel{+}= P'^T_{drop} dO + P^T_{drop} dO'`, :math:`dQ'`, :math:`dK'` from
-  :math:`dT_{raw} = dT\, \mathrm{sech}^2` and :math:`dT'_{raw} = dT' \mathrm{sech}^2 + dT\, (\mathrm{sech}^2)'`,
-  and the bias's and the extra logits' tangents.
+  each difference with a row sum taken relative to the pivot, then :math:`dV' \mathrel{+}= P'^T_{drop} dO +
+  P^T_{drop} dO'`, :math:`dQ'`, :math:`dK'` from :math:`dT_{raw} = dT\, \mathrm{sech}^2` and
+  :math:`dT'_{raw} = dT' \mathrm{sech}^2 + dT\, (\mathrm{sech}^2)'`, and the bias's and the extra logits'
+  tangents (:func:`sdpa_ref.normalize.extra_second`).
 
-The row sums are plain (not pivoted as the first-order engines' are): the double backward of the core uses the
-plain :math:`D` for its curvature terms too, and the two agree to rounding (``tests/test_second_order.py``).
+The row sums are pivoted as the first-order engines' are, by the same functions as the core's
+(:func:`sdpa_ref.normalize.vjp_jvp_scores`), so a dominant key or sink costs neither schedule its accuracy
+(``tests/test_edges_second_order.py``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..normalize import extra_probs, extras
+from ..normalize import extra_probs, extra_second, extras, second_pivots
+from ..pivot import second_entries, second_partial, tangent_probs
 from ..policy import constant_rows, counts, excluded, fill_empty_rows
 from ..transforms import dropout_forward, scores_jvp, scores_vjp, transform_scores_jvp, transform_scores_slope_jvp, \
     transform_scores_vjp, transform_scores_vjp_jvp, unbroadcast
@@ -103,37 +109,28 @@ def _rows(prob, bl, fwd, i0, i1, b, dO, dlse, tangents, ddO, ddlse, out, acc, de
         if skip and not (o.fully_masked in ("uniform", "nan", "jax") and np.any(em)):
             continue                                                # P = 0 on the whole block
         jobs.append((j0, j1, allowed, skip))
-    # the first sweep: the row sums
-    D = c = F = G = 0
+    if not jobs and px is None:
+        return                                                      # P = 0 on every block, and no extra logit
+    # the first sweep: each key block's pivot and pivoted row sums, joined into the row's (the extra logits first)
     with np.errstate(invalid="ignore"):
-        for job in jobs:
-            P, dP, t_t, ddP = block(*job)[:4]
-            D = D + np.sum(P * dP, axis=-1, keepdims=True)
-            c = c + np.sum(P * t_t, axis=-1, keepdims=True)
-            F = F + np.sum(P * ddP, axis=-1, keepdims=True)
-            G = G + np.sum(P * t_t * dP, axis=-1, keepdims=True)
-        if px is not None and dextra is not None:
-            c = c + px * dextra                                     # the extra column's T' is its tangent
-        Dt = F + (G - c * D)                                        # D' = sum P dP' + sum P' dP
+        parts = [second_partial(*block(*job)[:4]) for job in jobs]  # (P, dP, T', dP') of each block
+        piv = second_pivots(parts, px, dextra)
     lam = 0 if dlse is None else dlse[..., i0:i1, :]
     lam_t = 0 if ddlse is None else ddlse[..., i0:i1, :]
 
     def zero_const(x):
         return x if const is None else np.where(const, ct.type(0), x)
 
-    if dext is not None:                                            # p' (lambda - D) - p (D' - lambda')
-        pxt = px * ((0 if dextra is None else dextra) - c)
+    if dext is not None:                                            # the extra logits' gradient's tangent
         with np.errstate(invalid="ignore"):
-            dext[..., i0:i1] = zero_const(pxt * (lam - D) - px * (Dt - lam_t))[..., 0]
+            dext[..., i0:i1] = zero_const(extra_second(piv, px, dextra, lam, lam_t)[2])[..., 0]
     # the second sweep: each block's part of every gradient's tangent
     for job in jobs:
         j0, j1 = job[0], job[1]
         P, dP, t_t, ddP, keep, slope, traw_t = block(*job)
         with np.errstate(invalid="ignore"):
-            Pt = zero_const(P * (t_t - c))                              # P' = P (T' - c)
-            r = dP - D + lam
-            dT = zero_const(P * r)
-            ddT = zero_const(P * (ddP - Dt + lam_t) + Pt * r)
+            Pt = zero_const(tangent_probs(P, t_t, piv))                 # P' = P ((T' - tau) - (c - tau))
+            dT, ddT = (zero_const(x) for x in second_entries(P, Pt, dP, ddP, piv, lam, lam_t))
         dv_t = np.swapaxes(bl.grouped(dropout_forward(Pt, keep, o.dropout_p)), -1, -2) @ dOg
         if ddOg is not None:
             dv_t = dv_t + np.swapaxes(bl.grouped(dropout_forward(P, keep, o.dropout_p)), -1, -2) @ ddOg
