@@ -14,6 +14,11 @@ added. It works for ``pip install .`` (the library goes into the wheel, which is
 since pip builds in the source tree, beside the sources too, so that tests run from a checkout use it),
 ``pip install -e .`` and ``python setup.py build_ext --inplace`` (the library lands in the source tree,
 ignored by git; rerun any of them after editing the C files).
+
+``SDPA_REF_NO_COMPILE=1`` in the environment builds nothing, as if there were no compiler (the record says it
+was asked, and any library an earlier build left in the build folder is removed): an install without the
+kernels, which .ci/run tests on a compiler's machine (``SDPA_REF_NATIVE=0`` instead only stops an installed
+library from being loaded).
 """
 
 import hashlib
@@ -65,6 +70,8 @@ class BuildCompiledKernels(build_ext):
         record = {"built": False, "reason": None, "compiler": None, "flags": FLAGS + LIBS,
                   "sources_sha256": sources_sha256(), "platform": sysconfig.get_platform()}
         try:
+            if os.environ.get("SDPA_REF_NO_COMPILE", "") not in ("", "0"):
+                raise _NotBuilt("SDPA_REF_NO_COMPILE is set: asked to build no kernels")
             record["compiler"] = cc = self._compiler()
             tmp = out + ".tmp"
             cmd = [*cc, *FLAGS, "-o", tmp, *ext.sources, *LIBS]

@@ -18,6 +18,7 @@ __all__ = [
     "UPCAST_FALSE_DTYPES",
     "as_array",
     "as_float_array",
+    "result_dtype",
     "as_mask",
     "as_real_scalar",
     "check_dtype",
@@ -53,6 +54,18 @@ def _listing(names):
 
 def _is_ml_dtype(dt) -> bool:
     return getattr(dt.type, "__module__", "").split(".")[0] == "ml_dtypes"
+
+
+def result_dtype(*dtypes):
+    """``np.result_type`` of input dtypes, and bfloat16 with float16 gives float32 whatever the ``ml_dtypes``
+    version (0.7 promotes them so; older versions have no rule, and NumPy raises)."""
+    try:
+        return np.result_type(*dtypes)
+    except TypeError:
+        names = {np.dtype(d).name for d in dtypes}
+        if "bfloat16" in names and names <= {"bfloat16", "float16", "float32", "float64"}:
+            return np.dtype(np.float64 if "float64" in names else np.float32)
+        raise
 
 
 def _known_name(dt):

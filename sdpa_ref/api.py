@@ -29,6 +29,7 @@ from . import attention, poison
 from .engines import blocks, fast, reproducible, splitkv, tiled
 from ._threads import single_threaded_blas
 from .residuals import AttentionResiduals
+from .rounding import round_to
 from .options import DOC_OPTIONS, FULLY_MASKED_POLICIES, AttentionOptions, check_bool
 from .absorbed import Absorbed
 from .layouts import Gathered
@@ -124,7 +125,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                             save_probs=False, method=method, block_size=block_size, num_splits=num_splits,
                             split_bounds=split_bounds, precision=precision, layout=layout, **options)
     if return_lse:
-        return out, res.lse.astype(res.problem.out_dtype, copy=False)
+        return out, round_to(res.lse, res.problem.out_dtype, copy=False)
     return out
 
 
@@ -203,7 +204,7 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     fwd = _read_only(fwd)
     taint = poison.forward_taint(prob)                 # where the results read a NaN or inf input: NaN there
     out = poison.nan_where(fwd.out, None if taint is None else taint.out)
-    out = out.reshape(prob.out_shape).astype(prob.out_dtype, copy=True)   # the caller's own array
+    out = round_to(out.reshape(prob.out_shape), prob.out_dtype)   # the caller's own array
     if gathered is not None:
         out = gathered.out(out)                        # a new array, in the layout
     return out, AttentionResiduals(problem=prob, forward=fwd, method=engine.name, block_size=engine.block_size,
@@ -251,7 +252,7 @@ def split_kv_partials(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
         taint = poison.forward_taint(splitkv.split_problem(prob, b, i)[0])    # what this split reads
         o = poison.nan_where(outs[i], None if taint is None else taint.out).reshape(prob.out_shape)
         lse = poison.nan_where(lses[i], None if taint is None else taint.lse).reshape(prob.out_shape[:-1])
-        o, lse = o.astype(prob.out_dtype), lse.astype(prob.out_dtype)
+        o, lse = round_to(o, prob.out_dtype), round_to(lse, prob.out_dtype)
         res_out.append(o if gathered is None else gathered.lse(o, fill=0.0))      # the accumulators' layout
         res_lse.append(lse if gathered is None else gathered.lse(lse))
     return np.stack(res_out), np.stack(res_lse)

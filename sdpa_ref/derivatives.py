@@ -18,6 +18,7 @@ from .api import METHODS, Engine, sdpa_forward
 from .engines import blocks
 from .reads import clean
 from .residuals import AbsorbedGrads, AttentionGrads, AttentionResiduals, ScoreModGrads
+from .rounding import round_to
 from .transforms import unbroadcast
 
 __all__ = ["BACKWARD_METHODS", "AbsorbedGrads", "AttentionGrads", "cotangents", "input_tangents", "sdpa_backward",
@@ -179,7 +180,7 @@ def user_grads(residuals, gr, bad):
         dtypes.update(residuals.absorbed.dtypes)
     if lay is not None:                                  # the gather's VJP: back into the layout
         g.update({n: lay.scatter_input(g[n], n) for n in ("query", "key", "value", "qv") if g.get(n) is not None})
-    g = {n: None if x is None else x.astype(dtypes[n], copy=False) for n, x in g.items()}
+    g = {n: None if x is None else round_to(x, dtypes[n], copy=False) for n, x in g.items()}
     if gr.dmod is not None:                              # the score function's captured tensors: NaN when any
         hit = bad is not None and any(np.any(bad[n]) for n in ("query", "key") if bad.get(n) is not None)
         mod = tuple(np.full_like(x, np.nan) if hit else x for x in gr.dmod)      # score's gradient reads poison
@@ -253,7 +254,7 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
     dO = poison.nan_where(dO, bad)                       # what reads poison: NaN
     dO = poison.nan_where(dO, prob.nan_rows_without_keys() if any(t is not None for t in (dq, dk, dv, db, ds))
                           else None)
-    dO = dO.reshape(prob.out_shape).astype(prob.out_dtype, copy=False)
+    dO = round_to(dO.reshape(prob.out_shape), prob.out_dtype, copy=False)
     return out, (dO if res.layout is None else res.layout.out(dO))
 
 
@@ -299,4 +300,4 @@ def input_tangents(res, tangents, name="tangents"):
 
 def _cast_real(t, prob):
     """A sinks tangent in the real compute dtype (the sinks' own)."""
-    return np.asarray(t).astype(prob.sink.dtype, copy=False)
+    return round_to(t, prob.sink.dtype, copy=False)

@@ -22,6 +22,7 @@ import numpy as np
 
 from ._validate import as_float_array
 from .lse import check_base, combine_lse, combine_lse_vjp
+from .rounding import round_to
 
 __all__ = ["merge_attention", "merge_attention_backward"]
 
@@ -102,7 +103,7 @@ def merge_attention(out_parts, lse_parts, *, lse_base="e"):
     lse, w = combine_lse(lse_in, axis=0, base=base)
     with np.errstate(invalid="ignore", over="ignore"):
         out = np.sum(w[..., None] * o, axis=0)                    # out = sum_i w_i out_i
-    return out.astype(dtypes[0], copy=False), lse.astype(dtypes[1], copy=False)
+    return round_to(out, dtypes[0], copy=False), round_to(lse, dtypes[1], copy=False)
 
 
 def merge_attention_backward(out_parts, lse_parts, grad_out, grad_lse=None, *, lse_base="e"):
@@ -170,7 +171,7 @@ def merge_attention_backward(out_parts, lse_parts, grad_out, grad_lse=None, *, l
         d_out = np.where(live[..., None], w[..., None] * g, 0.0)  # step 1: w_i g
         g_w = np.where(live, np.sum(o * g, axis=-1), 0.0)         # <g, o_i>, the cotangent of w_i
         d_lse = np.where(live, combine_lse_vjp(w, g_w, g_lse, axis=0, base=base), 0.0)   # steps 2-4
-    return d_out.astype(dtypes[0], copy=False), d_lse.astype(dtypes[1], copy=False)
+    return round_to(d_out, dtypes[0], copy=False), round_to(d_lse, dtypes[1], copy=False)
 
 
 # ---------------------------------------------------------------- helpers

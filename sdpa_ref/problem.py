@@ -127,7 +127,7 @@ class Problem:
             raise ValueError("`fully_masked` should not be 'uniform' when S == 0 (the mean of zero values "
                              "is undefined), but got S=0")
 
-        out_dtype = np.dtype(np.complex128) if complex_ok else np.result_type(q.dtype, k.dtype, v.dtype)
+        out_dtype = np.dtype(np.complex128) if complex_ok else V.result_dtype(q.dtype, k.dtype, v.dtype)
         if not (opts.upcast or complex_ok) and out_dtype.name not in V.UPCAST_FALSE_DTYPES:
             raise TypeError(f"`query` should have dtype {V._listing(V.UPCAST_FALSE_DTYPES)} with upcast=False "
                             f"(it computes in the inputs' dtype, and NumPy has no {out_dtype.name} arithmetic), "

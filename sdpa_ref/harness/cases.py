@@ -33,6 +33,7 @@ import numpy as np
 from ..api import sdpa_forward
 from ..options import ARRAY_OPTIONS, FUNCTION_OPTIONS, OPTION_NAMES, AttentionOptions
 from ..score_mod import ScoreMod
+from ..rounding import round_to
 from .lowp import dequantized, is_fp8, quantize
 
 __all__ = ["ARRAY_KINDS", "SUITE_VERSION", "SUITES", "Case", "get_suite", "grad_out_for", "tangents_for"]
@@ -121,7 +122,7 @@ class Case:
             out: Dict[str, object] = {"query": q8, "key": k8, "value": v8, "q_descale": qd, "k_descale": kd,
                                       "v_descale": vd}
         else:
-            out = {"query": q.astype(dt), "key": k.astype(dt), "value": v.astype(dt)}
+            out = {"query": round_to(q, dt), "key": round_to(k, dt), "value": round_to(v, dt)}
         out.update(self.opts)
         if self.Hq != self.Hkv:
             out["enable_gqa"] = True
@@ -136,11 +137,11 @@ class Case:
             fm = rng.standard_normal(batch + (1, self.L, self.S))
             if "masked_rows" in self.arrays:
                 fm[..., 1::3, :] = -np.inf       # -inf over a whole row is fully masked too
-            out["attn_mask"] = fm.astype(dt)
+            out["attn_mask"] = round_to(fm, dt)
         if "bias" in self.arrays:
-            out["bias"] = rng.standard_normal((self.Hq, self.L, self.S)).astype(dt)
+            out["bias"] = round_to(rng.standard_normal((self.Hq, self.L, self.S)), dt)
         if "alibi" in self.arrays:
-            out["alibi_slopes"] = np.linspace(0.05, 0.5, self.Hq).astype(dt)
+            out["alibi_slopes"] = round_to(np.linspace(0.05, 0.5, self.Hq), dt)
         n = batch[0] if batch else 1
         if "lengths" in self.arrays:
             out["q_lengths"] = np.maximum(1, self.L - np.arange(n) * max(1, self.L // 3)).astype(np.int64)
@@ -350,7 +351,7 @@ def _full_extra() -> List[Case]:
 def grad_out_for(case: Case, shape, dtype):
     """The seeded upstream gradient of a case (dtype-free: drawn in float64, then cast)."""
     rng = np.random.default_rng([case.seed, 7, case.L, case.S])
-    return rng.standard_normal(shape).astype(dtype)
+    return round_to(rng.standard_normal(shape), dtype)
 
 
 def tangents_for(case: Case, q, k, v):

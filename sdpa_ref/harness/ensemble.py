@@ -52,6 +52,7 @@ from ..lse import combine_in
 from ..options import AttentionOptions
 from .._validate import check_choice, check_tolerance
 from ..problem import Problem
+from ..rounding import round_to
 from ..policy import constant_rows, counts, nan_rows, zero_output_rows
 from ..transforms import dropout_forward, transform_scores_in, unbroadcast
 from .cases import grad_out_for
@@ -177,11 +178,11 @@ class _Kernel:
     # -- arithmetic
     def rd(self, x):
         """Rounded to the test dtype, returned in the work dtype (exact there)."""
-        return np.asarray(x).astype(self.dt).astype(self.w)
+        return round_to(x, self.dt).astype(self.w)
 
     def rd_out(self, x):
         """Rounded to the output dtype (bfloat16 for fp8: what an fp8 kernel returns and its backward reads)."""
-        return np.asarray(x).astype(self.out_dt).astype(self.w)
+        return round_to(x, self.out_dt).astype(self.w)
 
     def W(self, x):
         return np.asarray(x).astype(self.w)
@@ -251,7 +252,7 @@ class _Kernel:
     # -- the two passes
     def run(self, dO):
         fw = self.forward()
-        out = {"out": fw["O"].astype(self.out_dt).reshape(self.p.out_shape),
+        out = {"out": round_to(fw["O"], self.out_dt).reshape(self.p.out_shape),
                "lse": fw["lse"][..., 0].reshape(self.p.out_shape[:-1])}     # in the work dtype, as kernels keep it
         if dO is not None:
             out.update(self.backward(fw, np.asarray(dO).reshape(fw["O"].shape)))
@@ -402,5 +403,5 @@ class _Kernel:
             dq = dq if rq is None else self.W(dq * rq)
             dk = dk if rk is None else self.W(dk * rk)
         res.update(dq=self.to_input(dq, "query"), dk=self.to_input(dk, "key"), dv=self.to_input(dv, "value"))
-        return {n: a.astype(self.w if n == "dsinks" else self.out_dt) for n, a in res.items()}   # dsinks: as sinks
+        return {n: round_to(a, self.w if n == "dsinks" else self.out_dt) for n, a in res.items()}   # dsinks: as sinks
 

@@ -20,6 +20,7 @@ from ..derivatives import sdpa_backward, sdpa_jvp
 from ..lse import convert_lse
 from ..options import AttentionOptions
 from ..problem import Problem
+from ..rounding import round_to
 from ..transforms import unbroadcast
 from .calling import Implementation
 from .storage import STORAGE_LAYOUTS
@@ -81,12 +82,12 @@ def reference_jvp(case: Case, dtype="float64", naive=False):
     dt = np.dtype(dtype)
     inp = case.make_inputs(dt)
     q, k, v = inp.pop("query"), inp.pop("key"), inp.pop("value")
-    ts = tuple(t.astype(dt) for t in tangents_for(case, q, k, v))
+    ts = tuple(round_to(t, dt) for t in tangents_for(case, q, k, v))
     if naive:
         c = np.dtype(np.float32) if is_low(dt) else dt
         inp = widen(inp, c) if is_low(dt) else inp
-        tan = sdpa_jvp(tuple(a.astype(c) for a in (q, k, v)), tuple(t.astype(c) for t in ts),
-                       precision=precision_for(case), upcast=False, **inp)[1].astype(dt)
+        tan = round_to(sdpa_jvp(tuple(a.astype(c) for a in (q, k, v)), tuple(t.astype(c) for t in ts),
+                                precision=precision_for(case), upcast=False, **inp)[1], dt)
     else:
         inp = widen(inp)
         tan = sdpa_jvp(tuple(a.astype(np.float64) for a in (q, k, v)), tuple(t.astype(np.float64) for t in ts),
@@ -149,7 +150,7 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
     grads = None
     extra = [("grads", impl.backward is not None, lambda: impl.call_backward(g, q, k, v, inp)),
              ("jvp", want_jvp,
-              lambda: impl.call_jvp(tuple(t.astype(q.dtype) for t in tangents_for(case, q, k, v)), q, k, v, inp))]
+              lambda: impl.call_jvp(tuple(round_to(t, q.dtype) for t in tangents_for(case, q, k, v)), q, k, v, inp))]
     for what, wanted, call in extra:
         if not wanted:
             continue

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..exact.arith import LowPrecision
+from ..rounding import round_to
 
 __all__ = ["DESCALES", "LOW_DTYPES", "LibmLowPrecision", "MemberArith", "TEST_DTYPES", "as_test_dtype", "dequantized",
            "finfo", "is_fp8", "is_low", "output_dtype", "quantize", "tf32", "ulp", "widen", "work_dtype"]
@@ -109,7 +110,7 @@ def quantize(x, dt, hkv):
     g = x.reshape(x.shape[:-3] + (hkv, x.shape[-3] // hkv) + x.shape[-2:])
     d = (np.abs(g).max(axis=(-3, -2, -1), initial=0.0) / fmax).astype(np.float32)
     d = np.where(d > 0, d, np.float32(1.0))
-    x8 = (g / d[..., None, None, None].astype(np.float64)).reshape(x.shape).astype(dt)
+    x8 = round_to((g / d[..., None, None, None].astype(np.float64)).reshape(x.shape), dt)
     return x8, d
 
 

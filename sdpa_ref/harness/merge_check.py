@@ -32,6 +32,7 @@ from ..api import sdpa_forward
 from ..exact.arith import LowPrecision
 from ..lse import check_base, convert_lse
 from ..merge import merge_attention
+from ..rounding import round_to
 from .cases import SUITE_VERSION
 from .judge import _compare
 from .lowp import as_test_dtype, work_dtype
@@ -88,7 +89,7 @@ def merge_inputs(case: MergeCase, dtype="float32"):
         gone = np.isneginf(res.lse)[..., None]
         outs.append(np.where(gone, np.nan, o))                       # never to be read
         lses.append(res.lse)
-    return np.stack(outs).astype(dt), np.stack(lses).astype(w)
+    return round_to(np.stack(outs), dt), np.stack(lses).astype(w)
 
 
 def _honest(out_parts, lse_parts, dt, base):
@@ -117,7 +118,7 @@ def _honest(out_parts, lse_parts, dt, base):
         online = X.div(acc, np.where(run_s == 0, w.type(1), run_s)[..., None])
         out_lse = np.where(s == 0, -np.inf, X.add(ms, X.log(s1)))
     lse_b = convert_lse(out_lse.astype(np.float64), base=base).astype(w)
-    return {"out": (dense.astype(dt), online.astype(dt)), "lse": (lse_b,)}
+    return {"out": (round_to(dense, dt), round_to(online, dt)), "lse": (lse_b,)}
 
 
 def check_merge(merge: Callable, *, dtypes="float32", lse_base="e", cases=None,

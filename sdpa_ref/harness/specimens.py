@@ -21,6 +21,7 @@ import numpy as np
 from ..masks import alignment_offset
 from ..options import AttentionOptions
 from ..problem import Problem
+from ..rounding import round_to
 from .ensemble import Member, run_member
 from .lowp import DESCALES, output_dtype, widen, work_dtype
 
@@ -56,11 +57,11 @@ class Specimen:
         if self.bug == "no_descale" and desc is not None:
             desc = tuple(np.ones_like(d) for d in desc)                # the fp8 values taken as they are
         x64 = widen(opts)
-        q64, k64, v64 = (np.asarray(a).astype(inner).astype(np.float64) for a in (q, k, v))
+        q64, k64, v64 = (round_to(a, inner).astype(np.float64) for a in (q, k, v))
         prob = Problem.build(q64, k64, v64, AttentionOptions.from_kwargs(self.name, **x64))
-        g = None if dO is None else np.asarray(dO).astype(output_dtype(inner)).astype(np.float64)
+        g = None if dO is None else round_to(dO, output_dtype(inner)).astype(np.float64)
         res = run_member(prob, inner, self.member, g, desc)
-        return {n: a.astype(work_dtype(dt) if n in ("lse", "dsinks") else output_dtype(dt)) for n, a in res.items()}, \
+        return {n: round_to(a, work_dtype(dt) if n in ("lse", "dsinks") else output_dtype(dt)) for n, a in res.items()}, \
             prob
 
     def forward(self, q, k, v, **opts):
