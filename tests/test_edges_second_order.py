@@ -17,10 +17,20 @@ dominant entry's ``dP``, ``T'``, ``dP'`` to 1e-18, so a plain sum leaves the dom
 difference of two O(1) numbers. The package takes every such sum relative to the dominant entry
 (:func:`sdpa_ref.pivot.second_partial`), on both schedules.
 
-The bounds, each entry of every result against the oracle: ``MP_RTOL`` relative (the inputs are exact, so
-each entry is a short chain of exp, products and sums of a few positive-weighted terms: a few hundred ulps at
-most), ``TILED_RTOL`` between the two schedules, the floor ``ATOL`` the smallest normal float64 (the huge
-scores' tied-off keys have ``P = e^{-10^299}``, 0 in any float).
+The cases: a dominant key, a dominant sink, scores of 1.7e10 with a dominant key or sink (the runner-up 40
+below, exact in float64), and scores of 6.7e299 with an exact tie at the top of one row (``P = 1/2, 1/2``,
+where the curvature's two terms, each of the size of the tangent ``T' ~ 1e150``, cancel exactly) and a one-hot
+row; with and without ``grad_lse`` and its tangent.
+
+The bounds, each entry of every result: ``|ans - ref| <= MP_RTOL * (|ref| + floor)`` against the oracle,
+``floor`` the sum of the magnitudes of the terms of the last product that makes the entry (``sum_j |dT'_ij
+K_j| + |dT_ij K'_j|`` for ``dQ'``, ...), the scale of that product's own rounding on exact data, which no
+algorithm escapes (an entry along the direction that moves every score of a row alike is such a cancelling
+sum); the entries of ``dT'`` themselves enter it at their exact size, so a dominant key's lost derivative is
+not hidden by it. ``MP_RTOL = 1e-12``: the inputs are exact and each entry a short chain of exp, products and
+pivoted sums of a few terms, a few ulps (measured at most 1.9e-15), with a margin of 500 for other machines'
+exp and summation orders. ``TILED_RTOL = 1e-11`` the same way between the two schedules. ``ATOL``, the
+smallest normal float64, only keeps 0/0 out: the huge scores' other keys have ``P = e^{-10^299}``.
 """
 
 import math
@@ -62,15 +72,15 @@ def _case(name, rng):
         k = np.array([[0.0, -1.0], [-2.0, 0.0], [-3.0, -5.0], [-4.0, -3.0]])
         sink, sc = 40.0, 1.0
     elif name == "huge_1e10_key":
-        # scores 2^33 + (40, 0, -2, -7) and 2^33 + (20, 0, -1, -3.5): a dominant key at 8.6e9
-        q = np.array([[2.0 ** 33, 1.0], [2.0 ** 33, 0.5]])
+        # scores 2^34 + (40, 0, -2, -7) and 2^34 + (20, 0, -1, -3.5): a dominant key at 1.7e10
+        q = np.array([[2.0 ** 34, 1.0], [2.0 ** 34, 0.5]])
         k = np.array([[1.0, 40.0], [1.0, 0.0], [1.0, -2.0], [1.0, -7.0]])
         sc = 1.0
     elif name == "huge_1e10_sink":
-        # the same scores and a sink 40 above the largest: p_sink = 1 - 4.2e-18 on row 0
-        q = np.array([[2.0 ** 33, 1.0], [2.0 ** 33, 0.5]])
+        # scores 2^34 + (0, -2, -3, -4) and 2^34 + (0, -1, -1.5, -2), a sink 40 above: p_sink = 1 - 5.1e-18 on row 0
+        q = np.array([[2.0 ** 34, 1.0], [2.0 ** 34, 0.5]])
         k = np.array([[1.0, 0.0], [1.0, -2.0], [1.0, -3.0], [1.0, -4.0]])
-        sink, sc = 2.0 ** 33 + 40.0, 1.0
+        sink, sc = 2.0 ** 34 + 40.0, 1.0
     elif name == "huge_1e300":
         # scores 6.7e299 * (small dyadics): row 0 two keys tied at the top (P = 1/2, 1/2), row 1 one-hot
         big = 2.0 ** 498
@@ -79,7 +89,7 @@ def _case(name, rng):
         sc = 1.0
     else:
         raise AssertionError(name)
-    tsc = 2.0 ** -33 if name.startswith("huge_1e10") else 1.0
+    tsc = 2.0 ** -34 if name.startswith("huge_1e10") else 1.0
     v = _dyadic(rng, 1, 4, Ev)
     dq = _dyadic(rng, 1, 2, 2, scale=tsc)
     dk = _dyadic(rng, 1, 4, 2, scale=tsc)
@@ -274,3 +284,22 @@ def test_the_bound_catches_plain_sums(monkeypatch, method, block_size):
     ref, floors = _oracle(primals, opts, tangents, dO)
     got = sdpa_hvp(primals, tangents, dO, method=method, block_size=block_size, **opts)
     assert max(_worst(got, ref, floors).values()) > 1e4 * MP_RTOL
+
+
+def test_vjp_jvp_from_p_tangent_agrees_with_the_scores_form():
+    """normalize.vjp_jvp (P' given, the tutorial's form, its E = rowsum(P' (g - a)) taken directly) and
+    normalize.vjp_jvp_scores (from T', E from the pivoted partials) agree entry by entry on the rows where plain
+    sums cancel: a dominant key, a dominant sink, an exact tie, with the LSE's cotangent and its tangent."""
+    from sdpa_ref.normalize import vjp_jvp, vjp_jvp_scores
+    rng = np.random.default_rng(3)
+    T = np.array([[40.0, 0.0, -2.0, -7.0], [0.0, -2.0, -3.0, -4.0], [3.0, 1.0, 3.0, -1.0]])
+    sink = np.array([[-np.inf], [40.0], [-np.inf]])
+    m = np.maximum(T.max(axis=-1, keepdims=True), sink)
+    Z = np.exp(T - m).sum(axis=-1, keepdims=True) + np.exp(sink - m)
+    P, ps = np.exp(T - m) / Z, np.exp(sink - m) / Z
+    g, t, h = (_dyadic(rng, 3, 4) for _ in range(3))
+    ts, lam, lam_t = _dyadic(rng, 3, 1), _dyadic(rng, 3, 1), _dyadic(rng, 3, 1)
+    dT, Pt, ddT, (pst, dsx, ddsx) = vjp_jvp_scores(P, g, t, h, ps, ts, lam, lam_t)
+    ddT_p, ddsx_p = vjp_jvp(P, g, Pt, h, ps, pst, lam, lam_t)
+    assert _rel_err(ddT_p, ddT, 0.0) <= TILED_RTOL
+    assert _rel_err(ddsx_p, ddsx, 0.0) <= TILED_RTOL
