@@ -24,9 +24,24 @@ treats ``a`` and ``n`` alike; the absolute floor lets exact zeros pass
 against a difference quotient of ``1e-12``. The reported
 ``max_rel_error`` is taken over the entries past the floor and over those
 with ``|a| + |n| >= atol / rtol``, where the relative error is meaningful. Two NaNs agree (a documented NaN
-gradient checked against a NaN difference); one NaN does not. Inputs that are
+gradient checked against a NaN difference: the NaN patterns are compared and
+the finite parts judged); a NaN or infinity on one side only fails, and a
+note names how many and the first. Entries that are NaN on both sides prove
+nothing: a check with none finite on both sides fails. Inputs that are
 not finite (a ``-inf`` mask entry, say) cannot be perturbed and are left out
-of the comparison.
+of the comparison. A derivative's result must be a real array: a complex one
+(whose imaginary part would be dropped), ``None`` or a non-numeric one is a
+`TypeError` naming the callable.
+
+What cannot fool it
+-------------------
+The full mode pushes one-hot vectors, then ``n_projections`` dense random
+cotangents (or tangents) over every argument at once, whose results must be
+the same combination of the one-hot rows (columns): a derivative right on
+one-hot vectors alone (``J^T |g|``, a branch on which arguments have a
+tangent) fails. In projection mode a failed projection is final (the full
+check runs only to locate it), and a projection that is NaN on both sides (a
+NaN output) proves nothing, so the full check judges entry by entry.
 
 Complex step
 ------------

@@ -347,8 +347,7 @@ def _vjp_projection(nd, vjp, xs, out, rtol, atol, seed, n_projections):
     rep = compare("check_vjp", _mode("projection", nd), [a], [n], rtol, atol, meta, (len(ana),), 1 + 3 * len(ana),
                   require_finite=False)
     rep.per_arg = []
-    rep.notes = [f"<J^T g, u> vs <g, J u> over {len(ana)} random projections (worst 'output' = projection number)"] \
-        + rep.notes
+    rep.notes = [f"<J^T g, u> vs <g, J u> over {len(ana)} random projections (worst 'output' = projection number)"]
     return rep, int(np.count_nonzero(~judged))
 
 
@@ -422,8 +421,7 @@ def _jvp_projection(nd, jvp, xs, out, rtol, atol, seed, n_projections):
     rep = compare("check_jvp", _mode("projection", nd), [a], [n], rtol, atol, meta, out.shape, 1 + 3 * a.shape[1],
                   require_finite=False)
     rep.per_arg = []
-    rep.notes = [f"J u vs its central difference over {a.shape[1]} random tangents (worst 'index' = tangent number)"] \
-        + rep.notes
+    rep.notes = [f"J u vs its central difference over {a.shape[1]} random tangents (worst 'index' = tangent number)"]
     # entry by entry, so the NaN patterns are compared and the finite parts judged; none finite judges nothing
     unjudged = a.shape[1] if a.size and not (np.isfinite(a) & np.isfinite(n)).any() else 0
     return rep, unjudged
