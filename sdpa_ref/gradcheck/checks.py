@@ -177,16 +177,17 @@ def _run(projection, full, fun, derivative, args, mode, eps, rtol, atol, seed, n
         located.ok = False                  # the full check locates; it never overrules the failed projection
         located.max_abs_error = max(located.max_abs_error, rep.max_abs_error)
         located.max_rel_error = max(located.max_rel_error, rep.max_rel_error)
-        notes.append(f"projection check failed (max_rel={rep.max_rel_error:.3e}, worst projection "
-                     f"{rep.worst.output_index if rep.worst else None}: analytic "
-                     f"{rep.worst.analytic if rep.worst else None!r}, numeric {rep.worst.numeric if rep.worst else None!r})"
-                     "; the full check follows to locate it, and does not overrule it")
+        w = rep.worst
+        notes.append(f"projection check failed (max_rel={rep.max_rel_error:.3e}; worst: projection "
+                     f"{w.output_index}, analytic {w.analytic!r}, numeric {w.numeric!r}); the full check follows "
+                     "to locate it, and does not overrule it")
     located.notes = notes + located.notes
     return located
 
 
 def check_seed(seed):
-    """``seed`` of the random projections and probes: an int >= 0 (NumPy's own error otherwise, or none)."""
+    """``seed`` of the random projections and probes: an int >= 0, else an error naming it (NumPy's names no
+    argument, and None would draw fresh entropy: a check that cannot be repeated)."""
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"`seed` should be an int >= 0, but got {describe(seed)}")
     if seed < 0:
