@@ -8,14 +8,17 @@ dependency's version. :func:`round_to` is the package's one conversion of
 floats to these types: round to nearest, ties to even, once, from the value
 itself.
 
-How: a float64 ``x`` with ``2**e <= |x| < 2**(e+1)`` is rounded at the
-target's quantum ``q = 2**(max(e, emin) - m)`` (``m`` fraction bits, ``emin``
-the least normal exponent, so subnormals get the fixed quantum ``2**(emin -
-m)``): ``rint(x / q) * q``. Dividing and multiplying by a power of two is
-exact in float64 (the quotient has at most ``m + 1`` bits), and ``np.rint``
-rounds half to even, so the result is the correctly rounded value, exact in
-float64 and in the target; the final cast to the ``ml_dtypes`` type is then
-exact in every version. Past the largest finite value: ``inf`` (with the sign)
+How, on float64's bits (``m`` fraction bits in the target, ``emin`` its least
+normal exponent): where the result is normal, the 52-bit fraction is rounded
+to ``m`` bits, to nearest, ties to even (add half of the dropped part less
+one, plus the last kept bit, and clear the dropped bits: a carry moves into
+the exponent, as it should); below ``2**emin`` float64's own addition does
+it at the target's fixed quantum ``2**(emin - m)``: ``(|x| + C) - C`` with
+``C = 2**(emin - m + 52)``, whose spacing is that quantum. The result is the
+correctly rounded value, exact in float64 and in the target, so the final
+cast to the ``ml_dtypes`` type is exact in every version. float32 and float16
+sources are cast by ``ml_dtypes`` directly: one rounding in every version
+(tests/test_edges_rounding_dtypes.py checks it against the same oracle). Past the largest finite value: ``inf`` (with the sign)
 for bfloat16 and ``float8_e5m2``, NaN for ``float8_e4m3fn``, which has no
 infinity (what ``ml_dtypes`` does); ``inf`` is NaN there too. NaN stays NaN,
 ``-0`` stays ``-0``, and a value that rounds to zero keeps its sign.
@@ -47,9 +50,9 @@ def is_rounded_here(dtype) -> bool:
 def round_to(x, dtype, copy=True):
     """``x`` (a real array or scalar) rounded to ``dtype`` once, to nearest, ties to even.
 
-    For bfloat16, ``float8_e4m3fn`` and ``float8_e5m2`` (``ml_dtypes``' types) the rounding is the package's own,
-    from the value widened to float64 (exact for float32 and float16); any other dtype is NumPy's ``astype``
-    (correctly rounded between IEEE types). ``copy=False`` returns ``x`` itself when it is already in ``dtype``.
+    For bfloat16, ``float8_e4m3fn`` and ``float8_e5m2`` (``ml_dtypes``' types) the rounding is the package's own
+    from float64 and integers (from float32 and float16, ``ml_dtypes``' own cast: one rounding); any other dtype
+    is NumPy's ``astype`` (correctly rounded between IEEE types). ``copy=False`` returns ``x`` itself when it is already in ``dtype``.
 
     Examples
     --------
@@ -65,14 +68,19 @@ def round_to(x, dtype, copy=True):
         return a.astype(dt, copy=copy)
     if a.dtype.kind not in "fiub":
         raise TypeError(f"`x` should be a real array to round to {dt.name}, but got dtype {a.dtype}")
+    if a.dtype in (np.float32, np.float16):                   # one rounding already (tested on every version)
+        return a.astype(dt)
     m, emin, fmax, has_inf = FORMATS[dt.name]
     v = a.astype(np.float64)
+    u = v.view(np.uint64)
+    sign = u & np.uint64(1 << 63)
+    mag = u ^ sign
+    shift = np.uint64(52 - m)                                # normal results: round the float64 fraction's bits
+    r = ((mag + np.uint64((1 << (52 - m - 1)) - 1) + ((mag >> shift) & np.uint64(1))) >> shift) << shift
     with np.errstate(all="ignore"):
-        finite = np.isfinite(v)
-        _, e = np.frexp(np.where(finite, v, 1.0))            # v = f 2**e, 0.5 <= |f| < 1: |v| in [2**(e-1), 2**e)
-        q = np.ldexp(1.0, np.maximum(e - 1, emin) - m)
-        r = np.rint(np.where(finite, v, 0.0) / q) * q         # exact: a power of two's scaling, one rounding
-        over = np.abs(r) > fmax
-        big = np.copysign(np.inf if has_inf else np.nan, v)
-        r = np.where(finite, np.where(over, big, r), np.where(np.isnan(v) | (not has_inf), np.nan, v))
-    return r.astype(dt)
+        av = mag.view(np.float64)
+        magic = 2.0 ** (emin - m + 52)                       # subnormal results: float64's own rounding at the
+        r = np.where(av < 2.0 ** emin, (av + magic) - magic, r.view(np.float64))     # target's fixed quantum
+        r = np.where(r > fmax, np.inf if has_inf else np.nan, r)
+        r = np.where(np.isnan(v) | (np.isinf(v) & (not has_inf)), np.nan, r)
+    return (r.view(np.uint64) | sign).view(np.float64).astype(dt)
