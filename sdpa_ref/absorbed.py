@@ -10,7 +10,10 @@ JVP then apply unchanged -- and splits the gradients after:
 .. math:: dQ = [dQ']_{:E}, \quad dQ_v = [dQ']_{E:}, \quad dK = [dK']_{:E}, \quad
           dV = P_{drop}^T dO + [dK']_{E:},
 
-``V`` being read twice (as values and, through ``qv``, as keys), its gradient collects both uses.
+``V`` being read twice (as values and, through ``qv``, as keys), its gradient collects both uses. Under
+``precision="reproducible"`` the engine splits in its own arithmetic (:meth:`Absorbed.split` over the
+double-double one), so that sum, and a broadcast key's or value's over the batch, is exact before the one
+rounding: ``dV`` is faithfully rounded however its two terms cancel.
 """
 
 from __future__ import annotations

@@ -152,3 +152,18 @@ def test_jvp_with_qv_is_faithful():
     for i, a in np.ndenumerate(hi):
         truth[i] = (a - lo[i]) / (2 * h)
     assert_faithful(tan, truth, "jvp")
+
+
+def test_a_nan_in_v_makes_the_same_gradients_nan_as_the_fast_split():
+    """The engine's split gives the values, the API's split the NaN pattern of what reads the poison."""
+    rng = np.random.default_rng(44)
+    q, k, v, qv = _problem(rng)
+    v[1, 0, 2, 1] = np.nan
+    g = rng.standard_normal(q.shape[:-1] + v.shape[-1:])
+    got = sdpa_ref.sdpa_backward(sdpa_ref.sdpa_forward(q, k, v, qv=qv, precision="reproducible")[1], g)
+    ref = sdpa_ref.sdpa_backward(sdpa_ref.sdpa_forward(q, k, v, qv=qv)[1], g)
+    for x, y in zip(got, ref):
+        if y is not None:
+            np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
+            assert np.any(np.isnan(y)) and not np.all(np.isnan(y))
+            np.testing.assert_allclose(x[~np.isnan(x)], y[~np.isnan(y)], rtol=1e-13, atol=1e-15)
