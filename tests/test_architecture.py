@@ -1,4 +1,8 @@
-"""The shape of the package holds: no import cycles, small modules, each piece of math in one place."""
+"""The shape of the package holds: no import cycles, each piece of math in one place.
+
+Module size is not checked: a module is split where its ideas part, never at a line count (../shared/STYLE.md;
+the old 420-line cap split modules by size, which issue 41 names as a defect of the house).
+"""
 
 import ast
 import pathlib
@@ -11,8 +15,6 @@ from sdpa_ref import OPTION_NAMES
 PKG = pathlib.Path(sdpa_ref.__file__).resolve().parent
 MODULES = {p: ".".join(("sdpa_ref",) + p.relative_to(PKG).with_suffix("").parts).replace(".__init__", "")
            for p in sorted(PKG.rglob("*.py"))}
-#: A module that passes this has more than one job (the house style says about 400).
-MAX_LINES = 420
 
 
 def _imports(path, name):
@@ -76,12 +78,6 @@ def test_the_cycle_finder_finds_cycles_and_function_level_imports(tmp_path):
     lazy = tmp_path / "lazy.py"
     lazy.write_text("def f():\n    from . import api\n")
     assert "sdpa_ref.api" in _imports(lazy, "sdpa_ref.attention")
-
-
-@pytest.mark.parametrize("path", list(MODULES), ids=lambda p: str(p.relative_to(PKG)))
-def test_no_module_is_much_over_400_lines(path):
-    n = len(path.read_text().splitlines())
-    assert n <= MAX_LINES, f"{path.name} has {n} lines"
 
 
 def _code_without_docstrings(path):
