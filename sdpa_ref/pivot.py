@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 __all__ = ["block_partial", "combine_partials", "nan_rows_vjp", "pivoted_vjp", "row_pivot", "rowdot",
-           "sink_grad_in", "sink_softmax_vjp_in", "softmax_vjp_delta_in", "softmax_vjp_in", "softmax_vjp_rows",
+           "lane_rowsum", "sink_grad_in", "sink_softmax_vjp_in", "softmax_vjp_delta_in", "softmax_vjp_in", "softmax_vjp_rows",
            "SecondPivots", "combine_second", "second_entries", "second_partial", "tangent_probs"]
 
 
@@ -80,10 +80,29 @@ def softmax_vjp_rows(g, P, rows):
     for r0 in range(0, g.shape[0], rows):
         gb, pb = g[r0:r0 + rows], P[r0:r0 + rows]
         np.subtract(gb, row_pivot(pb, gb), out=gb)
-        D = np.einsum("ij,ij->i", gb, pb)[:, None]
+        D = lane_rowsum(gb * pb)
         np.subtract(gb, D, out=gb)
         np.multiply(gb, pb, out=gb)
         gb[...] = nan_rows_vjp(gb, pb, D)
+
+
+def lane_rowsum(x):
+    """Row sums ``(rows, 1)`` of the 2-D ``x`` in the compiled row passes' order (``_fast_rows.h``): lane ``l``
+    adds entry ``l`` of each block of eight in turn, from +0 (the last short block padded with 0), and the eight
+    lanes meet as ``((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7))``. Every step is one IEEE addition, so the NumPy
+    passes (:func:`softmax_vjp_rows`, the fast engine's softmax) sum exactly as the compiled ones do: the same
+    bits from the same terms, whatever rows a call holds."""
+    rows, n = x.shape
+    full = n - n % 8
+    acc = np.zeros((rows, 8), dtype=x.dtype)
+    if full:
+        acc += np.add.accumulate(x[:, :full].reshape(rows, full // 8, 8), axis=1)[:, -1]   # sequential, by definition
+    if full < n:
+        tail = np.zeros((rows, 8), dtype=x.dtype)
+        tail[:, :n - full] = x[:, full:]
+        acc += tail
+    return (((acc[:, 0] + acc[:, 1]) + (acc[:, 2] + acc[:, 3]))
+            + ((acc[:, 4] + acc[:, 5]) + (acc[:, 6] + acc[:, 7])))[:, None]
 
 
 def block_partial(P, g):
@@ -162,9 +181,14 @@ def sink_softmax_vjp_in(X, P, dP, p_sink, g_lse=None, d_sink=None):
         D = X.add(X.sum(X.mul(P, gc), keepdims=True), X.mul(p_sink, gs))
     if g_lse is not None:
         D = X.add_d(D, -g_lse)
+    dT = X.mul(P, X.sub(gc, D))
+    Dv = X.value(D)
+    bad = (Dv != Dv) & (Pv == 0)                                    # a NaN row: dT 0 where P is 0 (nan_rows_vjp)
+    if np.any(bad):
+        dT = X.where(bad, X.const(0.0), dT)
     if d_sink is None:
-        return X.mul(P, X.sub(gc, D)), sink_grad_in(X, p_sink, c, D)
-    return X.mul(P, X.sub(gc, D)), X.mul(p_sink, X.sub(gs, D))
+        return dT, sink_grad_in(X, p_sink, c, D)
+    return dT, X.mul(p_sink, X.sub(gs, D))
 
 
 def rowdot(P, X):
@@ -283,8 +307,9 @@ def combine_second(parts):
 
 def tangent_probs(P, t, piv):
     r""":math:`P' = P \odot ((T' - \tau) - (c - \tau))`, the probabilities' tangent (the JVP's
-    :math:`J T'`) pivoted by :func:`combine_second`'s ``piv``; ``t`` the scores' tangent :math:`T'`."""
-    return P * ((t - piv.tau) - piv.Ct)
+    :math:`J T'`) pivoted by :func:`combine_second`'s ``piv``; ``t`` the scores' tangent :math:`T'`. A NaN row
+    (``piv.Dg`` NaN) as :func:`nan_rows_vjp` says: 0 where ``P`` is 0."""
+    return nan_rows_vjp(P * ((t - piv.tau) - piv.Ct), P, piv.Dg)
 
 
 def second_entries(P, Pt, g, h, piv, lam=0, lam_t=0):
@@ -302,6 +327,8 @@ def second_entries(P, Pt, g, h, piv, lam=0, lam_t=0):
     :math:`J' dP = P' \odot (g - D) - P E` are added together first: on a row whose largest probability is
     shared by keys with the same weight (a tie) they cancel exactly, which leaves :math:`J\, dP'` its bits.
     The extra column of the normaliser (a sink) is an entry with ``g = h = 0``: its gradient and the
-    gradient's tangent."""
+    gradient's tangent. A NaN row (``piv.Dg`` NaN) as :func:`nan_rows_vjp` says: both 0 where ``P`` is 0, NaN on
+    the keys the row reads (the first-order reads pattern, inside the second order's documented superset)."""
     r = (g - piv.a) - piv.Dg + lam
-    return P * r, P * ((h - piv.b) - piv.Fh + lam_t) + (Pt * r - P * piv.E)
+    return (nan_rows_vjp(P * r, P, piv.Dg),
+            nan_rows_vjp(P * ((h - piv.b) - piv.Fh + lam_t) + (Pt * r - P * piv.E), P, piv.Dg))

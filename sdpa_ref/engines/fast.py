@@ -48,7 +48,7 @@ from ..exact import _native
 from ..masks import block_of
 from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from ..normalize import close, extra_probs, extras, row_stats, vjp
-from ..pivot import softmax_vjp_rows
+from ..pivot import lane_rowsum, softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_jvp, scores_vjp, transform_scores, \
     transform_scores_jvp, transform_scores_vjp, transposed_product
 from .._threads import blas_is_held, num_threads, row_chunks, run_all
@@ -59,8 +59,6 @@ __all__ = ["forward", "backward", "jvp"]
 
 #: Score entries of one chunk of heads when ``E + Ev >= 128`` (see :func:`_chunk_entries`).
 _CHUNK_ENTRIES = 1 << 20
-#: Rows shorter than this are summed by einsum (a reduction is slow on them).
-_SHORT_ROW = 64
 #: Entries of a row block that one element-wise pass works on (4 MiB of float64).
 _CACHE_ENTRIES = 1 << 19
 
@@ -87,7 +85,8 @@ def forward(prob, *, save_probs=True) -> Forward:
     def softmax_rows(t, lse_c, empty_c, m_c, s_c):
         if _fused(t, lse_c, empty_c, m_c, s_c):        # compiled: the passes fused, row by row
             return _native.fast_softmax_rows(_native.kernels(), t, m_c, s_c, lse_c, empty_c)
-        # five passes (max, shift, exp, sum, scale) over blocks that stay in cache
+        # five passes (max, shift, exp, sum, scale) over blocks that stay in cache: the compiled passes'
+        # formula in their order (the sum by pivot.lane_rowsum, the LSE from float64), only the exp is NumPy's
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             for r0 in range(0, t.shape[0], sub):
                 tb, eb, lb = t[r0:r0 + sub], empty_c[r0:r0 + sub], lse_c[r0:r0 + sub]
@@ -96,10 +95,9 @@ def forward(prob, *, save_probs=True) -> Forward:
                 neg = None if not nan.any() else tb == -np.inf
                 np.subtract(tb, m, out=tb)
                 np.exp(tb, out=tb)
-                s[...] = _row_sums(tb)
+                s[...] = lane_rowsum(tb)
                 np.divide(tb, s, out=tb)
-                np.log(s, out=lb)
-                lb += m
+                lb[...] = np.log(s.astype(np.float64)) + m.astype(np.float64)
                 if neg is not None:                          # NaN rows: NaN on the keys they read, 0 elsewhere
                     tb[...] = np.where(nan, np.where(neg, t.dtype.type(0), t.dtype.type(np.nan)), tb)
                     s[nan], lb[nan] = np.nan, np.nan
@@ -389,10 +387,3 @@ class _Layout:
 def _rows(a):
     """``a`` as a 2-D ``(rows, last)`` array (also when the last dim is 0)."""
     return a.reshape(int(np.prod(a.shape[:-1])), a.shape[-1])
-
-
-def _row_sums(t):
-    """Row sums ``(rows, 1)``, row by row: the same bits whatever rows the call holds."""
-    if t.shape[-1] < _SHORT_ROW:
-        return np.einsum("ij->i", t)[:, None]
-    return np.sum(t, axis=-1, keepdims=True)
