@@ -150,7 +150,7 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     # P = softmax(T), J = diag(P) - P P^T (symmetric)  =>  dT = J dP = P * (dP - D), D = rowsum(P * dP);
     # LSE = log sum exp T, d LSE / dT = P  =>  dT += P * dlse;  an extra logit (a sink) is a column with
     # dP = 0 and P = p_sink, so its gradient is -p_sink (D - dlse)
-    p_extra = extra_probs(extras(prob), fwd.lse[..., None])
+    p_extra = extra_probs(extras(prob), fwd.rowmax, fwd.rowsum)
     dT, dextra = vjp(P, dP, p_extra, dlse)                          # P * (dP - rowsum(P * dP) [+ dlse]), pivoted
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))
     if cr is not None:                                              # the policy's P there is a constant: dT = 0
@@ -187,7 +187,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
         dTraw = np.zeros(prob.full_scores, prob.dtype) if dTraw is None else _full(dTraw, prob)
         dT = transform_scores_jvp(dTraw, sech2, dbias)
         dT = np.broadcast_to(dT, P.shape)
-        p_extra = extra_probs(extras(prob), fwd.lse[..., None])     # J is symmetric: the VJP's map, an extra
+        p_extra = extra_probs(extras(prob), fwd.rowmax, fwd.rowsum)     # J is symmetric: the VJP's map, an extra
         dP = vjp(P, dT, p_extra, d_extra=dextra)[0]                 # column's entry its tangent d sigma:
         #                                                             P * (dT - rowsum(P * dT) - p_sink d sigma)
         cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))
@@ -226,7 +226,7 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
     # the backward's own line that the tangent reads: dP
     P_drop = dropout_forward(P, prob.keep, o.dropout_p)
     dP = dropout_vjp(_full(dO_g @ np.swapaxes(v, -1, -2), prob), prob.keep, o.dropout_p)
-    p_extra = extra_probs(extras(prob), fwd.lse[..., None])
+    p_extra = extra_probs(extras(prob), fwd.rowmax, fwd.rowsum)
     # the forward's tangent: Traw', T'
     dTraw_t = scores_jvp(prob.q, k, dq, None if dk is None else _kv(dk), prob.scale)
     dTraw_t = np.zeros(prob.full_scores, prob.dtype) if dTraw_t is None else _full(dTraw_t, prob)

@@ -44,7 +44,7 @@ import numpy as np
 from .arith import NUMPY
 from .pivot import (combine_second, second_entries, second_partial, sink_grad_in, sink_softmax_vjp_in,
                     softmax_vjp_delta_in, softmax_vjp_in, tangent_probs)
-from .sinks import fold_sink_in, sink_probs, sink_probs_in
+from .sinks import fold_sink_in, sink_probs, sink_probs_lse_in
 from .softmax import softmax_lse_vjp, softmax_vjp
 
 __all__ = ["EXTRA_NAME", "Closed", "close", "nan_row_probs", "row_softmax", "row_stats", "close_in", "extra_grad_in",
@@ -157,13 +157,17 @@ def close(m, s, empty, extra) -> Closed:
 
 def extra_probs_in(X, extra, lse):
     r"""The extra columns' probability :math:`e^{\sigma - \mathrm{lse}}` ``(..., 1)`` from the LSE that includes
-    them, over an arithmetic (0 where there is none or ``lse`` is ``-inf``), or None without extra logits."""
-    return None if extra is None else sink_probs_in(X, extra, lse)
+    them, over an arithmetic (0 where there is none or ``lse`` is ``-inf``), or None without extra logits: as a
+    kernel that keeps only the LSE computes it (the honest ensemble). The engines use :func:`extra_probs`."""
+    return None if extra is None else sink_probs_lse_in(X, extra, lse)
 
 
-def extra_probs(extra, lse):
-    """:func:`extra_probs_in` on NumPy arrays."""
-    return None if extra is None else sink_probs(extra, lse)
+def extra_probs(extra, m, s):
+    r"""The extra columns' probability :math:`e^{\sigma - m} / s` ``(..., 1)`` from the row's closed normaliser
+    ``(m, s)`` (:func:`close`'s; a forward's ``rowmax``, ``rowsum``), 0 where there is none, or None without extra
+    logits: the same bits as :func:`close`'s ``p_extra``, never through the rounded LSE
+    (:func:`sdpa_ref.sinks.sink_probs`). Every engine's backward, JVP and second order call it."""
+    return None if extra is None else sink_probs(extra, m, s)
 
 
 def vjp_in(X, P, g, p_extra=None, g_lse=None, d_extra=None):

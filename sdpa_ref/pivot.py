@@ -57,7 +57,8 @@ def row_pivot(y, g, axis=-1):
 def pivoted_vjp(y, g, axis=-1):
     """``y * ((g - c) - sum(y * (g - c)))`` along ``axis``, ``c`` = :func:`row_pivot` (validated arrays); a row
     whose sum is NaN as :func:`nan_rows_vjp` says."""
-    gc = g - row_pivot(y, g, axis)
+    with np.errstate(invalid="ignore"):                    # an overflowed g (inf - inf) is NaN, as IEEE says
+        gc = g - row_pivot(y, g, axis)
     D = np.sum(gc * y, axis=axis, keepdims=True)
     return nan_rows_vjp(y * (gc - D), y, D)
 
@@ -79,7 +80,8 @@ def softmax_vjp_rows(g, P, rows):
     engine's cache-sized passes): ``g`` becomes ``P * ((g - c) - rowsum(P * (g - c)))``."""
     for r0 in range(0, g.shape[0], rows):
         gb, pb = g[r0:r0 + rows], P[r0:r0 + rows]
-        np.subtract(gb, row_pivot(pb, gb), out=gb)
+        with np.errstate(invalid="ignore"):                # an overflowed g (inf - inf) is NaN, as IEEE says
+            np.subtract(gb, row_pivot(pb, gb), out=gb)
         D = lane_rowsum(gb * pb)
         np.subtract(gb, D, out=gb)
         np.multiply(gb, pb, out=gb)
@@ -205,9 +207,10 @@ def combine_partials(parts):
     pm, cb, s1, sp = (np.stack(x) for x in zip(*parts))
     best = np.argmax(pm, axis=0)[None]
     c = np.take_along_axis(cb, best, axis=0)[0]
-    D = s1[0] + (cb[0] - c) * sp[0]
-    for b in range(1, len(parts)):
-        D = D + (s1[b] + (cb[b] - c) * sp[b])
+    with np.errstate(invalid="ignore"):                    # an overflowed g (inf - inf) is NaN, as IEEE says
+        D = s1[0] + (cb[0] - c) * sp[0]
+        for b in range(1, len(parts)):
+            D = D + (s1[b] + (cb[b] - c) * sp[b])
     return c, D
 
 

@@ -19,7 +19,7 @@ from .arith import NUMPY
 from .lse import combine_in
 from .pivot import sink_grad_in, sink_softmax_vjp_in
 
-__all__ = ["fold_sink", "fold_sink_in", "sink_grad_in", "sink_probs", "sink_probs_in",
+__all__ = ["fold_sink", "fold_sink_in", "sink_grad_in", "sink_probs", "sink_probs_lse_in",
            "sink_softmax_vjp", "sink_softmax_vjp_in"]
 
 
@@ -38,7 +38,10 @@ def fold_sink_in(X, m, s, empty, sink):
     :math:`\mathrm{lse} = m_2 + \log s_2` (FlashAttention 4, cuDNN, splash: the LSE includes the sink).
     ``empty2`` are the rows with neither a key nor a sink (``m2 = 0``, ``s2 = 0`` there); ``r`` is 0 on a row
     with no key (the sink takes all the mass: ``O = 0``, ``lse = sigma``) and exactly 1 where ``sink`` is
-    ``-inf``, where no bit of ``m`` and ``s`` moves. The tiled engine applies it after a row's last key block.
+    ``-inf``, where no bit of ``m`` and ``s`` moves. On a NaN row (``s`` NaN, :func:`sdpa_ref.normalize.row_stats`)
+    ``s2``, the LSE and ``p_sink`` are NaN (the sink reads the row) and ``r`` is 1: the keys' ``P`` already holds
+    the row's NaN on the keys it reads and 0 on the others, which ``P r`` keeps. The tiled engine applies it after
+    a row's last key block.
     """
     none = sink == -np.inf
     shape = np.broadcast_shapes(np.shape(sink), np.shape(X.value(m)))
@@ -46,6 +49,10 @@ def fold_sink_in(X, m, s, empty, sink):
     m2, s2, (a, b), empty2 = combine_in(X, [m, sv], [s, None], [empty, none])   # the sink: a part with s = 1
     s2_ = X.where(empty2, X.const(1.0), s2)
     r, p_sink = X.div(X.mul(a, s), s2_), X.div(b, s2_)
+    sv2 = X.value(s2)
+    nan = sv2 != sv2                                        # a NaN row (normalize.row_stats): its keys' P is
+    if np.any(nan):                                         # NaN where read and 0 elsewhere already, and r = 1
+        r = X.where(nan, X.const(1.0), r)                   # keeps the 0s (a NaN r spread it to every key)
     return m2, s2, X.where(empty2, X.const(0.0), r), p_sink, empty2
 
 
@@ -55,17 +62,27 @@ def fold_sink(m, s, empty, sink):
         return fold_sink_in(NUMPY, np.where(empty, m.dtype.type(0), m), s, empty, sink)
 
 
-def sink_probs_in(X, sink, lse):
+def sink_probs(sink, m, s):
+    r"""The sink's probability :math:`p_\sigma = e^{\sigma - m} / s` ``(..., 1)`` from the row's closed normaliser
+    ``(m, s)`` (:func:`fold_sink_in`'s ``m2``, ``s2``: what a forward keeps as its ``rowmax``, ``rowsum``), on NumPy
+    arrays; 0 where there is no sink (``-inf``). The same bits as :func:`fold_sink_in`'s ``p_sink``
+    (``tests/test_edges_rows.py`` holds them to it), NaN on a NaN row (``s`` NaN).
+
+    Not :math:`e^{\sigma - \mathrm{lse}}`: the LSE ``m + log s`` is rounded at the size of ``m``, so with a sink
+    near a top score of ``1e15`` its ulp (0.125) moved ``p_sigma`` by 13% (and ``dsinks`` and ``dq`` with it)."""
+    none = np.asarray(sink) == -np.inf
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        p = np.exp(np.where(none, 0.0, sink) - np.where(none, 0.0, m)) / np.where(none, 1.0, s)
+    return np.where(none, p.dtype.type(0), p)
+
+
+def sink_probs_lse_in(X, sink, lse):
     r"""The sink's probability :math:`e^{\sigma - \mathrm{lse}}` ``(..., 1)`` from the LSE that includes it, over
-    an arithmetic; 0 where there is no sink (``-inf``) or ``lse`` is ``-inf`` (no key and no sink)."""
+    an arithmetic, as a kernel that keeps only the LSE computes it (the honest ensemble's members); 0 where there
+    is no sink (``-inf``) or ``lse`` is ``-inf`` (no key and no sink). The engines use :func:`sink_probs`."""
     none = (np.asarray(sink) == -np.inf) | (X.value(lse) == -np.inf)
     return X.where(none, X.const(0.0), X.exp_minus(X.where(none, X.const(0.0), sink),
                                                    X.where(none, X.const(0.0), lse)))
-
-
-def sink_probs(sink, lse):
-    """:func:`sink_probs_in` on NumPy arrays."""
-    return sink_probs_in(NUMPY, sink, lse)
 
 
 def sink_softmax_vjp(P, dP, p_sink, g_lse=None, d_sink=None):

@@ -189,3 +189,84 @@ def test_no_warning_leaks_on_the_adversarial_rows(native):
     for name, (q, k, v, g, o, rows, keys) in CASES.items():
         for how in HOWS.values():
             _run(how, q, k, v, g, **o)
+
+
+def _expected_with(name, drop=None):
+    """:func:`_expected` with sinks and dropout (``drop`` ``(L, S)`` bool keep mask): ``dv[j]`` is read by row ``i``
+    only where ``(i, j)`` is kept (``A'_i``), ``dsinks`` of the head NaN (a NaN row reads its sink); the rest as the
+    rule says."""
+    q, k, v, g, o, rows, keys = CASES[name]
+    pat = _expected(name)
+    pat["dv"][...] = False
+    for i in rows:
+        for j in keys[i]:
+            if drop is None or drop[i, j]:
+                pat["dv"][0, 0, j] = True
+    pat["dsinks"] = np.ones((1,), bool)
+    return pat
+
+
+_SECOND = {"plain": {"method": "plain"}, "tiled 1": {"block_size": 1}, "tiled 3": {"block_size": 3}}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_nan_rows_with_sinks_dropout_and_second_order(name, native):
+    """The rule on a NaN row with a sink and with dropout, and in second order, on every engine.
+
+    With a sink, the close's factor ``r`` was NaN on a NaN row, so ``P r`` spread NaN to the keys the row does not
+    read (``dk``, ``dv``, ``dbias`` of excluded keys); with dropout, ``P Z / (1 - p)`` made the dropped entries
+    NaN (``NaN * 0``), so ``dv`` of a key the row drops was NaN. In second order (``sdpa_hvp``,
+    ``sdpa_backward_jvp``, plain and tiled) the entries with ``P = 0`` of a NaN row were NaN (and every entry of
+    the tiled sweep's row). Now each result is NaN exactly where the first-order reads table says (second order:
+    the same pattern, inside SEMANTICS.md's superset), plain and tiled alike, the rest finite."""
+    q, k, v, g, o, rows, keys = CASES[name]
+    keep = np.ones((L, S), bool)
+    keep[0, 1] = keep[1, 2] = keep[1, 0] = keep[2, 3] = False       # drops a key row 1 reads (NaN on one key)
+    sinks = np.array([0.25])
+    for extra, drop in (({"sinks": sinks}, None), ({"dropout_p": 0.5, "dropout_mask": keep}, keep),
+                        ({"sinks": sinks, "dropout_p": 0.5, "dropout_mask": keep}, keep)):
+        kw = dict(o, **extra)
+        want = _expected_with(name, drop)
+        if "sinks" not in extra:
+            del want["dsinks"]
+        for how_name, how in HOWS.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                out, res = sdpa_ref.sdpa_forward(q, k, v, **kw, **how)
+                gr = sdpa_ref.sdpa_backward(res, g)
+                _, t = sdpa_ref.sdpa_jvp((q, k, v), tuple(np.ones_like(a) for a in (q, k, v)), **kw, **how)
+            got = {"out": out, "lse": res.lse, "dq": gr.query, "dk": gr.key, "dv": gr.value, "dbias": gr.bias,
+                   "jvp": t, "dsinks": gr.sinks}
+            for n, w in want.items():
+                np.testing.assert_array_equal(np.isnan(got[n]), w, err_msg=f"{name}, {extra}, {how_name}: {n}")
+                assert np.isfinite(got[n][~w]).all(), (name, how_name, n)
+        tangents = tuple(np.ones_like(a) for a in (q, k, v)) + (None, np.array([0.5]) if "sinks" in extra else None)
+        for how_name, how in ({} if "score_mod" in kw else _SECOND).items():     # (second order: no derivative)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                hv = sdpa_ref.sdpa_hvp((q, k, v), tangents, g, **kw, **how)
+                _, bj = sdpa_ref.sdpa_backward_jvp((q, k, v), tangents, g, np.ones_like(g), grad_lse=np.ones((1, 1, L)),
+                                                   grad_lse_tangent=np.ones((1, 1, L)), **kw, **how)
+            for what, got in (("hvp", hv), ("backward_jvp", bj)):
+                got = {"dq": got.query, "dk": got.key, "dv": got.value, "dbias": got.bias, "dsinks": got.sinks}
+                for n in got:
+                    if n in want:
+                        np.testing.assert_array_equal(np.isnan(got[n]), want[n],
+                                                      err_msg=f"{name}, {extra}, {how_name}, {what}: {n}")
+
+
+def test_the_sinks_probability_is_the_closed_normalisers_bit_for_bit():
+    """``normalize.extra_probs`` (every engine's backward, JVP and second order) from a forward's closed ``(m, s)``
+    gives ``close``'s own ``p_extra`` bit for bit: a sink near the top score (its probability from the rounded LSE
+    was 13% off at 1e15), a dominant one, a low one, none, a row with no key, a NaN row (NaN)."""
+    from sdpa_ref.normalize import close, extra_probs
+    T = np.array([[2.0 ** 50, 2.0 ** 50 - 1], [1.0, 2.0], [1.0, 2.0], [1.0, 2.0], [-np.inf, -np.inf],
+                  [-np.inf, -np.inf], [np.nan, 1.0]])
+    sink = np.array([[2.0 ** 50 + 3], [40.0], [-700.0], [-np.inf], [0.5], [-np.inf], [0.5]])
+    m, empty, nan = row_stats(T)
+    with np.errstate(invalid="ignore"):
+        s = np.where(nan, np.nan, np.sum(np.exp(T - m), axis=-1, keepdims=True))
+    nrm = close(m, s, empty, sink)
+    got = extra_probs(sink, nrm.m, nrm.s)
+    np.testing.assert_array_equal(got, nrm.p_extra)
+    assert got[3, 0] == 0 and got[4, 0] == 1 and got[5, 0] == 0 and np.isnan(got[6, 0])

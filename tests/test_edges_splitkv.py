@@ -24,7 +24,7 @@ import mpmath
 import numpy as np
 import pytest
 
-from sdpa_ref import sdpa_backward, sdpa_forward, sdpa_jvp, split_kv_partials
+from sdpa_ref import sdpa_backward, sdpa_backward_jvp, sdpa_forward, sdpa_jvp, split_kv_partials
 
 #: Each entry within ULPS * eps of its envelope (see the module docstring for why 16).
 ULPS = 16
@@ -125,9 +125,25 @@ def _run(q, k, v, scale, sinks, dO, dlse, tangents, **how):
     return got
 
 
+def _second(q, k, v, scale, sinks, dO, dlse, tangents):
+    """The gradients that the double backward (``sdpa_backward_jvp``) returns with their tangent, plain and tiled
+    (``{name: array}``, the tiled ones as ``name@tiled``): the first-order part of the second-order schedules
+    (along ``v``'s tangent alone, which the gradients do not read: the scores' tangents at ``1e300`` overflow)."""
+    opts = dict(scale=scale, sinks=sinks)
+    got = {}
+    for tag, how in (("", {"method": "plain"}), ("@tiled", {"block_size": 2})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            g = sdpa_backward_jvp((q, k, v), (None, None, v), dO, grad_lse=dlse, **opts, **how)[0]
+        got.update({"dq" + tag: g.query[0], "dk" + tag: g.key[0], "dv" + tag: g.value[0]})
+        if sinks is not None:
+            got["dsinks" + tag] = g.sinks
+    return got
+
+
 def _assert_within(got, ref, what):
     for name, x in got.items():
-        val, env = ref[name]
+        val, env = ref[name.split("@")[0]]
         err = np.abs(x - val)
         bad = ~(err <= ULPS * EPS * env)                          # NaN fails too
         assert not np.any(bad), (f"{what}: {name} off by {np.max(err / np.maximum(env, 1e-300)):.3g} of its "
@@ -139,14 +155,18 @@ CASES = [(f, C, s) for C in SCALES for f, s in (("exact", ""), ("exact", "near")
 
 
 @pytest.mark.parametrize("family, C, sink", CASES, ids=[f"{f}-{C:.0e}-{s or 'nosink'}" for f, C, s in CASES])
-def test_split_engine_against_mpmath_and_the_unsplit_engines_on_large_scores(family, C, sink):
+def test_split_engine_against_mpmath_and_the_unsplit_engines_on_large_scores(family, C, sink, monkeypatch):
     """Forward, LSE, backward (with grad_lse) and JVP of the split engine within 16 ulps of their envelopes,
     against mpmath and so within 32 of the unsplit engines; and its backward and JVP are the tiled engine's bit
     for bit at the same block size (its backward recomputes the row's statistics from its own scores)."""
     args = _problem(family, C, sink)
     ref = _oracle(*args)
-    if sink != "near":       # the dense engines take the sink's probability from the rounded LSE (not split-KV's)
-        _assert_within(_run(*args, method="fast"), ref, "fast")
+    for native in ("1", "0"):  # the dense engines: the sink's probability from the closed (m, s), not the rounded LSE
+        monkeypatch.setenv("SDPA_REF_NATIVE", native)
+        for method in ("fast", "plain"):
+            _assert_within(_run(*args, method=method), ref, f"{method} native={native}")
+        _assert_within(_second(*args), ref, f"second order native={native}")
+    monkeypatch.delenv("SDPA_REF_NATIVE")
     for n, b in SPLITS:
         split = _run(*args, num_splits=n, block_size=b)
         _assert_within(split, ref, f"split n={n} block={b}")

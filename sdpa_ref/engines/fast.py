@@ -170,7 +170,7 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))   # their dT is 0, set not computed
     crg = None if cr is None else np.broadcast_to(cr, full[:-1] + (1,)).reshape(grouped + (1,))
     dlg = None if dlse is None else dlse.reshape(grouped + (1,))
-    pe = extra_probs(lay.per_row(extras(prob)), fwd.lse.reshape(grouped + (1,)))    # the extra columns' P
+    pe = extra_probs(lay.per_row(extras(prob)), *(x.reshape(grouped + (1,)) for x in (fwd.rowmax, fwd.rowsum)))
     dext = None if pe is None else np.empty(grouped + (1,), dtype=ct)
     sub = max(1, _CACHE_ENTRIES // max(S, 1))
 
@@ -245,7 +245,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
     scored = dq is not None or dk is not None or dbias is not None or dextra is not None
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))       # P constant there: dP = 0
     crg = None if cr is None else np.broadcast_to(cr, full[:-1] + (1,)).reshape(grouped + (1,))
-    pe = extra_probs(lay.per_row(extras(prob)), fwd.lse.reshape(grouped + (1,)))    # the extra columns' P
+    pe = extra_probs(lay.per_row(extras(prob)), *(x.reshape(grouped + (1,)) for x in (fwd.rowmax, fwd.rowsum)))
     deg = None if pe is None or dextra is None else lay.per_row(dextra)
     sub = max(1, _CACHE_ENTRIES // max(S, 1))
 

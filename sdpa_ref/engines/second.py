@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..normalize import extra_probs, extra_second, extras, second_pivots
+from ..normalize import extra_probs, extra_second, extras, nan_row_probs, second_pivots
 from ..pivot import second_entries, second_partial, tangent_probs
 from ..policy import constant_rows, counts, excluded, fill_empty_rows
 from ..transforms import dropout_forward, scores_jvp, scores_vjp, transform_scores_jvp, transform_scores_slope_jvp, \
@@ -73,7 +73,7 @@ def _rows(prob, bl, fwd, i0, i1, b, dO, dlse, tangents, ddO, ddlse, out, acc, de
     s = np.where(em, ct.type(1), fwd.rowsum.reshape(prob.full_scores[:-1] + (1,))[..., i0:i1, :])
     n = counts(prob, (i0, i1))
     const = constant_rows(em, pad, o.fully_masked, n)              # P does not depend on T there
-    px = extra_probs(extras(prob, (i0, i1)), fwd.lse[..., i0:i1, None])   # the extra column's probability
+    px = extra_probs(extras(prob, (i0, i1)), m, s)                     # the extra column's probability
     dOg = bl.grouped(dO[..., i0:i1, :])
     ddOg = None if ddO is None else bl.grouped(ddO[..., i0:i1, :])
     qI = prob.q[..., i0:i1, :]
@@ -86,7 +86,7 @@ def _rows(prob, bl, fwd, i0, i1, b, dO, dlse, tangents, ddO, ddlse, out, acc, de
         else:
             T, slope = bl.scores(i0, i1, j0, j1, allowed, sech2=True)
         with np.errstate(invalid="ignore", over="ignore"):
-            P = _exp(T - m) / s
+            P = nan_row_probs(_exp(T - m) / s, T, s != s)           # a NaN row: NaN on its allowed keys only
         P = fill_empty_rows(P, em, pad, o.fully_masked, prob.S, n=n, excl=excluded(prob, (i0, i1), (j0, j1)))
         keep = bl.keep(i0, i1, j0, j1)
         vJ = prob.v[..., None, j0:j1, :]
