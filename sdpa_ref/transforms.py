@@ -72,20 +72,25 @@ def scores_forward(q, k, scale, out=None):
     product): one rounding of ``scale * x`` either way, and less work. A
     score that overflows is IEEE's ``+-inf``, without a warning: ``-inf``
     excludes its key, softcap takes ``+-inf`` to ``+-cap``, and ``+inf``
-    otherwise makes its row NaN (``SEMANTICS.md``).
+    otherwise makes its row NaN (``SEMANTICS.md``). Products that overflow
+    with opposite signs give ``+inf``, ``-inf`` or NaN (``inf - inf``), as
+    the BLAS orders and fuses its sum, also without a warning; each is a
+    score the rule takes as it is.
     """
     s = q.dtype.type(scale)
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         if q.shape[-2] <= k.shape[-2]:
             return np.matmul(s * q, np.swapaxes(k, -1, -2), out=out)
         return np.matmul(q, np.swapaxes(s * k, -1, -2), out=out)
 
 
 def scores_vjp(dT, q, k, scale, dq_out=None, dk_out=None):
-    """``dq = scale * dT k`` and ``dk = scale * dT^T q`` (per head; the caller sums a GQA group)."""
+    """``dq = scale * dT k`` and ``dk = scale * dT^T q`` (per head; the caller sums a GQA group); a product that
+    overflows is IEEE's ``+-inf`` or NaN, without a warning, as in :func:`scores_forward`."""
     s = dT.dtype.type(scale)
-    dq = np.multiply(np.matmul(dT, k, out=dq_out), s, out=dq_out)
-    dk = np.multiply(transposed_product(dT, q, out=dk_out), s, out=dk_out)
+    with np.errstate(over="ignore", invalid="ignore"):
+        dq = np.multiply(np.matmul(dT, k, out=dq_out), s, out=dq_out)
+        dk = np.multiply(transposed_product(dT, q, out=dk_out), s, out=dk_out)
     return dq, dk
 
 
@@ -109,14 +114,16 @@ def transposed_product(a, b, out=None):
 
 
 def scores_jvp(q, k, dq, dk, scale):
-    """``dTraw = scale * (dq k^T + q dk^T)``; ``dq`` or ``dk`` may be None (zero)."""
+    """``dTraw = scale * (dq k^T + q dk^T)``; ``dq`` or ``dk`` may be None (zero). An overflow (``scale * q``
+    beyond the largest float) is IEEE's ``+-inf`` or NaN, without a warning, as in :func:`scores_forward`."""
     s = q.dtype.type(scale)
     t = None
-    if dq is not None:
-        t = (s * dq) @ np.swapaxes(k, -1, -2)
-    if dk is not None:
-        u = (s * q) @ np.swapaxes(dk, -1, -2)
-        t = u if t is None else t + u
+    with np.errstate(over="ignore", invalid="ignore"):
+        if dq is not None:
+            t = (s * dq) @ np.swapaxes(k, -1, -2)
+        if dk is not None:
+            u = (s * q) @ np.swapaxes(dk, -1, -2)
+            t = u if t is None else t + u
     return t
 
 

@@ -259,7 +259,8 @@ class _Sweeps:
                     np.add(g, self.parts[1][1] - self.c, out=g)
             else:
                 P, g, sech2, keep = self._recompute(*job)
-                np.subtract(g, self.c, out=g)
+                with np.errstate(invalid="ignore"):                 # an overflowed g (inf - inf) is NaN
+                    np.subtract(g, self.c, out=g)
             np.subtract(g, D, out=g)
             t = nan_rows_vjp(np.multiply(P, g, out=g), P, D)       # a NaN row: 0 where P is 0
             if self.const is not None:
