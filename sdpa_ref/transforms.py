@@ -239,14 +239,12 @@ def alibi_forward(t, slopes, dist, out=None):
 def dropout_forward(x, keep, p, out=None):
     """``x * Z / (1 - p)`` with ``Z`` the bool keep mask; ``x`` itself without one.
 
-    A multiply, so that a NaN row stays NaN on the entries it keeps; a dropped entry is exactly 0 (not read, as
-    in SEMANTICS.md's reads table: ``NaN * 0`` would mark it NaN).
+    A multiply, not ``np.where``, so that a NaN row stays NaN as the formula says (``NaN * 0`` on a dropped
+    entry): a ``"nan"``-policy row whose every key is dropped is NaN, as on every engine and precision.
     """
     if keep is None:
         return x
-    y = np.multiply(x, keep * x.real.dtype.type(1.0 / (1.0 - p)), out=out)
-    np.copyto(y, 0, where=~np.asarray(keep, bool))
-    return y
+    return np.multiply(x, keep * x.real.dtype.type(1.0 / (1.0 - p)), out=out)
 
 
 def dropout_vjp(g, keep, p, out=None):

@@ -192,16 +192,17 @@ def test_no_warning_leaks_on_the_adversarial_rows(native):
 
 
 def _expected_with(name, drop=None):
-    """:func:`_expected` with sinks and dropout (``drop`` ``(L, S)`` bool keep mask): ``dv[j]`` is read by row ``i``
-    only where ``(i, j)`` is kept (``A'_i``), ``dsinks`` of the head NaN (a NaN row reads its sink); the rest as the
-    rule says."""
+    """:func:`_expected` with sinks and dropout (``drop`` ``(L, S)`` bool keep mask, or None): ``dv[j]`` of every
+    key ``j`` the NaN row ``i`` allows, dropped or kept (dropout is ``P Z / (1 - p)`` in IEEE arithmetic, so a
+    dropped entry of a NaN row is ``NaN * 0``, as a ``"nan"``-policy row's: the engines agree on that, and a
+    ``"nan"``-policy row whose keys are all dropped stays NaN), ``dsinks`` of the head NaN (a NaN row reads its
+    sink); the rest as the rule says."""
     q, k, v, g, o, rows, keys = CASES[name]
     pat = _expected(name)
     pat["dv"][...] = False
     for i in rows:
         for j in keys[i]:
-            if drop is None or drop[i, j]:
-                pat["dv"][0, 0, j] = True
+            pat["dv"][0, 0, j] = True
     pat["dsinks"] = np.ones((1,), bool)
     return pat
 
@@ -214,8 +215,8 @@ def test_nan_rows_with_sinks_dropout_and_second_order(name, native):
     """The rule on a NaN row with a sink and with dropout, and in second order, on every engine.
 
     With a sink, the close's factor ``r`` was NaN on a NaN row, so ``P r`` spread NaN to the keys the row does not
-    read (``dk``, ``dv``, ``dbias`` of excluded keys); with dropout, ``P Z / (1 - p)`` made the dropped entries
-    NaN (``NaN * 0``), so ``dv`` of a key the row drops was NaN. In second order (``sdpa_hvp``,
+    read (``dk``, ``dv``, ``dbias`` of excluded keys); with dropout the dropped entries of the keys the row allows
+    are ``NaN * 0`` (the formula's, on every engine). In second order (``sdpa_hvp``,
     ``sdpa_backward_jvp``, plain and tiled) the entries with ``P = 0`` of a NaN row were NaN (and every entry of
     the tiled sweep's row). Now each result is NaN exactly where the first-order reads table says (second order:
     the same pattern, inside SEMANTICS.md's superset), plain and tiled alike, the rest finite."""

@@ -118,12 +118,16 @@ def forward(prob, *, save_probs=True) -> Forward:
         if ext is not None:                               # the normaliser closed by its extra logits
             e = empty[idx].copy()
             lse_keys[idx] = lse[idx]
-            nrm = close(rowmax[idx], rowsum[idx], e, ext[idx])
+            m0, s0 = rowmax[idx], rowsum[idx]
+            nrm = close(m0, s0, e, ext[idx])
+            # where the extra logits leave the normaliser as it was (a -inf sink), the LSE is the keys' own bits:
+            # m + log(s) is taken once, by the row pass (NumPy's log and the C library's may differ in the last bit)
+            same = (nrm.m == m0) & (nrm.s == s0)
             np.copyto(Tc, 0.0, where=e)
             np.multiply(Tc, nrm.r, out=Tc)                 # the keys' P times r
             rowmax[idx], rowsum[idx], empty[idx] = nrm.m, nrm.s, nrm.empty
             with np.errstate(divide="ignore"):
-                lse[idx] = np.where(empty[idx], -np.inf, nrm.m + np.log(nrm.s))
+                lse[idx] = np.where(empty[idx], -np.inf, np.where(same, lse_keys[idx], nrm.m + np.log(nrm.s)))
         Pd = dropout_forward(lay.full_view(Tc), block_of(prob.keep, lay.nd_f, fidx), o.dropout_p)
         np.matmul(Pd.reshape(Tc.shape), v, out=O[idx])
 
