@@ -252,6 +252,11 @@ def indices(x, name: str, lead: tuple) -> np.ndarray:
     if not ok:
         raise ValueError(f"`{name}` should have a shape (..., K) whose leading dims broadcast to {tuple(lead)}, "
                          f"but got shape {arr.shape}")
+    if len(lead) > 2 and 3 <= arr.ndim <= len(lead):
+        raise ValueError(f"`{name}` should have all {len(lead) + 1} dims of {tuple(lead) + ('K',)} beside the batch "
+                         f"dims {tuple(lead[:-2])}, but got shape {arr.shape}, which is ambiguous: FlashAttention 4's "
+                         "(b, t, K) and (Hq, L, K) broadcast differently; write (b, 1, t, K) for indices shared by "
+                         "the heads, or (b, Hq, t, K)")
     with np.errstate(over="ignore"):
         return arr.astype(np.int64)
 

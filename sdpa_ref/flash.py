@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _validate as V
 from .api import scaled_dot_product_attention
 from .layouts import KVCache, Packed
+from .options import check_bool, check_scale, check_softcap, check_window
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
@@ -39,7 +41,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     cu_seqlens_q, cu_seqlens_k : array_like of int, (B + 1,)
         Sequence ``b``'s rows are ``cu_seqlens[b] .. cu_seqlens[b + 1]``.
     max_seqlen_q, max_seqlen_k : int, optional
-        At least the longest sequence (the dense problem's padded length).
+        FlashAttention's bound on the sequences' lengths: checked (below the longest sequence is a
+        `ValueError`), never used as a padded length, so a generous bound costs nothing.
     seqused_q, seqused_k : array_like of int, (B,), optional
         Only the first rows of each sequence are used.
     softmax_scale, causal, window_size, attention_chunk, softcap, alibi_slopes
@@ -60,7 +63,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     """
     lay = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, key_leftpad)
     return _call(q, k, lay, v, softmax_scale, causal, window_size, attention_chunk, softcap, alibi_slopes,
-                 return_lse, dict(options, qv=qv))
+                 check_bool(return_lse, "return_lse"), dict(options, qv=qv))
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
@@ -80,7 +83,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
     cache_seqlens : int or array_like of int, (B,), optional
         The cache's used positions per sequence (every one by default).
     cache_batch_idx : array_like of int, (B,), optional
-        The cache row of each sequence (contiguous caches).
+        The cache row of each sequence; paged, the row of ``block_table`` each sequence reads (FlashAttention
+        3's ``page_table[cache_batch_idx[b]]``; ``cache_seqlens`` and ``cache_leftpad`` stay indexed by ``b``).
     cache_leftpad : array_like of int, (B,), optional
         The position each sequence's keys start at.
     block_table, page_table : array_like of int, (B, max_pages), optional
@@ -115,13 +119,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
     if num_splits > 1:
         options = dict(options, num_splits=int(num_splits))
     return _call(q, k_cache, lay, v_cache, softmax_scale, causal, window_size, attention_chunk, softcap,
-                 alibi_slopes, return_softmax_lse, dict(options, qv=qv))
+                 alibi_slopes, check_bool(return_softmax_lse, "return_softmax_lse"), dict(options, qv=qv))
 
 
 def _call(q, k, lay, v, scale, causal, window_size, chunk, softcap, slopes, return_lse, options):
+    """FlashAttention's scalar arguments checked under their own names (before anything is gathered), then the
+    reference on the layout."""
+    causal = check_bool(causal, "causal")
+    if window_size is None:                              # FlashAttention's "no window" is (-1, -1)
+        raise TypeError("`window_size` should be a pair (left, right) of ints >= 0, -1 or None, but got None; "
+                        "pass (-1, -1) for no window")
+    window = check_window(window_size, "window_size")
+    scale = None if scale is None else check_scale(scale, "softmax_scale")
+    cap = None if softcap is None else V.as_real_scalar(softcap, "softcap")
+    cap = None if cap is None or cap == 0.0 else check_softcap(cap, "softcap")     # FlashAttention's 0: off
     hq, hkv = np.shape(q)[-2], np.shape(k)[-2] if getattr(lay, "kv_layout", "NHD") == "NHD" else np.shape(k)[1]
-    kw = dict(scale=scale, is_causal=causal, window=tuple(window_size), attention_chunk=chunk,
-              softcap=softcap if softcap else None, alibi_slopes=slopes, causal_alignment="bottom_right",
-              enable_gqa=hq != hkv)
+    kw = dict(scale=scale, is_causal=causal, window=window, attention_chunk=chunk, softcap=cap,
+              alibi_slopes=slopes, causal_alignment="bottom_right", enable_gqa=hq != hkv)
     kw.update(options)
     return scaled_dot_product_attention(q, k, v, layout=lay, return_lse=return_lse, **kw)

@@ -59,6 +59,8 @@ def _ints(x, name, ndim=1):
         raise TypeError(f"`{name}` should be an integer array, but got dtype {arr.dtype}")
     if arr.ndim != ndim:
         raise ValueError(f"`{name}` should have {ndim} dimension(s), but got shape {arr.shape}")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:   # would wrap to a negative
+        raise ValueError(f"`{name}` should hold values below 2**63, but got {int(arr.max())}")
     return arr.astype(np.int64)
 
 
@@ -210,11 +212,11 @@ class KVCache:
             raise ValueError("`block_table` and `kv_indptr`/`kv_indices` should not both be given: they are two "
                              "spellings of the page table")
         P, cap = k.shape[1], k.shape[1]                       # NHD order: (pages or rows, page_size or S, Hkv, E)
-        if paged:
-            table, seqlens = self._table(B, P)
+        rows = _per_batch(self.cache_batch_idx, "cache_batch_idx", B, np.arange(B, dtype=np.int64))
+        if paged:                                             # FlashAttention 3: page_table[cache_batch_idx[b]]
+            table, seqlens = self._table(B, P, rows)
             cap = table.shape[1] * P
         else:
-            rows = _per_batch(self.cache_batch_idx, "cache_batch_idx", B, np.arange(B, dtype=np.int64))
             if np.any(rows < 0) or np.any(rows >= k.shape[0]):
                 raise ValueError(f"`cache_batch_idx` should name rows of the cache [0, {k.shape[0]}), but got "
                                  f"{rows.tolist()}")
@@ -231,18 +233,31 @@ class KVCache:
         b, j, t = _ranges(pad, lk)                              # t: the position in the sequence's cache
         where = table[b, t // P] * P + t % P if paged else rows[b] * P + t
         if paged and np.any((table[b, t // P] < 0) | (table[b, t // P] >= k.shape[0])):
+            bad = table[b, t // P][(table[b, t // P] < 0) | (table[b, t // P] >= k.shape[0])][0]
             raise ValueError(f"`block_table` / `kv_indices` should name pages of the cache [0, {k.shape[0]}) for "
-                             "every position in use, but got one outside")
+                             f"every position in use, but got page {bad}")
         return qmap, _Map(b, j, where, _max(self.max_seqlen_k, "max_seqlen_k", lk), lk)
 
-    def _table(self, B, P):
-        """``(block table (B, pages), cache_seqlens or None)`` from ``block_table`` or FlashInfer's CSR lists."""
+    def _table(self, B, P, rows):
+        """``(block table (B, pages), cache_seqlens or None)`` from ``block_table`` or FlashInfer's CSR lists.
+
+        With ``cache_batch_idx`` (``rows``), sequence ``b`` reads the table's row ``rows[b]``, as FlashAttention
+        3 reads ``page_table[cache_batch_idx[b]]`` (its ``cache_seqlens`` and ``cache_leftpad`` stay indexed by
+        ``b``); the table then has any number of rows."""
         if self.block_table is not None:
             t = _ints(self.block_table, "block_table", 2)
-            if t.shape[0] != B:
-                raise ValueError(f"`block_table` should have one row per sequence, ({B}, max_pages), but got shape "
-                                 f"{t.shape}")
-            return t, None
+            if self.cache_batch_idx is None:
+                if t.shape[0] != B:
+                    raise ValueError(f"`block_table` should have one row per sequence, ({B}, max_pages), but got "
+                                     f"shape {t.shape}")
+                return t, None
+            if np.any(rows < 0) or np.any(rows >= t.shape[0]):
+                raise ValueError(f"`cache_batch_idx` should name rows of `block_table` [0, {t.shape[0]}), but got "
+                                 f"{rows.tolist()}")
+            return t[rows], None
+        if self.cache_batch_idx is not None:
+            raise ValueError("`cache_batch_idx` should not be given with FlashInfer's page lists (`kv_indptr` lists "
+                             "each sequence's own pages: reorder them instead), but got both")
         if self.cache_seqlens is not None:
             raise ValueError("`cache_seqlens` should not be given with FlashInfer's page lists (kv_last_page_len says "
                              "where each sequence ends)")
@@ -294,13 +309,18 @@ class _Flat:
 
 
 def _max(given, name, lengths):
-    """The dense length: ``given`` (FlashAttention's ``max_seqlen_*``; at least every length) or the largest."""
+    """The dense length: the longest of ``lengths``. ``given`` (FlashAttention's ``max_seqlen_*``) is only a bound
+    on them, checked: below the longest length it is an error, above it costs nothing (the padded length is
+    never the bound, so a generous bound allocates nothing)."""
     top = int(lengths.max(initial=0))
     if given is None:
         return top
-    if isinstance(given, (bool, np.bool_)) or not isinstance(given, (numbers.Integral, np.integer)) or given < top:
+    if isinstance(given, (bool, np.bool_)) or not isinstance(given, (numbers.Integral, np.integer)):
+        raise TypeError(f"`{name}` should be an int >= the longest sequence ({top}) or None, but got "
+                        f"{V.describe(given)}")
+    if given < top:
         raise ValueError(f"`{name}` should be an int >= the longest sequence ({top}), but got {given!r}")
-    return int(given)
+    return top
 
 
 class Gathered:

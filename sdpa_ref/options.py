@@ -117,15 +117,9 @@ class AttentionOptions:
         o["attention_chunk"] = None if chunk is None or (_count(chunk, "attention_chunk", 0) == 0) \
             else _count(chunk, "attention_chunk", 1)
         if o["scale"] is not None:
-            s = V.as_real_scalar(o["scale"], "scale")
-            if not np.isfinite(s) or s == 0.0:
-                raise ValueError(f"`scale` should be finite and non-zero, but got {s!r}")
-            o["scale"] = s
+            o["scale"] = check_scale(o["scale"], "scale")
         if o["softcap"] is not None:
-            c = V.as_real_scalar(o["softcap"], "softcap")
-            if not (np.isfinite(c) and c > 0):
-                raise ValueError(f"`softcap` should be a finite number > 0, but got {c!r}")
-            o["softcap"] = c
+            o["softcap"] = check_softcap(o["softcap"], "softcap")
         p = V.as_real_scalar(o["dropout_p"], "dropout_p")
         if not 0.0 <= p < 1.0:
             raise ValueError(f"`dropout_p` should be in [0, 1), but got {p!r}")
@@ -310,6 +304,22 @@ def check_bool(x, name):
     return bool(x)
 
 
+def check_scale(x, name):
+    """The score scale: a finite, non-zero real number, or a `TypeError` / `ValueError` naming ``name``."""
+    s = V.as_real_scalar(x, name)
+    if not np.isfinite(s) or s == 0.0:
+        raise ValueError(f"`{name}` should be finite and non-zero, but got {s!r}")
+    return s
+
+
+def check_softcap(x, name):
+    """Softcap's cap: a finite real number > 0, or a `TypeError` / `ValueError` naming ``name``."""
+    c = V.as_real_scalar(x, name)
+    if not (np.isfinite(c) and c > 0):
+        raise ValueError(f"`{name}` should be a finite number > 0, but got {c!r}")
+    return c
+
+
 def _count(x, name, low):
     """An int ``>= low`` (and at most ``2**62``), or a `TypeError` / `ValueError` naming ``name``."""
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
@@ -351,24 +361,31 @@ def _signed(b, name):
     return int(b)
 
 
-def _check_window(window):
+def _check_window(window, name="window"):
+    """``(left, right)`` of ints >= 0 or None (``-1`` is None), or a `TypeError` / `ValueError` naming ``name``
+    (``window``, or FlashAttention's ``window_size``)."""
     if window is None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:     # a set has no order: refused
-        raise TypeError(f"`window` should be a pair (left, right) of ints >= 0, -1 or None, but got {window!r}")
+        raise TypeError(f"`{name}` should be a pair (left, right) of ints >= 0, -1 or None, but got "
+                        f"{window!r}")
     out = []
     for side, b in zip(("left", "right"), window):
         if b is None:
             out.append(None)
             continue
         if isinstance(b, (bool, np.bool_)) or not isinstance(b, (numbers.Integral, np.integer)):
-            raise TypeError(f"`window` {side} bound should be an int >= 0, -1 or None, but got {b!r}")
+            raise TypeError(f"`{name}` {side} bound should be an int >= 0, -1 or None, but got {b!r}")
         if b == -1:
             out.append(None)
         elif b < 0:
-            raise ValueError(f"`window` {side} bound should be >= 0 (or -1 / None for unbounded), but got {b}")
+            raise ValueError(f"`{name}` {side} bound should be >= 0 (or -1 / None for unbounded), but got {b}")
         elif b > 2**62:
-            raise ValueError(f"`window` {side} bound should be at most 2**62 (use None for unbounded), but got {b}")
+            raise ValueError(f"`{name}` {side} bound should be at most 2**62 (use None for unbounded), but got {b}")
         else:
             out.append(int(b))
     return tuple(out)
+
+
+#: :func:`_check_window` for a wrapper that spells the window otherwise (FlashAttention's ``window_size``).
+check_window = _check_window

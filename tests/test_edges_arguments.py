@@ -1,0 +1,163 @@
+"""Every bad argument is a clear error before any allocation (issue 40, item 8).
+
+A table lists each argument of the FlashAttention-style entry points and of the layouts with bad values, the
+exception and the words its message must hold (the argument's own name, as the caller spelled it). ``max_seqlen_q``
+and ``max_seqlen_k`` are bounds on the sequences' lengths (FlashAttention's meaning), never the padded length: a
+bound below a real length is an error, one above it is accepted and allocates nothing (checked under tracemalloc).
+"""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import sdpa_ref
+from sdpa_ref import KVCache, Packed, flash_attn_varlen_func, flash_attn_with_kvcache, sdpa_forward
+
+#: Peak traced memory allowed for a call on a handful of tokens, whatever bound it is given (the problem itself
+#: needs kilobytes; the old code padded to the bound: 1 GB for 7 tokens and max_seqlen_k=2**27).
+SMALL_PEAK = 50 * 2**20
+
+_RNG = np.random.default_rng(0)
+Q = _RNG.standard_normal((7, 2, 4))                         # packed: two sequences of 3 and 4 tokens
+CU = np.array([0, 3, 7])
+QC = _RNG.standard_normal((2, 1, 2, 4))                     # a decode step against a cache of 2 rows of 5
+KC = _RNG.standard_normal((2, 5, 2, 4))
+PAGES = _RNG.standard_normal((4, 2, 2, 4))                  # 4 pages of 2 slots
+BIG = np.array([0, 2**63], np.uint64)                       # a uint64 value no int64 holds
+
+
+def varlen(**kw):
+    return flash_attn_varlen_func(Q, Q, Q, kw.pop("cu_seqlens_q", CU), kw.pop("cu_seqlens_k", CU), **kw)
+
+
+def kvcache(**kw):
+    return flash_attn_with_kvcache(QC, KC, KC, **kw)
+
+
+def paged(**kw):
+    return flash_attn_with_kvcache(QC, PAGES, PAGES, **dict(dict(block_table=np.array([[0, 1], [2, 3]])), **kw))
+
+
+def dense(**kw):
+    x = _RNG.standard_normal((2, 2, 3, 4))
+    return sdpa_forward(x, x, x, **kw)
+
+
+BAD = [
+    # FlashAttention's max_seqlen: an int bound on the lengths (the longest here is 4)
+    (varlen, dict(max_seqlen_k=3), ValueError, ["`max_seqlen_k`", ">= the longest", "3"]),
+    (varlen, dict(max_seqlen_q=-1), ValueError, ["`max_seqlen_q`"]),
+    (varlen, dict(max_seqlen_k=4.0), TypeError, ["`max_seqlen_k`", "int"]),
+    (varlen, dict(max_seqlen_k=True), TypeError, ["`max_seqlen_k`", "int"]),
+    (varlen, dict(max_seqlen_q="8"), TypeError, ["`max_seqlen_q`", "int"]),
+    (varlen, dict(max_seqlen_k=np.array([8])), TypeError, ["`max_seqlen_k`", "int"]),
+    # integer arrays checked against the sizes they index, and against int64
+    (varlen, dict(cu_seqlens_q=np.array([0, 3, 8])), ValueError, ["`cu_seqlens_q`", "7 rows"]),
+    (varlen, dict(cu_seqlens_k=np.array([0, 3, 2**63], np.uint64)), ValueError,
+     ["`cu_seqlens_k`", "9223372036854775808"]),
+    (varlen, dict(cu_seqlens_q=CU.astype(float)), TypeError, ["`cu_seqlens_q`", "integer"]),
+    (varlen, dict(seqused_k=BIG), ValueError, ["`seqused_k`", "9223372036854775808"]),
+    (kvcache, dict(cache_seqlens=BIG), ValueError, ["`cache_seqlens`", "9223372036854775808"]),
+    (kvcache, dict(cache_seqlens=3.0), TypeError, ["`cache_seqlens`"]),
+    (kvcache, dict(cache_batch_idx=np.array([0, 2**64 - 1], np.uint64)), ValueError,
+     ["`cache_batch_idx`", "18446744073709551615"]),
+    (kvcache, dict(cache_batch_idx=np.array([0, 2])), ValueError, ["`cache_batch_idx`", "[0, 2)"]),
+    (kvcache, dict(cache_leftpad=BIG), ValueError, ["`cache_leftpad`", "9223372036854775808"]),
+    (paged, dict(block_table=np.array([[0, 1], [2, 2**63]], np.uint64)), ValueError, ["`block_table`"]),
+    (paged, dict(block_table=np.array([[0, 1], [2, 4]])), ValueError, ["`block_table`", "[0, 4)"]),
+    (paged, dict(block_table=np.array([[0.0, 1.0], [2.0, 3.0]])), TypeError, ["`block_table`"]),
+    (paged, dict(cache_batch_idx=np.array([0, 2])), ValueError, ["`cache_batch_idx`", "rows of `block_table`"]),
+    (paged, dict(block_table=None, kv_indptr=np.array([0, 1, 2]), kv_indices=np.array([0, 1]),
+                 kv_last_page_len=np.array([1, 1]), cache_batch_idx=np.array([1, 0])), ValueError,
+     ["`cache_batch_idx`", "kv_indptr"]),
+    # FlashAttention's window: a pair (left, right), -1 unbounded
+    (varlen, dict(window_size=None), TypeError, ["`window_size`", "pair"]),
+    (varlen, dict(window_size=np.array([1, 1])), TypeError, ["`window_size`", "pair"]),
+    (varlen, dict(window_size=(1,)), TypeError, ["`window_size`", "pair"]),
+    (varlen, dict(window_size=(1.5, 0)), TypeError, ["`window_size`"]),
+    (varlen, dict(window_size=(-2, 0)), ValueError, ["`window_size`"]),
+    (kvcache, dict(window_size="left"), TypeError, ["`window_size`"]),
+    # scalars under the wrappers' own names
+    (varlen, dict(softcap=np.array([1.0, 2.0])), TypeError, ["`softcap`", "real number"]),
+    (varlen, dict(softcap=-1.0), ValueError, ["`softcap`"]),
+    (kvcache, dict(softcap="30"), TypeError, ["`softcap`"]),
+    (varlen, dict(softmax_scale=0.0), ValueError, ["`softmax_scale`"]),
+    (kvcache, dict(softmax_scale=np.array([1.0, 2.0])), TypeError, ["`softmax_scale`"]),
+    (varlen, dict(causal="yes"), TypeError, ["`causal`", "bool"]),
+    (kvcache, dict(causal=1), TypeError, ["`causal`", "bool"]),
+    (varlen, dict(return_lse=1), TypeError, ["`return_lse`", "bool"]),
+    (kvcache, dict(return_softmax_lse="yes"), TypeError, ["`return_softmax_lse`", "bool"]),
+    (kvcache, dict(return_softmax_lse=1), TypeError, ["`return_softmax_lse`", "bool"]),
+    (kvcache, dict(kv_layout="nhd"), ValueError, ["`kv_layout`"]),
+    (kvcache, dict(block_table=np.array([[0]]), page_table=np.array([[0]])), ValueError, ["`page_table`"]),
+    # gather_kv_indices: the 3-D (b, t, K) of FlashAttention 4 is ambiguous with (Hq, L, K) beside a batch
+    (dense, dict(gather_kv_indices=np.zeros((2, 3, 1), int)), ValueError,
+     ["`gather_kv_indices`", "ambiguous", "(b, 1, t, K)", "(b, Hq, t, K)"]),
+    (dense, dict(gather_kv_indices=np.zeros((2, 2, 3, 1))), TypeError, ["`gather_kv_indices`", "integer"]),
+    (dense, dict(layout="packed"), TypeError, ["`layout`"]),
+]
+
+
+@pytest.mark.parametrize("call, kw, err, words", BAD, ids=[f"{c.__name__}-{'-'.join(k)}-{i}"
+                                                           for i, (c, k, _, _) in enumerate(BAD)])
+def test_a_bad_argument_is_a_clear_error_naming_it(call, kw, err, words):
+    tracemalloc.start()
+    try:
+        with pytest.raises(err) as info:
+            call(**kw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    msg = str(info.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    assert "should" in msg and "but got" in msg, msg                          # the house style
+    assert peak < SMALL_PEAK, f"{peak / 2**20:.0f} MiB traced before the error"
+
+
+def _peak(fn):
+    tracemalloc.start()
+    try:
+        result = fn()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("bound", [2**40, 2**27])
+def test_max_seqlen_is_a_bound_that_never_allocates(bound):
+    """7 tokens with max_seqlen_k=2**27 allocated 1 GB, and 2**40 was a MemoryError: the bound is only checked."""
+    want = varlen(return_lse=True)
+    got, peak = _peak(lambda: varlen(max_seqlen_q=bound, max_seqlen_k=bound, return_lse=True))
+    assert peak < SMALL_PEAK, f"{peak / 2**20:.0f} MiB"
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
+    out, peak = _peak(lambda: sdpa_forward(QC, KC, KC, layout=KVCache(max_seqlen_k=bound))[0])
+    assert peak < SMALL_PEAK, f"{peak / 2**20:.0f} MiB"
+    np.testing.assert_array_equal(out, sdpa_forward(QC, KC, KC, layout=KVCache())[0])
+
+
+def test_max_seqlen_at_the_longest_length_is_accepted():
+    np.testing.assert_array_equal(varlen(max_seqlen_q=4, max_seqlen_k=4), varlen())
+
+
+def test_max_seqlen_bound_does_not_change_the_residuals_shape():
+    """The dense problem is padded to the longest sequence, so a backward on a generous bound costs nothing."""
+    lay = Packed(CU, CU, max_seqlen_q=2**30, max_seqlen_k=2**30)
+    (out, res), peak = _peak(lambda: sdpa_forward(Q, Q, Q, layout=lay))
+    assert peak < SMALL_PEAK and res.problem.L == 4 and res.problem.S == 4
+    gr = sdpa_ref.sdpa_backward(res, np.ones_like(out))
+    want = sdpa_ref.sdpa_backward(sdpa_forward(Q, Q, Q, layout=Packed(CU, CU))[1], np.ones_like(out))
+    for w, g in zip(want, gr):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_window_size_of_two_ints_or_minus_one_is_accepted():
+    np.testing.assert_array_equal(varlen(window_size=[-1, -1]), varlen())
+    np.testing.assert_array_equal(varlen(window_size=(np.int64(1), 0)), varlen(window_size=(1, 0)))
+
+
+def test_softcap_zero_is_off():
+    np.testing.assert_array_equal(varlen(softcap=0), varlen())
+    np.testing.assert_array_equal(varlen(softcap=np.float64(0.0)), varlen())
