@@ -22,6 +22,7 @@ from sdpa_ref import check_implementation, sdpa_backward, sdpa_forward, sdpa_jvp
 from sdpa_ref.harness.cases import get_suite
 from sdpa_ref.harness.lowp import as_test_dtype, dequantized, finfo, output_dtype, ulp, work_dtype
 from sdpa_ref.harness.rules import RelativeRule, returned_rounding
+from sdpa_ref.rounding import round_to
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -58,15 +59,15 @@ def correctly_rounded(lse_held=None):
         out, res = sdpa_forward(q64, k64, v64, precision=prec, **x)
         lse = np.asarray(res.lse, np.float64)
         if lse_held is not None:
-            lse = lse.astype(lse_held)
-        return out.astype(output_dtype(dt)), lse.astype(work_dtype(dt))
+            lse = round_to(lse, lse_held)
+        return round_to(out, output_dtype(dt)), round_to(lse, work_dtype(dt))
 
     def backward(g, q, k, v, **o):
         dt = np.asarray(q).dtype
         q64, k64, v64, x, prec = _problem(q, k, v, o)
         gr = sdpa_backward(sdpa_forward(q64, k64, v64, precision=prec, **x)[1], np.asarray(g, np.float64))
-        res = [a.astype(output_dtype(dt)) for a in (gr.query, gr.key, gr.value, gr.bias) if a is not None]
-        return tuple(res) + (() if gr.sinks is None else (np.asarray(gr.sinks).astype(work_dtype(dt)),))
+        res = [round_to(a, output_dtype(dt)) for a in (gr.query, gr.key, gr.value, gr.bias) if a is not None]
+        return tuple(res) + (() if gr.sinks is None else (round_to(np.asarray(gr.sinks), work_dtype(dt)),))
 
     def jvp(primals, tangents, **o):
         dt = np.asarray(primals[0]).dtype
@@ -74,7 +75,7 @@ def correctly_rounded(lse_held=None):
         tan = sdpa_jvp(tuple(np.asarray(a, np.float64) for a in primals),
                        tuple(np.asarray(a, np.float64) for a in tangents),
                        precision="fast" if "score_mod" in x else "reproducible", **x)[1]
-        return np.asarray(tan).astype(output_dtype(dt))
+        return round_to(np.asarray(tan), output_dtype(dt))
 
     return forward, backward, jvp
 
@@ -104,12 +105,12 @@ def test_the_floor_bounds_every_correct_rounding_of_a_faithful_reference(dt):
     lo = np.log2(float(fi.smallest_subnormal)) - 1                     # from below the subnormals of dt
     x = np.exp2(rng.uniform(max(lo, -1000), np.log2(float(fi.max) / 4), 4000)) * rng.choice([-1.0, 1.0], 4000)
     # ties of dt (midpoints), and points a float64 ulp either side of them
-    grid = np.asarray(x, np.float64).astype(dt).astype(np.float64)
+    grid = round_to(np.asarray(x, np.float64), dt).astype(np.float64)
     mid = grid + ulp(grid, dt) / 2
     x = np.concatenate([x, mid, np.nextafter(mid, np.inf), np.nextafter(mid, -np.inf)])
     for ref in (x, np.nextafter(x, np.inf), np.nextafter(x, -np.inf)):         # a faithful ref64 of the exact x
         for chunk in np.array_split(np.arange(x.size), 40):
-            got = x[chunk].astype(dt).astype(np.float64)                       # correctly rounded from x
+            got = round_to(x[chunk], dt).astype(np.float64)                    # correctly rounded from x
             floor = returned_rounding(ref[chunk], dt)
             assert np.max(np.abs(got - ref[chunk])) <= floor, (dt, chunk[:3])
             half = float(ulp(np.max(np.abs(ref[chunk])), dt)) / 2                # and not looser than that
@@ -197,9 +198,9 @@ def test_a_backward_that_reads_an_lse_held_in_float16_is_caught():
         lse = np.asarray(res.lse, np.float64)
         fin = np.isfinite(lse)
         held = np.where(fin, lse, 0.0)
-        c = np.exp(held - held.astype(np.float16).astype(np.float64))
+        c = np.exp(held - round_to(held, np.float16).astype(np.float64))
         gr = sdpa_backward(res, np.asarray(g, np.float64) * c[..., None])
-        return tuple(a.astype(output_dtype(dt)) for a in (gr.query, gr.key, gr.value, gr.bias) if a is not None)
+        return tuple(round_to(a, output_dtype(dt)) for a in (gr.query, gr.key, gr.value, gr.bias) if a is not None)
 
     cases = [c for c in QUICK if c.name == "large-logits-L16-S16"]
     rep = check_implementation(fwd, backward=backward, dtypes=("float16",), cases=cases, lse="e")
