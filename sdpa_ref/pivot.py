@@ -97,8 +97,9 @@ def lane_rowsum(x):
     rows, n = x.shape
     full = n - n % 8
     acc = np.zeros((rows, 8), dtype=x.dtype)
-    if full:
-        acc += np.add.accumulate(x[:, :full].reshape(rows, full // 8, 8), axis=1)[:, -1]   # sequential, by definition
+    if full:                                     # (blocks, rows, 8): NumPy reduces an outer axis row after row,
+        blocks = np.ascontiguousarray(x[:, :full].reshape(rows, full // 8, 8).transpose(1, 0, 2))
+        acc += np.add.reduce(blocks, axis=0)     # in order (its pairwise sum is only along the inner axis)
     if full < n:
         tail = np.zeros((rows, 8), dtype=x.dtype)
         tail[:, :n - full] = x[:, full:]
