@@ -91,17 +91,19 @@ class AttentionResiduals:
 
     @property
     def out(self):
-        """The output in the compute dtype, in the user's rank (in the layout's, with a layout)."""
+        """The output in the compute dtype, in the user's rank (in the layout's, with a layout): the caller's own
+        writeable copy (writing into it changes no gradient)."""
         out = nan_where(self.forward.out, None if self.taint is None else self.taint.out).reshape(
             self.problem.out_shape)
-        return out if self.layout is None else self.layout.out(out)
+        return np.array(out) if self.layout is None else self.layout.out(out)
 
     def _rows(self, x, taint=None, fill=-np.inf):
         """A per-row quantity ``(*batch, Hq, L)`` with the taint's NaN, in the user's rank (the layout's LSE
-        layout, with a layout, ``fill`` on its unused rows)."""
+        layout, with a layout, ``fill`` on its unused rows): the caller's own writeable copy, never a view of the
+        residuals (so the LSE of ``return_lse=True`` is one too)."""
         x = nan_where(x, None if self.taint is None else (self.taint.lse if taint is None else taint)).reshape(
             self.problem.out_shape[:-1])
-        return x if self.layout is None else self.layout.lse(x, fill)
+        return np.array(x if self.layout is None else self.layout.lse(x, fill))
 
     @property
     def tile_counts(self):
