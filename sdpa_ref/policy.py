@@ -7,8 +7,9 @@ zeros (``"zero"``), NaN (``"nan"``), the uniform average over all ``S``
 keys (``"uniform"``), or JAX's (``"jax"``): JAX masks with a finite
 sentinel, so such a row averages the ``n`` keys the structural rules exclude
 from it (bool mask, causal, window, lengths, ...: each holds the sentinel),
-``P = 1/n`` on them, and is NaN when ``n = 0`` (every key allowed, every
-score ``-inf`` from a float mask or bias). Query rows past ``q_len`` are
+``P = 1/n`` on them, and is NaN when ``n = 0`` with keys (every key allowed,
+every score ``-inf`` from a float mask or bias); with ``S = 0`` JAX's
+``P V`` is an empty sum, 0, as under ``"zero"``. Query rows past ``q_len`` are
 zero under every policy.
 The helpers below say which rows are constant, zero or NaN by the policy, so
 that every engine sets them rather than computes them from memory it must
@@ -102,10 +103,11 @@ def zero_output_rows(empty, padded, policy):
     return rows if rows is not None and np.any(rows) else None
 
 
-def nan_rows(empty, padded, policy, n=None):
+def nan_rows(empty, padded, policy, n=None, S=None):
     """``(..., L, 1)`` bool: the rows that the ``"nan"`` policy makes NaN (fully masked, not padded), or those of
-    ``"jax"`` with no key to average (``n = 0``), or None."""
-    if policy not in ("nan", "jax") or not np.any(empty):
+    ``"jax"`` with no key to average (``n = 0``) among ``S > 0`` keys (``S = 0``: JAX's empty sum, 0; ``S``
+    None: some key), or None."""
+    if policy not in ("nan", "jax") or not np.any(empty) or (policy == "jax" and S == 0):
         return None
     rows = empty if policy == "nan" else (empty & (n == 0))
     return rows if padded is None else (rows & ~padded)

@@ -254,10 +254,12 @@ class Problem:
 
     def nan_rows_without_keys(self):
         """``(*batch, 1, L, 1)`` (``(..., Hq, L, 1)`` with sinks) bool, or None: with ``S = 0`` under
-        ``fully_masked="nan"`` (or ``"jax"``), the rows that are not padded and have no sink. No row has a key,
+        ``fully_masked="nan"``, the rows that are not padded and have no sink. No row has a key,
         so, as on a fully masked row with keys, their ``dq`` and their tangent are NaN
-        (the engines' empty sums give 0; ``dk``, ``dv`` and the mask and bias gradients have no entries)."""
-        if self.S != 0 or self.options.fully_masked not in ("nan", "jax"):     # "jax": no key to average
+        (the engines' empty sums give 0; ``dk``, ``dv`` and the mask and bias gradients have no entries).
+        ``"jax"`` is JAX's formula, whose softmax over no key is empty and whose ``P V`` an empty sum: 0, as the
+        engines give (:func:`sdpa_ref.policy.nan_rows`)."""
+        if self.S != 0 or self.options.fully_masked != "nan":
             return None
         shape = tuple(self.batch) + (1, self.L, 1)
         pad = self.padded_rows()

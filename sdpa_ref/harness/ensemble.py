@@ -358,7 +358,7 @@ class _Kernel:
         them as the formula does), 0 on those whose output is 0 by definition."""
         p, policy = self.p, self.p.options.fully_masked
         pad = p.padded_rows()
-        nan, zero = nan_rows(empty, pad, policy, counts(p)), zero_output_rows(empty, pad, policy)
+        nan, zero = nan_rows(empty, pad, policy, counts(p), p.S), zero_output_rows(empty, pad, policy)
         O = O if zero is None else np.where(zero, self.w.type(0), O)
         return O if nan is None else np.where(nan, self.w.type(np.nan), O)
 
