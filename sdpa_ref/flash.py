@@ -61,6 +61,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     out : ndarray, (total_q, Hq, Ev)
     lse : ndarray, (Hq, total_q), with ``return_lse``
     """
+    _storage({"q": q, "k": k, "v": v}, 3)
     lay = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, key_leftpad)
     return _call(q, k, lay, v, softmax_scale, causal, window_size, attention_chunk, softcap, alibi_slopes,
                  check_bool(return_lse, "return_lse"), dict(options, qv=qv))
@@ -109,6 +110,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
     out : ndarray, (B, Lq, Hq, Ev)
     lse : ndarray, (B, Hq, Lq), with ``return_softmax_lse``
     """
+    _storage({"q": q, "k_cache": k_cache, "v_cache": v_cache}, 4)
     if block_table is not None and page_table is not None:
         raise ValueError("`block_table` and `page_table` should not both be given (FlashAttention 2's and 3's names "
                          "of one table), but got both")
@@ -120,6 +122,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
         options = dict(options, num_splits=int(num_splits))
     return _call(q, k_cache, lay, v_cache, softmax_scale, causal, window_size, attention_chunk, softcap,
                  alibi_slopes, check_bool(return_softmax_lse, "return_softmax_lse"), dict(options, qv=qv))
+
+
+def _storage(arrays, ndim):
+    """The wrapper's arrays checked under FlashAttention's names (their dtype, and ``ndim`` dims)."""
+    for name, x in arrays.items():
+        a = V.as_float_array(x, name)
+        if a.ndim != ndim:
+            raise ValueError(f"`{name}` should have {ndim} dimensions, but got shape {a.shape}")
 
 
 def _call(q, k, lay, v, scale, causal, window_size, chunk, softcap, slopes, return_lse, options):

@@ -159,8 +159,8 @@ class Packed:
         return (_Map(*_ranges(cq[:-1], lq), _max(self.max_seqlen_q, "max_seqlen_q", lq), lq),
                 _Map(*_ranges(ck[:-1] + pad, lk), _max(self.max_seqlen_k, "max_seqlen_k", lk), lk))
 
-    def queries(self, q):
-        return _storage(q, "query", 3), 1
+    def queries(self, q, name="query"):
+        return _storage(q, name, 3), 1
 
     def keys(self, x, name):
         return _storage(x, name, 3), 1
@@ -275,8 +275,8 @@ class KVCache:
             table[b, :n[b]] = idx[ptr[b]:ptr[b + 1]]
         return table, np.where(n > 0, (n - 1) * P + last, 0)
 
-    def queries(self, q):
-        q = _storage(q, "query", 4)
+    def queries(self, q, name="query"):
+        q = _storage(q, name, 4)
         return q.reshape((-1,) + q.shape[2:]), 1
 
     def keys(self, x, name):
@@ -375,7 +375,7 @@ class Gathered:
     def gather_qv(self, qv):
         """MLA's ``qv`` (stored as the queries are, its own width) as its dense array; its shape is kept for the
         scatter of its gradient."""
-        flat, _ = self.layout.queries(qv)
+        flat, _ = self.layout.queries(qv, "qv")
         if flat.shape[:2] != self._flat["query"][:2]:
             raise ValueError(f"`qv` should have the rows and heads of `query` {self.shapes['query']}, but got shape "
                              f"{np.shape(qv)}")

@@ -96,6 +96,12 @@ BAD = [
      ["`gather_kv_indices`", "ambiguous", "(b, 1, t, K)", "(b, Hq, t, K)"]),
     (dense, dict(gather_kv_indices=np.zeros((2, 2, 3, 1))), TypeError, ["`gather_kv_indices`", "integer"]),
     (dense, dict(layout="packed"), TypeError, ["`layout`"]),
+    # the arrays under the wrappers' names
+    (kvcache, dict(qv=np.zeros(3)), ValueError, ["`qv`", "4 dimensions"]),
+    (varlen, dict(qv=np.zeros((7, 2), int)), TypeError, ["`qv`", "dtype"]),
+    (lambda **kw: flash_attn_with_kvcache(QC, KC[0], KC), {}, ValueError, ["`k_cache`", "4 dimensions"]),
+    (lambda **kw: flash_attn_with_kvcache(QC, KC, KC.astype(int)), {}, TypeError, ["`v_cache`", "dtype"]),
+    (lambda **kw: flash_attn_varlen_func(Q[None], Q, Q, CU, CU), {}, ValueError, ["`q`", "3 dimensions"]),
 ]
 
 
