@@ -55,13 +55,17 @@ def test_writing_into_the_inputs_after_the_forward_changes_no_gradient(how):
 
 
 def test_the_residuals_are_read_only():
+    """What the backward reads is frozen; ``res.out`` and ``res.lse`` are results, the caller's own copies
+    (issue 40, item 9: tests/test_edges_peers.py checks every entry point)."""
     q, k, v, g, bias, _ = _inputs(2)
     out, res = sdpa_ref.sdpa_forward(q, k, v, bias=bias)
-    for name in ("out", "lse", "probs"):
-        arr = getattr(res, name)
-        assert not arr.flags.writeable, name
+    for arr in (res.probs, res.forward.out, res.forward.lse):
+        assert not arr.flags.writeable
         with pytest.raises(ValueError, match="read-only"):
             arr[...] = 0
+    for name in ("out", "lse"):
+        arr = getattr(res, name)
+        assert arr.flags.writeable and not np.shares_memory(arr, getattr(res.forward, name)), name
     assert not np.shares_memory(out, res.out)
     assert not np.shares_memory(q, res.problem.q)
 
