@@ -47,7 +47,7 @@ import numpy as np
 from ..exact import _native
 from ..masks import block_of
 from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, zero_output_rows
-from ..normalize import close, extra_probs, extras, row_stats, vjp
+from ..normalize import close, extra_probs, extras, nan_row_probs, row_stats, vjp
 from ..pivot import lane_rowsum, softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_jvp, scores_vjp, transform_scores, \
     transform_scores_jvp, transform_scores_vjp, transposed_product
@@ -92,14 +92,14 @@ def forward(prob, *, save_probs=True) -> Forward:
                 tb, eb, lb = t[r0:r0 + sub], empty_c[r0:r0 + sub], lse_c[r0:r0 + sub]
                 m, s = m_c[r0:r0 + sub], s_c[r0:r0 + sub]
                 m[...], eb[...], nan = row_stats(tb)         # the one rule: empty, NaN rows, the shift
-                neg = None if not nan.any() else tb == -np.inf
+                T0 = tb.copy() if nan.any() else None        # (the scores, for nan_row_probs)
                 np.subtract(tb, m, out=tb)
                 np.exp(tb, out=tb)
                 s[...] = lane_rowsum(tb)
                 np.divide(tb, s, out=tb)
                 lb[...] = np.log(s.astype(np.float64)) + m.astype(np.float64)
-                if neg is not None:                          # NaN rows: NaN on the keys they read, 0 elsewhere
-                    tb[...] = np.where(nan, np.where(neg, t.dtype.type(0), t.dtype.type(np.nan)), tb)
+                if T0 is not None:                           # NaN rows: NaN on the keys they read, 0 elsewhere
+                    tb[...] = nan_row_probs(tb, T0, nan)
                     s[nan], lb[nan] = np.nan, np.nan
 
     def chunk(idx, inner_parallel):
