@@ -6,11 +6,16 @@ materialised: the forward walks key blocks of ``b`` columns for each block of
 accumulator (the online softmax), and stores only ``O``, ``lse`` and the row
 max and sum that make it. The
 backward walks the same blocks and recomputes each block's
-:math:`P = e^{T - m} / s` from the row max :math:`m` and sum :math:`s`
-that the forward kept apart (:math:`e^{T - \mathrm{lse}}` would lose what
+:math:`P = e^{T - m} / s` from a row max :math:`m` and sum :math:`s` of its
+own: its first sweep takes them from the scores it recomputes, block by
+block, merged and closed by the sinks as the forward's (a score recomputed
+in another block shape, or by another engine's forward, may be an ulp off
+the one the forward summed; :math:`e^{T - \mathrm{lse}}` would lose what
 ``lse = m + log s`` rounded away: everything, once the scores are large),
 with the softmax VJP in the pivoted form of
-:func:`sdpa_ref.pivot.row_pivot`.
+:func:`sdpa_ref.pivot.row_pivot`. The forward's own ``m`` and ``s`` serve
+the tiled double backward (:mod:`sdpa_ref.engines.second`), which walks the
+forward's block shape.
 It is also the ``"lse"`` backward of dense residuals (:func:`lse_blocks`: row
 blocks holding every key): FlashAttention's recomputing backward, made stable.
 
@@ -163,9 +168,11 @@ class _Sweeps:
     :math:`P \odot (g - \mathrm{rowsum}(P \odot g))`. The first sweep finds, from each key block's own pivot,
     one pivot ``c`` (``g`` at the row's largest ``P``) and :math:`D = \mathrm{rowsum}(P (g - c))`
     (:func:`sdpa_ref.pivot.combine_partials`); :meth:`second` recomputes each block and yields
-    :math:`P \odot ((g - c) - D)`. An extra logit of the normaliser (a sink) is one more column with probability
-    ``ps`` and no value, whose ``g`` is ``g_extra`` (the backward: 0; the JVP: its tangent). With one key block
-    the two sweeps share one recomputation.
+    :math:`P \odot ((g - c) - D)`. The row's normaliser :math:`(m, s)` is the first sweep's own, from the scores
+    it recomputes (:func:`sdpa_ref.normalize.row_stats` per block, merged by :func:`sdpa_ref.lse.combine_in`,
+    closed by :func:`sdpa_ref.normalize.close`); of the forward only ``fwd.empty`` is read. An extra logit of
+    the normaliser (a sink) is one more column with probability ``ps`` and no value, whose ``g`` is ``g_extra``
+    (the backward: 0; the JVP: its tangent). With one key block the two sweeps share one recomputation.
 
     ``g_block(j0, j1, P, keep, sech2)`` gives a fresh array ``g`` for one block.
     """
