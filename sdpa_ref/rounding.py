@@ -71,7 +71,7 @@ def round_to(x, dtype, copy=True):
     if a.dtype in (np.float32, np.float16):                   # one rounding already (tested on every version)
         return a.astype(dt)
     m, emin, fmax, has_inf = FORMATS[dt.name]
-    v = a.astype(np.float64)
+    v = _exact_enough(a) if a.dtype.kind in "iu" and a.dtype.itemsize == 8 else a.astype(np.float64)
     u = v.view(np.uint64)
     sign = u & np.uint64(1 << 63)
     mag = u ^ sign
@@ -84,3 +84,21 @@ def round_to(x, dtype, copy=True):
         r = np.where(r > fmax, np.inf if has_inf else np.nan, r)
         r = np.where(np.isnan(v) | (np.isinf(v) & (not has_inf)), np.nan, r)
     return (r.view(np.uint64) | sign).view(np.float64).astype(dt)
+
+
+def _exact_enough(a):
+    """A 64-bit integer array as float64 that rounds to any of :data:`FORMATS` as the integer itself does.
+
+    Beyond 2**53 the cast to float64 rounds, and a second rounding to the target can turn a value just past a
+    midpoint into a tie (``2**62 + 2**54 + 1`` to bfloat16 gave ``2**62``). So the magnitude's low 11 bits are
+    first folded into one sticky bit (bit 11, kept set if any of them is): what is left has at most 53
+    significant bits, exact in float64, and every target keeps at most 8 bits, so its kept bits, half bit and
+    whether anything lies below the half bit are all unchanged."""
+    neg = a < 0
+    mag = np.where(neg, (~a.astype(np.uint64)) + np.uint64(1), a.astype(np.uint64)) if a.dtype.kind == "i" \
+        else a.astype(np.uint64)
+    low = np.uint64((1 << 11) - 1)
+    big = mag >= np.uint64(1 << 53)
+    folded = np.where(big & ((mag & low) != 0), (mag & ~low) | np.uint64(1 << 11), np.where(big, mag & ~low, mag))
+    v = folded.astype(np.float64)
+    return np.where(neg, -v, v)

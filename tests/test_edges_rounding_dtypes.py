@@ -218,3 +218,31 @@ def test_sdpa_ref_no_compile_builds_nothing_and_says_why(tmp_path):
     record = json.loads((exact / "_compiled_kernels.json").read_text())
     assert record["built"] is False and "SDPA_REF_NO_COMPILE" in record["reason"]
     assert "SDPA_REF_NO_COMPILE" in run.stderr
+
+
+def test_round_to_rounds_integers_past_2_53_once():
+    """An int64 or uint64 beyond 2**53 is not a float64: through float64 first it was rounded twice, so a value
+    just past a midpoint of the target (2**62 + 2**54 + 1 for bfloat16) became a tie and went to even (2**62,
+    not 2**62 + 2**55). Against the exact oracle on the integers themselves, near every midpoint. (Only bfloat16
+    reaches that far; every fp8 overflows long before 2**53.)"""
+    name = "bfloat16"
+    m = FORMATS[name][0]
+    rng = np.random.default_rng(53)
+    ints, uints = [], []
+    for top in (53, 54, 60, 62):
+        for _ in range(40):
+            lead = int(rng.integers(1 << m, 1 << (m + 1)))
+            mid = (2 * lead + 1) << (top - m - 1)                # a midpoint of the target at 2**top
+            ints += [mid, mid + 1, mid - 1, -(mid + 1), -(mid - 1), mid + int(rng.integers(1, 1 << 10))]
+    for top in (63,):
+        for _ in range(40):
+            lead = int(rng.integers(1 << m, 1 << (m + 1)))
+            mid = (2 * lead + 1) << (top - m - 1)
+            uints += [mid, mid + 1, mid - 1, min(mid + int(rng.integers(1, 1 << 10)), 2 ** 64 - 1)]
+    ints += [2 ** 63 - 1, -2 ** 63, 2 ** 53 + 1, -(2 ** 53 + 1), 0, 1, -1]
+    uints += [2 ** 64 - 1, 2 ** 63, 0]
+    for xs, dt in ((ints, np.int64), (uints, np.uint64), (ints[:40], np.int32)):
+        xs = [x for x in xs if np.iinfo(dt).min <= x <= np.iinfo(dt).max]
+        got = round_to(np.array(xs, dt), getattr(ml_dtypes, name))
+        assert _same(got, [oracle(x, name) for x in xs]), [
+            (x, float(g), oracle(x, name)) for x, g in zip(xs, got.astype(float)) if not _same(g, oracle(x, name))][:5]
