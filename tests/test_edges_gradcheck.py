@@ -262,3 +262,18 @@ def test_a_derivative_returning_none_is_a_clear_error(mode):
 
 def test_a_numpy_integer_seed_is_taken():
     assert check_vjp(_fun, _vjp, QKV, seed=np.int64(3)).ok
+
+
+@pytest.mark.parametrize("vectorized", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_complex_output_is_refused_not_cut_to_its_real_part(mode, vectorized):
+    """``fun`` returning ``x * (1 + 1j)`` at a real point: its real part alone was checked, so a VJP of 1 (the
+    real part's) passed; its derivative is ``1 + 1j``. A complex-capable ``fun`` whose imaginary part is 0 at
+    real points (as the complex step needs) still passes."""
+    x = [np.array([0.5, -1.0, 2.0])]
+    for check, der in ((check_vjp, lambda g, x: [g]), (check_jvp, lambda t, x: t[0])):
+        with pytest.raises(TypeError, match="`fun`.*imaginary"):
+            check(lambda x: x * (1 + 1j), der, x, mode=mode, vectorized=vectorized)
+        assert check(lambda x: x * (1 + 0j), der, x, mode=mode, vectorized=vectorized).ok
+    rep = check_vjp(lambda x: np.exp(x + 0j), lambda g, x: [g * np.exp(x)], x, method="complex", mode=mode)
+    assert rep.ok, rep

@@ -67,10 +67,23 @@ def copy_args(args):
 def call(fun, xs):
     # Hand the function fresh copies so that even a mutating `fun` cannot
     # disturb the evaluation points.
-    out = np.asarray(fun(*[x.copy() for x in xs]))
-    if out.dtype.kind == "c":     # a complex-capable fun evaluated at a real point
-        out = out.real
-    return out.astype(np.float64)
+    return real_output(np.asarray(fun(*[x.copy() for x in xs]))).astype(np.float64)
+
+
+def real_output(out):
+    """``fun``'s output at a real point: a complex-capable ``fun`` (for the complex step) may return complex
+    values there, whose imaginary part must be 0 (or not finite, as ``inf * (1 + 0j)`` gives); a finite non-zero
+    imaginary part is a TypeError, since dropping it would check the real part's derivative alone."""
+    if out.dtype.kind != "c":
+        return out
+    im = out.imag
+    bad = np.isfinite(im) & (im != 0)
+    if bad.any():
+        i = tuple(int(t) for t in np.unravel_index(int(np.argmax(bad)), out.shape))
+        raise TypeError(f"`fun` should return real values at real points, but got an imaginary part "
+                        f"{float(im[i])!r} at output {i}: the checkers compare real derivatives, and dropping it "
+                        "would check the real part alone")
+    return out.real
 
 
 def default_eps(eps, method="central"):
@@ -121,9 +134,7 @@ class Numeric:
         return J
 
     def _real_batched(self, args, n, out_shape):
-        out = np.asarray(batched_call(self.fun, "fun", *args))
-        if out.dtype.kind == "c":
-            out = out.real
+        out = real_output(np.asarray(batched_call(self.fun, "fun", *args)))
         return batched_shape(out, n, out_shape, "fun").astype(np.float64, copy=False)
 
     def _imag_batched(self, args, n, out_shape):
