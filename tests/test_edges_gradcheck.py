@@ -277,3 +277,19 @@ def test_a_complex_output_is_refused_not_cut_to_its_real_part(mode, vectorized):
         assert check(lambda x: x * (1 + 0j), der, x, mode=mode, vectorized=vectorized).ok
     rep = check_vjp(lambda x: np.exp(x + 0j), lambda g, x: [g * np.exp(x)], x, method="complex", mode=mode)
     assert rep.ok, rep
+
+
+@pytest.mark.parametrize("kwargs, err, name", [
+    ({"eps": True}, TypeError, "`eps`"),                          # a step of 1.0 (bool is an int)
+    ({"eps": "a"}, TypeError, "`eps`"),                           # NumPy's message named no argument
+    ({"vectorized": "no"}, TypeError, "`vectorized`"),            # bool("no") turned the batched mode on
+    ({"vectorized": 1}, TypeError, "`vectorized`"),
+])
+def test_eps_and_vectorized_are_checked_under_their_names(kwargs, err, name):
+    for check, der in ((check_vjp, _vjp), (check_jvp, _jvp)):
+        with pytest.raises(err, match=name):
+            check(_fun, der, QKV, **kwargs)
+    if "eps" in kwargs:
+        with pytest.raises(err, match=name):
+            sr.numerical_jacobian(_fun, QKV, **kwargs)
+    assert check_vjp(_fun, _vjp, QKV, eps=np.float32(1e-5), vectorized=np.bool_(True)).ok

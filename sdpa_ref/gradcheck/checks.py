@@ -159,6 +159,8 @@ def _run(projection, full, fun, derivative, args, mode, eps, rtol, atol, seed, n
     if isinstance(n_projections, (bool, np.bool_)) or not isinstance(n_projections, (int, np.integer)) \
             or n_projections < 1:
         raise ValueError(f"`n_projections` should be an int >= 1 (0 checks nothing), but got {n_projections!r}")
+    if not isinstance(vectorized, (bool, np.bool_)):       # bool("no") is True: a string turned batching on
+        raise TypeError(f"`vectorized` should be a bool, but got {describe(vectorized)}")
     xs = copy_args(args)
     out = call(fun, xs)
     nd = Numeric(fun, default_eps(eps, method), method, vectorized=bool(vectorized))

@@ -10,7 +10,7 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
-from .._validate import check_choice
+from .._validate import as_real_scalar, check_choice
 
 __all__ = ["COMPLEX_STEP", "METHODS", "Numeric", "numerical_jacobian"]
 
@@ -89,7 +89,7 @@ def real_output(out):
 def default_eps(eps, method="central"):
     if eps is None:
         return COMPLEX_STEP if method == "complex" else float(np.finfo(np.float64).eps ** (1.0 / 3.0))
-    eps = float(eps)
+    eps = as_real_scalar(eps, "eps")                      # a bool or a string is a TypeError naming `eps`
     if not np.isfinite(eps) or eps <= 0:
         raise ValueError(f"`eps` should be a positive finite float, but got {eps!r}")
     return eps
