@@ -279,7 +279,8 @@ np.testing.assert_allclose(D_flash, D, rtol=1e-12, atol=1e-15)
 
 cited(BACKWARD_SRC, "P = softmax(T), J = diag(P) - P P^T", "dT = J dP = P * (dP - D), D = rowsum(P * dP)",
       "dT, dextra = vjp(P, dP")
-cited(inspect.getsource(sdpa_ref.pivot.pivoted_vjp), "return y * (gc - np.sum(gc * y, axis=axis, keepdims=True))")
+cited(inspect.getsource(sdpa_ref.pivot.pivoted_vjp), "D = np.sum(gc * y, axis=axis, keepdims=True)",
+      "return nan_rows_vjp(y * (gc - D), y, D)")
 c = dP[np.arange(L), np.argmax(P, axis=1)][:, None]
 np.testing.assert_allclose(P * ((dP - c) - np.sum(P * (dP - c), axis=1, keepdims=True)), dT, rtol=1e-12, atol=1e-15)
 np.testing.assert_allclose(sdpa_ref.softmax_vjp(P, dP), dT, rtol=1e-12, atol=1e-15)
