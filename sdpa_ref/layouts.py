@@ -59,7 +59,8 @@ def _ints(x, name, ndim=1):
         raise TypeError(f"`{name}` should be an integer array, but got dtype {arr.dtype}")
     if arr.ndim != ndim:
         raise ValueError(f"`{name}` should have {ndim} dimension(s), but got shape {arr.shape}")
-    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:   # would wrap to a negative
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:   # would wrap (Python ints:
+        # numpy 1.23 compared uint64 with int64 in float64, where 2**63 equals 2**63 - 1)
         raise ValueError(f"`{name}` should hold values below 2**63, but got {int(arr.max())}")
     return arr.astype(np.int64)
 
