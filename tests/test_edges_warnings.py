@@ -191,7 +191,12 @@ def test_numpy_row_passes_are_the_compiled_ones():
                     assert np.array_equal(s_ans, s), (level, dt, n)
                     with np.errstate(divide="ignore", invalid="ignore"):     # the empty row: 0 / 0, log 0
                         assert np.array_equal(e / s_ans, pc, equal_nan=True), (level, dt, n)
-                        assert np.array_equal((np.log(s.astype(np.float64)) + m).astype(dt), lse), (level, dt, n)
+                        # the LSE's log is the C library's in the compiled pass and NumPy's here: the same
+                        # formula, but the package controls neither log's last bit (numpy 1.23's differs), so 1 ulp
+                        want = (np.log(s.astype(np.float64)) + m).astype(dt)
+                        fin = np.isfinite(want)
+                        assert np.array_equal(np.isfinite(lse), fin), (level, dt, n)
+                        assert np.all(np.abs(lse[fin] - want[fin]) <= np.spacing(np.abs(want[fin]))), (level, dt, n)
                     pc[np.isnan(pc)] = 0                                    # the engine fills the empty row
                     d = rng.standard_normal((6, n)).astype(dt)
                     d_ref, d_ans = d.copy(), d.copy()
