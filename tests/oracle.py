@@ -176,3 +176,12 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
                         dk[b, kh, j, e] += scale * d_raw * q[b, h, i, e]
     grads = ((dq, dk, dv, dT_all) + (() if sinks is None else (dsink,))) if want_grads else None
     return out, lse, grads
+
+
+def mp_shifted(ctx, a, t, sign, h):
+    """``a + sign * h * t`` entry by entry in the mpmath context ``ctx`` (object array): one side of a central
+    difference taken in many digits, so its error is O(h^2) in the exact arithmetic."""
+    out = np.empty(a.shape, dtype=object)
+    for i, x in np.ndenumerate(a):
+        out[i] = ctx.mpf(float(x)) + sign * h * ctx.mpf(float(t[i]))
+    return out

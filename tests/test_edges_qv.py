@@ -16,7 +16,7 @@ import pytest
 import sdpa_ref
 
 from helpers import assert_faithful
-from oracle import oracle_attention
+from oracle import mp_shifted, oracle_attention
 
 mpmath = pytest.importorskip("mpmath")
 
@@ -136,10 +136,7 @@ def test_jvp_with_qv_is_faithful():
     h = ctx.mpf(10) ** -20
 
     def shifted(a, t, sign):
-        out = np.empty(a.shape, dtype=object)
-        for i, x in np.ndenumerate(a):
-            out[i] = ctx.mpf(float(x)) + sign * h * ctx.mpf(float(t[i]))
-        return out
+        return mp_shifted(ctx, a, t, sign, h)
 
     def out_at(sign):
         q2 = np.concatenate([shifted(q, ts[0], sign), shifted(qv, ts[3], sign)], -1)

@@ -17,7 +17,7 @@ from sdpa_ref.exact import ozaki
 from sdpa_ref.pivot import softmax_vjp_in
 
 from helpers import assert_close_normwise, assert_faithful as _faithful
-from oracle import oracle_attention
+from oracle import mp_shifted, oracle_attention
 from strategies import variant_problem
 
 mpmath = pytest.importorskip("mpmath")
@@ -64,10 +64,7 @@ def test_jvp_faithfully_rounded_against_mpmath(problem):
     h = ctx.mpf(10) ** -20
 
     def shifted(a, t, sign):
-        out = np.empty(a.shape, dtype=object)
-        for i, x in np.ndenumerate(a):
-            out[i] = ctx.mpf(float(x)) + sign * h * ctx.mpf(float(t[i]))
-        return out
+        return mp_shifted(ctx, a, t, sign, h)
 
     args = _oracle_args(q, oracle)
     hi = oracle_attention(shifted(q, tq, 1), shifted(k, tk, 1), shifted(v, tv, 1), num="mp", **args)[0]
