@@ -79,7 +79,7 @@ from .softmax import (
 from .alibi import alibi_bias, alibi_slopes
 from ._info import info
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "__version__",

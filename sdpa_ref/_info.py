@@ -6,6 +6,8 @@ import platform
 import sys
 from typing import Any, Dict, List
 
+from ._version import __version__
+
 __all__ = ["info", "NUMPY_ONLY_COST"]
 
 #: What running without the compiled kernels costs (measured on one machine at (1, 4, 256, 64), float64
@@ -83,7 +85,7 @@ def info() -> Dict[str, Any]:
         "flags": rec.get("flags"),
     }
     return {
-        "version": sys.modules[__package__].__version__,     # the package itself (importing it here is a cycle)
+        "version": __version__,
         "python": platform.python_version(),
         "numpy": np.__version__,
         "compiled_kernels": kernels,

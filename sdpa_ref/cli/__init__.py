@@ -70,7 +70,7 @@ _seed = _int_at_least(0)                    # a non-negative seed
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    from .._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="sdpa-ref",

@@ -111,7 +111,7 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
     not a regular file (a symlink, FIFO, folder or device) is refused with :class:`UnsafeDestination` (an
     ``OSError``) before anything is written. ``out_dir`` itself is followed if it is a symlink to a folder.
     """
-    from .. import __version__
+    from .._version import __version__
 
     if not (isinstance(dtype, str) and dtype in TEST_DTYPES):
         raise ValueError(f"`dtype` should be one of {', '.join(TEST_DTYPES)}, but got {dtype!r}")
@@ -339,7 +339,7 @@ def verify_vectors(out_dir) -> VerifyReport:
     versions, ...) raises :class:`ManifestError`. Names are reported escaped,
     one line each, whatever their encoding.
     """
-    from .. import __version__
+    from .._version import __version__
 
     out_dir = os.fspath(out_dir)
     out_dir = os.fsdecode(out_dir) if isinstance(out_dir, bytes) else out_dir
