@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arith import NUMPY
 from .lse import combine_in
 from .pivot import sink_grad_in, sink_softmax_vjp_in
 
-__all__ = ["fold_sink", "fold_sink_in", "sink_grad_in", "sink_probs", "sink_probs_lse_in",
-           "sink_softmax_vjp", "sink_softmax_vjp_in"]
+__all__ = ["fold_sink_in", "sink_grad_in", "sink_probs", "sink_probs_lse_in", "sink_softmax_vjp_in"]
 
 
 def fold_sink_in(X, m, s, empty, sink):
@@ -56,12 +54,6 @@ def fold_sink_in(X, m, s, empty, sink):
     return m2, s2, X.where(empty2, X.const(0.0), r), p_sink, empty2
 
 
-def fold_sink(m, s, empty, sink):
-    """:func:`fold_sink_in` on NumPy arrays (the ``"fast"``, ``"plain"`` and ``"tiled"`` engines)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        return fold_sink_in(NUMPY, np.where(empty, m.dtype.type(0), m), s, empty, sink)
-
-
 def sink_probs(sink, m, s):
     r"""The sink's probability :math:`p_\sigma = e^{\sigma - m} / s` ``(..., 1)`` from the row's closed normaliser
     ``(m, s)`` (:func:`fold_sink_in`'s ``m2``, ``s2``: what a forward keeps as its ``rowmax``, ``rowsum``), on NumPy
@@ -84,8 +76,3 @@ def sink_probs_lse_in(X, sink, lse):
     return X.where(none, X.const(0.0), X.exp_minus(X.where(none, X.const(0.0), sink),
                                                    X.where(none, X.const(0.0), lse)))
 
-
-def sink_softmax_vjp(P, dP, p_sink, g_lse=None, d_sink=None):
-    """:func:`sink_softmax_vjp_in` on NumPy arrays."""
-    with np.errstate(invalid="ignore"):
-        return sink_softmax_vjp_in(NUMPY, P, dP, p_sink, g_lse, d_sink)

@@ -9,8 +9,7 @@ import numpy as np
 from .._validate import check_tolerance
 from .lowp import ulp
 
-__all__ = ["FixedRule", "RelativeRule", "ULPRule", "as_rule", "lean", "max_abs_diff", "returned_rounding",
-           "rounding_floor"]
+__all__ = ["FixedRule", "RelativeRule", "ULPRule", "as_rule", "lean", "returned_rounding", "rounding_floor"]
 
 
 # -------------------------------------------------------------------- rules
@@ -224,10 +223,6 @@ def lean(got, ref64, dtype):
     if not (np.isfinite(beta) and np.isfinite(se)):
         return 0.0, float("inf")                  # an overflowing error: the largest error judges it
     return beta, se
-
-
-def max_abs_diff(a, b):
-    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0.0))
 
 
 def returned_rounding(ref64, dtype):
