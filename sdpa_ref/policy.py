@@ -14,21 +14,81 @@ zero under every policy.
 The helpers below say which rows are constant, zero or NaN by the policy, so
 that every engine sets them rather than computes them from memory it must
 not read.
+
+This module is the one place that tells the policies apart by name. Every
+other module asks a question by its meaning: does a fully masked row read
+the values (:func:`averages_values`), every key (:func:`averages_every_key`)
+or the structurally excluded ones (:func:`averages_excluded`); is its fill 0
+(:func:`fills_zero`) or NaN (:func:`makes_nan`); is the policy the default
+(:func:`is_default`) or a peer's algorithm reproduced (:func:`emulates_peer`).
+The names are validated once, by :class:`sdpa_ref.options.AttentionOptions`;
+a predicate given an unknown name answers False.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["constant_rows", "counts", "excluded", "fill_empty_rows", "fill_output_without_keys", "nan_rows",
-           "policy_fill", "zero_output_rows"]
+__all__ = ["averages_every_key", "averages_excluded", "averages_values", "constant_rows", "counts",
+           "emulates_peer", "excluded", "fill_empty_rows", "fill_output_without_keys", "fills_zero", "is_default",
+           "makes_nan", "nan_rows", "policy_fill", "zero_output_rows"]
+
+
+# ------------------------------------------------------------- what each policy does, by meaning
+
+
+def is_default(policy):
+    """Whether ``policy`` is the default of ``fully_masked``, ``"zero"`` (what a case or report need not name)."""
+    return policy == "zero"
+
+
+def fills_zero(policy):
+    """Whether a fully masked row's ``P`` is 0 on every key (``"zero"``): its output and gradients are 0, set
+    without reading a value, and a block of keys that no row allows contributes nothing to it."""
+    return policy == "zero"
+
+
+def makes_nan(policy):
+    """Whether every fully masked row (not padded) is NaN, output and gradients (``"nan"``: the textbook
+    formula, 0/0); with ``S = 0`` too, where the engines' empty sums would give 0. ``"jax"`` is NaN only on a row
+    with no excluded key to average (:func:`nan_rows`), which this does not ask."""
+    return policy == "nan"
+
+
+def averages_values(policy):
+    """Whether a fully masked row averages values (``"uniform"``: all ``S`` keys; ``"jax"``: the keys the
+    structural rules exclude from it), so it reads values outside its allowed set, and ``dV`` receives
+    ``dO / n`` there."""
+    return policy in ("uniform", "jax")
+
+
+def averages_every_key(policy):
+    """Whether a fully masked row is the mean over all ``S`` keys, ``P = 1/S`` (``"uniform"``): undefined with
+    ``S = 0``, and counting a layout's padding as keys."""
+    return policy == "uniform"
+
+
+def averages_excluded(policy):
+    """Whether a fully masked row averages only the ``n`` keys the structural rules exclude from it, ``P = 1/n``,
+    NaN where ``n = 0`` (``"jax"``: JAX's finite sentinel): the problem keeps those counts (:func:`counts`)."""
+    return policy == "jax"
+
+
+def emulates_peer(policy):
+    """Whether ``policy`` reproduces one peer's algorithm bit for bit rather than stating a rule for the row
+    (``"jax"``: ``"uniform"`` on rows the structural rules empty, ``"nan"`` on rows ``-inf`` floats empty). It
+    is held to that algorithm written out (``tests/test_jax_policy.py``), not to the self-check's grid."""
+    return policy == "jax"
+
+
+# ------------------------------------------------------------- the fill, and the rows it makes
 
 
 def policy_fill(policy, S):
     """What ``P`` holds on a row with no allowed key: 0, NaN, or ``1/S`` (the uniform average); for ``"jax"``,
     ``S`` is the count ``n`` of the keys the row averages (an array: :func:`counts`), and the fill ``1/n``, NaN
     where ``n = 0``."""
-    if policy == "jax":
+    if averages_excluded(policy):
         n = np.asarray(S, np.float64)
         with np.errstate(divide="ignore"):
             return np.where(n > 0, 1.0 / np.where(n > 0, n, 1.0), np.nan)
@@ -66,18 +126,19 @@ def fill_empty_rows(P, empty, padded, policy, S, X=None, n=None, excl=None):
     """
     if not np.any(empty):
         return P
-    if policy == "jax":
+    per_key = averages_excluded(policy)                               # a fill per row and key, not a constant
+    if per_key:
         nan_row = n == 0
         on = nan_row if excl is None else (excl | nan_row)             # the keys the row averages, or all: NaN
     if X is None:
-        fill = P.dtype.type(policy_fill(policy, S)) if policy != "jax" else \
+        fill = P.dtype.type(policy_fill(policy, S)) if not per_key else \
             np.where(on, policy_fill(policy, n), 0.0).astype(P.dtype)
         P = np.where(empty, fill, P)
-        return P if padded is None or policy == "zero" else np.where(padded, P.dtype.type(0), P)
-    fill = X.policy_const(policy, S) if policy != "jax" else \
+        return P if padded is None or fills_zero(policy) else np.where(padded, P.dtype.type(0), P)
+    fill = X.policy_const(policy, S) if not per_key else \
         X.where(on, X.policy_const(policy, n), X.const(0.0))
     P = X.where(empty, fill, P)
-    return P if padded is None or policy == "zero" else X.where(padded, X.const(0.0), P)
+    return P if padded is None or fills_zero(policy) else X.where(padded, X.const(0.0), P)
 
 
 def constant_rows(empty, padded, policy, n=None):
@@ -88,7 +149,8 @@ def constant_rows(empty, padded, policy, n=None):
     ``dP`` are 0 -- set, not computed, so that nothing stored in the keys and
     values reaches them (``0 * inf`` would be NaN).
     """
-    rows = empty if policy in ("zero", "uniform") else (empty & (n > 0)) if policy == "jax" else None
+    rows = empty if fills_zero(policy) or averages_every_key(policy) else \
+        (empty & (n > 0)) if averages_excluded(policy) else None
     if padded is not None:
         rows = padded if rows is None else (rows | padded)
     return rows if rows is not None and np.any(rows) else None
@@ -97,7 +159,7 @@ def constant_rows(empty, padded, policy, n=None):
 def zero_output_rows(empty, padded, policy):
     """``(..., L, 1)`` bool: the rows whose output is 0 by definition (fully masked under ``"zero"``, padded), or
     None. The engines set their output to 0 rather than compute ``0 V``, which reads every value."""
-    rows = empty if policy == "zero" else None
+    rows = empty if fills_zero(policy) else None
     if padded is not None:
         rows = padded if rows is None else (rows | padded)
     return rows if rows is not None and np.any(rows) else None
@@ -107,9 +169,10 @@ def nan_rows(empty, padded, policy, n=None, S=None):
     """``(..., L, 1)`` bool: the rows that the ``"nan"`` policy makes NaN (fully masked, not padded), or those of
     ``"jax"`` with no key to average (``n = 0``) among ``S > 0`` keys (``S = 0``: JAX's empty sum, 0; ``S``
     None: some key), or None."""
-    if policy not in ("nan", "jax") or not np.any(empty) or (policy == "jax" and S == 0):
+    if not (makes_nan(policy) or averages_excluded(policy)) or not np.any(empty) or \
+            (averages_excluded(policy) and S == 0):
         return None
-    rows = empty if policy == "nan" else (empty & (n == 0))
+    rows = empty if makes_nan(policy) else (empty & (n == 0))
     return rows if padded is None else (rows & ~padded)
 
 

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from ..policy import policy_fill
+from ..policy import averages_every_key, averages_excluded, policy_fill
 from ..transforms import dropout_forward
 from . import _native, ozaki
 from .dd import (_EXP_CONSTS, _TABLE, dd, dd_add, dd_add_d, dd_div, dd_exp, dd_log, dd_mul, dd_mul_d, dd_sech2,
@@ -171,12 +171,12 @@ class DoubleDouble:
     def policy_const(self, policy, S):
         """The fully-masked policy's fill (:func:`sdpa_ref.policy.policy_fill`) as a double-double: ``1/S`` for
         ``"uniform"`` (``1/n`` per row for ``"jax"``, ``S`` the counts) with its low half."""
-        if policy == "jax":
+        if averages_excluded(policy):
             n = np.asarray(S, np.float64)
             lo = dd_div(dd(np.ones_like(n)), dd(np.where(n > 0, n, 1.0)))[1]
             return np.asarray(policy_fill(policy, n)), np.where(n > 0, lo, 0.0)
         hi = np.float64(policy_fill(policy, S))
-        return (hi, dd_div(dd(np.float64(1.0)), dd(np.float64(S)))[1]) if policy == "uniform" and S else dd(hi)
+        return (hi, dd_div(dd(np.float64(1.0)), dd(np.float64(S)))[1]) if averages_every_key(policy) and S else dd(hi)
 
 
 class LowPrecision:
