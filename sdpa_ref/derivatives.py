@@ -59,12 +59,14 @@ def sdpa_backward(residuals, grad_out, method=None, *, grad_lse=None):
 
     Returns
     -------
-    AttentionGrads or AbsorbedGrads
+    AttentionGrads
         ``(query, key, value, attn_mask, bias, sinks)``, and ``qv`` last
-        (:class:`AbsorbedGrads`) when the forward took ``qv``; each summed
-        back to its input's shape (broadcast batch dims, a broadcast mask, the
-        GQA group) and cast to its input's dtype; None where there is no such
-        input.
+        (the subclass :class:`AbsorbedGrads`) when the forward took ``qv``,
+        then ``score_mod`` (:class:`ScoreModGrads`) when its score function
+        captures tensors; each summed back to its input's shape (broadcast
+        batch dims, a broadcast mask, the GQA group) and cast to its input's
+        dtype; None where there is no such input (``grads.qv`` and
+        ``grads.score_mod`` read None on every record without them).
 
     Notes
     -----

@@ -3,6 +3,7 @@ gradients of :func:`sdpa_backward` (the engines' own results are :mod:`sdpa_ref.
 
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -17,14 +18,21 @@ __all__ = ["AbsorbedGrads", "AttentionGrads", "AttentionResiduals", "ScoreModGra
 
 
 class AttentionGrads(NamedTuple):
-    """Gradients of a loss with respect to the inputs of attention.
+    """Gradients of a loss with respect to the inputs of attention: the one record every backward returns.
 
     Each has its input's own shape and dtype. ``attn_mask`` is the gradient
     with respect to a float mask, ``bias`` with respect to ``bias`` (each
     summed to its own shape), ``sinks`` with respect to ``sinks``; ``None``
-    where there is no such input. A forward with MLA's ``qv`` gives
-    :class:`AbsorbedGrads` instead (the six fields and ``qv``), so code that
-    unpacks six gradients keeps working.
+    where there is no such input.
+
+    Two inputs have optional gradients, read as attributes on every record:
+    ``qv``, MLA's absorbed queries (``None`` without them), and
+    ``score_mod``, a tuple with one gradient per tensor a score function
+    captures (``ScoreMod(params=...)``; ``None`` without them). When one is
+    present the record is a subclass, :class:`AbsorbedGrads` or
+    :class:`ScoreModGrads`, whose tuple carries it after the six fields, so
+    code that unpacks six gradients from a forward without them, or reads
+    ``grads[:6]`` from any, keeps working.
     """
 
     query: np.ndarray
@@ -34,32 +42,23 @@ class AttentionGrads(NamedTuple):
     bias: Optional[np.ndarray] = None
     sinks: Optional[np.ndarray] = None
 
-
-class AbsorbedGrads(NamedTuple):
-    """:class:`AttentionGrads` of a forward with MLA's ``qv``, and ``qv``'s own gradient last."""
-
-    query: np.ndarray
-    key: np.ndarray
-    value: np.ndarray
-    attn_mask: Optional[np.ndarray]
-    bias: Optional[np.ndarray]
-    sinks: Optional[np.ndarray]
-    qv: np.ndarray
+    # the optional gradients, absent here; the subclasses below hold them as fields
+    qv = None
+    score_mod = None
 
 
-class ScoreModGrads(NamedTuple):
+class AbsorbedGrads(namedtuple("_AbsorbedFields", AttentionGrads._fields + ("qv",)), AttentionGrads):
+    """:class:`AttentionGrads` of a forward with MLA's ``qv``, and ``qv``'s own gradient last (seven fields)."""
+
+    __slots__ = ()
+
+
+class ScoreModGrads(namedtuple("_ScoreModFields", AttentionGrads._fields + ("qv", "score_mod")), AttentionGrads):
     """:class:`AttentionGrads` of a forward whose score function captures tensors (``ScoreMod(params=...)``):
     the six fields, ``qv`` (None without it) and ``score_mod``, a tuple with one gradient per captured tensor,
     in its shape (float64)."""
 
-    query: np.ndarray
-    key: np.ndarray
-    value: np.ndarray
-    attn_mask: Optional[np.ndarray]
-    bias: Optional[np.ndarray]
-    sinks: Optional[np.ndarray]
-    qv: Optional[np.ndarray]
-    score_mod: tuple
+    __slots__ = ()
 
 
 @dataclass(frozen=True)
@@ -147,10 +146,16 @@ class AttentionResiduals:
         return self._rows(np.where(self.forward.empty, 0.0, self.forward.rowsum)[..., 0], fill=0.0)
 
     @property
+    def slope(self):
+        """The score chain's slope ``dT/dTraw`` ``(..., Hq, L, S)``, what the backward multiplies ``dT`` by:
+        softcap's ``1 - tanh^2(Traw / cap)``, computed as ``sech^2`` without cancellation, times a score
+        function's derivative; None without either, or without saved ``P``."""
+        return self.forward.slope
+
+    @property
     def tanh(self):
-        """Softcap's derivative ``1 - tanh^2(Traw / cap)`` ``(..., Hq, L, S)``, computed as ``sech^2`` without
-        cancellation (what the backward multiplies by; the name is the transform's), or None."""
-        return self.forward.tanh
+        """:attr:`slope` under the name of the transform it comes from (softcap's ``tanh``): an alias."""
+        return self.slope
 
     @property
     def empty(self):

@@ -45,7 +45,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..masks import block_of
-from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, policy_fill
+from ..policy import (averages_values, constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys,
+                      fills_zero, policy_fill)
 from ..arith import NUMPY
 from ..lse import combine_in
 from ..pivot import block_partial, combine_partials, nan_rows_vjp
@@ -142,7 +143,7 @@ def _policy_rows(prob, bl, out, row_empty, i0, i1):
     if not np.any(row_empty):
         return out
     o, S = prob.options, prob.S
-    if o.fully_masked in ("uniform", "jax"):                        # P = 1/S on every key (1/n on the
+    if averages_values(o.fully_masked):                             # P = 1/S on every key (1/n on the
         u = np.zeros(out.shape, dtype=out.dtype)                    # excluded ones): a pass over V
         vu = prob.averaged_values(row_empty, rows=(i0, i1))       # such a row reads every value it keeps
         n = counts(prob, (i0, i1))
@@ -188,7 +189,7 @@ class _Sweeps:
         for j0, j1 in _ranges(prob.S, cb):
             allowed = prob.allowed((i0, i1), (j0, j1))
             skip = allowed is not None and not np.any(allowed)
-            if skip and not (o.fully_masked in ("uniform", "nan", "jax") and np.any(self.em)):
+            if skip and not (not fills_zero(o.fully_masked) and np.any(self.em)):
                 continue                                            # P = 0 on the whole block
             self.jobs.append((j0, j1, skip, allowed))
         firsts = [self._first(*job) for job in self.jobs]           # (m_b, l_b, empty_b, partial, (Pe, g, ...))
