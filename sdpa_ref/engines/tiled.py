@@ -189,7 +189,7 @@ class _Sweeps:
         for j0, j1 in _ranges(prob.S, cb):
             allowed = prob.allowed((i0, i1), (j0, j1))
             skip = allowed is not None and not np.any(allowed)
-            if skip and not (not fills_zero(o.fully_masked) and np.any(self.em)):
+            if skip and (fills_zero(o.fully_masked) or not np.any(self.em)):
                 continue                                            # P = 0 on the whole block
             self.jobs.append((j0, j1, skip, allowed))
         firsts = [self._first(*job) for job in self.jobs]           # (m_b, l_b, empty_b, partial, (Pe, g, ...))
