@@ -115,7 +115,7 @@ def forward(prob, *, save_probs=True) -> Forward:
     O = _full(_grouped(P_drop, prob) @ v, prob)                     # O = P_drop V
     O = _policy_output(prob, O, P_drop, empty)                      # rows with no key: as the policy says
     return Forward(out=O, lse=lse[..., 0], probs=P if save_probs else None,
-                   tanh=sech2 if save_probs else None, empty=empty, rowmax=m, rowsum=s, lse_keys=lse_keys)
+                   slope=sech2 if save_probs else None, empty=empty, rowmax=m, rowsum=s, lse_keys=lse_keys)
 
 
 def _policy_output(prob, O, P_drop, empty):
@@ -139,7 +139,7 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     that gives the gradient (for a product ``C = A B``: ``dA = dC B^T``, ``dB = A^T dC``).
     """
     o = prob.options
-    P, sech2 = fwd.probs, fwd.tanh
+    P, sech2 = fwd.probs, fwd.slope
     k, v = _kv(prob.k), _kv(prob.v)
     dO = _grouped(dO, prob)                                         # (..., Hkv, G, L, Ev)
     P_drop = dropout_forward(P, prob.keep, o.dropout_p)
@@ -179,7 +179,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
     ``(..., Hq, 1, 1)``.
     """
     o = prob.options
-    P, sech2 = fwd.probs, fwd.tanh
+    P, sech2 = fwd.probs, fwd.slope
     k, v = _kv(prob.k), _kv(prob.v)
     dO = None
     if dq is not None or dk is not None or dbias is not None or dextra is not None:
@@ -215,7 +215,7 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
     (every row sum pivoted at the row's largest probability, as the tiled schedule's).
     """
     o = prob.options
-    P, sech2 = fwd.probs, fwd.tanh
+    P, sech2 = fwd.probs, fwd.slope
     k, v = _kv(prob.k), _kv(prob.v)
     dO_g = _grouped(dO, prob)
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))

@@ -197,7 +197,7 @@ def backward_without_softcap_derivative(g, q, k, v, **o):
     out, res = sdpa_forward(q, k, v, method="plain", **o)
     prob = res.problem
     dO = g.astype(np.float64).reshape(prob.full_scores[:-1] + (g.shape[-1],))
-    gr = attention.backward(prob, res.forward._replace(tanh=None), dO)     # forgets dT * (1 - tanh^2)
+    gr = attention.backward(prob, res.forward._replace(slope=None), dO)     # forgets dT * (1 - tanh^2)
     grads = (unbroadcast(gr.dq, q.shape), unbroadcast(gr.dk, k.shape), unbroadcast(gr.dv, v.shape))
     return tuple(a.astype(q.dtype) for a in grads) + ((gr.dbias.astype(q.dtype),) if gr.dbias is not None else ())
 

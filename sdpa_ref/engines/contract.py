@@ -34,14 +34,19 @@ class Forward(NamedTuple):
     out: np.ndarray                    # O    (*batch, Hq, L, Ev)
     lse: np.ndarray                    # LSE  (*batch, Hq, L); -inf on rows with no allowed key
     probs: Optional[np.ndarray]        # P    (*batch, Hq, L, S), or None when not saved
-    tanh: Optional[np.ndarray]         # the score chain's slope: softcap's 1 - tanh^2(Traw / cap), computed as sech^2
-    #                                    (no cancellation), times a score function's derivative; (*batch, Hq, L, S)
-    #                                    with either and saved P, else None (the name is kept)
+    slope: Optional[np.ndarray]        # the score chain's slope dT/dTraw: softcap's 1 - tanh^2(Traw / cap), computed
+    #                                    as sech^2 (no cancellation), times a score function's derivative;
+    #                                    (*batch, Hq, L, S) with either and saved P, else None
     empty: np.ndarray                  # (*batch, Hq, L, 1) bool: rows with no allowed key
     rowmax: np.ndarray                 # m (*batch, Hq, L, 1), real: the row's max score, 0 on rows with no key
     rowsum: np.ndarray                 # s (*batch, Hq, L, 1): sum_j exp(T_j - m); LSE = m + log(s)
     extra: Any = None                  # what only this engine's backward reads (the reproducible one's dd P)
     lse_keys: Optional[np.ndarray] = None  # with extra logits (sinks): the LSE over the keys alone (*batch, Hq, L)
+
+    @property
+    def tanh(self):
+        """:attr:`slope` under the name of the transform it comes from (softcap's ``tanh``): an alias."""
+        return self.slope
 
 
 class Grads(NamedTuple):

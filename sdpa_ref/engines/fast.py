@@ -147,7 +147,7 @@ def forward(prob, *, save_probs=True) -> Forward:
     if zr is not None:                                 # 0 by definition: no value is read
         O = np.where(zr, ct.type(0), O)
     return Forward(out=O, lse=lse.reshape(full[:-1]), probs=P if save_probs else None,
-                   tanh=None if sech2 is None else sech2.reshape(full), empty=empty,
+                   slope=None if sech2 is None else sech2.reshape(full), empty=empty,
                    rowmax=rowmax.reshape(full[:-1] + (1,)), rowsum=rowsum.reshape(full[:-1] + (1,)),
                    lse_keys=None if lse_keys is None else lse_keys.reshape(full[:-1]))
 
@@ -162,7 +162,7 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     q = prob.q.reshape(prob.q.shape[:-4] + (prob.Hkv, grouped[-1], E))
     dO = dO.reshape(grouped + (Ev,))
     Pg = np.broadcast_to(fwd.probs, full).reshape(grouped + (S,))
-    sdg = None if fwd.tanh is None else np.broadcast_to(fwd.tanh, full).reshape(grouped + (S,))   # sech^2
+    sdg = None if fwd.slope is None else np.broadcast_to(fwd.slope, full).reshape(grouped + (S,))   # sech^2
     # the whole dT is kept only when attn_mask or bias needs its gradient (summed down afterwards);
     # otherwise each chunk works in its own buffer, which the allocator reuses
     keep_dT = prob.mask_float is not None or prob.bias is not None or (o.score_mod is not None and
@@ -244,7 +244,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
     q = prob.q.reshape(prob.q.shape[:-4] + (prob.Hkv, grouped[-1], E))
     dqg = None if dq is None else dq.reshape(dq.shape[:-4] + (prob.Hkv, grouped[-1], E))
     Pg = np.broadcast_to(fwd.probs, full).reshape(grouped + (S,))
-    sdg = None if fwd.tanh is None else np.broadcast_to(fwd.tanh, full).reshape(grouped + (S,))   # sech^2
+    sdg = None if fwd.slope is None else np.broadcast_to(fwd.slope, full).reshape(grouped + (S,))   # sech^2
     out = np.zeros(grouped + (Ev,), dtype=ct)
     scored = dq is not None or dk is not None or dbias is not None or dextra is not None
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))       # P constant there: dP = 0

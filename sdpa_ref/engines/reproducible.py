@@ -127,7 +127,7 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
         O = np.where(zr, O.dtype.type(0), O)
     extra = {"P": P, "Pd": Pd, "sech2": sd, "p_extra": p_extra} if save_probs else None
     return Forward(out=O, lse=_round(X, lse)[..., 0], probs=X.value(P) if save_probs else None,
-                   tanh=None if sd is None or not save_probs else X.value(sd), empty=empty, rowmax=m,
+                   slope=None if sd is None or not save_probs else X.value(sd), empty=empty, rowmax=m,
                    rowsum=s_val, extra=extra, lse_keys=None if lse_keys is None else _round(X, lse_keys)[..., 0])
 
 

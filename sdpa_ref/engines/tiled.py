@@ -134,7 +134,7 @@ class Rows:
 
     def forward(self) -> Forward:
         O = fill_output_without_keys(self.O, self.prob.nan_rows_without_keys())
-        return Forward(out=O, lse=self.lse, probs=None, tanh=None, empty=self.empty, rowmax=self.rowmax,
+        return Forward(out=O, lse=self.lse, probs=None, slope=None, empty=self.empty, rowmax=self.rowmax,
                        rowsum=self.rowsum, lse_keys=self.lse_keys)
 
 
