@@ -34,129 +34,118 @@ Shape legend, used in every docstring
 
 So ``query`` is ``(..., Hq, L, E)``, ``key`` is ``(..., Hkv, S, E)``,
 ``value`` is ``(..., Hkv, S, Ev)`` and the output is ``(..., Hq, L, Ev)``.
+
+Where the rest lives
+--------------------
+The top level holds the verbs of the quick start and the records they
+return. The rest is in namespaces named for their job:
+
+:mod:`sdpa_ref.functional`
+    The softmax family with its VJPs, JVPs and Jacobian.
+:mod:`sdpa_ref.gradcheck`
+    Checking anyone's VJP, JVP and HVP by finite differences.
+:mod:`sdpa_ref.conformance`
+    Judging another implementation: cases, rules, golden vectors.
+:mod:`sdpa_ref.flash`, :mod:`sdpa_ref.flex`
+    FlashAttention's and FlexAttention's entry points, with their
+    argument names.
+:mod:`sdpa_ref.masks`, :mod:`sdpa_ref.alibi`, :mod:`sdpa_ref.lse`, :mod:`sdpa_ref.merge`
+    Masks, ALiBi, the LSE family and merging split-KV partial results.
+:mod:`sdpa_ref.options`, :mod:`sdpa_ref.api`
+    The options' names and accepted values, and the engines' names.
+
+Every name that was once at the top level still is, read from its
+namespace on first use (``sdpa_ref.window_mask`` is
+``sdpa_ref.masks.window_mask``); CHANGELOG.md lists where each moved.
 """
 
-from .api import (
-    FULLY_MASKED_POLICIES,
-    METHODS,
-    AttentionResiduals,
-    scaled_dot_product_attention,
-    sdpa_forward,
-    sdpa_forward_complex,
-    split_kv_partials,
-)
-from .derivatives import BACKWARD_METHODS, AbsorbedGrads, AttentionGrads, sdpa_backward, sdpa_jvp
-from .second_order import sdpa_backward_jvp, sdpa_hvp
-from .residuals import ScoreModGrads
-from .score_mod import ScoreMod, check_score_mod
-from .block_mask import BlockMask
-from .gradcheck import (
-    GradcheckReport,
-    assert_hvp,
-    assert_jvp,
-    assert_vjp,
-    check_hvp,
-    check_jvp,
-    check_vjp,
-    numerical_jacobian,
-)
-from .flash import flash_attn_varlen_func, flash_attn_with_kvcache
-from .layouts import KVCache, Packed
-from .lse import combine_lse, convert_lse
-from .masks import causal_mask, padding_mask, window_mask
-from .merge import merge_attention, merge_attention_backward
-from .options import OPTION_NAMES, AttentionOptions
-from .softmax import (
-    log_softmax,
-    log_softmax_vjp,
-    logsumexp,
-    softmax,
-    softmax_jacobian,
-    softmax_jvp,
-    softmax_lse,
-    softmax_vjp,
-)
-from .alibi import alibi_bias, alibi_slopes
-from ._info import info
+from importlib import import_module as _import_module
 
+from . import alibi, flash, gradcheck, lse, masks, merge, options  # noqa: F401  (the namespaces, loaded as before)
+from ._info import info
 from ._version import __version__
+from .api import AttentionResiduals, scaled_dot_product_attention, sdpa_forward, split_kv_partials
+from .block_mask import BlockMask
+from .derivatives import AttentionGrads, sdpa_backward, sdpa_jvp
+from .gradcheck import check_vjp
+from .layouts import KVCache, Packed
+from .lse import convert_lse
+from .masks import causal_mask
+from .merge import merge_attention
+from .options import AttentionOptions
+from .score_mod import ScoreMod
+from .second_order import sdpa_backward_jvp, sdpa_hvp
+from .softmax import log_softmax, logsumexp, softmax
 
 __all__ = [
     "__version__",
     "info",
-    # softmax family
+    # the softmax family's forwards (their derivatives: sdpa_ref.functional)
     "softmax",
-    "softmax_lse",
     "log_softmax",
     "logsumexp",
-    "softmax_vjp",
-    "log_softmax_vjp",
-    "softmax_jvp",
-    "softmax_jacobian",
-    # attention
+    # attention, its derivatives and the records they hand over
     "scaled_dot_product_attention",
     "sdpa_forward",
     "sdpa_backward",
     "sdpa_jvp",
     "sdpa_backward_jvp",
     "sdpa_hvp",
-    "sdpa_forward_complex",
-    "AbsorbedGrads",
+    "AttentionResiduals",
+    "AttentionGrads",
+    "AttentionOptions",
     "ScoreMod",
     "BlockMask",
-    "ScoreModGrads",
-    "check_score_mod",
-    "AttentionGrads",
-    "AttentionResiduals",
-    "FULLY_MASKED_POLICIES",
-    "METHODS",
-    "BACKWARD_METHODS",
-    "AttentionOptions",
-    "OPTION_NAMES",
-    # sequences as kernels store them
+    "causal_mask",
+    # sequences as kernels store them, and split-KV partial results
     "Packed",
     "KVCache",
-    "flash_attn_varlen_func",
-    "flash_attn_with_kvcache",
-    # the LSE family and merging split-KV partial results
-    "convert_lse",
-    "combine_lse",
     "merge_attention",
-    "merge_attention_backward",
     "split_kv_partials",
-    # masks
-    "causal_mask",
-    "window_mask",
-    "padding_mask",
-    "alibi_bias",
-    "alibi_slopes",
-    # gradient checking
+    "convert_lse",
+    # checking derivatives, and judging another implementation (the harness loads on first use)
     "check_vjp",
-    "assert_vjp",
-    "check_jvp",
-    "assert_jvp",
-    "check_hvp",
-    "assert_hvp",
-    "numerical_jacobian",
-    "GradcheckReport",
-    # judging another implementation (sdpa_ref.harness, imported on first use)
     "check_implementation",
     "assert_conforms",
-    "check_merge",
 ]
 
-_HARNESS = ("check_implementation", "assert_conforms")
+#: Names read from a namespace on first use: the harness's (so that ``import sdpa_ref`` stays light), and every
+#: name that was once at the top level and now lives in the namespace of its job (CHANGELOG.md).
+_ELSEWHERE = {
+    "check_implementation": "conformance",
+    "assert_conforms": "conformance",
+    "check_merge": "conformance",
+    **dict.fromkeys(("softmax_lse", "softmax_vjp", "log_softmax_vjp", "softmax_jvp", "softmax_jacobian"),
+                    "functional"),
+    **dict.fromkeys(("assert_vjp", "check_jvp", "assert_jvp", "check_hvp", "assert_hvp", "numerical_jacobian",
+                     "GradcheckReport"), "gradcheck"),
+    "check_score_mod": "flex",
+    "flash_attn_varlen_func": "flash",
+    "flash_attn_with_kvcache": "flash",
+    "window_mask": "masks",
+    "padding_mask": "masks",
+    "alibi_bias": "alibi",
+    "alibi_slopes": "alibi",
+    "combine_lse": "lse",
+    "merge_attention_backward": "merge",
+    "sdpa_forward_complex": "api",
+    "METHODS": "api",
+    "FULLY_MASKED_POLICIES": "options",
+    "OPTION_NAMES": "options",
+    "BACKWARD_METHODS": "derivatives",
+    "AbsorbedGrads": "residuals",
+    "ScoreModGrads": "residuals",
+}
 
 
 def __getattr__(name):
-    """``sdpa_ref.check_implementation``, ``sdpa_ref.assert_conforms`` and ``sdpa_ref.check_merge`` load the
-    harness on first use, so that ``import sdpa_ref`` stays light."""
-    if name in _HARNESS:
-        from .harness import conformance
+    """A name of :data:`_ELSEWHERE`, read from its namespace (imported on first use): ``sdpa_ref.X`` and
+    ``from sdpa_ref import X`` keep working for every name that was once at the top level."""
+    home = _ELSEWHERE.get(name)
+    if home is None:
+        raise AttributeError(f"module 'sdpa_ref' has no attribute {name!r}")
+    return getattr(_import_module(f"{__name__}.{home}"), name)
 
-        return getattr(conformance, name)
-    if name == "check_merge":
-        from .harness.merge_check import check_merge
 
-        return check_merge
-    raise AttributeError(f"module 'sdpa_ref' has no attribute {name!r}")
+def __dir__():
+    return sorted(set(globals()) | set(_ELSEWHERE))
