@@ -17,9 +17,7 @@ from sdpa_ref import (
 )
 
 from strategies import logits
-
-RTOL_REF = 1e-13      # against scipy / mpmath
-RTOL_FD = 1e-7        # against central differences (symmetric relative error)
+from tolerances import EXACT, F64_AMPLIFIED, F64_FEW_ULP, F64_SUB_ULP, F64_SUMS, FD, UNDERFLOW_ATOL
 
 
 # ----------------------------------------------------------- reference values
@@ -28,20 +26,20 @@ RTOL_FD = 1e-7        # against central differences (symmetric relative error)
 @given(logits())
 def test_softmax_matches_scipy(xa):
     x, axis = xa
-    np.testing.assert_allclose(softmax(x, axis), sp.softmax(x, axis=axis), rtol=RTOL_REF, atol=1e-300)
+    np.testing.assert_allclose(softmax(x, axis), sp.softmax(x, axis=axis), rtol=F64_SUMS, atol=UNDERFLOW_ATOL)
 
 
 @given(logits())
 def test_log_softmax_matches_scipy(xa):
     x, axis = xa
-    np.testing.assert_allclose(log_softmax(x, axis), sp.log_softmax(x, axis=axis), rtol=RTOL_REF, atol=1e-13)
+    np.testing.assert_allclose(log_softmax(x, axis), sp.log_softmax(x, axis=axis), rtol=F64_SUMS, atol=F64_SUMS)
 
 
 @given(logits(), st.booleans())
 def test_logsumexp_matches_scipy(xa, keepdims):
     x, axis = xa
     np.testing.assert_allclose(logsumexp(x, axis, keepdims), sp.logsumexp(x, axis=axis, keepdims=keepdims),
-                               rtol=RTOL_REF, atol=1e-13)
+                               rtol=F64_SUMS, atol=F64_SUMS)
 
 
 def test_values_pinned_with_mpmath():
@@ -50,8 +48,8 @@ def test_values_pinned_with_mpmath():
     x = [3.5, -1.25, 20.0, 0.0]
     tot = sum(mpmath.exp(t) for t in x)
     want = np.array([float(mpmath.exp(t) / tot) for t in x])
-    np.testing.assert_allclose(softmax(np.array(x)), want, rtol=RTOL_REF)
-    np.testing.assert_allclose(logsumexp(np.array(x)), float(mpmath.log(tot)), rtol=RTOL_REF)
+    np.testing.assert_allclose(softmax(np.array(x)), want, rtol=F64_SUMS)
+    np.testing.assert_allclose(logsumexp(np.array(x)), float(mpmath.log(tot)), rtol=F64_SUMS)
 
 
 # ------------------------------------------------------------------ stability
@@ -60,7 +58,7 @@ def test_values_pinned_with_mpmath():
 def test_huge_logits():
     np.testing.assert_array_equal(softmax(np.array([1000.0, 1.0])), [1.0, 0.0])
     np.testing.assert_array_equal(log_softmax(np.array([1000.0, 1.0])), [0.0, -999.0])
-    np.testing.assert_allclose(logsumexp(np.array([1000.0, 1000.0])), 1000.0 + np.log(2.0), rtol=1e-15)
+    np.testing.assert_allclose(logsumexp(np.array([1000.0, 1000.0])), 1000.0 + np.log(2.0), rtol=F64_FEW_ULP)
     x = np.array([1e300, -1e300, 0.0])
     np.testing.assert_array_equal(softmax(x), [1.0, 0.0, 0.0])
     assert logsumexp(x) == 1e300
@@ -89,11 +87,11 @@ def test_empty_axis():
 def test_max_is_taken_along_the_axis_not_the_array():
     # A global max would underflow the second row to 0/0.
     x = np.array([[1000.0, 999.0], [0.0, -1.0]])
-    np.testing.assert_allclose(softmax(x, axis=-1)[1], sp.softmax([0.0, -1.0]), rtol=RTOL_REF)
+    np.testing.assert_allclose(softmax(x, axis=-1)[1], sp.softmax([0.0, -1.0]), rtol=F64_SUMS)
 
 
 def test_integer_input_promotes_and_bad_dtype_rejected():
-    np.testing.assert_allclose(softmax([1, 2, 3]), sp.softmax([1.0, 2.0, 3.0]), rtol=RTOL_REF)
+    np.testing.assert_allclose(softmax([1, 2, 3]), sp.softmax([1.0, 2.0, 3.0]), rtol=F64_SUMS)
     with pytest.raises(TypeError, match="`x`"):
         softmax(np.array(["a", "b"]))
     with pytest.raises(ValueError, match="`axis`"):
@@ -114,8 +112,8 @@ def test_float32_stays_float32():
 @given(logits(), st.floats(-100, 100))
 def test_translation_invariance(xa, c):
     x, axis = xa
-    np.testing.assert_allclose(softmax(x + c, axis), softmax(x, axis), rtol=1e-12, atol=1e-15)
-    np.testing.assert_allclose(logsumexp(x + c, axis), logsumexp(x, axis) + c, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(softmax(x + c, axis), softmax(x, axis), rtol=F64_AMPLIFIED, atol=F64_FEW_ULP)
+    np.testing.assert_allclose(logsumexp(x + c, axis), logsumexp(x, axis) + c, rtol=F64_AMPLIFIED, atol=F64_AMPLIFIED)
 
 
 @given(logits())
@@ -123,8 +121,8 @@ def test_rows_sum_to_one_and_not_mutated(xa):
     x, axis = xa
     before = x.copy()
     y = softmax(x, axis)
-    np.testing.assert_allclose(y.sum(axis), 1.0, rtol=1e-13)
-    np.testing.assert_allclose(np.exp(log_softmax(x, axis)).sum(axis), 1.0, rtol=1e-13)
+    np.testing.assert_allclose(y.sum(axis), 1.0, rtol=F64_SUMS)
+    np.testing.assert_allclose(np.exp(log_softmax(x, axis)).sum(axis), 1.0, rtol=F64_SUMS)
     np.testing.assert_array_equal(x, before)
 
 
@@ -137,17 +135,17 @@ def test_jacobian_matches_vjp_and_jvp(xa):
     g = rng.standard_normal(x.shape)
     gm = np.moveaxis(g, axis, -1)
     want_vjp = np.einsum("...ij,...i->...j", J, gm)
-    np.testing.assert_allclose(np.moveaxis(softmax_vjp(y, g, axis), axis, -1), want_vjp, atol=1e-13)
+    np.testing.assert_allclose(np.moveaxis(softmax_vjp(y, g, axis), axis, -1), want_vjp, atol=F64_SUMS)
     want_jvp = np.einsum("...ij,...j->...i", J, gm)
-    np.testing.assert_allclose(np.moveaxis(softmax_jvp(y, g, axis), axis, -1), want_jvp, atol=1e-13)
-    np.testing.assert_allclose(J, np.swapaxes(J, -1, -2), atol=0)  # symmetric
+    np.testing.assert_allclose(np.moveaxis(softmax_jvp(y, g, axis), axis, -1), want_jvp, atol=F64_SUMS)
+    np.testing.assert_allclose(J, np.swapaxes(J, -1, -2), atol=EXACT)  # symmetric
 
 
 def test_jacobian_explicit_values():
     y = np.array([0.2, 0.3, 0.5])
     J = softmax_jacobian(y)
     want = np.array([[0.16, -0.06, -0.10], [-0.06, 0.21, -0.15], [-0.10, -0.15, 0.25]])
-    np.testing.assert_allclose(J, want, atol=1e-15)
+    np.testing.assert_allclose(J, want, atol=F64_FEW_ULP)
 
 
 # --------------------------------------------------------- finite differences
@@ -157,7 +155,7 @@ def test_jacobian_explicit_values():
 @pytest.mark.parametrize("mode", ["full", "projection"])
 def test_vjps_and_jvp_by_finite_differences(axis, mode):
     x = np.random.default_rng(axis + 5).standard_normal((3, 4, 2)) * 4
-    kw = dict(mode=mode, rtol=RTOL_FD)
+    kw = dict(mode=mode, rtol=FD)
     assert_vjp(lambda x: softmax(x, axis), lambda g, x: softmax_vjp(softmax(x, axis), g, axis), (x,), **kw)
     assert_vjp(lambda x: log_softmax(x, axis), lambda g, x: log_softmax_vjp(log_softmax(x, axis), g, axis), (x,), **kw)
     assert_jvp(lambda x: softmax(x, axis), lambda t, x: softmax_jvp(softmax(x, axis), t[0], axis), (x,), **kw)
@@ -167,4 +165,4 @@ def test_vjps_and_jvp_by_finite_differences(axis, mode):
 def test_vjp_of_ones_is_zero():
     # why an all-ones cotangent hides errors: softmax's VJP of ones vanishes
     y = softmax(np.array([0.3, -1.0, 2.0]))
-    np.testing.assert_allclose(softmax_vjp(y, np.ones(3)), 0.0, atol=1e-16)
+    np.testing.assert_allclose(softmax_vjp(y, np.ones(3)), 0.0, atol=F64_SUB_ULP)

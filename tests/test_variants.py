@@ -21,8 +21,12 @@ from sdpa_ref import (
 
 from oracle import oracle_attention
 from strategies import variant_problem
+from tolerances import (
+    BIG_NEGATIVE_MASK, F32, F64_AMPLIFIED, F64_FEW_ULP, F64_REGROUPED, F64_SUMS, SOFTCAP_LIMIT, SOFTCAP_LIMIT_ATOL,
+    SOFTCAP_LIMIT_GRAD,
+)
 
-TOL = dict(rtol=1e-12, atol=1e-13)
+TOL = dict(rtol=F64_AMPLIFIED, atol=F64_SUMS)
 
 
 def _grads(res, g, method="probs"):
@@ -69,7 +73,7 @@ def test_lse_backward_equals_probs_backward(problem):
             continue
         np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
         scale = max(1.0, float(np.nanmax(np.abs(x), initial=0.0)))
-        np.testing.assert_allclose(x, y, rtol=1e-13, atol=1e-13 * scale)
+        np.testing.assert_allclose(x, y, rtol=F64_SUMS, atol=F64_SUMS * scale)
         np.testing.assert_array_equal(y, z)
 
 
@@ -102,10 +106,10 @@ def test_jvp_matches_the_complex_step_directly():
     h = 1e-30
     cs = sdpa_forward_complex(q + 1j * h * ts[0], k + 1j * h * ts[1], v + 1j * h * ts[2], bias=b + 1j * h * ts[3],
                               **opts).imag / h
-    np.testing.assert_allclose(dout, cs, rtol=1e-13, atol=1e-15)
-    np.testing.assert_allclose(dout_tiled, cs, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(dout, cs, rtol=F64_SUMS, atol=F64_FEW_ULP)
+    np.testing.assert_allclose(dout_tiled, cs, rtol=F64_SUMS, atol=F64_FEW_ULP)
     np.testing.assert_allclose(sdpa_forward_complex(q, k, v, bias=b, **opts).real,
-                               sdpa_forward(q, k, v, bias=b, **opts)[0], rtol=1e-15, atol=1e-15)
+                               sdpa_forward(q, k, v, bias=b, **opts)[0], rtol=F64_FEW_ULP, atol=F64_FEW_ULP)
 
 
 def test_jvp_with_none_tangents_and_shapes():
@@ -114,7 +118,7 @@ def test_jvp_with_none_tangents_and_shapes():
     out, d = sdpa_jvp((q, k, v), (None, None, None))
     assert d.shape == out.shape and not d.any()
     _, d_v = sdpa_jvp((q, k, v), (None, None, v))
-    np.testing.assert_allclose(d_v, out, rtol=1e-14)          # attention is linear in V
+    np.testing.assert_allclose(d_v, out, rtol=F64_REGROUPED)          # attention is linear in V
     with pytest.raises(ValueError, match="tangents"):
         sdpa_jvp((q, k, v), (q[:1], None, None))
     with pytest.raises(ValueError, match="bias"):
@@ -173,10 +177,10 @@ def test_alibi_slopes_equal_alibi_bias_as_bias(alignment, slope_shape):
     out_a, res_a = sdpa_forward(q, k, v, alibi_slopes=slopes, causal_alignment=alignment, is_causal=True)
     out_b, res_b = sdpa_forward(q, k, v, bias=alibi_bias(slopes, 4, 6, alignment), causal_alignment=alignment,
                                 is_causal=True)
-    np.testing.assert_allclose(out_a, out_b, rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(out_a, out_b, rtol=F64_REGROUPED, atol=F64_FEW_ULP)
     g = rng.standard_normal(out_a.shape)
     for x, y in zip(_grads(res_a, g)[:3], _grads(res_b, g)[:3]):
-        np.testing.assert_allclose(x, y, rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(x, y, rtol=F64_SUMS, atol=F64_REGROUPED)
 
 
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
@@ -216,7 +220,7 @@ def test_padded_rows_are_zero_under_every_policy():
         if want is None:
             assert np.isnan(out[0, 0, 0]).all()             # row 0 has no key (kv_len 0): the policy
         else:
-            np.testing.assert_allclose(out[0, 0, 0], np.broadcast_to(want, (2,)), rtol=1e-15)
+            np.testing.assert_allclose(out[0, 0, 0], np.broadcast_to(want, (2,)), rtol=F64_FEW_ULP)
 
 
 def test_softcap_with_a_huge_cap_approaches_no_softcap():
@@ -224,9 +228,9 @@ def test_softcap_with_a_huge_cap_approaches_no_softcap():
     q, k, v = rng.standard_normal((2, 4, 3)), rng.standard_normal((2, 5, 3)), rng.standard_normal((2, 5, 2))
     a, ra = sdpa_forward(q, k, v)
     b, rb = sdpa_forward(q, k, v, softcap=1e6)
-    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11)
+    np.testing.assert_allclose(a, b, rtol=SOFTCAP_LIMIT, atol=SOFTCAP_LIMIT_ATOL)
     g = rng.standard_normal(a.shape)
-    np.testing.assert_allclose(_grads(ra, g).query, _grads(rb, g).query, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(_grads(ra, g).query, _grads(rb, g).query, rtol=SOFTCAP_LIMIT_GRAD, atol=SOFTCAP_LIMIT)
     # and a small cap does bound the scores
     _, rc = sdpa_forward(q * 100, k, v, softcap=2.0)
     assert np.all(np.abs(np.log(rc.probs)) < 2 * 2.0 + np.log(5))
@@ -240,7 +244,7 @@ def test_bias_with_a_bool_mask_together():
     b = rng.standard_normal((4, 5))
     a = scaled_dot_product_attention(q, k, v, m, bias=b)
     c = scaled_dot_product_attention(q, k, v, np.where(m, b, -np.inf))
-    np.testing.assert_allclose(a, c, rtol=1e-15)
+    np.testing.assert_allclose(a, c, rtol=F64_FEW_ULP)
 
 
 # ------------------------------------------- known discrepancies, pinned
@@ -259,17 +263,17 @@ def test_causal_alignment_rows_written_out():
            for p in ("zero", "nan", "uniform")}
     np.testing.assert_array_equal(out["zero"][0], [0.0, 0.0])
     assert np.isnan(out["nan"][0]).all()
-    np.testing.assert_allclose(out["uniform"][0], v.mean(0), rtol=1e-15)
+    np.testing.assert_allclose(out["uniform"][0], v.mean(0), rtol=F64_FEW_ULP)
     for p in out:                                 # the rows that see a key agree across policies
         np.testing.assert_array_equal(out[p][1:], out["zero"][1:])
-    np.testing.assert_allclose(out["zero"][2], sp.softmax(q[2] @ k.T / np.sqrt(2)) @ v, rtol=1e-14)
+    np.testing.assert_allclose(out["zero"][2], sp.softmax(q[2] @ k.T / np.sqrt(2)) @ v, rtol=F64_REGROUPED)
     # L < S: the same query row reads different keys in the two alignments
     q2 = rng.standard_normal((2, 2))
     k3, v3 = rng.standard_normal((3, 2)), rng.standard_normal((3, 2))
     tl_out = scaled_dot_product_attention(q2, k3, v3, is_causal=True)
     br_out = scaled_dot_product_attention(q2, k3, v3, is_causal=True, causal_alignment="bottom_right")
-    np.testing.assert_allclose(tl_out[0], v3[0], rtol=1e-15)          # top-left row 0 sees key 0 only
-    np.testing.assert_allclose(br_out[0], sp.softmax(q2[0] @ k3[:2].T / np.sqrt(2)) @ v3[:2], rtol=1e-14)
+    np.testing.assert_allclose(tl_out[0], v3[0], rtol=F64_FEW_ULP)          # top-left row 0 sees key 0 only
+    np.testing.assert_allclose(br_out[0], sp.softmax(q2[0] @ k3[:2].T / np.sqrt(2)) @ v3[:2], rtol=F64_REGROUPED)
 
 
 def test_bool_mask_against_minus_1e9_float_mask_on_a_fully_masked_row():
@@ -284,27 +288,27 @@ def test_bool_mask_against_minus_1e9_float_mask_on_a_fully_masked_row():
     # "masked" row silently attends to every key as if there were no mask
     trick64 = scaled_dot_product_attention(q, k, v, trick_mask)
     unmasked = sp.softmax(q[1] @ k.T / np.sqrt(2)) @ v
-    np.testing.assert_allclose(trick64[1], unmasked, rtol=1e-6)
+    np.testing.assert_allclose(trick64[1], unmasked, rtol=BIG_NEGATIVE_MASK)
     assert np.abs(trick64[1] - v.mean(0)).max() > 0.1
     # float32 arithmetic: the scores are absorbed into -1e9, so the row is the mean of V,
     # which is the JAX-style "uniform" policy
     f32 = [a.astype(np.float32) for a in (q, k, v, trick_mask)]
     trick32 = scaled_dot_product_attention(*f32, upcast=False)
-    np.testing.assert_allclose(trick32[1], v.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(trick32[1], v.mean(0), rtol=F32)
     np.testing.assert_allclose(scaled_dot_product_attention(q, k, v, m, fully_masked="uniform")[1], v.mean(0),
-                               rtol=1e-15)
+                               rtol=F64_FEW_ULP)
     # elsewhere all of them agree
-    np.testing.assert_allclose(exact[[0, 2]], trick64[[0, 2]], rtol=1e-12)
+    np.testing.assert_allclose(exact[[0, 2]], trick64[[0, 2]], rtol=F64_AMPLIFIED)
 
 
 # ------------------------------------------------------------ mask builders
 
 
 def test_alibi_slopes_standard_values():
-    np.testing.assert_allclose(alibi_slopes(8), 2.0 ** -np.arange(1, 9), rtol=1e-15)
-    np.testing.assert_allclose(alibi_slopes(6), [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3], rtol=1e-15)
-    np.testing.assert_allclose(alibi_slopes(12)[:8], 2.0 ** -np.arange(1, 9), rtol=1e-15)
-    np.testing.assert_allclose(alibi_slopes(12)[8:], 2.0 ** -(np.arange(4) + 0.5), rtol=1e-15)
+    np.testing.assert_allclose(alibi_slopes(8), 2.0 ** -np.arange(1, 9), rtol=F64_FEW_ULP)
+    np.testing.assert_allclose(alibi_slopes(6), [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3], rtol=F64_FEW_ULP)
+    np.testing.assert_allclose(alibi_slopes(12)[:8], 2.0 ** -np.arange(1, 9), rtol=F64_FEW_ULP)
+    np.testing.assert_allclose(alibi_slopes(12)[8:], 2.0 ** -(np.arange(4) + 0.5), rtol=F64_FEW_ULP)
     assert alibi_slopes(1).tolist() == [2.0 ** -8]
 
 
