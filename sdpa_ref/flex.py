@@ -16,7 +16,8 @@ array([[1, 0],
 """
 
 from .block_mask import BlockMask
-from .score_mod import ScoreMod, check_score_mod
+from .gradcheck import check_score_mod
+from .score_mod import ScoreMod
 
 __all__ = ["BlockMask", "ScoreMod", "check_score_mod", "create_block_mask"]
 

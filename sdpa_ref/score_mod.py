@@ -24,7 +24,7 @@ that a function that is not (``abs``, ``where`` or ``maximum`` on the score)
 is an error asking for ``grad=``, not a wrong gradient. The captured tensors'
 VJP likewise: the user's ``params_vjp``, or the complex step one entry at a
 time (a cost of one evaluation per entry: for small tables).
-:func:`check_score_mod` checks a user's derivatives by finite differences.
+:func:`sdpa_ref.gradcheck.check_score_mod` checks a user's derivatives by finite differences.
 
 A **mask function** ``mask_mod(b, h, q_idx, kv_idx) -> bool`` joins the
 allowed set (an intersection, as every mask does: :func:`sdpa_ref.masks.allowed_set`),
@@ -34,13 +34,13 @@ policy see it as they see a bool mask.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import numpy as np
 
 from . import _validate as V
 
-__all__ = ["ScoreMod", "apply_mask_mod", "as_score_mod", "check_score_mod", "complex_step_slope", "indices",
+__all__ = ["ScoreMod", "apply_mask_mod", "as_score_mod", "complex_step_slope", "indices",
            "score_mod_curvature",
            "params_vjp", "score_mod_forward"]
 
@@ -280,31 +280,4 @@ def apply_mask_mod(mask_mod, full, rows=None, cols=None):
         raise ValueError(f"`mask_mod` should return a bool array broadcastable to the scores' block {want}, but "
                          f"returned shape {r.shape}") from None
     return r
-
-
-def check_score_mod(score_mod, shape: Tuple[int, ...] = (2, 3, 4, 5), *, seed: int = 0, rtol: float = 1e-6,
-                    atol: float = 1e-9):
-    """Check a score function's derivatives (its ``grad`` and ``params_vjp``, or the complex step when it has
-    none) against central differences at random scores of ``shape`` ``(*batch, Hq, L, S)``; a
-    :class:`~sdpa_ref.GradcheckReport` (:func:`sdpa_ref.check_vjp` of ``(score, *params) -> fn``)."""
-    from .gradcheck import check_vjp
-
-    mod = as_score_mod(score_mod)
-    if mod is None:
-        raise TypeError("`score_mod` should be a callable or a ScoreMod, but got None")
-    if not isinstance(shape, (tuple, list)) or len(shape) < 4 or not all(
-            isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1 for n in shape):
-        raise ValueError(f"`shape` should be (*batch, Hq, L, S) with at least 4 positive ints, but got {shape!r}")
-    rng = np.random.default_rng(seed)
-    idx = indices(tuple(int(n) for n in shape))
-    x0 = rng.standard_normal(shape) * 2.0
-
-    def fun(x, *ps):
-        return np.asarray(_call(ScoreMod(mod.fn, params=ps, name=mod.name), x, idx, ps), dtype=np.float64)
-
-    def vjp(g, x, *ps):
-        m = ScoreMod(mod.fn, mod.grad, ps, mod.params_vjp, mod.name)
-        return (g * score_mod_forward(m, x, idx, slope=True)[1],) + params_vjp(m, g, x, idx)
-
-    return check_vjp(fun, vjp, (x0,) + mod.params, rtol=rtol, atol=atol, seed=seed)
 

@@ -69,6 +69,7 @@ from .checks import DEFAULT_ATOL, DEFAULT_RTOL, assert_jvp, assert_vjp, check_jv
 from .hessian import assert_hvp, check_hvp
 from .numeric import COMPLEX_STEP, numerical_jacobian
 from .report import GradcheckReport, WorstEntry
+from .score_mods import check_score_mod
 
 __all__ = [
     "COMPLEX_STEP",
@@ -83,4 +84,5 @@ __all__ = [
     "assert_jvp",
     "check_hvp",
     "assert_hvp",
+    "check_score_mod",
 ]
