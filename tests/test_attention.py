@@ -14,9 +14,7 @@ from sdpa_ref.harness.selfcheck import CHECK_RTOL, COMPLEX_RTOL, HVP_RTOL, LSE_R
 
 from oracle import oracle_attention
 from strategies import attention_problem
-
-RTOL_ORACLE = 1e-12
-ATOL_ORACLE = 1e-13
+from tolerances import F64_AMPLIFIED, F64_FEW_ULP, F64_GRAD, F64_REGROUPED, F64_SUMS
 
 
 def _full(opts, shape):
@@ -43,7 +41,7 @@ def test_forward_and_grads_match_loop_oracle(problem, policy, dropout):
     out_ref, lse_ref, (dq, dk, dv, dm) = oracle_attention(
         q, k, v, mask=_full(opts, (B, Hq, L, S)), is_causal=opts["is_causal"], keep=keep,
         p=0.25 if dropout else 0.0, policy=policy, grad_out=g)
-    tol = dict(rtol=RTOL_ORACLE, atol=ATOL_ORACLE)
+    tol = dict(rtol=F64_AMPLIFIED, atol=F64_SUMS)
     np.testing.assert_allclose(out, out_ref, **tol)
     np.testing.assert_allclose(res.lse, lse_ref, **tol)
     np.testing.assert_allclose(grads.value, dv, **tol)
@@ -64,7 +62,7 @@ def test_fully_masked_row_policies_pinned(policy):
     mask[1] = False
     out, res = sdpa_forward(q, k, v, mask, fully_masked=policy)
     want = {"zero": np.zeros(3), "nan": np.full(3, np.nan), "uniform": v[0].mean(axis=0)}[policy]
-    np.testing.assert_allclose(out[0, 1], want, rtol=1e-15)
+    np.testing.assert_allclose(out[0, 1], want, rtol=F64_FEW_ULP)
     assert res.lse[0, 1] == -np.inf
     assert np.isfinite(out[0, [0, 2]]).all()
     grads = sdpa_backward(res, np.ones_like(out))
@@ -81,7 +79,7 @@ def test_float_neg_inf_row_counts_as_fully_masked():
     m[2] = -np.inf
     for policy, want in [("zero", 0.0), ("uniform", v.mean(0))]:
         out = scaled_dot_product_attention(q, k, v, m, fully_masked=policy)
-        np.testing.assert_allclose(out[2], np.broadcast_to(want, (2,)), rtol=1e-15)
+        np.testing.assert_allclose(out[2], np.broadcast_to(want, (2,)), rtol=F64_FEW_ULP)
     assert np.isnan(scaled_dot_product_attention(q, k, v, m, fully_masked="nan")[2]).all()
 
 
@@ -118,7 +116,7 @@ def test_masked_entries_are_exactly_zero_and_rows_sum_to_one(problem):
         allowed &= np.tril(np.ones((L, S), dtype=bool))
     assert np.all(P[~allowed] == 0.0)
     nonempty = allowed.any(-1)
-    np.testing.assert_allclose(P.sum(-1)[nonempty], 1.0, rtol=1e-13)
+    np.testing.assert_allclose(P.sum(-1)[nonempty], 1.0, rtol=F64_SUMS)
     assert np.all(P.sum(-1)[~nonempty] == 0.0)
 
 
@@ -133,7 +131,7 @@ def test_batch_split_does_not_matter(problem):
         if m is not None:
             o["attn_mask"] = m[b:b + 1] if m.shape[0] > 1 else m
         parts.append(scaled_dot_product_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], **o))
-    np.testing.assert_allclose(out, np.concatenate(parts), rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(out, np.concatenate(parts), rtol=F64_REGROUPED, atol=F64_FEW_ULP)
 
 
 @given(attention_problem(gqa=True))
@@ -144,12 +142,12 @@ def test_gqa_equals_explicitly_repeated_heads(problem):
     out, res = sdpa_forward(q, k, v, **opts)
     o2 = dict(opts, enable_gqa=False)
     out_r, res_r = sdpa_forward(q, kr, vr, **o2)
-    np.testing.assert_allclose(out, out_r, rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(out, out_r, rtol=F64_REGROUPED, atol=F64_FEW_ULP)
     g = np.random.default_rng(0).standard_normal(out.shape)
     a, b = sdpa_backward(res, g), sdpa_backward(res_r, g)
-    np.testing.assert_allclose(a.query, b.query, rtol=1e-13, atol=1e-14)
-    np.testing.assert_allclose(a.key, b.key.reshape(k.shape[:1] + (k.shape[1], G) + k.shape[2:]).sum(2), rtol=1e-13, atol=1e-14)
-    np.testing.assert_allclose(a.value, b.value.reshape(v.shape[:1] + (v.shape[1], G) + v.shape[2:]).sum(2), rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(a.query, b.query, rtol=F64_SUMS, atol=F64_REGROUPED)
+    np.testing.assert_allclose(a.key, b.key.reshape(k.shape[:1] + (k.shape[1], G) + k.shape[2:]).sum(2), rtol=F64_SUMS, atol=F64_REGROUPED)
+    np.testing.assert_allclose(a.value, b.value.reshape(v.shape[:1] + (v.shape[1], G) + v.shape[2:]).sum(2), rtol=F64_SUMS, atol=F64_REGROUPED)
 
 
 @given(attention_problem())
@@ -176,7 +174,7 @@ def test_flash_identity_D(problem, dropout):
     dP = g @ np.swapaxes(vr, -1, -2)
     if res.keep is not None:
         dP = dP * res.keep / (1 - res.dropout_p)
-    np.testing.assert_allclose(np.sum(P * dP, -1), np.sum(g * out, -1), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(np.sum(P * dP, -1), np.sum(g * out, -1), rtol=F64_GRAD, atol=F64_SUMS)
 
 
 @given(attention_problem(), st.booleans())
@@ -230,11 +228,11 @@ def test_leading_batch_broadcast_and_grads_summed_back():
     qb, kb, vb = (np.broadcast_to(a, (3, 2) + a.shape[-3:]) for a in (q, k, v))
     out2, res2 = sdpa_forward(qb.copy(), kb.copy(), vb.copy(), np.broadcast_to(m, (3, 2, 2, 4, 6)).copy())
     g2 = sdpa_backward(res2, g)
-    np.testing.assert_allclose(out, out2, rtol=1e-14)
-    np.testing.assert_allclose(gr.query, g2.query.sum(1, keepdims=True), rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(gr.key, g2.key.sum(0, keepdims=True), rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(gr.value, g2.value.sum((0, 1)), rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(gr.attn_mask, g2.attn_mask.sum((0, 1, 2)), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(out, out2, rtol=F64_REGROUPED)
+    np.testing.assert_allclose(gr.query, g2.query.sum(1, keepdims=True), rtol=F64_GRAD, atol=F64_REGROUPED)
+    np.testing.assert_allclose(gr.key, g2.key.sum(0, keepdims=True), rtol=F64_GRAD, atol=F64_REGROUPED)
+    np.testing.assert_allclose(gr.value, g2.value.sum((0, 1)), rtol=F64_GRAD, atol=F64_REGROUPED)
+    np.testing.assert_allclose(gr.attn_mask, g2.attn_mask.sum((0, 1, 2)), rtol=F64_GRAD, atol=F64_REGROUPED)
 
 
 def test_a_batch_dim_only_value_has():
@@ -243,7 +241,7 @@ def test_a_batch_dim_only_value_has():
     out, res = sdpa_forward(q, k, v, is_causal=True)
     assert out.shape == (6, 2, 4, 2)
     for b in range(6):
-        np.testing.assert_allclose(out[b], sdpa_forward(q, k, v[b], is_causal=True)[0], rtol=1e-15)
+        np.testing.assert_allclose(out[b], sdpa_forward(q, k, v[b], is_causal=True)[0], rtol=F64_FEW_ULP)
     gr = sdpa_backward(res, np.ones(out.shape))
     assert gr.query.shape == q.shape and gr.value.shape == v.shape
     _, dense = sdpa_forward(q, k, v, save_probs=False)
@@ -255,7 +253,7 @@ def test_rank2_inputs():
     q, k, v = rng.standard_normal((3, 4)), rng.standard_normal((5, 4)), rng.standard_normal((5, 2))
     out, res = sdpa_forward(q, k, v)
     assert out.shape == (3, 2)
-    np.testing.assert_allclose(out, sdpa_forward(q[None], k[None], v[None])[0][0], rtol=1e-15)
+    np.testing.assert_allclose(out, sdpa_forward(q[None], k[None], v[None])[0][0], rtol=F64_FEW_ULP)
     gr = sdpa_backward(res, np.ones((3, 2)))
     assert gr.query.shape == (3, 4) and gr.key.shape == (5, 4) and gr.value.shape == (5, 2)
 
@@ -320,7 +318,7 @@ def test_dropout_rng_seed_is_reproducible_and_kept():
     # the output is scaled by 1/(1-p)
     P = ra.probs
     want = (P * ra.dropout_mask / 0.5) @ v
-    np.testing.assert_allclose(a, want, rtol=1e-14)
+    np.testing.assert_allclose(a, want, rtol=F64_REGROUPED)
     frac = ra.dropout_mask.mean()
     assert 0.35 < frac < 0.65    # 84 draws, p=0.5: 3.3 sigma each side
 

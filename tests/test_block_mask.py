@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from sdpa_ref import BlockMask, sdpa_backward, sdpa_forward, sdpa_jvp
+from tolerances import F64_GRAD, F64_REGROUPED, F64_SUMS
 
 B, HQ, HKV, L, S, E, EV, T = 2, 4, 2, 37, 45, 5, 3, 8
 
@@ -66,7 +67,7 @@ def test_tiled_engine_skips_what_it_says_and_equals_the_dense_result(name):
     out_mm, res_mm = sdpa_forward(q, k, v, mask_mod=mm, method="tiled", block_size=T, enable_gqa=True)
     dense, res_d = sdpa_forward(q, k, v, mask_mod=mm, method="fast", enable_gqa=True)
     assert np.array_equal(out, out_mm)               # skipping a block changes no bit
-    np.testing.assert_allclose(out, dense, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(out, dense, rtol=F64_SUMS, atol=F64_REGROUPED)
     g = np.random.default_rng(1).standard_normal(out.shape)
     calls["n"] = 0
     gb = sdpa_backward(res, g)
@@ -74,10 +75,10 @@ def test_tiled_engine_skips_what_it_says_and_equals_the_dense_result(name):
     assert res.tile_counts == {kk: 2 * n for kk, n in want.items()}
     for a, b_, c in zip(gb[:3], sdpa_backward(res_mm, g)[:3], sdpa_backward(res_d, g)[:3]):
         assert np.array_equal(a, b_)
-        np.testing.assert_allclose(a, c, rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(a, c, rtol=F64_GRAD, atol=F64_SUMS)
     tq = tuple(np.random.default_rng(2).standard_normal(x.shape) for x in (q, k, v))
     np.testing.assert_allclose(sdpa_jvp((q, k, v), tq, block_mask=bm, method="tiled", enable_gqa=True)[1],
-                               sdpa_jvp((q, k, v), tq, mask_mod=mm, enable_gqa=True)[1], rtol=1e-12, atol=1e-13)
+                               sdpa_jvp((q, k, v), tq, mask_mod=mm, enable_gqa=True)[1], rtol=F64_GRAD, atol=F64_SUMS)
     assert after_build > 0                           # the build checked the claim on the whole of the scores
 
 
@@ -88,7 +89,7 @@ def test_other_engines_compute_the_mask_function(method):
     extra = dict(num_splits=3) if method == "split" else {}
     out, _ = sdpa_forward(q, k, v, block_mask=bm, method=method, enable_gqa=True, **extra)
     want, _ = sdpa_forward(q, k, v, mask_mod=sliding, method="tiled", block_size=T, enable_gqa=True)
-    np.testing.assert_allclose(out, want, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(out, want, rtol=F64_SUMS, atol=F64_REGROUPED)
 
 
 def test_flexattention_layout_and_cudnn_bits_build_the_same_mask():
@@ -122,7 +123,7 @@ def test_a_block_mask_without_a_mask_function_allows_its_tiles():
     dense = np.kron(tiles[0, 0] != 0, np.ones((T, T), bool))[:L, :S]
     out, res = sdpa_forward(q, k, v, block_mask=bm, method="tiled", enable_gqa=True)
     want, _ = sdpa_forward(q, k, v, attn_mask=dense, enable_gqa=True)
-    np.testing.assert_allclose(out, want, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(out, want, rtol=F64_SUMS, atol=F64_REGROUPED)
     assert res.tile_counts == {"absent": 24, "full": 1, "partial": 5}
 
 
@@ -178,7 +179,7 @@ def test_the_split_engine_walks_each_split_on_the_tile_grid():
     assert c["absent"] + c["full"] + c["partial"] <= 2 * 16 and c["partial"] == 4, c
     out, _ = sdpa_forward(q, k, v, is_causal=True, enable_gqa=True)
     np.testing.assert_allclose(sdpa_forward(q, k, v, block_mask=bm, method="split", num_splits=2,
-                                            enable_gqa=True)[0], out, rtol=1e-13, atol=1e-14)
+                                            enable_gqa=True)[0], out, rtol=F64_SUMS, atol=F64_REGROUPED)
 
 
 def test_only_the_tiled_engines_count_tiles_and_empty_problems_work():

@@ -14,11 +14,13 @@ from sdpa_ref import (
     softmax_jacobian,
     softmax_vjp,
 )
+from tolerances import COMPLEX_STEP, COMPLEX_STEP_ATOL, F64_FEW_ULP, FD, FD_ATOL, FD_ATOL_SMOOTH, FD_LOOSE
+
+
 def _swap(x):
     return np.swapaxes(x, -1, -2)
 
 
-RTOL = 1e-7
 MODES = ["full", "projection"]
 rng = np.random.default_rng(0)
 X = rng.standard_normal((3, 5))
@@ -30,21 +32,21 @@ X = rng.standard_normal((3, 5))
 def test_numerical_jacobian_of_softmax():
     x = rng.standard_normal(4)
     (J,) = numerical_jacobian(softmax, (x,))
-    np.testing.assert_allclose(J, softmax_jacobian(softmax(x)), atol=1e-10)
+    np.testing.assert_allclose(J, softmax_jacobian(softmax(x)), atol=FD_ATOL_SMOOTH)
 
 
 def test_numerical_jacobian_of_a_product():
     a, b = rng.standard_normal((2, 3)), rng.standard_normal((3, 2))
     Ja, Jb = numerical_jacobian(lambda a, b: a @ b, (a, b))
     assert Ja.shape == (2, 2, 2, 3) and Jb.shape == (2, 2, 3, 2)
-    np.testing.assert_allclose(Ja[0, 1, 0], b[:, 1], atol=1e-9)
-    np.testing.assert_allclose(Jb[1, 0, :, 0], a[1], atol=1e-9)
+    np.testing.assert_allclose(Ja[0, 1, 0], b[:, 1], atol=FD_ATOL)
+    np.testing.assert_allclose(Jb[1, 0, :, 0], a[1], atol=FD_ATOL)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_right_softmax_vjp_passes(mode):
-    rep = check_vjp(softmax, lambda g, x: (softmax_vjp(softmax(x), g),), (X,), mode=mode, rtol=RTOL)
-    assert rep.ok and rep.max_rel_error < RTOL
+    rep = check_vjp(softmax, lambda g, x: (softmax_vjp(softmax(x), g),), (X,), mode=mode, rtol=FD)
+    assert rep.ok and rep.max_rel_error < FD
     assert "ok" in str(rep)
 
 
@@ -166,7 +168,7 @@ def _fun(q, k, v):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_right_attention_backward_passes(mode):
-    assert check_vjp(_fun, _right_attention_vjp, _attention_problem(), mode=mode, rtol=RTOL).ok
+    assert check_vjp(_fun, _right_attention_vjp, _attention_problem(), mode=mode, rtol=FD).ok
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -203,7 +205,7 @@ def test_check_jvp_catches_a_wrong_jvp():
     right = lambda t, x: softmax(x) * (t[0] - np.sum(softmax(x) * t[0], -1, keepdims=True))  # noqa: E731
     wrong = lambda t, x: softmax(x) * t[0]  # noqa: E731
     for mode in MODES:
-        assert check_jvp(f, right, (X,), mode=mode, rtol=RTOL).ok
+        assert check_jvp(f, right, (X,), mode=mode, rtol=FD).ok
         assert not check_jvp(f, wrong, (X,), mode=mode).ok
 
 
@@ -221,8 +223,8 @@ def _causal_fun_and_tols(method):
 
     fun = (lambda q, k, v: sdpa_forward_complex(q, k, v, is_causal=True)) if method == "complex" else \
         (lambda q, k, v: sdpa_forward(q, k, v, is_causal=True)[0])
-    return fun, dict(method=method, rtol=1e-12 if method == "complex" else RTOL,
-                     atol=1e-14 if method == "complex" else 1e-9)
+    return fun, dict(method=method, rtol=COMPLEX_STEP if method == "complex" else FD,
+                     atol=COMPLEX_STEP_ATOL if method == "complex" else FD_ATOL)
 
 
 @pytest.mark.parametrize("method", ["central", "complex"])
@@ -237,7 +239,7 @@ def test_vectorized_full_check_agrees_with_the_scalar_one(method):
     b = check_vjp(fun, vjp, _attn_problem_small(), vectorized=True, **kw)
     assert a.ok and b.ok and b.mode.endswith("vectorized")
     assert b.n_evals < a.n_evals / 20
-    np.testing.assert_allclose(b.max_abs_error, a.max_abs_error, rtol=1e-6, atol=1e-15)
+    np.testing.assert_allclose(b.max_abs_error, a.max_abs_error, rtol=FD_LOOSE, atol=F64_FEW_ULP)
     for ra, rb in zip(a.per_arg, b.per_arg):
         assert ra["total"] == rb["total"] and ra["failed"] == rb["failed"] == 0
 
@@ -250,7 +252,7 @@ def test_vectorized_check_leaves_out_non_finite_inputs_like_the_scalar_one(metho
     b = check_vjp(softmax, vjp, (x,), method=method, vectorized=True)
     assert a.ok and b.ok
     assert a.per_arg[0]["total"] == b.per_arg[0]["total"] == 6 * 4
-    np.testing.assert_allclose(b.max_abs_error, a.max_abs_error, rtol=1e-6, atol=1e-15)
+    np.testing.assert_allclose(b.max_abs_error, a.max_abs_error, rtol=FD_LOOSE, atol=F64_FEW_ULP)
     # and a wrong gradient on a finite entry next to the -inf ones is still caught
     bad = check_vjp(softmax, lambda g, x: (softmax_vjp(softmax(x), g) * 1.01,), (x,), method=method, vectorized=True)
     assert not bad.ok
@@ -284,7 +286,7 @@ def test_vectorized_jvp_check_agrees_with_the_scalar_one_and_catches_a_wrong_jvp
     b = check_jvp(fun, jvp, _attn_problem_small(), vectorized=True, **kw)
     assert a.ok and b.ok and b.mode.endswith("vectorized")
     assert b.n_evals < a.n_evals / 20
-    np.testing.assert_allclose(b.max_abs_error, a.max_abs_error, rtol=1e-6, atol=1e-15)
+    np.testing.assert_allclose(b.max_abs_error, a.max_abs_error, rtol=FD_LOOSE, atol=F64_FEW_ULP)
     rep = check_jvp(fun, wrong, _attn_problem_small(), vectorized=True, **kw)
     assert not rep.ok and rep.per_arg[1]["failed"] > 0 and rep.per_arg[0]["failed"] == 0
     with pytest.raises(ValueError, match="vectorized"):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import sdpa_ref
+from tolerances import F64_FEW_ULP, F64_SUMS
 
 HOWS = ["fast", "plain", "tiled", "reproducible"]
 
@@ -241,7 +242,7 @@ def test_under_the_uniform_policy_an_empty_row_averages_every_value_by_definitio
     rng = np.random.default_rng(7)
     q, k, v = (rng.standard_normal((1, 1, 3, 2)) for _ in range(3))
     out = sdpa_ref.scaled_dot_product_attention(q, k, v, kv_lengths=[0], fully_masked="uniform")
-    np.testing.assert_allclose(out[0, 0], np.broadcast_to(v[0, 0].mean(axis=0), (3, 2)), rtol=1e-15)
+    np.testing.assert_allclose(out[0, 0], np.broadcast_to(v[0, 0].mean(axis=0), (3, 2)), rtol=F64_FEW_ULP)
 
 
 def test_an_implementation_that_exits_is_a_failed_case_and_the_run_goes_on():
@@ -532,7 +533,7 @@ def test_an_input_shared_across_the_batch_keeps_rows_some_batch_entry_reads(whic
     np.testing.assert_array_equal(out, want)
     got, ref = sdpa_ref.sdpa_backward(res, g), sdpa_ref.sdpa_backward(res_full, g)
     np.testing.assert_allclose(got.value, ref.value.sum(axis=0, keepdims=True) if which == "key" else ref.value,
-                               rtol=1e-13, atol=1e-15)
+                               rtol=F64_SUMS, atol=F64_FEW_ULP)
 
 
 # ------------------------------------------------------------ honest memory (part 8)

@@ -16,6 +16,7 @@ import sdpa_ref
 from sdpa_ref import sdpa_backward, sdpa_forward, sdpa_jvp
 
 from helpers import assert_close_normwise
+from tolerances import F64_FEW_ULP
 
 HOWS = {"fast": {}, "plain": {"method": "plain"}, "tiled-2": {"block_size": 2}, "split-2": {"num_splits": 2},
         "reproducible": {"precision": "reproducible"}}
@@ -121,15 +122,15 @@ def test_a_row_emptied_by_minus_inf_floats_averages_the_excluded_keys_and_its_gr
     bias[1, 2:] = -np.inf
     bias[2] = -np.inf
     out, res = sdpa_forward(q, k, v, attn_mask=mask, bias=bias, fully_masked="jax")
-    np.testing.assert_allclose(out[0, 0, 1], v[0, 0, :2].mean(0), rtol=1e-15)
+    np.testing.assert_allclose(out[0, 0, 1], v[0, 0, :2].mean(0), rtol=F64_FEW_ULP)
     assert np.isnan(out[0, 0, 2]).all() and np.isfinite(out[0, 0, :2]).all()
     uniform = sdpa_forward(q, k, v, attn_mask=mask, bias=bias, fully_masked="uniform")[0]
-    np.testing.assert_allclose(uniform[0, 0, 1], v[0, 0].mean(0), rtol=1e-15)     # the difference
+    np.testing.assert_allclose(uniform[0, 0, 1], v[0, 0].mean(0), rtol=F64_FEW_ULP)     # the difference
     _, res = sdpa_forward(q[:, :, :2], k, v, attn_mask=mask[:2], bias=bias[:2], fully_masked="jax")
     g = np.zeros((1, 1, 2, 3))                                     # (with row 2, every dV would be NaN)
     g[0, 0, 1] = rng.standard_normal(3)
     gr = sdpa_backward(res, g)
-    np.testing.assert_allclose(gr.value[0, 0, :2], np.tile(g[0, 0, 1] / 2, (2, 1)), rtol=1e-15)
+    np.testing.assert_allclose(gr.value[0, 0, :2], np.tile(g[0, 0, 1] / 2, (2, 1)), rtol=F64_FEW_ULP)
     assert np.all(gr.value[0, 0, 2:] == 0) and np.all(gr.query == 0) and np.all(gr.key == 0)
     assert np.all(gr.bias[1] == 0)
 

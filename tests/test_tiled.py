@@ -14,11 +14,10 @@ from sdpa_ref.engines.blocks import auto_block_size
 
 from helpers import assert_close_normwise
 from strategies import variant_problem
+from tolerances import F64_AMPLIFIED, F64_GRAD, F64_GRAD_LONG, F64_REGROUPED, F64_SUMS
 
-TILED_RTOL = 1e-12
 
-
-def _close(x, y, rtol=TILED_RTOL):
+def _close(x, y, rtol=F64_GRAD):
     assert_close_normwise(x, y, rtol)
 
 
@@ -60,7 +59,7 @@ def test_block_size_auto_and_validation():
     q, k, v = rng.standard_normal((1, 2, 40, 8)), rng.standard_normal((1, 2, 50, 8)), rng.standard_normal((1, 2, 50, 4))
     a = scaled_dot_product_attention(q, k, v, is_causal=True)
     b = scaled_dot_product_attention(q, k, v, is_causal=True, block_size="auto")
-    np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(a, b, rtol=F64_SUMS, atol=F64_REGROUPED)
     for bad in (0, -3, 2.5, "big", True):
         with pytest.raises(ValueError, match="`block_size`"):
             sdpa_forward(q, k, v, block_size=bad)
@@ -100,7 +99,7 @@ def test_tiled_path_allocates_nothing_of_size_L_times_S():
     assert peak < dense_bytes / 4, f"peak {peak / 2**20:.1f} MiB"
     # and it is right: compare a slice with the dense path on the same rows
     ref = scaled_dot_product_attention(q[:, :256], k, v, is_causal=True, window=(300, None))
-    np.testing.assert_allclose(out[:, :256], ref, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(out[:, :256], ref, rtol=F64_AMPLIFIED, atol=F64_SUMS)
     assert np.isfinite(grads.key).all()
     tracemalloc.start()                                  # forward mode too: no L x S array
     try:
@@ -110,7 +109,7 @@ def test_tiled_path_allocates_nothing_of_size_L_times_S():
         tracemalloc.stop()
     assert peak < dense_bytes / 4, f"JVP peak {peak / 2**20:.1f} MiB"
     _, ref_t = sdpa_jvp((q[:, :256], k, v), (g[:, :256], g, g), is_causal=True, window=(300, None))
-    np.testing.assert_allclose(dout[:, :256], ref_t, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(dout[:, :256], ref_t, rtol=F64_GRAD_LONG, atol=F64_GRAD)
 
 
 @given(variant_problem(max_len=6), st.sampled_from([1, 4]))
