@@ -34,7 +34,7 @@ import numpy as np
 
 from ..normalize import extra_probs, extra_second, extras, nan_row_probs, second_pivots
 from ..pivot import second_entries, second_partial, tangent_probs
-from ..policy import constant_rows, counts, excluded, fill_empty_rows
+from ..policy import constant_rows, counts, excluded, fill_empty_rows, fills_zero
 from ..transforms import dropout_forward, scores_jvp, scores_vjp, transform_scores_jvp, transform_scores_slope_jvp, \
     transform_scores_vjp, transform_scores_vjp_jvp, unbroadcast
 from ..masks import block_of
@@ -106,7 +106,7 @@ def _rows(prob, bl, fwd, i0, i1, b, dO, dlse, tangents, ddO, ddlse, out, acc, de
     for j0, j1 in _ranges(prob.S, b):
         allowed = prob.allowed((i0, i1), (j0, j1))
         skip = allowed is not None and not np.any(allowed)
-        if skip and not (o.fully_masked in ("uniform", "nan", "jax") and np.any(em)):
+        if skip and (fills_zero(o.fully_masked) or not np.any(em)):
             continue                                                # P = 0 on the whole block
         jobs.append((j0, j1, allowed, skip))
     if not jobs and px is None:
