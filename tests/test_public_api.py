@@ -124,3 +124,14 @@ def test_one_gradients_record():
     assert len(absorbed) == 7 and absorbed[6] is absorbed.qv and absorbed.score_mod is None
     assert issubclass(sdpa_ref.ScoreModGrads, sdpa_ref.AttentionGrads)
     assert sdpa_ref.ScoreModGrads._fields == sdpa_ref.AttentionGrads._fields + ("qv", "score_mod")
+
+
+def test_the_release_note_says_where_each_name_moved():
+    import pathlib
+
+    note = pathlib.Path(__file__).resolve().parents[1] / "CHANGELOG.md"
+    if not note.exists():
+        pytest.skip("the release note is not shipped beside the tests")
+    text = note.read_text()
+    for name in set(OLD_TOP_LEVEL) - set(sdpa_ref.__all__):
+        assert f"`{name}`" in text, name
