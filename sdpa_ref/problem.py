@@ -33,7 +33,7 @@ import numpy as np
 from . import _validate as V
 from .block_mask import TileCounts, tile_status, validate
 from .masks import allowed_set, padded_rows, slice_ls
-from .policy import zero_output_rows
+from .policy import averages_every_key, averages_excluded, averages_values, makes_nan, zero_output_rows
 from .options import AttentionOptions
 from .reads import Poison, clean, scrub
 from .score_mod import apply_mask_mod
@@ -123,7 +123,7 @@ class Problem:
             keep = V.as_mask(opts.dropout_mask, "dropout_mask", user_scores, allow_float=False)
         elif opts.dropout_p > 0.0:
             keep = V.as_generator(opts.rng).random(user_scores) >= opts.dropout_p
-        if opts.fully_masked == "uniform" and S == 0:
+        if averages_every_key(opts.fully_masked) and S == 0:
             raise ValueError("`fully_masked` should not be 'uniform' when S == 0 (the mean of zero values "
                              "is undefined), but got S=0")
 
@@ -148,7 +148,7 @@ class Problem:
                "mask": scrub(own["mask"], additive=True), "bias": scrub(own["bias"], additive=True),
                "alibi": scrub(own["alibi"])}                     # what reads it: poison.py
         v_full = None
-        if opts.fully_masked in ("uniform", "jax"):         # a fully masked row averages values it keeps
+        if averages_values(opts.fully_masked):              # a fully masked row averages values it keeps
             v_full = _own(vh, ct, writable=True)
             bad["v"] = scrub(v_full)
             own["v"] = v_full if at.v is None else _own(v_full, ct, at.v)
@@ -176,7 +176,7 @@ class Problem:
                     "attn_mask": None if mask_float is None else mask_float.dtype,
                     "bias": None if bias is None else bias.dtype, "sinks": None if sinks is None else sinks.dtype},
             out_dtype=out_dtype, poison=poison, v_full=v_full, unread=at,
-            excluded_counts=None if opts.fully_masked != "jax" else
+            excluded_counts=None if not averages_excluded(opts.fully_masked) else
             _own(excluded_counts(full_scores, lambda rows: _allowed(opts, full_scores, arrays, rows))),
             sink=None if sinks is None else _own(sinks[..., None, None], rt), kv_indices=_own(kv_indices),
             tile_counts=_tiles(opts, full_scores),
@@ -259,7 +259,7 @@ class Problem:
         (the engines' empty sums give 0; ``dk``, ``dv`` and the mask and bias gradients have no entries).
         ``"jax"`` is JAX's formula, whose softmax over no key is empty and whose ``P V`` an empty sum: 0, as the
         engines give (:func:`sdpa_ref.policy.nan_rows`)."""
-        if self.S != 0 or self.options.fully_masked != "nan":
+        if self.S != 0 or not makes_nan(self.options.fully_masked):
             return None
         shape = tuple(self.batch) + (1, self.L, 1)
         pad = self.padded_rows()
