@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from sdpa_ref import scaled_dot_product_attention, sdpa_backward, sdpa_forward, sdpa_forward_complex, sdpa_jvp
+from tolerances import F32, F32_ATOL, F32_SCHEDULES, F64_GRAD
 
 try:
     import ml_dtypes
@@ -200,7 +201,7 @@ def test_the_complex_step_path_still_takes_complex_and_refuses_fp8():
     t = np.random.default_rng(9).standard_normal(q.shape)
     got = sdpa_forward_complex(q + 1j * h * t, k.astype(np.complex64), v, method="plain").imag / h
     want = sdpa_jvp((q, k, v), (t, None, None), method="plain")[1]
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)                # k in complex64: its rounding
+    np.testing.assert_allclose(got, want, rtol=F32, atol=F32_ATOL)                # k in complex64: its rounding
     with pytest.raises(TypeError, match="`value` should have dtype .*complex"):
         sdpa_forward_complex(q, k, v.astype(np.int64))
     if ml_dtypes is not None:
@@ -245,7 +246,7 @@ def test_zero_sizes_agree_on_every_path(case, policy, dt):
         for n, w in want.items():
             x = got[n]
             assert x.shape == w.shape and x.dtype == w.dtype == np.dtype(dt), (path, n, x.shape, w.shape)
-            tol = 1e-12 if dt == np.float64 else 1e-5
+            tol = F64_GRAD if dt == np.float64 else F32_SCHEDULES
             np.testing.assert_allclose(x, w, rtol=tol, atol=tol, err_msg=f"{_ids(path)} {n}")
     if case == "S=0":
         nan = policy == "nan"

@@ -14,6 +14,7 @@ from sdpa_ref.harness.cases import get_suite
 from sdpa_ref.harness.grid import gradcheck_grid
 
 from oracle import oracle_attention
+from tolerances import COMPLEX_STEP, COMPLEX_STEP_IMAG_ATOL, F64_SUMS, FD_LOOSE, FD_LOOSE_ATOL
 
 rng = np.random.default_rng(0)
 
@@ -26,7 +27,7 @@ def test_jvp_when_only_value_has_a_batch_dim():
     h = 1e-6
     num = (sdpa_forward(q + h * tq, k + h * tk, v + h * tv)[0] - sdpa_forward(q - h * tq, k - h * tk, v - h * tv)[0]) / (2 * h)
     assert out.shape == dout.shape == (4, 2, 5, 3)
-    np.testing.assert_allclose(dout, num, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(dout, num, rtol=FD_LOOSE, atol=FD_LOOSE_ATOL)
 
 
 class _DtypeSpy:
@@ -86,8 +87,8 @@ def test_complex_forward_takes_block_size_and_checks_upcast():
     q = rng.standard_normal((1, 2, 5, 3)) + 1e-20j * rng.standard_normal((1, 2, 5, 3))
     a = sdpa_forward_complex(q, q, q, is_causal=True)
     b = sdpa_forward_complex(q, q, q, is_causal=True, block_size=2)
-    np.testing.assert_allclose(b.imag, a.imag, rtol=1e-12, atol=1e-36)
-    np.testing.assert_allclose(b.real, a.real, rtol=1e-13)
+    np.testing.assert_allclose(b.imag, a.imag, rtol=COMPLEX_STEP, atol=COMPLEX_STEP_IMAG_ATOL)
+    np.testing.assert_allclose(b.real, a.real, rtol=F64_SUMS)
     with pytest.raises(TypeError, match="`upcast`"):
         sdpa_forward_complex(q, q, q, upcast="not a bool")
     with pytest.raises(ValueError, match="`method`"):
@@ -248,5 +249,5 @@ def test_softmax_lse_matches_scipy():
     x = rng.standard_normal((3, 4, 5)) * 30
     x[0, 0] = -np.inf
     y, lse = sdpa_ref.softmax_lse(x, axis=1)
-    np.testing.assert_allclose(y[1:], softmax(x[1:], axis=1), rtol=1e-13)
-    np.testing.assert_allclose(lse[1:], logsumexp(x[1:], axis=1, keepdims=True), rtol=1e-13)
+    np.testing.assert_allclose(y[1:], softmax(x[1:], axis=1), rtol=F64_SUMS)
+    np.testing.assert_allclose(lse[1:], logsumexp(x[1:], axis=1, keepdims=True), rtol=F64_SUMS)

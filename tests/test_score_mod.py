@@ -15,6 +15,7 @@ from sdpa_ref import (
     sdpa_hvp,
     sdpa_jvp,
 )
+from tolerances import F64_AMPLIFIED, F64_GRAD, F64_REGROUPED, F64_SUMS, FD_LOOSE
 
 METHODS = [dict(method="plain"), dict(method="fast"), dict(method="tiled", block_size=2),
            dict(method="split", num_splits=2)]
@@ -99,7 +100,7 @@ def test_built_in_options_as_functions_give_the_same_bits(name, method):
         i, j = np.arange(L)[:, None], np.arange(S)[None, :]
         want = np.zeros_like(TABLE)
         np.add.at(want, (np.arange(HQ)[:, None, None], np.broadcast_to(i - j + S - 1, (HQ, L, S))), g1.bias)
-        np.testing.assert_allclose(g2.score_mod[0], want, rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(g2.score_mod[0], want, rtol=F64_SUMS, atol=F64_REGROUPED)
 
 
 def test_document_mask_as_a_mask_function():
@@ -124,7 +125,7 @@ def test_a_mask_function_that_varies_with_batch_and_head():
     o1, _ = sdpa_forward(q, k, v, attn_mask=mask, enable_gqa=True)
     for m in METHODS:
         o2, _ = sdpa_forward(q, k, v, mask_mod=mm, enable_gqa=True, **m)
-        np.testing.assert_allclose(o2, o1, rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(o2, o1, rtol=F64_SUMS, atol=F64_REGROUPED)
 
 
 def test_complex_step_slope_and_param_gradient_agree_with_the_given_ones():
@@ -139,7 +140,7 @@ def test_complex_step_slope_and_param_gradient_agree_with_the_given_ones():
         for x, y in zip(a, b):
             if x is not None:
                 np.testing.assert_allclose(x if not isinstance(x, tuple) else x[0],
-                                           y if not isinstance(y, tuple) else y[0], rtol=1e-12, atol=1e-13)
+                                           y if not isinstance(y, tuple) else y[0], rtol=F64_GRAD, atol=F64_SUMS)
 
 
 @pytest.mark.parametrize("method", METHODS[:3], ids=lambda m: m["method"])
@@ -160,7 +161,7 @@ def test_gradients_through_a_score_function_match_finite_differences(method):
         return r.query, r.key, r.value, r.score_mod[0]
 
     w = np.array([0.5, 1.0, -1.5, 2.0])
-    assert_vjp(fun, vjp, (q, k, v, w), rtol=1e-6)
+    assert_vjp(fun, vjp, (q, k, v, w), rtol=FD_LOOSE)
 
 
 def test_a_function_that_is_not_analytic_needs_its_grad():
@@ -244,7 +245,7 @@ def test_a_large_additive_penalty_is_not_taken_for_a_kink():
     for pen in (1e9, 1e6, np.finfo(float).max / 4):
         out, _ = sdpa_forward(q, k, v, enable_gqa=True, score_mod=lambda s, b, h, i, j, p=pen: s - p * (j > i))
         want, _ = sdpa_forward(q, k, v, enable_gqa=True, is_causal=True)
-        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(out, want, rtol=F64_AMPLIFIED, atol=F64_SUMS)
 
 
 def test_a_function_not_analytic_in_its_captured_tensor_needs_its_vjp():

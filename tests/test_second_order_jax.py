@@ -15,6 +15,7 @@ jax.config.update("jax_enable_x64", True)
 jnp = jax.numpy
 
 from sdpa_ref import sdpa_backward_jvp  # noqa: E402
+from tolerances import F64_GRAD, F64_GRAD_ORACLE
 
 B, HQ, L, S, E, EV = 2, 4, 3, 5, 3, 2
 
@@ -84,6 +85,6 @@ def test_double_backward_matches_jax(causal, softcap, bias, sinks, dropout, hkv,
     for name, w, wt in zip(("query", "key", "value", "bias", "sinks"), want, want_t):
         if w is None:
             continue
-        np.testing.assert_allclose(getattr(gr, name), np.asarray(w), rtol=1e-10, atol=1e-12, err_msg=name)
-        np.testing.assert_allclose(getattr(gt, name), np.asarray(wt), rtol=1e-10, atol=1e-12,
+        np.testing.assert_allclose(getattr(gr, name), np.asarray(w), rtol=F64_GRAD_ORACLE, atol=F64_GRAD, err_msg=name)
+        np.testing.assert_allclose(getattr(gt, name), np.asarray(wt), rtol=F64_GRAD_ORACLE, atol=F64_GRAD,
                                    err_msg=f"the tangent of {name}")

@@ -19,6 +19,7 @@ from sdpa_ref import sdpa_backward, sdpa_forward, sdpa_jvp
 from helpers import assert_faithful
 from oracle import oracle_attention
 from strategies import dense_case, differentiable, variant_problem
+from tolerances import F64_AMPLIFIED, F64_FEW_ULP, F64_GRAD, F64_GRAD_ORACLE, F64_REGROUPED, F64_SUMS
 
 ENGINES = [("fast", {}, True), ("plain", {}, True), ("tiled", {}, True), ("tiled", {"block_size": 2}, True),
            ("fast", {}, False), ("plain", {}, False), ("reproducible", {}, True),
@@ -68,24 +69,25 @@ def test_forward_and_backward_match_the_loop_oracle(method, extra, save_probs, p
     g = np.random.default_rng(1).standard_normal(q.shape[:-1] + (v.shape[-1],))
     o, lse, grads = oracle_attention(q, k, v, grad_out=g, **oracle)
     out, res = sdpa_forward(q, k, v, **_engine(method), save_probs=save_probs, **extra, **opts)
-    np.testing.assert_allclose(out, o, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out, o, rtol=F64_AMPLIFIED, atol=F64_AMPLIFIED)
     np.testing.assert_array_equal(np.isneginf(res.lse), np.isneginf(lse))
     fin = np.isfinite(lse)
-    np.testing.assert_allclose(res.lse[fin], lse[fin], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(res.lse[fin], lse[fin], rtol=F64_AMPLIFIED, atol=F64_AMPLIFIED)
     # the sink-free LSE (FlashMLA's) is the LSE of the same problem without the sink
     no_sink = {n: x for n, x in oracle.items() if n != "sinks"}
     _, lse_keys, _ = oracle_attention(q, k, v, **no_sink)
     keys = res.lse_as(sink=False)
     np.testing.assert_array_equal(np.isneginf(keys), np.isneginf(lse_keys))
-    np.testing.assert_allclose(keys[np.isfinite(lse_keys)], lse_keys[np.isfinite(lse_keys)], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(keys[np.isfinite(lse_keys)], lse_keys[np.isfinite(lse_keys)],
+                               rtol=F64_AMPLIFIED, atol=F64_AMPLIFIED)
     if opts["fully_masked"] == "nan" and np.isnan(o).any():
         return                                                        # the policy's NaN rows: checked above
     gr = sdpa_backward(res, g)
     dq, dk, dv, _, dsink = grads
     for got, want in ((gr.query, dq), (gr.key, dk), (gr.value, dv)):
-        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(got, want, rtol=F64_GRAD_ORACLE, atol=F64_AMPLIFIED)
     want_sinks = dsink.sum(axis=0) if opts["sinks"].ndim == 1 else dsink
-    np.testing.assert_allclose(gr.sinks, want_sinks, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(gr.sinks, want_sinks, rtol=F64_GRAD_ORACLE, atol=F64_AMPLIFIED)
     assert gr.sinks.shape == np.shape(opts["sinks"])
 
 
@@ -178,13 +180,13 @@ def test_the_engines_agree_with_each_other():
     for method, extra, save_probs in ENGINES:
         out, res = sdpa_forward(q, k, v, **_engine(method), save_probs=save_probs, **extra, **opts)
         gr = sdpa_backward(res, g, grad_lse=gl)
-        np.testing.assert_allclose(out, ref_out, rtol=1e-13, atol=1e-14)
-        np.testing.assert_allclose(res.lse, ref.lse, rtol=1e-13, atol=1e-14)
-        np.testing.assert_allclose(res.lse_as(sink=False), ref.lse_as(sink=False), rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(out, ref_out, rtol=F64_SUMS, atol=F64_REGROUPED)
+        np.testing.assert_allclose(res.lse, ref.lse, rtol=F64_SUMS, atol=F64_REGROUPED)
+        np.testing.assert_allclose(res.lse_as(sink=False), ref.lse_as(sink=False), rtol=F64_SUMS, atol=F64_REGROUPED)
         for a, b in zip(gr, ref_gr):
             assert (a is None) == (b is None)
             if a is not None:
-                np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+                np.testing.assert_allclose(a, b, rtol=F64_GRAD, atol=F64_SUMS)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -197,10 +199,11 @@ def test_the_sink_is_a_column_with_no_value(method):
     out0, res0 = sdpa_forward(q, k, v, **_engine(method), is_causal=True)
     out, res = sdpa_forward(q, k, v, **_engine(method), is_causal=True, sinks=s)
     lse = np.logaddexp(res0.lse, s[:, None])
-    np.testing.assert_allclose(res.lse, lse, rtol=1e-14, atol=1e-14)
-    np.testing.assert_allclose(out, out0 * -np.expm1(s[:, None, None] - lse[..., None]), rtol=1e-13, atol=1e-15)
-    np.testing.assert_allclose(res.lse_as(sink=False), res0.lse, rtol=1e-14, atol=1e-14)
-    np.testing.assert_allclose(res.lse_as(base=2), lse / np.log(2), rtol=1e-14)
+    np.testing.assert_allclose(res.lse, lse, rtol=F64_REGROUPED, atol=F64_REGROUPED)
+    np.testing.assert_allclose(out, out0 * -np.expm1(s[:, None, None] - lse[..., None]),
+                               rtol=F64_SUMS, atol=F64_FEW_ULP)
+    np.testing.assert_allclose(res.lse_as(sink=False), res0.lse, rtol=F64_REGROUPED, atol=F64_REGROUPED)
+    np.testing.assert_allclose(res.lse_as(base=2), lse / np.log(2), rtol=F64_REGROUPED)
 
 
 @pytest.mark.parametrize("method,extra,save_probs", ENGINES, ids=IDS)
@@ -219,7 +222,7 @@ def test_minus_inf_sinks_give_the_sink_free_results(method, extra, save_probs):
     for a, b in zip(gr0[:5], gr[:5]):                                # the backward's row sums run in NumPy,
         assert (a is None) == (b is None)                              # not the compiled row pass: rounding
         if a is not None:
-            np.testing.assert_allclose(b, a, rtol=1e-14, atol=1e-15)
+            np.testing.assert_allclose(b, a, rtol=F64_REGROUPED, atol=F64_FEW_ULP)
     np.testing.assert_array_equal(gr.sinks, np.zeros(4))
 
 
@@ -257,7 +260,7 @@ def test_the_sink_free_lse_does_not_cancel_when_the_sink_dominates():
     _, res0 = sdpa_forward(q, k, v)
     for method in METHODS:
         out, res = sdpa_forward(q, k, v, sinks=np.array([60.0, 45.0]), **_engine(method))
-        np.testing.assert_allclose(res.lse_as(sink=False), res0.lse, rtol=1e-14)
+        np.testing.assert_allclose(res.lse_as(sink=False), res0.lse, rtol=F64_REGROUPED)
         assert np.all(res.lse[0, 0] == 60.0)                          # exp(lse_keys - 60) < eps
         assert np.all(np.abs(out) < 1e-18)
 
@@ -400,7 +403,7 @@ def test_a_nan_row_of_one_batch_entry_makes_its_heads_sink_gradient_nan_on_every
                {"precision": "reproducible", "upcast": False}):
         got = sdpa_backward(sdpa_forward(q, k, v, **kw, **opts)[1], np.ones((2, 2, 2, 3))).sinks
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=str(kw))
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-15, err_msg=str(kw))
+        np.testing.assert_allclose(got[0], want[0], rtol=F64_GRAD, atol=F64_FEW_ULP, err_msg=str(kw))
 
 
 @pytest.mark.parametrize("kw", [{"method": "plain"}, {"method": "fast"}, {"block_size": 2},

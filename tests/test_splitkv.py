@@ -15,6 +15,7 @@ import sdpa_ref
 from sdpa_ref import KVCache, sdpa_backward, sdpa_forward, sdpa_jvp, split_kv_partials
 
 from helpers import assert_close_normwise
+from tolerances import F64_AMPLIFIED, F64_FEW_ULP, F64_GRAD, F64_GRAD_LONG, F64_SUMS
 
 
 def loop_partials(q, k, v, bounds, is_causal=False, kv_lengths=None):
@@ -95,9 +96,9 @@ def test_each_partial_is_the_loop_oracles(seed, causal, n):
     out, lse = split_kv_partials(q, k, v, is_causal=causal, kv_lengths=kv, num_splits=n)
     bounds = sdpa_ref.engines.splitkv.bounds(sdpa_ref.sdpa_forward(q, k, v, kv_lengths=kv)[1].problem, n)
     want_out, want_lse = loop_partials(q, k, v, bounds, causal, kv)
-    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(out, want_out, rtol=F64_AMPLIFIED, atol=F64_SUMS)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(want_lse))
-    np.testing.assert_allclose(lse[np.isfinite(lse)], want_lse[np.isfinite(want_lse)], rtol=1e-12)
+    np.testing.assert_allclose(lse[np.isfinite(lse)], want_lse[np.isfinite(want_lse)], rtol=F64_AMPLIFIED)
     # num_splits: ceil(kv_len / n) keys per split, per sequence
     want = np.minimum(-(-kv[:, None] // n) * np.arange(n + 1), kv[:, None])
     want[:, -1] = 7
@@ -113,12 +114,12 @@ def test_the_partials_merge_to_the_result_and_a_sink_is_one_more_part():
     assert np.all(lse_p[1] == -np.inf) and np.all(out_p[1] == 0)            # the empty split
     want, res = sdpa_forward(q, k, v, sinks=sinks, **o)
     keys = sdpa_ref.merge_attention(out_p, lse_p)
-    np.testing.assert_allclose(keys[1], res.lse_as(sink=False), rtol=1e-13)
+    np.testing.assert_allclose(keys[1], res.lse_as(sink=False), rtol=F64_SUMS)
     sink_part = np.broadcast_to(sinks[:, None], lse_p.shape[1:])
     merged = sdpa_ref.merge_attention(np.concatenate([out_p, np.zeros_like(out_p[:1])]),
                                       np.concatenate([lse_p, sink_part[None]]))
-    np.testing.assert_allclose(merged[0], want, rtol=1e-13, atol=1e-15)
-    np.testing.assert_allclose(merged[1], res.lse, rtol=1e-13)
+    np.testing.assert_allclose(merged[0], want, rtol=F64_SUMS, atol=F64_FEW_ULP)
+    np.testing.assert_allclose(merged[1], res.lse, rtol=F64_SUMS)
 
 
 def test_the_split_kv_backward_through_the_merge_is_the_unsplit_gradient():
@@ -141,7 +142,7 @@ def test_the_split_kv_backward_through_the_merge_is_the_unsplit_gradient():
         for t, x in zip(total, (gr.query, gr.key, gr.value, gr.bias)):
             t += x
     for a, b in zip((want.query, want.key, want.value, want.bias), total):
-        np.testing.assert_allclose(b, a, rtol=1e-11, atol=1e-12)
+        np.testing.assert_allclose(b, a, rtol=F64_GRAD_LONG, atol=F64_GRAD)
 
 
 def test_a_partial_reads_only_its_split():
@@ -172,14 +173,14 @@ def test_paged_decode_splits_per_sequence_and_num_splits_in_flash_attn_with_kvca
     for n in (2, 3, 7):
         got, got_lse = sdpa_ref.flash_attn_with_kvcache(q, kc, vc, causal=True, num_splits=n,
                                                         return_softmax_lse=True, **lay)
-        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-15)
-        np.testing.assert_allclose(got_lse, want_lse, rtol=1e-13)
+        np.testing.assert_allclose(got, want, rtol=F64_SUMS, atol=F64_FEW_ULP)
+        np.testing.assert_allclose(got_lse, want_lse, rtol=F64_SUMS)
         out_p, lse_p = split_kv_partials(q, kc, vc, layout=KVCache(**lay), enable_gqa=True, is_causal=True,
                                          causal_alignment="bottom_right", num_splits=n)
         assert out_p.shape == (n,) + want_lse.shape + (3,) and lse_p.shape == (n,) + want_lse.shape
         merged = sdpa_ref.merge_attention(out_p, lse_p)                       # FlashAttention's accumulators
-        np.testing.assert_allclose(np.swapaxes(merged[0], 1, 2), want, rtol=1e-13, atol=1e-15)
-        np.testing.assert_allclose(merged[1], want_lse, rtol=1e-13)
+        np.testing.assert_allclose(np.swapaxes(merged[0], 1, 2), want, rtol=F64_SUMS, atol=F64_FEW_ULP)
+        np.testing.assert_allclose(merged[1], want_lse, rtol=F64_SUMS)
     # sequence 1 (5 keys) in 3 splits of 2, 2, 1; sequence 0 (10 keys) of 4, 4, 2
     _, lse_p = split_kv_partials(q, kc, vc, layout=KVCache(**lay), enable_gqa=True, num_splits=3)
     for b, sizes in ((0, (4, 4, 2)), (1, (2, 2, 1))):
@@ -188,7 +189,7 @@ def test_paged_decode_splits_per_sequence_and_num_splits_in_flash_attn_with_kvca
         edges = np.cumsum((0,) + sizes)
         for i in range(3):
             t = np.einsum("he,khe->hk", q[b, 0, ::2], ks[edges[i]:edges[i + 1]]) / np.sqrt(3)
-            np.testing.assert_allclose(lse_p[i, b, ::2, 0], np.log(np.exp(t).sum(-1)), rtol=1e-13)
+            np.testing.assert_allclose(lse_p[i, b, ::2, 0], np.log(np.exp(t).sum(-1)), rtol=F64_SUMS)
 
 
 def test_the_split_gradients_match_central_differences():
@@ -232,8 +233,8 @@ def test_packed_partials_are_in_the_varlen_accumulators_layout():
                                      causal_alignment="bottom_right", num_splits=2)
     assert out_p.shape == (2, 2, 5, 4) and lse_p.shape == (2, 2, 5)           # (n, Hq, total_q, Ev)
     m_out, m_lse = sdpa_ref.merge_attention(out_p, lse_p)
-    np.testing.assert_allclose(np.swapaxes(m_out, 0, 1), out, rtol=1e-13, atol=1e-15)
-    np.testing.assert_allclose(m_lse, lse, rtol=1e-13)
+    np.testing.assert_allclose(np.swapaxes(m_out, 0, 1), out, rtol=F64_SUMS, atol=F64_FEW_ULP)
+    np.testing.assert_allclose(m_lse, lse, rtol=F64_SUMS)
 
 
 def test_bad_splits_in_the_partials_and_flash_attn_with_kvcache():
