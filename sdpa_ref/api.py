@@ -31,6 +31,7 @@ from ._threads import single_threaded_blas
 from .residuals import AttentionResiduals
 from .rounding import round_to
 from .options import DOC_OPTIONS, FULLY_MASKED_POLICIES, AttentionOptions, check_bool
+from .policy import averages_values
 from .absorbed import Absorbed
 from .layouts import Gathered
 from .problem import Problem
@@ -362,7 +363,7 @@ def _tiles(block_size, prob):
 
 def _with_lengths(opts, gathered):
     """``opts`` with the layout's sequence lengths as ``q_lengths`` and ``kv_lengths``."""
-    if opts.fully_masked in ("uniform", "jax"):
+    if averages_values(opts.fully_masked):
         raise ValueError(f"`fully_masked` should be 'zero' or 'nan' with `layout=`, but got {opts.fully_masked!r}: "
                          "it averages keys of the dense problem, whose padding is not the sequence's")
     for name in ("q_lengths", "kv_lengths"):
