@@ -17,9 +17,9 @@ The model is a 2-layer pre-LayerNorm Transformer, d_model 64, in pure NumPy:
 token and learned position embeddings, multi-head causal self-attention
 through sdpa_ref's forward and hand-derived backward, a ReLU MLP, a final
 LayerNorm and an output projection, trained with Adam. Every backward is
-hand-written (``sdpa_ref.nn``, finite-difference tested). For each seed both
-runs start from the same initial weights and see the same batches; the only
-difference is the attention scale: ``1/sqrt(d_k)`` or 1.
+hand-written (``nn.py``, beside this script, finite-difference tested). For
+each seed both runs start from the same initial weights and see the same
+batches; the only difference is the attention scale: ``1/sqrt(d_k)`` or 1.
 
 With the default one head, d_k = 64 as in the classic worked example;
 ``--heads 4`` gives d_k = 16. ``--method plain`` trains through the teaching
@@ -59,10 +59,16 @@ import csv
 import math
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from sdpa_ref import nn
+try:
+    HERE = Path(__file__).resolve().parent
+except NameError:                       # the docs gallery runs each script in its own folder, without __file__
+    HERE = Path.cwd()
+sys.path.insert(0, str(HERE))           # nn.py, the hand-differentiated layers, sits beside this script
+import nn  # noqa: E402
 
 TARGET = 0.95                                          # the copy accuracy whose step is compared
 RUNS = ("scaled", "unscaled")

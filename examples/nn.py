@@ -1,24 +1,37 @@
-r"""Small hand-differentiated layers for teaching: enough for a tiny Transformer.
+r"""
+Hand-differentiated layers: enough for a tiny Transformer
+=========================================================
+
+The building blocks of the copy-task example (``copy_task.py``) and of the
+tutorial that checks a whole Transformer's gradient: a linear layer, ReLU,
+LayerNorm, an embedding, softmax cross-entropy, multi-head self-attention
+through :func:`sdpa_ref.sdpa_forward` and :func:`sdpa_ref.sdpa_backward`,
+and Adam. They are not part of the ``sdpa_ref`` package: the scripts here
+import this file as the module ``nn`` (Python puts a script's own folder on
+``sys.path``).
 
 Each layer is a pure function pair in the style of :mod:`sdpa_ref.attention`:
 ``y, cache = layer(x, params...)`` and ``grads = layer_backward(cache, g)``.
 No object holds hidden state; the optimizer state is an explicit dict.
-Every backward is checked against finite differences in ``tests/test_nn.py``.
 
 Shapes: ``B`` batch, ``T`` positions, ``D`` model width, ``H`` heads,
 ``V`` vocabulary size; ``(..., D)`` means any leading dims.
+
+The claim, checked when this file runs as a script: every backward here is
+its forward's vector-Jacobian product, against central finite differences in
+float64 (:func:`sdpa_ref.check_vjp`, the whole Jacobian). ``tests/test_nn.py``
+checks the same layers on more inputs.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .api import sdpa_forward
-from .derivatives import sdpa_backward
-from ._threads import threads_for
-from .softmax import log_softmax
+from sdpa_ref import check_vjp, log_softmax, sdpa_backward, sdpa_forward
+from sdpa_ref._threads import threads_for
 
 __all__ = [
     "linear", "linear_backward",
@@ -37,7 +50,8 @@ __all__ = [
 def linear(x, w, b=None):
     r"""``y = x W + b``.  x : (..., D_in), w : (D_in, D_out), b : (D_out,).
 
-    A small product runs on one BLAS thread (``_threads.SMALL_WORK``), as every layer here does.
+    A small product runs on one BLAS thread (``sdpa_ref._threads.SMALL_WORK``), as every layer here does: waking
+    the BLAS's threads costs more than they save at these sizes.
     """
     with threads_for(x.size * w.shape[-1]):
         y = x @ w
@@ -244,3 +258,42 @@ def adam_update(params, grads, state, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
         new_p[k] = p - lr * mhat / (np.sqrt(vhat) + eps)
         new_m[k], new_v[k] = m, v
     return new_p, {"t": t, "m": new_m, "v": new_v}
+
+
+# ------------------------------------------------------- the claim, checked
+
+
+def _checks(rng):
+    """``(name, report)`` of :func:`sdpa_ref.check_vjp` for every layer's backward, on small float64 inputs."""
+    x, w, b = rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 5)), rng.standard_normal(5)
+    yield "linear", check_vjp(lambda x, w, b: linear(x, w, b)[0],
+                              lambda g, x, w, b: linear_backward(linear(x, w, b)[1], g), (x, w, b), rtol=1e-7)
+    r = rng.standard_normal((3, 4))
+    r[np.abs(r) < 1e-3] = 0.5                      # away from the kink at 0, where the difference straddles it
+    yield "relu", check_vjp(lambda r: relu(r)[0], lambda g, r: (relu_backward(relu(r)[1], g),), (r,), rtol=1e-7)
+    x, gm, bt = rng.standard_normal((2, 3, 6)) * 2 + 1, rng.standard_normal(6), rng.standard_normal(6)
+    yield "layer_norm", check_vjp(lambda x, gm, bt: layer_norm(x, gm, bt)[0],
+                                  lambda g, x, gm, bt: layer_norm_backward(layer_norm(x, gm, bt)[1], g),
+                                  (x, gm, bt), rtol=1e-7)
+    ids, table = np.array([[0, 2, 2], [1, 0, 3]]), rng.standard_normal((4, 5))
+    yield "embedding", check_vjp(lambda t: embedding(ids, t)[0],
+                                 lambda g, t: (embedding_backward(embedding(ids, t)[1], g),), (table,), rtol=1e-7)
+    logits, t = rng.standard_normal((2, 3, 5)), rng.integers(0, 5, (2, 3))
+    yield "softmax_cross_entropy", check_vjp(
+        lambda z: np.array(softmax_cross_entropy(z, t)[0]),
+        lambda g, z: (softmax_cross_entropy_backward(softmax_cross_entropy(z, t)[1], float(g)),), (logits,), rtol=1e-7)
+    x, ws = rng.standard_normal((2, 3, 4)), [rng.standard_normal((4, 4)) * 0.5 for _ in range(4)]
+    yield "multi_head_attention", check_vjp(
+        lambda x, *ws: multi_head_attention(x, *ws, 2)[0],
+        lambda g, x, *ws: multi_head_attention_backward(multi_head_attention(x, *ws, 2)[1], g), (x, *ws), rtol=1e-7)
+
+
+if __name__ == "__main__":      # success falls off the end: the docs gallery runs this file and keeps its stdout
+    failures = []
+    for name, report in _checks(np.random.default_rng(0)):
+        print(f"{'PASS' if report.ok else 'FAIL'}  {name}_backward: max rel error {report.max_rel_error:.1e}")
+        if not report.ok:
+            failures.append(name)
+    print("\n" + ("all claims hold" if not failures else f"{len(failures)} claim(s) FAILED"))
+    if failures:
+        sys.exit("nn.py: the backward of " + ", ".join(failures) + " is not its forward's derivative")

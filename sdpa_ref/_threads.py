@@ -197,7 +197,7 @@ class single_threaded_blas:
 
 
 #: Multiply-adds below which a matrix product runs on one thread: waking the BLAS's threads costs more than they
-#: save, and on a loaded machine their spinning slows everything else (``sdpa_ref.nn``'s small layers).
+#: save, and on a loaded machine their spinning slows everything else (the small layers of ``examples/nn.py``).
 SMALL_WORK = 1 << 25
 
 

@@ -17,6 +17,7 @@ RUNS = [
     ("wrong_scaling.py", []),
     ("score_functions.py", []),
     ("hessian_transformer.py", []),
+    ("nn.py", []),                       # the layers the copy task imports: each backward against differences
     # a smoke run: 2 seeds of a few steps, no claim checked (the full run, 5 seeds, takes ~3 min)
     ("copy_task.py", ["--seeds", "2", "--steps", "4", "--eval-every", "2", "--min-accuracy", "0"]),
 ]

@@ -2,7 +2,7 @@ r"""
 A 2-layer Transformer, checked end to end
 =========================================
 
-Each layer's backward in :mod:`sdpa_ref.nn` is tested alone against finite
+Each layer's backward in ``examples/nn.py`` is tested alone against finite
 differences. This page puts them together into a small Transformer (the
 model of the copy-task example, shrunk), writes its whole backward by hand,
 and checks *the whole model's gradient* against central finite differences
@@ -18,12 +18,19 @@ than the unscaled one, over several seeds, is the subject of the
 :ref:`copy-task example <sphx_glr_auto_examples_copy_task.py>`.
 """
 
+import sys
 import time
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-from sdpa_ref import nn
+try:
+    HERE = Path(__file__).resolve().parent
+except NameError:                       # the docs gallery runs each page in its own folder, without __file__
+    HERE = Path.cwd()
+sys.path.insert(0, str(HERE.parents[1] / "examples"))   # examples/nn.py: the layers, beside the copy task
+import nn  # noqa: E402
 
 H_STEP = 1e-5           # the finite-difference step (the parameters are of order 1)
 REL_TOL = 1e-5          # a checked coordinate fails above this relative error ...
@@ -60,7 +67,7 @@ def make_batch(rng, batch):
 # each on a layer-normed copy of the residual stream and added back to it;
 # a final LayerNorm and an output projection. Every function comes in a
 # pair, ``y, cache = f(x, ...)`` and ``grads = f_backward(cache, g)``, and the
-# attention inside :func:`~sdpa_ref.nn.multi_head_attention` is
+# attention inside ``nn.multi_head_attention`` is
 # :func:`sdpa_ref.sdpa_forward` with its hand-derived
 # :func:`sdpa_ref.sdpa_backward`. There is no dropout and no weight decay:
 # nothing random or extra in the loss that the check would have to hold
@@ -388,7 +395,7 @@ if failures(rows_30):
 # --------------
 #
 # Would this check notice a real mistake, buried in one layer of a
-# two-layer model? Here is :func:`~sdpa_ref.nn.multi_head_attention_backward`
+# two-layer model? Here is ``nn.multi_head_attention_backward``
 # with its attention core written out (the backward of
 # :doc:`the contract </semantics>`, derived step by step in
 # :ref:`sphx_glr_auto_tutorials_tut2_attention_backward.py`), with a switch that
