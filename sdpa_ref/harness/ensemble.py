@@ -53,7 +53,7 @@ from ..options import AttentionOptions
 from .._validate import check_choice, check_tolerance
 from ..problem import Problem
 from ..rounding import round_to
-from ..policy import constant_rows, counts, nan_rows, zero_output_rows
+from ..policy import averages_excluded, averages_values, constant_rows, counts, nan_rows, zero_output_rows
 from ..transforms import dropout_forward, transform_scores_in, unbroadcast
 from .cases import grad_out_for
 from .lowp import DESCALES, LibmLowPrecision, MemberArith, output_dtype, tf32 as _tf32, widen, work_dtype
@@ -290,11 +290,11 @@ class _Kernel:
         sink = None if p.sink is None else np.broadcast_to(self.W(p.sink_rows()), empty.shape)
         if sink is not None:                            # a row with a sink is not empty: O = 0, no policy
             empty = empty & (sink == -np.inf)
-        if o.fully_masked in ("uniform", "jax"):        # every key alike: a row of equal scores (JAX: the keys
+        if averages_values(o.fully_masked):             # every key alike: a row of equal scores (JAX: the keys
             struct = np.zeros(p.full_scores, bool)      # the structural rules exclude, none left: NaN)
             if p.allowed() is not None:
                 struct |= ~np.broadcast_to(p.allowed(), p.full_scores)
-            excl = np.where(empty, ~struct if o.fully_masked == "jax" else False, excl)
+            excl = np.where(empty, ~struct if averages_excluded(o.fully_masked) else False, excl)
             T = np.where(empty, self.w.type(0), T)
         T = np.where(excl, -np.inf, T).astype(self.w)
         keep, rdrop = self.dropout()
