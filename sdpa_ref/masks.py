@@ -28,8 +28,10 @@ import numbers
 import numpy as np
 
 from . import _validate as V
-from .options import ALIGNMENTS
 from .score_mod import apply_mask_mod
+
+#: Accepted values of ``causal_alignment``: where the diagonal of causal, the window and ALiBi sits.
+ALIGNMENTS = ("top_left", "bottom_right")
 
 __all__ = [
     "alignment_offset",

@@ -11,6 +11,13 @@ command line and the adapters take their vocabulary from it too:
 * :data:`ARRAY_OPTIONS`: those that are arrays (stored as such in golden
   vectors); the rest are scalars.
 
+The options of the score chain's element-wise stages (``softcap``,
+``score_mod``) are declared by the stages themselves
+(:data:`sdpa_ref.transforms.SCORE_STAGES`: name, default, check and
+documentation beside the stage's math): :class:`AttentionOptions` holds
+their values in one field, ``stages``, and reads them as attributes
+(``opts.softcap``), so a new stage adds its option without a line here.
+
 The scalar fields are checked and normalised here (``window`` becomes a
 pair of ``int`` or ``None``, ``-1`` meaning unbounded). Array fields are
 checked against the shapes of ``query``, ``key`` and ``value`` when the
@@ -28,7 +35,8 @@ import numpy as np
 
 from . import _validate as V
 from .block_mask import BlockMask
-from .score_mod import as_score_mod
+from .masks import ALIGNMENTS
+from .transforms import SCORE_STAGES, check_softcap
 
 __all__ = [
     "ALIGNMENTS",
@@ -42,8 +50,6 @@ __all__ = [
 
 #: Accepted values of ``fully_masked``; see ``SEMANTICS.md``.
 FULLY_MASKED_POLICIES = ("zero", "nan", "uniform", "jax")
-#: Accepted values of ``causal_alignment``.
-ALIGNMENTS = ("top_left", "bottom_right")
 
 
 def _opt(default, *, array=False, semantic=True, judged=True):
@@ -74,7 +80,8 @@ class AttentionOptions:
     bias: Any = _opt(None, array=True)
     causal_alignment: str = _opt("top_left")
     window: Optional[Tuple[Optional[int], Optional[int]]] = _opt(None)
-    softcap: Optional[float] = _opt(None)
+    # the score stages' options by name (softcap, score_mod, a registered stage's): opts.softcap reads them
+    stages: dict = field(default_factory=dict, metadata={"array": False, "semantic": True, "judged": True})
     alibi_slopes: Any = _opt(None, array=True)
     q_lengths: Any = _opt(None, array=True)
     kv_lengths: Any = _opt(None, array=True)
@@ -87,25 +94,39 @@ class AttentionOptions:
     attention_chunk: Optional[int] = _opt(None, judged=False)
     gather_kv_indices: Any = _opt(None, array=True, judged=False)
     qv: Any = _opt(None, array=True, judged=False)          # MLA's absorbed second query (sdpa_ref.absorbed)
-    # programmable attention (sdpa_ref.score_mod): FlexAttention's score and mask functions
-    score_mod: Any = _opt(None, judged=False)
+    # programmable attention (sdpa_ref.score_mod): FlexAttention's mask function (its score function is a stage)
     mask_mod: Any = _opt(None, judged=False)
     block_mask: Any = _opt(None, judged=False)               # sdpa_ref.block_mask: tiles, with its mask function
 
+    def __getattr__(self, name):
+        """A score stage's option (``opts.softcap``): its value in ``stages``, or the stage's default."""
+        if not name.startswith("__") and name != "stages":
+            given = self.__dict__.get("stages", {})
+            if name in given:
+                return given[name]
+            for st in SCORE_STAGES:
+                if st.option == name:
+                    return st.default
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @property
     def has_slope(self) -> bool:
-        """Whether the score chain has an element-wise part with a slope (softcap, a score function), which a
-        backward or JVP reads (``Forward.tanh``)."""
-        return self.softcap is not None or self.score_mod is not None
+        """Whether the score chain has an element-wise part with a slope (softcap, a score function, any
+        element-wise stage of :data:`~sdpa_ref.transforms.SCORE_STAGES`), which a backward or JVP reads
+        (``Forward.tanh``)."""
+        return any(getattr(self, st.option) is not None for st in SCORE_STAGES if st.elementwise)
 
     @classmethod
     def from_kwargs(cls, where: str = "sdpa_forward", **kwargs) -> "AttentionOptions":
-        """Validate the scalar options; an unknown keyword is a `TypeError` naming ``where``."""
-        unknown = sorted(set(kwargs) - set(_FIELDS))
+        """Validate the scalar options (each once; a score stage's by its own ``check``); an unknown keyword is a
+        `TypeError` naming ``where``."""
+        stages = {st.option: st for st in SCORE_STAGES if st.option is not None}
+        names = _names(lambda f: True)
+        unknown = sorted(set(kwargs) - set(names))
         if unknown:
             raise TypeError(f"`{where}` got unexpected keyword(s) {', '.join(unknown)}; the attention options "
-                            f"are {', '.join(_FIELDS)}")
-        o = dict(_DEFAULTS, **kwargs)
+                            f"are {', '.join(names)}")
+        o = dict(_DEFAULTS, **{k: v for k, v in kwargs.items() if k not in stages})
         for name in ("is_causal", "enable_gqa", "upcast"):
             o[name] = check_bool(o[name], name)
         V.check_choice(o["fully_masked"], "fully_masked", FULLY_MASKED_POLICIES)
@@ -118,13 +139,11 @@ class AttentionOptions:
             else _count(chunk, "attention_chunk", 1)
         if o["scale"] is not None:
             o["scale"] = check_scale(o["scale"], "scale")
-        if o["softcap"] is not None:
-            o["softcap"] = check_softcap(o["softcap"], "softcap")
+        o["stages"] = {n: _check_stage(st, kwargs.get(n, st.default)) for n, st in stages.items()}
         p = V.as_real_scalar(o["dropout_p"], "dropout_p")
         if not 0.0 <= p < 1.0:
             raise ValueError(f"`dropout_p` should be in [0, 1), but got {p!r}")
         o["dropout_p"] = p
-        o["score_mod"] = as_score_mod(o["score_mod"])
         if o["block_mask"] is not None:                      # its mask function is the problem's
             if not isinstance(o["block_mask"], BlockMask):
                 raise TypeError(f"`block_mask` should be a sdpa_ref.BlockMask, but got {V.describe(o['block_mask'])}")
@@ -138,11 +157,34 @@ class AttentionOptions:
         return cls(**o)
 
 
-_FIELDS = tuple(f.name for f in fields(AttentionOptions))
-_DEFAULTS = {f.name: f.default for f in fields(AttentionOptions)}
+def _names(keep, judged=False):
+    """The names of the fields that ``keep(field)`` keeps, the ``stages`` field spelled out as the options of
+    :data:`~sdpa_ref.transforms.SCORE_STAGES` in the table's order (only the judged ones with ``judged``)."""
+    out = []
+    for f in fields(AttentionOptions):
+        if not keep(f):
+            continue
+        if f.name == "stages":
+            clash = [st.option for st in SCORE_STAGES if st.option in _BASE]
+            if clash:
+                raise TypeError(f"a score stage's option should not be a field of AttentionOptions, but got "
+                                f"{clash[0]!r}")
+            out += [st.option for st in SCORE_STAGES if st.option is not None and (st.judged or not judged)]
+        else:
+            out.append(f.name)
+    return tuple(out)
+
+
+def _check_stage(stage, value):
+    """A stage's option checked by the stage (None: off, as given)."""
+    return value if value is None or stage.check is None else stage.check(value, stage.option)
+
+
+_BASE = frozenset(f.name for f in fields(AttentionOptions))
+_DEFAULTS = {f.name: f.default for f in fields(AttentionOptions) if f.name != "stages"}
 #: The keywords that define what attention computes and the harness judges (what an implementation under
-#: test may be passed).
-OPTION_NAMES = tuple(f.name for f in fields(AttentionOptions) if f.metadata["semantic"] and f.metadata["judged"])
+#: test may be passed); the score stages' judged options sit where the ``stages`` field is.
+OPTION_NAMES = _names(lambda f: f.metadata["semantic"] and f.metadata["judged"], judged=True)
 #: The options of :data:`OPTION_NAMES` that are arrays.
 ARRAY_OPTIONS = tuple(f.name for f in fields(AttentionOptions) if f.metadata["array"] and f.name in OPTION_NAMES)
 
@@ -152,8 +194,7 @@ ARRAY_OPTIONS = tuple(f.name for f in fields(AttentionOptions) if f.metadata["ar
 FUNCTION_OPTIONS = ("score_mod", "mask_mod")
 
 
-#: The numpydoc "Parameters" entries of the options, shared by the entry points' docstrings.
-DOC_OPTIONS = r"""
+_DOC_HEAD = r"""
     query : array_like, (..., Hq, L, E)
     key : array_like, (..., Hkv, S, E)
     value : array_like, (..., Hkv, S, Ev)
@@ -235,17 +276,8 @@ DOC_OPTIONS = r"""
             MLA's absorbed attention (FlashMLA, FlashAttention 3): the
             scores are ``scale * (Q K^T + qv V^T)``, the default scale
             ``1 / sqrt(E + Ev)``; its gradient is ``grads.qv``, and ``dV``
-            collects both uses of ``V``.
-        softcap : float > 0
-            Scores become ``cap * tanh(scores / cap)`` after scaling, before
-            the mask, bias and ALiBi.
-        score_mod : callable or ScoreMod
-            FlexAttention's score function ``fn(score, b, h, q_idx, kv_idx)``,
-            NumPy and vectorised (:mod:`sdpa_ref.score_mod`), applied after
-            the scale and softcap, before the float mask, bias, ALiBi and the
-            allowed set. A :class:`~sdpa_ref.ScoreMod` adds its derivative
-            and captured tensors, whose gradients are ``grads.score_mod``.
-            Not with ``precision="reproducible"``.
+            collects both uses of ``V``."""
+_DOC_TAIL = r"""
         mask_mod : callable
             FlexAttention's mask function ``mask_mod(b, h, q_idx, kv_idx) ->
             bool`` (True: the key takes part), intersected with the other
@@ -292,6 +324,9 @@ DOC_OPTIONS = r"""
         holds its keys ``b[i] <= j < b[i + 1]``; broadcast over the batch
         dims, ``0`` first, non-decreasing, the last at least the key count.
         :func:`sdpa_ref.split_kv_partials` returns each split's own result."""
+#: The numpydoc "Parameters" entries of the options, shared by the entry points' docstrings (the score stages'
+#: entries are theirs, in the table's order).
+DOC_OPTIONS = _DOC_HEAD + "".join(st.doc for st in SCORE_STAGES) + _DOC_TAIL
 
 
 # ---------------------------------------------------------------- helpers
@@ -310,14 +345,6 @@ def check_scale(x, name):
     if not np.isfinite(s) or s == 0.0:
         raise ValueError(f"`{name}` should be finite and non-zero, but got {s!r}")
     return s
-
-
-def check_softcap(x, name):
-    """Softcap's cap: a finite real number > 0, or a `TypeError` / `ValueError` naming ``name``."""
-    c = V.as_real_scalar(x, name)
-    if not (np.isfinite(c) and c > 0):
-        raise ValueError(f"`{name}` should be a finite number > 0, but got {c!r}")
-    return c
 
 
 def _count(x, name, low):

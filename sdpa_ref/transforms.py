@@ -1,4 +1,4 @@
-r"""Score transforms: each one's forward, VJP and JVP side by side.
+r"""The score chain: each score transform's forward, VJP and JVP side by side, and the table of stages.
 
 The scores of attention are built in stages (``SEMANTICS.md``)::
 
@@ -14,12 +14,33 @@ The scores of attention are built in stages (``SEMANTICS.md``)::
 and, after the softmax, dropout ``P_drop = P * Z / (1 - p)``
 (:func:`dropout_forward`, linear, so it is its own VJP and JVP).
 
-:func:`transform_scores`, :func:`transform_scores_vjp` and
-:func:`transform_scores_jvp` run the whole chain for a problem; every engine
-(the teaching core, the fast dense one and the tiled one) calls them, on the
-whole ``(..., Hq, L, S)`` score array or on one block of it. Adding a
-transform means one forward/VJP/JVP triple here, one line in each of the
-three chains, and its tests.
+Every transform after the scale is a :class:`ScoreStage`, one object that
+declares its option (name, default, check, documentation), its kind and its
+math side by side, and :data:`SCORE_STAGES` is their one ordered table.
+A stage is of one of two kinds:
+
+* **element-wise** (curved: softcap, a score function): ``T = f(T; c)``.
+  Its forward gives the slope ``f'`` at its input; the chain's slope
+  ``sech2`` (``dT / dTraw``) is the product of the stages' slopes, so the
+  VJP and the JVP of every element-wise stage together are one product, and
+  the second order needs each stage's slope tangent (:attr:`ScoreStage.slope_jvp`).
+* **additive** (affine: the float mask, the bias, ALiBi): ``T = T + term``.
+  Its VJP is the identity on ``dT``, its JVP adds the term's tangent.
+
+The element-wise stages come first: the additive terms are added to the
+curved scores (``SEMANTICS.md``), so ``dT`` reaches them unchanged.
+
+The chains run the table for a problem: :func:`transform_scores` (NumPy, in
+place: the teaching core, the fast dense engine and the tiled one, on the
+whole ``(..., Hq, L, S)`` score array or one block of it),
+:func:`transform_scores_in` (over an arithmetic: the reproducible engine and
+the honest ensemble), :func:`transform_scores_vjp`,
+:func:`transform_scores_jvp`, and the second order's
+:func:`transform_scores_slope_jvp` and :func:`transform_scores_vjp_jvp`.
+Adding a transform means one stage in this module (or
+:func:`register_score_stage`) and its tests: the chains, the options
+(:mod:`sdpa_ref.options` reads each stage's option from the table) and every
+engine then have it.
 
 Every function takes an optional ``out=`` so that the fast engine can work
 in place; the arithmetic is the same either way. Constants are cast to the
@@ -28,21 +49,30 @@ scores' dtype, so ``upcast=False`` computes in the inputs' dtype throughout.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional, Tuple
+
 import numpy as np
 
+from . import _validate as V
 from .broadcast import unbroadcast
 from .masks import block_of, diagonal_offset
-from .score_mod import indices, params_vjp, score_mod_curvature, score_mod_forward
+from .score_mod import as_score_mod, indices, params_vjp, score_mod_curvature, score_mod_forward
 
 __all__ = [
+    "SCORE_STAGES",
+    "ScoreBlock",
+    "ScoreStage",
     "additive_forward",
     "additive_jvp",
     "additive_vjp",
     "alibi_distance",
     "alibi_forward",
+    "check_softcap",
     "dropout_forward",
     "dropout_jvp",
     "dropout_vjp",
+    "register_score_stage",
     "scores_forward",
     "scores_jvp",
     "score_mod_params_vjp",
@@ -59,7 +89,106 @@ __all__ = [
     "transform_scores_vjp",
     "transform_scores_vjp_jvp",
     "unbroadcast",
+    "unregister_score_stage",
 ]
+
+
+# ------------------------------------------------------------ a stage, and the block it runs on
+
+
+class ScoreBlock(NamedTuple):
+    """Where a chain runs: the block of the ``(*batch, Hq, L, S)`` scores of ``prob`` selected by ``lead``
+    (slices of the leading axes: a chunk of heads), ``rows`` and ``cols`` (``(start, stop)``: a tile; None: all).
+    A stage takes its parameters' block from it."""
+
+    prob: Any
+    lead: Optional[tuple] = None
+    rows: Optional[Tuple[int, int]] = None
+    cols: Optional[Tuple[int, int]] = None
+
+    def of(self, a):
+        """The block of ``a``, an array broadcastable to the scores (a view; None stays None)."""
+        return block_of(a, len(self.prob.full_scores), self.lead, self.rows, self.cols)
+
+    def heads(self, a):
+        """The block of ``a`` along the leading axes only (a per-head array, or one already of the tile)."""
+        return block_of(a, len(self.prob.full_scores), self.lead)
+
+    def indices(self):
+        """``(b, h, q_idx, kv_idx)`` of the block (:func:`sdpa_ref.score_mod.indices`)."""
+        return indices(self.prob.full_scores, self.lead, self.rows, self.cols)
+
+
+@dataclass(frozen=True)
+class ScoreStage:
+    r"""One stage of the score chain, declared side by side: its option, its kind and its math.
+
+    Parameters
+    ----------
+    name : str
+        The stage's name in the table.
+    elementwise : bool
+        True: ``T = f(T; c)``, curved, with a slope; False: ``T = T + term``, affine.
+    forward : callable
+        The NumPy forward, in place. Element-wise: ``forward(t, c, at, slope, slope_out) -> (t, s)``, ``t``
+        overwritten by ``f(t; c)`` and ``s`` the slope ``f'(t; c)`` at the input when ``slope`` (written into
+        ``slope_out`` when given), else None. Additive: ``forward(t, *terms, out=t) -> t``.
+    forward_in : callable, optional
+        The same over an arithmetic ``X`` (:mod:`sdpa_ref.arith`). Element-wise:
+        ``forward_in(X, t, c, at) -> (t, s)``; additive: ``forward_in(X, t, terms, excluded) -> (t, excluded)``,
+        a ``-inf`` term joining ``excluded``. None: not computed over an arithmetic (a ``ValueError`` there).
+    option : str, optional
+        Element-wise: the keyword of :class:`~sdpa_ref.options.AttentionOptions` holding ``c``; the stage runs
+        where it is not None (``opts.<option>``; :func:`register_score_stage` makes it an option).
+    default : object
+        The option's value when it is not given (None: off).
+    check : callable, optional
+        ``check(value, name) -> value``: the option validated and normalised (called once, by
+        :meth:`~sdpa_ref.options.AttentionOptions.from_kwargs`, on a value that is not None); a
+        ``TypeError`` / ``ValueError`` naming ``name``.
+    doc : str
+        The option's numpydoc entry (indented as the entries of ``DOC_OPTIONS``).
+    judged : bool
+        Whether the option is in the harness's vocabulary (``OPTION_NAMES``: cases, golden vectors, the C
+        client); a NumPy function is not.
+    examples : tuple
+        Values of the option to test the stage with (the finite-difference grid takes the first).
+    slope : callable, optional
+        Element-wise: ``slope(t, c, at) -> f'(t; c)``, not in place (the second order recomputes it).
+    slope_jvp : callable, optional
+        Element-wise, for the second order: ``slope_jvp(t, c, s, dt, at, pre)``, this stage's term of the
+        tangent of the chain's slope, ``pre^2 f''(t; c) dt`` with ``s = f'(t; c)``, ``dt`` the raw scores'
+        tangent and ``pre`` the product of the slopes of the stages before it (None: it is the first).
+        None: no second order through the stage (a ``ValueError`` there).
+    terms : callable, optional
+        Additive: ``terms(at, dtype) -> tuple of arrays or None``: the problem's term(s) on the block ``at``
+        (a :class:`ScoreBlock`), None when the problem has none.
+    zero_masked_slope : bool
+        Element-wise: the chain's slope is set to 0 outside the allowed set when this stage runs (its slope
+        there is never read, and a user's function need not be finite at an excluded score).
+    """
+
+    name: str
+    elementwise: bool
+    forward: Callable
+    forward_in: Optional[Callable] = None
+    option: Optional[str] = None
+    default: Any = None
+    check: Optional[Callable] = None
+    doc: str = ""
+    judged: bool = True
+    examples: tuple = ()
+    slope: Optional[Callable] = None
+    slope_jvp: Optional[Callable] = None
+    terms: Optional[Callable] = None
+    zero_masked_slope: bool = True
+
+    def __post_init__(self):
+        if self.elementwise and (self.option is None or self.slope is None):
+            raise ValueError(f"`ScoreStage` {self.name!r}: an element-wise stage should name its `option` and "
+                             "give its `slope`")
+        if not self.elementwise and self.terms is None:
+            raise ValueError(f"`ScoreStage` {self.name!r}: an additive stage should give its `terms`")
 
 
 # ------------------------------------------------ scores: Traw = scale * Q K^T
@@ -192,6 +321,87 @@ def softcap_sech2_jvp(t, cap, sech2, dt):
         return (t.dtype.type(-2) * th * sech2 * dt) / c
 
 
+def softcap_forward_in(X, t, cap):
+    """``(cap * tanh(t / cap), sech^2(t / cap))`` in the arithmetic ``X`` (``X.sech2``: without cancellation in
+    double-double, ``1 - tanh^2`` in a low precision, as such a kernel computes it). Beyond ``|t| = 1024 cap``
+    ``tanh`` is 1 and ``sech^2`` 0 in every precision, so ``t`` is clamped there first (a finite argument)."""
+    x = X.div(X.clamp(t, 1024.0 * cap), X.lift(cap))
+    th = X.tanh(x)
+    return X.mul_d(th, cap), X.sech2(x, th)
+
+
+def check_softcap(x, name):
+    """Softcap's cap: a finite real number > 0, or a `TypeError` / `ValueError` naming ``name``."""
+    c = V.as_real_scalar(x, name)
+    if not (np.isfinite(c) and c > 0):
+        raise ValueError(f"`{name}` should be a finite number > 0, but got {c!r}")
+    return c
+
+
+def _softcap(t, cap, at, slope=False, slope_out=None):
+    """The stage's forward in place: the slope first (it reads the raw scores), then the capped scores."""
+    s = softcap_sech2(t, cap, out=slope_out) if slope else None
+    return softcap_forward(t, cap, out=t, tanh_out=t)[0], s
+
+
+SOFTCAP = ScoreStage(
+    name="softcap", elementwise=True, option="softcap", check=check_softcap, examples=(1.5,),
+    forward=_softcap,
+    forward_in=lambda X, t, cap, at: softcap_forward_in(X, t, cap),
+    slope=lambda t, cap, at: softcap_sech2(t, cap),
+    slope_jvp=lambda t, cap, s, dt, at, pre: (softcap_sech2_jvp(t, cap, s, dt) if pre is None
+                                              else pre * pre * softcap_sech2_jvp(t, cap, s, dt)),
+    zero_masked_slope=False,                      # finite wherever the raw score is: kept as computed
+    doc=r"""
+        softcap : float > 0
+            Scores become ``cap * tanh(scores / cap)`` after scaling, before
+            the mask, bias and ALiBi.""")
+
+
+# ----------------------------------------------- a score function: T = fn(T, b, h, i, j)
+# sdpa_ref.score_mod holds its forward, slope, curvature and captured tensors' VJP; the stage runs it on a block.
+
+
+def _score_mod(t, mod, at, slope=False, slope_out=None):
+    """The user's function on the block, its slope beside (into ``slope_out`` when given), the result in ``t``."""
+    out, s = score_mod_forward(mod, t, at.indices(), slope)
+    if slope and slope_out is not None:
+        s = np.copyto(slope_out, s) or slope_out
+    np.copyto(t, out)
+    return t, s
+
+
+def _score_mod_in(X, t, mod, at):
+    """``fn(t)`` and its slope over ``X``: a NumPy function, so only where ``X`` maps one (``X.elementwise``)."""
+    if not hasattr(X, "elementwise"):
+        raise ValueError(f"`score_mod` should not be given with this arithmetic ({type(X).__name__}): a NumPy "
+                         "function has no double-double or fixed-order low-precision form")
+    idx = at.indices()
+    return (X.elementwise(lambda u: score_mod_forward(mod, u, idx)[0], t),
+            X.elementwise(lambda u: score_mod_forward(mod, u, idx, slope=True)[1], t))
+
+
+def _score_mod_slope_jvp(t, mod, s, dt, at, pre):
+    """``pre^2 fn''(t) dt`` (:func:`~sdpa_ref.score_mod.score_mod_curvature`, cast to the scores' dtype)."""
+    fpp = score_mod_curvature(mod, t, at.indices()).astype(t.dtype)
+    return fpp * dt if pre is None else pre * pre * fpp * dt
+
+
+SCORE_MOD = ScoreStage(
+    name="score_mod", elementwise=True, option="score_mod", check=lambda x, name: as_score_mod(x), judged=False,
+    forward=_score_mod, forward_in=_score_mod_in,
+    slope=lambda t, mod, at: score_mod_forward(mod, t, at.indices(), slope=True)[1],
+    slope_jvp=_score_mod_slope_jvp,
+    doc=r"""
+        score_mod : callable or ScoreMod
+            FlexAttention's score function ``fn(score, b, h, q_idx, kv_idx)``,
+            NumPy and vectorised (:mod:`sdpa_ref.score_mod`), applied after
+            the scale and softcap, before the float mask, bias, ALiBi and the
+            allowed set. A :class:`~sdpa_ref.ScoreMod` adds its derivative
+            and captured tensors, whose gradients are ``grads.score_mod``.
+            Not with ``precision="reproducible"``.""")
+
+
 # ------------------------------------------ additive terms: T = T + B (float mask, bias)
 
 
@@ -210,6 +420,32 @@ def additive_vjp(g, shape):
 def additive_jvp(dt, db):
     """``dT + dB`` (``dB`` may be None: a constant term)."""
     return dt if db is None else dt + db
+
+
+def additive_forward_in(X, t, b, excluded=None):
+    """``(t + b, excluded)`` in ``X``: a float ``-inf`` in ``b`` excludes its entry (added as 0, then excluded)."""
+    neg = b == -np.inf
+    t = X.add_d(t, np.where(neg, 0, b))
+    return t, (neg if excluded is None else (excluded | neg))
+
+
+def _problem_term(field):
+    """``terms`` of an additive stage whose term is the problem's array ``field``, broadcast to the scores."""
+    def terms(at, dtype):
+        b = getattr(at.prob, field)
+        return None if b is None else (at.of(b),)
+    return terms
+
+
+def _additive_stage(name, field):
+    """The stage ``T = T + prob.<field>`` (the float mask, the bias)."""
+    return ScoreStage(name=name, elementwise=False, terms=_problem_term(field),
+                      forward=lambda t, b, out=None: additive_forward(t, b, out=out),
+                      forward_in=lambda X, t, terms, excluded: additive_forward_in(X, t, *terms, excluded))
+
+
+MASK_FLOAT = _additive_stage("mask_float", "mask_float")   # a float attn_mask
+BIAS = _additive_stage("bias", "bias")
 
 
 # -------------------------------------- ALiBi: T = T - slope * |i + off - j|
@@ -231,6 +467,27 @@ def alibi_forward(t, slopes, dist, out=None):
     """
     with np.errstate(over="ignore", invalid="ignore"):
         return np.subtract(t, slopes * dist, out=out)
+
+
+def alibi_forward_in(X, t, slopes, dist):
+    """``t - slope * dist`` in ``X``, the product exact in double-double; a term that overflows makes ``-inf``."""
+    ab = X.exact_product(slopes, dist)
+    over = np.isinf(X.value(ab))                 # t - inf in float64: -inf, or NaN where t is +inf (as NumPy's chain)
+    return X.where(over, X.add_d(X.neg(ab), np.where(over, X.value(t), 0)), X.sub(t, ab))
+
+
+def _alibi_terms(at, dtype):
+    """The block's slopes ``(..., Hq, 1, 1)`` and distances ``|i + off - j|`` (in ``dtype``), or None."""
+    p = at.prob
+    if p.alibi is None:
+        return None
+    dist = alibi_distance(p.L, p.S, p.options.causal_alignment, p.q_lengths, p.kv_lengths, at.rows, at.cols,
+                          dtype=dtype)
+    return at.heads(p.alibi), at.heads(dist)
+
+
+ALIBI = ScoreStage(name="alibi", elementwise=False, terms=_alibi_terms, forward=alibi_forward,
+                   forward_in=lambda X, t, terms, excluded: (alibi_forward_in(X, t, *terms), excluded))
 
 
 # ------------------------------------------- dropout: P_drop = P * Z / (1 - p)
@@ -255,39 +512,67 @@ def dropout_vjp(g, keep, p, out=None):
 dropout_jvp = dropout_vjp
 
 
-# -------------------------------- the same stages over an arithmetic (:mod:`sdpa_ref.exact.arith`)
-# The reproducible engine and the honest ensemble compute these terms in double-double or in a low precision
-# rounded at every step; the operations, in this order, are the whole of each term's definition there.
+# ------------------------------------------------------------ the table
 
 
-def softcap_forward_in(X, t, cap):
-    """``(cap * tanh(t / cap), sech^2(t / cap))`` in the arithmetic ``X`` (``X.sech2``: without cancellation in
-    double-double, ``1 - tanh^2`` in a low precision, as such a kernel computes it). Beyond ``|t| = 1024 cap``
-    ``tanh`` is 1 and ``sech^2`` 0 in every precision, so ``t`` is clamped there first (a finite argument)."""
-    x = X.div(X.clamp(t, 1024.0 * cap), X.lift(cap))
-    th = X.tanh(x)
-    return X.mul_d(th, cap), X.sech2(x, th)
+#: The score chain's stages in order: the element-wise ones, then the additive ones (``SEMANTICS.md``). Every
+#: chain below runs over it, and :mod:`sdpa_ref.options` takes the element-wise stages' options from it;
+#: :func:`register_score_stage` adds one.
+SCORE_STAGES = [SOFTCAP, SCORE_MOD, MASK_FLOAT, BIAS, ALIBI]
 
 
-def additive_forward_in(X, t, b, excluded=None):
-    """``(t + b, excluded)`` in ``X``: a float ``-inf`` in ``b`` excludes its entry (added as 0, then excluded)."""
-    neg = b == -np.inf
-    t = X.add_d(t, np.where(neg, 0, b))
-    return t, (neg if excluded is None else (excluded | neg))
+def register_score_stage(stage, before=None):
+    """Add ``stage`` to :data:`SCORE_STAGES`; returns it.
+
+    Every engine and chain computes it from then on, and its option is an
+    option of :meth:`~sdpa_ref.options.AttentionOptions.from_kwargs` (checked
+    by the stage's ``check``) and an attribute of the options. ``before``
+    names the stage it goes before; by default it goes after the last stage
+    of its kind. The element-wise stages stay before the additive ones, and
+    names and options stay unique. The built-in stages are declared in this
+    module; this hook is for a stage defined elsewhere (a test, an
+    experiment), which :func:`unregister_score_stage` takes out again. The
+    harness's vocabulary (``OPTION_NAMES``) is fixed when the package is
+    imported: it holds the built-in stages' options only.
+    """
+    if not isinstance(stage, ScoreStage):
+        raise TypeError(f"`stage` should be a ScoreStage, but got {V.describe(stage)}")
+    taken = [s.name for s in SCORE_STAGES if s.name == stage.name] + \
+        [s.option for s in SCORE_STAGES if stage.option is not None and s.option == stage.option]
+    if taken:
+        raise ValueError(f"`stage` should have a new name and option, but {taken[0]!r} is taken")
+    names = [s.name for s in SCORE_STAGES]
+    if before is None:
+        i = sum(s.elementwise for s in SCORE_STAGES) if stage.elementwise else len(SCORE_STAGES)
+    elif before in names:
+        i = names.index(before)
+    else:
+        raise ValueError(f"`before` should name a stage of {names}, but got {before!r}")
+    kinds = [s.elementwise for s in SCORE_STAGES[:i]] + [stage.elementwise] + [s.elementwise for s in SCORE_STAGES[i:]]
+    if kinds != sorted(kinds, reverse=True):
+        raise ValueError(f"`before` should keep the element-wise stages before the additive ones, but got {before!r}")
+    SCORE_STAGES.insert(i, stage)
+    return stage
 
 
-def alibi_forward_in(X, t, slopes, dist):
-    """``t - slope * dist`` in ``X``, the product exact in double-double; a term that overflows makes ``-inf``."""
-    ab = X.exact_product(slopes, dist)
-    over = np.isinf(X.value(ab))                 # t - inf in float64: -inf, or NaN where t is +inf (as NumPy's chain)
-    return X.where(over, X.add_d(X.neg(ab), np.where(over, X.value(t), 0)), X.sub(t, ab))
+def unregister_score_stage(name):
+    """Take the stage named ``name`` out of :data:`SCORE_STAGES`; returns it."""
+    for i, s in enumerate(SCORE_STAGES):
+        if s.name == name:
+            return SCORE_STAGES.pop(i)
+    raise ValueError(f"`name` should name a stage of {[s.name for s in SCORE_STAGES]}, but got {name!r}")
+
+
+def _running(o):
+    """The element-wise stages that run under the options ``o``, with their parameters, in order."""
+    return [(st, c) for st in SCORE_STAGES if st.elementwise and (c := getattr(o, st.option)) is not None]
 
 
 # ------------------------------------------------------------ the chains
 
 
 def transform_scores(prob, T, rows=None, cols=None, lead=None, sech2=False, sech2_out=None, allowed=None):
-    """Raw scores ``Traw`` -> ``(T, sech2)``: the whole chain, written into ``T``.
+    """Raw scores ``Traw`` -> ``(T, sech2)``: the whole chain (:data:`SCORE_STAGES`), written into ``T``.
 
     ``T`` is the scores of the block of the ``(*batch, Hq, L, S)`` scores
     selected by ``lead`` (slices of the leading axes: a chunk of heads),
@@ -295,37 +580,31 @@ def transform_scores(prob, T, rows=None, cols=None, lead=None, sech2=False, sech
     it. ``allowed`` is the block's allowed set when the caller has it
     already. With ``sech2=True`` (a backward or a JVP will follow), ``sech2``
     is the slope of the chain's element-wise part, ``dT / dTraw`` before the
-    additive terms: softcap's :func:`softcap_sech2` times the score
-    function's derivative (:mod:`sdpa_ref.score_mod`), written into
-    ``sech2_out`` if given; None when the chain has neither.
+    additive terms: the product of the element-wise stages' slopes (softcap's
+    :func:`softcap_sech2` times the score function's derivative,
+    :mod:`sdpa_ref.score_mod`), written into ``sech2_out`` if given; None
+    when no element-wise stage runs.
     """
-    o, nd = prob.options, len(prob.full_scores)
-    block = (rows, cols)                                     # as asked: a whole problem is no tile of a block mask
-    rows = rows if rows is not None else (0, prob.L)
-    cols = cols if cols is not None else (0, prob.S)
-    d, slope = None, sech2 or sech2_out is not None
-    if o.softcap is not None:
-        if slope:
-            d = softcap_sech2(T, o.softcap, out=sech2_out)
-        T, _ = softcap_forward(T, o.softcap, out=T, tanh_out=T)
-    if o.score_mod is not None:                              # fn(T): its slope multiplies softcap's
-        out, s = score_mod_forward(o.score_mod, T, indices(prob.full_scores, lead, rows, cols), slope)
-        if slope:
-            d = np.multiply(d, s, out=d) if d is not None else (s if sech2_out is None else
-                                                                 np.copyto(sech2_out, s) or sech2_out)
-        np.copyto(T, out)
-    for b in (prob.mask_float, prob.bias):
-        if b is not None:
-            T = additive_forward(T, block_of(b, nd, lead, rows, cols), out=T)
-    if prob.alibi is not None:
-        dist = alibi_distance(prob.L, prob.S, o.causal_alignment, prob.q_lengths, prob.kv_lengths, rows, cols,
-                              dtype=T.real.dtype)
-        T = alibi_forward(T, block_of(prob.alibi, nd, lead), block_of(dist, nd, lead), out=T)
+    o, block = prob.options, (rows, cols)                   # as asked: a whole problem is no tile of a block mask
+    at = ScoreBlock(prob, lead, rows if rows is not None else (0, prob.L), cols if cols is not None else (0, prob.S))
+    d, slope, zero = None, sech2 or sech2_out is not None, False
+    for st in SCORE_STAGES:
+        if st.elementwise:                                   # f(T): its slope multiplies the chain's
+            c = getattr(o, st.option)
+            if c is not None:
+                T, s = st.forward(T, c, at, slope, sech2_out if d is None else None)
+                if slope:
+                    d = s if d is None else np.multiply(d, s, out=d)
+                zero = zero or st.zero_masked_slope
+        else:                                                # T + term
+            terms = st.terms(at, T.real.dtype)
+            if terms is not None:
+                T = st.forward(T, *terms, out=T)
     if allowed is None:
-        allowed = block_of(prob.allowed(*block), nd, lead)
+        allowed = block_of(prob.allowed(*block), len(prob.full_scores), lead)
     if allowed is not None:
         np.copyto(T, -np.inf, where=~allowed)
-        if o.score_mod is not None and d is not None:        # a masked entry's slope is never read: 0, not NaN
+        if zero and d is not None:                           # a masked entry's slope is never read: 0, not NaN
             np.copyto(d, 0, where=~allowed)
     return T, d
 
@@ -333,13 +612,18 @@ def transform_scores(prob, T, rows=None, cols=None, lead=None, sech2=False, sech
 def score_mod_params_vjp(prob, g, Traw, rows=None, cols=None, acc=None):
     """The score function's captured tensors' gradients (:func:`sdpa_ref.score_mod.params_vjp`) from ``g``, the
     gradient of the block's final scores (the additive terms pass it on unchanged), and its raw scores ``Traw``
-    (overwritten: softcap is recomputed on them for the function's input); added to the list ``acc`` (None: a new
-    one). None when the problem's score function captures nothing."""
-    mod = prob.options.score_mod
+    (overwritten: the element-wise stages before it are recomputed on them for the function's input); added to
+    the list ``acc`` (None: a new one). None when the problem's score function captures nothing."""
+    o = prob.options
+    mod = o.score_mod
     if mod is None or not mod.params:
         return acc
-    t = Traw if prob.options.softcap is None else softcap_forward(Traw, prob.options.softcap, out=Traw, tanh_out=Traw)[0]
-    got = params_vjp(mod, g, t, indices(prob.full_scores, None, rows, cols))
+    at, t = ScoreBlock(prob, None, rows, cols), Traw
+    for st, c in _running(o):
+        if st is SCORE_MOD:
+            break
+        t = st.forward(t, c, at)[0]
+    got = params_vjp(mod, g, t, at.indices())
     return list(got) if acc is None else [a + b for a, b in zip(acc, got)]
 
 
@@ -349,37 +633,40 @@ def transform_scores_in(X, prob, T, lead=None, rows=None, excluded=None):
     key; the default is all) -> ``(T, excluded, sech2)``.
 
     The same stages in the same order as :func:`transform_scores`, each by its definition over an arithmetic
-    (:func:`softcap_forward_in`, :func:`additive_forward_in`, :func:`alibi_forward_in`). ``excluded`` is the
-    block's complement of the allowed set (None: nothing); every score that is ``-inf`` after the chain (a
-    ``-inf`` float-mask or bias entry, a sum or an ALiBi term that overflows) joins it, as on every path.
-    ``sech2`` is softcap's slope, None without softcap. The reproducible engine's dense schedule (in
-    double-double, the honest low precision, or the arithmetic of reads) and the honest ensemble run it.
+    (its ``forward_in``: :func:`softcap_forward_in`, :func:`additive_forward_in`, :func:`alibi_forward_in`; a
+    stage without one is a ``ValueError``). ``excluded`` is the block's complement of the allowed set (None:
+    nothing); every score that is ``-inf`` after the chain (a ``-inf`` float-mask or bias entry, a sum or an
+    ALiBi term that overflows) joins it, as on every path. ``sech2`` is the element-wise stages' slope, None
+    without one. The reproducible engine's dense schedule (in double-double, the honest low precision, or the
+    arithmetic of reads) and the honest ensemble run it.
     """
-    o, nd = prob.options, len(prob.full_scores)
-    d = None
-    if o.softcap is not None:                                # cap * tanh(T / cap), and its slope
-        T, d = softcap_forward_in(X, T, o.softcap)
-    if o.score_mod is not None:                              # fn(T), a NumPy function: only where X maps one
-        if not hasattr(X, "elementwise"):
-            raise ValueError(f"`score_mod` should not be given with this arithmetic ({type(X).__name__}): a NumPy "
-                             "function has no double-double or fixed-order low-precision form")
-        idx, mod, t_in = indices(prob.full_scores, lead, rows), o.score_mod, T
-        T = X.elementwise(lambda t: score_mod_forward(mod, t, idx)[0], t_in)
-        s = X.elementwise(lambda t: score_mod_forward(mod, t, idx, slope=True)[1], t_in)
-        d = s if d is None else X.mul(d, s)
-    for b in (prob.mask_float, prob.bias):                   # + M + B: a -inf entry excludes its key
-        if b is not None:
-            T, excluded = additive_forward_in(X, T, block_of(b, nd, lead, rows), excluded)
-    if prob.alibi is not None:                               # - slope * |i + off - j|
-        dist = alibi_distance(prob.L, prob.S, o.causal_alignment, prob.q_lengths, prob.kv_lengths, rows)
-        T = alibi_forward_in(X, T, block_of(prob.alibi, nd, lead), block_of(dist, nd, lead))
+    o, at, d = prob.options, ScoreBlock(prob, lead, rows), None
+    for st in SCORE_STAGES:
+        if st.elementwise:
+            c = getattr(o, st.option)
+            if c is None:
+                continue
+            _has_form_in(st, X)
+            T, s = st.forward_in(X, T, c, at)
+            d = s if d is None else X.mul(d, s)
+        else:
+            terms = st.terms(at, np.float64)
+            if terms is not None:
+                _has_form_in(st, X)
+                T, excluded = st.forward_in(X, T, terms, excluded)
     neg = X.value(T) == -np.inf
     return T, (neg if excluded is None else (excluded | neg)), d
 
 
+def _has_form_in(stage, X):
+    if stage.forward_in is None:
+        raise ValueError(f"`{stage.option or stage.name}` should not be given with this arithmetic "
+                         f"({type(X).__name__}): the score stage {stage.name!r} has no form over an arithmetic")
+
+
 def transform_scores_vjp(dT, sech2, out=None):
-    """``dT`` (the gradient of the final scores) -> ``dTraw``: through softcap when there is one (``sech2``, from
-    :func:`transform_scores`).
+    """``dT`` (the gradient of the final scores) -> ``dTraw``: times the chain's slope when an element-wise stage
+    runs (``sech2``, from :func:`transform_scores`).
 
     The additive terms' gradient is ``dT`` itself (:func:`additive_vjp`);
     ALiBi and the -inf exclusions are constants.
@@ -388,31 +675,52 @@ def transform_scores_vjp(dT, sech2, out=None):
 
 
 def transform_scores_jvp(dTraw, sech2, dB=None):
-    """``dTraw`` -> ``dT``: through softcap, plus the bias tangent."""
+    """``dTraw`` -> ``dT``: times the chain's slope, plus the additive terms' tangent (the bias's)."""
     dT = dTraw if sech2 is None else softcap_jvp(sech2, dTraw)
     return additive_jvp(dT, dB)
 
 
 def transform_scores_slope_jvp(prob, Traw, slope, dTraw, rows=None, cols=None, allowed=None):
-    """The tangent of the chain's slope (:func:`transform_scores`' ``sech2``, ``s(Traw) fn'(u)``, ``u`` softcap's
-    output) along the raw scores' tangent: ``(s' fn'(u) + s^2 fn''(u)) dTraw`` by the product and chain rules
-    (softcap's :func:`softcap_sech2_jvp`, the score function's
-    :func:`~sdpa_ref.score_mod.score_mod_curvature`), 0 outside ``allowed``; None without a slope."""
-    o = prob.options
-    if slope is None or o.score_mod is None:
-        return None if slope is None else softcap_sech2_jvp(Traw, o.softcap, slope, dTraw)
-    idx = indices(prob.full_scores, None, rows, cols)
-    s = None if o.softcap is None else softcap_sech2(Traw, o.softcap)
-    u = Traw if s is None else softcap_forward(Traw, o.softcap)[0]
-    fp = score_mod_forward(o.score_mod, u, idx, slope=True)[1]
-    fpp = score_mod_curvature(o.score_mod, u, idx).astype(Traw.dtype)
-    with np.errstate(invalid="ignore", over="ignore"):
-        d = fpp * dTraw if s is None else softcap_sech2_jvp(Traw, o.softcap, s, dTraw) * fp + s * s * fpp * dTraw
-    return d if allowed is None else np.where(allowed, d, d.dtype.type(0))
+    """The tangent of the chain's slope (:func:`transform_scores`' ``sech2``, ``prod_k f_k'(u_{k-1})``, ``u_k``
+    the scores after stage ``k``, ``u_0 = Traw``) along the raw scores' tangent, by the product and chain rules:
+    ``sum_k (prod_{j<k} f_j')^2 f_k''(u_{k-1}) (prod_{j>k} f_j') dTraw``, each stage's middle factor its
+    ``slope_jvp`` (softcap's :func:`softcap_sech2_jvp`, the score function's
+    :func:`~sdpa_ref.score_mod.score_mod_curvature`); 0 outside ``allowed`` where a stage says so
+    (``zero_masked_slope``); None without a slope. With one stage its slope is the chain's, ``slope``."""
+    if slope is None:
+        return None
+    at, run = ScoreBlock(prob, None, rows, cols), _running(prob.options)
+    for st, _ in run:
+        if st.slope_jvp is None:
+            raise ValueError(f"`{st.option}` should not be given to a second-order call: the score stage "
+                             f"{st.name!r} has no slope tangent (`slope_jvp`)")
+    if len(run) == 1:
+        st, c = run[0]
+        d = st.slope_jvp(Traw, c, slope, dTraw, at, None)
+    else:
+        u, ins, slopes = Traw, [], []
+        for k, (st, c) in enumerate(run):                    # each stage's input u_{k-1} and slope f_k'
+            ins.append(u)
+            slopes.append(st.slope(u, c, at))
+            if k + 1 < len(run):
+                u = st.forward(u.copy(), c, at)[0]
+        d = pre = None
+        with np.errstate(invalid="ignore", over="ignore"):
+            for k, (st, c) in enumerate(run):
+                term = st.slope_jvp(ins[k], c, slopes[k], dTraw, at, pre)
+                post = None
+                for s in slopes[k + 1:]:
+                    post = s if post is None else post * s
+                term = term if post is None else term * post
+                d = term if d is None else d + term
+                pre = slopes[k] if pre is None else pre * slopes[k]
+    if allowed is None or not any(st.zero_masked_slope for st, _ in run):
+        return d
+    return np.where(allowed, d, d.dtype.type(0))
 
 
 def transform_scores_vjp_jvp(dT, ddT, sech2, dsech2):
-    """The tangent of :func:`transform_scores_vjp`: ``ddT`` (the tangent of ``dT``) through softcap, plus ``dT``
-    times the tangent of softcap's slope (``dsech2``, :func:`softcap_sech2_jvp`). The other terms are linear in
-    the scores, so their second derivative is 0."""
+    """The tangent of :func:`transform_scores_vjp`: ``ddT`` (the tangent of ``dT``) times the chain's slope, plus
+    ``dT`` times the tangent of the slope (``dsech2``, :func:`transform_scores_slope_jvp`). The additive terms
+    are linear in the scores, so their second derivative is 0."""
     return ddT if sech2 is None else softcap_vjp(sech2, ddT) + dT * dsech2
