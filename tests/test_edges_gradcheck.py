@@ -17,6 +17,7 @@ import pytest
 
 import sdpa_ref as sr
 from sdpa_ref import check_hvp, check_jvp, check_vjp, sdpa_backward, sdpa_forward, sdpa_jvp
+from tolerances import COMPLEX_STEP, COMPLEX_STEP_ATOL, FD
 
 MODES = ["full", "projection"]
 _R = np.random.default_rng(40)
@@ -227,7 +228,7 @@ def test_a_failed_projection_is_never_overruled():
 def test_honest_derivatives_pass_with_the_dense_probes(vectorized):
     for method in ("central", "complex"):
         fun = (lambda q, k, v: sr.sdpa_forward_complex(q, k, v)) if method == "complex" else _fun
-        tol = dict(rtol=1e-12, atol=1e-14) if method == "complex" else dict(rtol=1e-7)
+        tol = dict(rtol=COMPLEX_STEP, atol=COMPLEX_STEP_ATOL) if method == "complex" else dict(rtol=FD)
         rep = check_vjp(fun, _vjp, QKV, method=method, vectorized=vectorized, **tol)
         assert rep.ok and any("probe" in n for n in rep.notes), rep
         assert check_jvp(fun, _jvp, QKV, method=method, vectorized=vectorized, **tol).ok

@@ -16,6 +16,7 @@ import sdpa_ref
 from sdpa_ref import sdpa_backward, sdpa_forward
 
 from strategies import dense_case, differentiable, variant_problem
+from tolerances import EXACT, F64_FEW_ULP, F64_GRAD, F64_SUMS
 
 ENGINES = [("fast", "fast", True), ("fast", "plain", True), ("fast", "tiled", True), ("fast", None, False),
            ("reproducible", None, True)]
@@ -119,12 +120,12 @@ def test_engines_agree_and_zero_grad_lse_is_no_grad_lse(precision, method, save_
     got = sdpa_backward(res, go, method, grad_lse=gl)
     for a, b in zip(got, want):
         if a is not None:
-            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+            np.testing.assert_allclose(a, b, rtol=F64_GRAD, atol=F64_SUMS)
     none = sdpa_backward(res, go, method)
     zero = sdpa_backward(res, go, method, grad_lse=np.zeros(gl.shape))
     for a, b in zip(none, zero):
         if a is not None:
-            np.testing.assert_allclose(a, b, rtol=0, atol=1e-15)
+            np.testing.assert_allclose(a, b, rtol=EXACT, atol=F64_FEW_ULP)
 
 
 @pytest.mark.parametrize("policy", ["zero", "uniform", "nan"])

@@ -7,6 +7,7 @@ import pytest
 
 from sdpa_ref import sdpa_forward
 from sdpa_ref.lse import convert_lse
+from tolerances import EXACT, F64_ONE_ULP, F64_REGROUPED, F64_SUMS, F64_TWO_ULP
 
 RNG = np.random.default_rng(7)
 
@@ -44,12 +45,12 @@ def test_lse_in_base_2_and_the_row_statistics_against_a_loop(method):
     kw = {"precision": "reproducible"} if method == "reproducible" else {"method": method}
     _, res = sdpa_forward(q, k, v, attn_mask=mask, enable_gqa=True, **kw)
     for base in ("e", 2):
-        np.testing.assert_allclose(res.lse_as(base=base), _plain_lse(q, k, v, mask, base), rtol=1e-13, atol=0)
+        np.testing.assert_allclose(res.lse_as(base=base), _plain_lse(q, k, v, mask, base), rtol=F64_SUMS, atol=EXACT)
     m, s = res.row_max, res.row_sumexp
     assert np.all(m[:, :, 1] == -np.inf) and np.all(s[:, :, 1] == 0.0)      # cuDNN's convention on empty rows
     full = np.arange(5) != 1
     assert np.all((s[..., full] >= 1.0) & (s[..., full] <= 6.0))
-    np.testing.assert_allclose(m[..., full] + np.log(s[..., full]), res.lse[..., full], rtol=1e-14)
+    np.testing.assert_allclose(m[..., full] + np.log(s[..., full]), res.lse[..., full], rtol=F64_REGROUPED)
 
 
 @pytest.mark.parametrize("empty, value", [("-inf", -np.inf), ("+inf", np.inf), ("inf", np.inf), (0.0, 0.0),
@@ -61,7 +62,7 @@ def test_the_empty_row_convention_is_selectable_and_round_trips(empty, value):
     assert got[0, 0] == 0.5 * 1.4426950408889634
     back = convert_lse(got, from_base=2, from_empty=empty)
     assert back[0, 1] == -np.inf
-    np.testing.assert_allclose(back[0, [0, 2]], lse[0, [0, 2]], rtol=4.5e-16)   # one rounding each way
+    np.testing.assert_allclose(back[0, [0, 2]], lse[0, [0, 2]], rtol=F64_TWO_ULP)   # one rounding each way
     assert np.isnan(back[0, 3])
 
 
@@ -70,8 +71,8 @@ def test_base_2_round_trip_is_within_an_ulp_and_nothing_is_mutated():
     keep = lse.copy()
     two = convert_lse(lse, base=2)
     np.testing.assert_array_equal(lse, keep)
-    np.testing.assert_allclose(two, lse / math.log(2), rtol=2.3e-16)
-    np.testing.assert_allclose(convert_lse(two, from_base=2), lse, rtol=4.5e-16)
+    np.testing.assert_allclose(two, lse / math.log(2), rtol=F64_ONE_ULP)
+    np.testing.assert_allclose(convert_lse(two, from_base=2), lse, rtol=F64_TWO_ULP)
     assert convert_lse(lse) is not lse
     assert convert_lse(lse.astype(np.float32), base=2).dtype == np.float32
 

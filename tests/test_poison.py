@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import sdpa_ref
+from tolerances import EXACT
 
 B, HQ, HKV, L, S, E = 1, 4, 2, 4, 6, 3
 SETTINGS = {
@@ -73,7 +74,7 @@ def _positions(shape, rng, n):
 
 def _check(clean, perturbed, poisoned, what):
     for name in clean:
-        depends = ~np.isclose(perturbed[name], clean[name], rtol=0, atol=0, equal_nan=True)
+        depends = ~np.isclose(perturbed[name], clean[name], rtol=EXACT, atol=EXACT, equal_nan=True)
         assert np.array_equal(np.isnan(poisoned[name]), depends | np.isnan(clean[name])), (
             f"{what}: NaN in {name} at {np.argwhere(np.isnan(poisoned[name]) != (depends | np.isnan(clean[name])))}")
         keep = ~np.isnan(poisoned[name])

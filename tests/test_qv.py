@@ -14,6 +14,7 @@ import sdpa_ref
 from sdpa_ref import Packed, sdpa_backward, sdpa_forward, sdpa_jvp
 
 from helpers import assert_close_normwise
+from tolerances import F64_AMPLIFIED, F64_REGROUPED, F64_SUMS
 
 HOWS = {"fast": {}, "plain": {"method": "plain"}, "tiled-2": {"block_size": 2},
         "reproducible": {"precision": "reproducible"}}
@@ -55,8 +56,8 @@ def test_the_two_score_terms_are_the_oracles(problem):
     (q, k, v, qv), o = problem
     out, res = sdpa_forward(q, k, v, qv=qv, enable_gqa=True, causal_alignment="bottom_right", **o)
     want_out, want_lse = oracle(q, k, v, qv, **o)
-    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(res.lse, want_lse, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out, want_out, rtol=F64_AMPLIFIED, atol=F64_AMPLIFIED)
+    np.testing.assert_allclose(res.lse, want_lse, rtol=F64_AMPLIFIED, atol=F64_AMPLIFIED)
 
 
 @pytest.mark.parametrize("how", list(HOWS))
@@ -106,10 +107,10 @@ def test_qv_in_the_layouts_is_each_sequences_qv():
         t = lambda x: np.swapaxes(x, 0, 1)[None]                                            # noqa: E731
         o_b, r_b = sdpa_forward(t(q[rq]), t(k[rk]), t(v[rk]), qv=t(qv[rq]), enable_gqa=True, is_causal=True,
                                 causal_alignment="bottom_right")
-        np.testing.assert_allclose(out[rq], np.swapaxes(o_b[0], 0, 1), rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(out[rq], np.swapaxes(o_b[0], 0, 1), rtol=F64_SUMS, atol=F64_REGROUPED)
         gb = sdpa_backward(r_b, t(g[rq]))
         for x, y, rows in ((gr.qv, gb.qv, rq), (gr.value, gb.value, rk), (gr.key, gb.key, rk)):
-            np.testing.assert_allclose(x[rows], np.swapaxes(y[0], 0, 1), rtol=1e-13, atol=1e-14)
+            np.testing.assert_allclose(x[rows], np.swapaxes(y[0], 0, 1), rtol=F64_SUMS, atol=F64_REGROUPED)
     qd, kc, vc = rng.standard_normal((1, 1, 2, 3)), rng.standard_normal((3, 4, 1, 3)), rng.standard_normal((3, 4, 1, 2))
     qvd = rng.standard_normal((1, 1, 2, 2))
     a = sdpa_ref.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=np.array([6]), block_table=np.array([[2, 0]]),
@@ -118,7 +119,7 @@ def test_qv_in_the_layouts_is_each_sequences_qv():
     ks, vs = kc[np.array([2, 0])[pos // 4], pos % 4], vc[np.array([2, 0])[pos // 4], pos % 4]
     want = oracle(np.swapaxes(qd, 1, 2), np.swapaxes(ks, 0, 1)[None], np.swapaxes(vs, 0, 1)[None],
                   np.swapaxes(qvd, 1, 2))[0]
-    np.testing.assert_allclose(a, np.swapaxes(want, 1, 2), rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(a, np.swapaxes(want, 1, 2), rtol=F64_SUMS, atol=F64_REGROUPED)
 
 
 def test_a_nan_in_v_reaches_the_scores_through_qv():

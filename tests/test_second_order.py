@@ -17,6 +17,7 @@ from sdpa_ref import (
     sdpa_hvp,
 )
 from sdpa_ref.harness.grid import gradcheck_grid
+from tolerances import F64_GRAD, F64_GRAD_LONG, F64_REGROUPED, F64_SUMS, FD_SECOND_ORDER
 
 FIELDS = ("query", "key", "value", "attn_mask", "bias", "sinks")
 
@@ -109,7 +110,7 @@ def test_double_backward_matches_differences_of_the_backward(case):
     d = Differentiable(_grid_kwargs(case), with_lse=GRID.index(case) % 2 == 0)
     if case.opts.get("fully_masked") == "nan" and case.has_fully_masked_rows():
         pytest.skip("NaN gradients: the pattern is tested below")
-    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="projection", rtol=1e-5)
+    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="projection", rtol=FD_SECOND_ORDER)
 
 
 @pytest.mark.parametrize("case", GRID, ids=[c.name for c in GRID])
@@ -131,15 +132,15 @@ def test_tiled_double_backward_equals_the_cores(case):
         if x is None:
             assert y is None and xt is None and yt is None
             continue
-        np.testing.assert_allclose(y, x, rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(yt, xt, rtol=1e-11, atol=1e-11)
+        np.testing.assert_allclose(y, x, rtol=F64_GRAD, atol=F64_GRAD)
+        np.testing.assert_allclose(yt, xt, rtol=F64_GRAD_LONG, atol=F64_GRAD_LONG)
 
 
 @pytest.mark.parametrize("name", ["sinks+causal+softcap+bias", "qv+causal-br+sinks", "uniform policy+sinks"])
 def test_tiled_double_backward_special_options(name):
     d = Differentiable(SPECIAL[name](np.random.default_rng(7)), with_lse=True)
     d.kw.update(method="tiled", block_size=2)
-    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=1e-5)
+    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=FD_SECOND_ORDER)
 
 
 def test_tiled_double_backward_with_a_block_mask_skips_its_tiles():
@@ -155,7 +156,7 @@ def test_tiled_double_backward_with_a_block_mask_skips_its_tiles():
     b = sdpa_hvp((q, k, v), t, g, block_mask=bm, method="tiled", **kw)
     for x, y in zip(a, b):
         if x is not None:
-            np.testing.assert_allclose(y, x, rtol=1e-12, atol=1e-13)
+            np.testing.assert_allclose(y, x, rtol=F64_GRAD, atol=F64_SUMS)
 
 
 @pytest.mark.parametrize("case", [c for c in GRID if "dropout" in c.arrays and c.Hq != c.Hkv][:6]
@@ -163,7 +164,7 @@ def test_tiled_double_backward_with_a_block_mask_skips_its_tiles():
                          ids=lambda c: c.name)
 def test_hvp_full_hessian_and_symmetry(case):
     d = Differentiable(_grid_kwargs(case), with_lse=True)
-    assert_hvp(d.fun, d.vjp, d.hvp, d.args, cotangent=d.cotangent(), mode="full", rtol=1e-5)
+    assert_hvp(d.fun, d.vjp, d.hvp, d.args, cotangent=d.cotangent(), mode="full", rtol=FD_SECOND_ORDER)
 
 
 def _kw(rng, B=2, Hq=4, Hkv=2, L=3, S=5, E=3, Ev=2, **extra):
@@ -194,8 +195,8 @@ SPECIAL = {
 @pytest.mark.parametrize("with_lse", [False, True])
 def test_double_backward_special_options(name, with_lse):
     d = Differentiable(SPECIAL[name](np.random.default_rng(7)), with_lse=with_lse)
-    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=1e-5)
-    assert_hvp(d.fun, d.vjp, d.hvp, d.args, cotangent=d.cotangent(), mode="projection", rtol=1e-5)
+    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=FD_SECOND_ORDER)
+    assert_hvp(d.fun, d.vjp, d.hvp, d.args, cotangent=d.cotangent(), mode="projection", rtol=FD_SECOND_ORDER)
 
 
 def test_double_backward_on_a_packed_layout():
@@ -205,7 +206,7 @@ def test_double_backward_on_a_packed_layout():
               value=rng.standard_normal((7, 2, 2)), is_causal=True, causal_alignment="bottom_right",
               sinks=rng.uniform(-1, 1, 2))
     d = Differentiable(kw, with_lse=True, layout=Packed(cu_q, cu_k))
-    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=1e-5)
+    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=FD_SECOND_ORDER)
 
 
 def test_first_order_part_is_sdpa_backward_bits():
@@ -235,7 +236,7 @@ def test_hvp_is_linear_in_the_tangent_and_zero_along_nothing():
     c = sdpa_hvp((q, k, v), tuple(2 * x - 3 * y for x, y in zip(u, w)), g, **kw)
     for x, y, z in zip(a, b, c):
         if x is not None:
-            np.testing.assert_allclose(z, 2 * x - 3 * y, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(z, 2 * x - 3 * y, rtol=F64_GRAD, atol=F64_GRAD)
 
 
 def test_a_wrong_second_order_term_is_caught():
@@ -247,7 +248,8 @@ def test_a_wrong_second_order_term_is_caught():
     real = core.transform_scores_vjp_jvp
     try:
         core.transform_scores_vjp_jvp = lambda dT, ddT, sech2, dsech2: real(dT, ddT, sech2, 0 * dsech2)
-        rep = check_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="projection", rtol=1e-5)
+        rep = check_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="projection",
+                        rtol=FD_SECOND_ORDER)
     finally:
         core.transform_scores_vjp_jvp = real
     assert not rep.ok
@@ -375,7 +377,7 @@ def test_double_backward_through_a_score_function(method, given):
              bias=np.random.default_rng(22).standard_normal((4, 3, 5)))
     d = Differentiable(kw, with_lse=True)
     d.kw.update(method=method, **({"block_size": 2} if method == "tiled" else {}))
-    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=1e-5)
+    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=FD_SECOND_ORDER)
 
 
 def test_softcap_as_a_score_function_has_the_built_ins_second_order():
@@ -391,7 +393,7 @@ def test_softcap_as_a_score_function_has_the_built_ins_second_order():
     b = sdpa_hvp((q, k, v), t, g, score_mod=mod, **kw)
     for x, y in zip(a, b):
         if x is not None:
-            np.testing.assert_allclose(y, x, rtol=1e-13, atol=1e-14)
+            np.testing.assert_allclose(y, x, rtol=F64_SUMS, atol=F64_REGROUPED)
 
 
 def test_second_order_refuses_captured_tensors_and_needs_a_derivative():

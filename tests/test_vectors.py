@@ -10,6 +10,7 @@ from sdpa_ref import sdpa_backward, sdpa_forward
 from sdpa_ref.harness.cases import get_suite
 from sdpa_ref.cli import main
 from sdpa_ref.harness.vectors import FORMAT_VERSION, ManifestError, verify_vectors, write_vectors
+from tolerances import F64_FEW_ULP, F64_GRAD, F64_REGROUPED, F64_SUMS
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +51,9 @@ def test_files_are_plain_npy_arrays_without_pickles(vec_dir):
     for k in ("attn_mask", "bias", "alibi_slopes", "q_lengths", "kv_lengths"):
         kw[k] = z[k]
     out, res = sdpa_forward(z["query"], z["key"], z["value"], **kw)
-    np.testing.assert_allclose(z["out"], out, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(z["out"], out, rtol=F64_SUMS, atol=F64_FEW_ULP)
     gr = sdpa_backward(res, z["grad_out"])
-    np.testing.assert_allclose(z["dbias"], gr.bias, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(z["dbias"], gr.bias, rtol=F64_GRAD, atol=F64_REGROUPED)
 
 
 def test_the_vectors_are_deterministic(tmp_path, vec_dir):
