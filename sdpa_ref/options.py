@@ -36,6 +36,8 @@ import numpy as np
 from . import _validate as V
 from .block_mask import BlockMask
 from .masks import ALIGNMENTS
+from .policy import DEFAULT as _DEFAULT_POLICY
+from .policy import FULLY_MASKED_POLICIES
 from .transforms import SCORE_STAGES, check_softcap
 
 __all__ = [
@@ -47,9 +49,6 @@ __all__ = [
     "OPTION_NAMES",
     "AttentionOptions",
 ]
-
-#: Accepted values of ``fully_masked``; see ``SEMANTICS.md``.
-FULLY_MASKED_POLICIES = ("zero", "nan", "uniform", "jax")
 
 
 def _opt(default, *, array=False, semantic=True, judged=True):
@@ -75,7 +74,7 @@ class AttentionOptions:
     enable_gqa: bool = _opt(False)
     dropout_mask: Any = _opt(None, array=True)
     rng: Any = _opt(None, semantic=False)
-    fully_masked: str = _opt("zero")
+    fully_masked: str = _opt(_DEFAULT_POLICY)
     upcast: bool = _opt(True, semantic=False)
     bias: Any = _opt(None, array=True)
     causal_alignment: str = _opt("top_left")

@@ -29,9 +29,15 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["averages_every_key", "averages_excluded", "averages_values", "constant_rows", "counts",
-           "emulates_peer", "excluded", "fill_empty_rows", "fill_output_without_keys", "fills_zero", "is_default",
-           "makes_nan", "nan_rows", "policy_fill", "zero_output_rows"]
+__all__ = ["DEFAULT", "FULLY_MASKED_POLICIES", "averages_every_key", "averages_excluded", "averages_values",
+           "constant_rows", "counts", "emulates_peer", "excluded", "fill_empty_rows", "fill_output_without_keys",
+           "fills_zero", "is_default", "makes_nan", "nan_rows", "policy_fill", "zero_output_rows"]
+
+#: Accepted values of ``fully_masked``, in the order the harness enumerates them; see ``SEMANTICS.md``.
+FULLY_MASKED_POLICIES = ("zero", "nan", "uniform", "jax")
+
+#: The default of ``fully_masked``: PyTorch 2.5 and later (math backend) and FlashAttention.
+DEFAULT = "zero"
 
 
 # ------------------------------------------------------------- what each policy does, by meaning
@@ -39,7 +45,7 @@ __all__ = ["averages_every_key", "averages_excluded", "averages_values", "consta
 
 def is_default(policy):
     """Whether ``policy`` is the default of ``fully_masked``, ``"zero"`` (what a case or report need not name)."""
-    return policy == "zero"
+    return policy == DEFAULT
 
 
 def fills_zero(policy):
