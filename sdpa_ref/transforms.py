@@ -55,8 +55,8 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _validate as V
-from .broadcast import unbroadcast
-from .masks import block_of, diagonal_offset
+from .alignment import diagonal_offset
+from .broadcast import block_of, unbroadcast
 from .score_mod import as_score_mod, indices, params_vjp, score_mod_curvature, score_mod_forward
 
 __all__ = [

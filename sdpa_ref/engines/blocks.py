@@ -16,7 +16,7 @@ import numbers
 import numpy as np
 
 from ..exact import _native
-from ..masks import block_of
+from ..broadcast import block_of
 from ..transforms import score_mod_params_vjp, scores_forward, transform_scores
 
 __all__ = ["Blocks", "DEFAULT_BLOCK_BUDGET", "auto_block_size", "check_block_size", "exp_inplace", "lse_blocks",

@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..exact import _native
-from ..masks import block_of
+from ..broadcast import block_of
 from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from ..normalize import close, extra_probs, extras, nan_row_probs, row_stats, vjp
 from ..pivot import lane_rowsum, softmax_vjp_rows

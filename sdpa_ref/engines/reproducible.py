@@ -47,7 +47,7 @@ import numpy as np
 
 from ..exact.arith import for_problem
 from ..normalize import EXTRA_NAME, close_in, extra_shape, extras, vjp_in
-from ..masks import block_of
+from ..broadcast import block_of
 from ..policy import constant_rows, counts, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
 from ..transforms import transform_scores_in, unbroadcast
 from .._threads import run_all

@@ -37,7 +37,7 @@ from ..pivot import second_entries, second_partial, tangent_probs
 from ..policy import constant_rows, counts, excluded, fill_empty_rows, fills_zero
 from ..transforms import dropout_forward, scores_jvp, scores_vjp, transform_scores_jvp, transform_scores_slope_jvp, \
     transform_scores_vjp, transform_scores_vjp_jvp, unbroadcast
-from ..masks import block_of
+from ..broadcast import block_of
 from .blocks import Blocks, check_block_size, exp_inplace as _exp, ranges as _ranges
 from .contract import Grads
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..masks import block_of
+from ..broadcast import block_of
 from ..policy import (averages_values, constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys,
                       fills_zero, policy_fill)
 from ..arith import NUMPY
