@@ -10,8 +10,8 @@ from ._version import __version__
 
 __all__ = ["info", "NUMPY_ONLY_COST"]
 
-#: What running without the compiled kernels costs (measured on one machine at (1, 4, 256, 64), float64
-#: forward + backward, one thread and two: approximate, and it varies with the shape and the machine).
+#: What running without the compiled kernels costs, as :func:`info` tells the user: approximate, it varies with the
+#: shape and the machine (``docs/performance.md``, "Where the numbers in the code went", has the timing behind it).
 NUMPY_ONLY_COST = ("precision='reproducible' runs about 1.5x slower, and the fast path's row passes use NumPy "
                    "(about 1.3x slower); the results are the same (bit for bit for precision='reproducible')")
 

@@ -12,18 +12,19 @@ from any calling thread (``tests/test_threads.py``).
 
 **Which threads the limit reaches.** OpenBLAS built on its own pthreads pool
 (numpy's wheels) keeps one process-wide count: ``openblas_set_num_threads``
-from any thread sets what every thread's next GEMM uses (measured on the
+from any thread sets what every thread's next GEMM uses (seen with the
 bundled 0.3.31: set to 1 from a worker thread, the main thread reads 1), and
 so does ``openblas_set_num_threads_local`` in that build. threadpoolctl 3.8
 (not 3.6, which calls the BLAS directly) guards that shared count by letting
 only its first caller, the "controlling thread", change it:
 ``set_num_threads`` from any other thread silently does nothing for as long
-as the first one lives. The main thread never dies, so once it had used the
-package, a call from any other thread ran its GEMMs on every OpenBLAS thread
-(``threadpool_info()`` read 2 inside the limit, and ``dk``, ``dv`` of
-``(2, 4, 300, 32)`` queries against ``(2, 2, 1100, 32)`` keys, GQA and
-causal, took other last bits), and a last holder out on another thread could
-not give the count back. So the count is set through threadpoolctl's
+as the first one lives. The main thread never dies, so through that setter,
+once it has used the package, a call from any other thread would run its
+GEMMs on every OpenBLAS thread (``threadpool_info()`` reads 2 inside the
+limit, and ``dk``, ``dv`` of ``(2, 4, 300, 32)`` queries against
+``(2, 2, 1100, 32)`` keys, GQA and causal, take other last bits), and a last
+holder out on another thread could not give the count back. So the count is
+set through threadpoolctl's
 unguarded setter (``_real_set_num_threads`` where it has one,
 ``set_num_threads`` otherwise). That is safe because the setting is
 reference-counted under this module's lock: the first caller in, on any

@@ -306,11 +306,9 @@ def _chunk_entries(width):
 
     The cut pays when the element-wise work (``exp`` above all, a scalar loop
     in NumPy) is a large part of the time; the GEMM work per score entry
-    grows with ``E + Ev``. Measured on 2 cores (fwd + bwd, paired rounds):
-    cutting at 2**18 entries took 1.13-1.2x longer than one piece for
-    ``(2, 4, 256, 64)`` and ``(4, 8, 128, 64)``, but 0.70x for
-    ``(8, 8, 128, 16)``; at ``(1, 8, 1024, 64)`` one head per chunk is the
-    fastest cut.
+    grows with ``E + Ev``, so the wider the heads, the more entries a chunk
+    needs before the cut pays (the timings behind the sizes are in
+    ``docs/performance.md``, "Where the numbers in the code went").
     """
     return max(_CHUNK_ENTRIES >> 2, min(_CHUNK_ENTRIES, _CHUNK_ENTRIES * width // 128))
 

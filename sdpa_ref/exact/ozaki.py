@@ -16,7 +16,7 @@ and machine**. The way there (Ozaki, Ogita, Oishi and Rump, 2012):
    ``2 rho >= 54 + log2(K)``, every entry of ``A_p B_q`` is a sum of ``K``
    products on one grid whose total stays below ``2**53`` grid steps, so
    **every product and every partial sum is exact, in any order**: what the
-   BLAS does inside a GEMM (blocking, FMA, threads, SIMD) no longer matters.
+   BLAS does inside a GEMM (blocking, FMA, threads, SIMD) does not matter.
 3. The products ``A_p B_q`` with ``p + q <= n + 1`` (the others lie below
    the target accuracy) are added in a fixed order, smallest first, element
    by element: the small ones in float64, the three leading levels into a

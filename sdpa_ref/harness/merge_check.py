@@ -136,7 +136,7 @@ def check_merge(merge: Callable, *, dtypes="float32", lse_base="e", cases=None,
     dtypes : str, dtype or sequence of them
         Test dtypes: float32, float16, bfloat16 (the ``lowp`` extra). Not float64: the reference merges in
         float64, as a float64 kernel would, so there it would not be more accurate than what it judges
-        (measured: the honest float64 merges agree with it to the bit, leaving no allowance).
+        (the honest float64 merges agree with it to the bit, which leaves no allowance).
     lse_base : {"e", 2}
         The base of the LSEs in and out (2: FlashInfer).
     cases : sequence of MergeCase, optional

@@ -81,18 +81,18 @@ class RelativeRule:
     overflow and are outside it. The lean needs no floor: every
     ``|e_i| <= u_i / 2`` gives ``|beta| <= 1/2``. The honest members return
     their results in the same dtypes, so each member's error is at least the
-    correctly rounded one entry by entry and ``k >= 1`` already covered it
-    on every case measured; the floor makes it hold by itself, for any
-    ``k``: with ``k = 0`` it is the whole allowance, and the correctly
-    rounded kernel passes the full suite at float16, bfloat16, float32 and
-    both fp8 (``tests/test_edges_rounding.py``), where before it failed 11
-    to 15 of the quick suite's rows per dtype (the LSE, whose ``atol_dtype``
-    can be 0 -- ``x + 0.3 - 0.3`` exact, as for ``1000.5`` in float16 --
-    and dk, dv, the JVP by up to 1.9 times). With ``k = 3`` the floor sets
-    the allowance on 3 to 6 of the quick suite's 248-297 rows per dtype:
-    where every member is exact (zero gradients, dV on the one key) and the
-    old allowance was 0, and at float64 on one output whose old allowance
-    (3.5e-18) was below a float64 ulp of it. An LSE *held* in float16
+    correctly rounded one entry by entry and ``k >= 1`` covers it on every
+    case of the suites; the floor makes it hold by itself, for any ``k``:
+    with ``k = 0`` it is the whole allowance, and the correctly rounded
+    kernel passes the full suite at float16, bfloat16, float32 and both fp8
+    (``tests/test_edges_rounding.py``), where the ensemble's term alone
+    fails it on 11 to 15 of the quick suite's rows per dtype (the LSE, whose
+    ``atol_dtype`` can be 0 -- ``x + 0.3 - 0.3`` exact, as for ``1000.5`` in
+    float16 -- and dk, dv, the JVP by up to 1.9 times). With ``k = 3`` the
+    floor sets the allowance on 3 to 6 of the quick suite's 248-297 rows per
+    dtype: where every member is exact (zero gradients, dV on the one key)
+    and the ensemble's term is 0, and at float64 on one output whose
+    ensemble term (3.5e-18) is below a float64 ulp of it. An LSE *held* in float16
     (rounded to it, then returned in float32) is not a correctly rounded
     float32 LSE: its floor is float32's, and it fails where the honest
     kernels' own LSE is more accurate than float16's rounding (10 of 49
