@@ -25,9 +25,8 @@ from sdpa_ref import ScoreMod, sdpa_backward, sdpa_backward_jvp, sdpa_forward, s
 from sdpa_ref.layouts import KVCache, Packed
 
 from helpers import assert_close_normwise
+from tolerances import F64_GRAD
 
-#: Normwise agreement of two float64 spellings of one problem (a few roundings of O(1) values apart).
-RTOL = 1e-12
 Hq, Hkv, E, Ev = 2, 1, 3, 2
 
 #: A curved score function that reads the head and the indices (not the batch: a sequence alone is batch 0),
@@ -162,7 +161,7 @@ def _check_grads(got, want):
     assert (getattr(got, "qv", None) is None) == ("qv" not in want)
     assert (got.sinks is None) == ("sinks" not in want)
     for name, w in want.items():
-        assert_close_normwise(w, getattr(got, name), RTOL)
+        assert_close_normwise(w, getattr(got, name), F64_GRAD)
 
 
 def _refused(c, precision):
@@ -192,8 +191,8 @@ def test_forward(layout, qv, sinks, score, precision):
     out, lse = call()
     parts = [sdpa_ref.scaled_dot_product_attention(*_joined(c, b)[:3], return_lse=True, precision=precision,
                                                    **_joined(c, b)[4]) for b in range(_n(c))]
-    assert_close_normwise(c["lay"].put([p[0] for p in parts], "q", out.shape), out, RTOL)
-    assert_close_normwise(c["lay"].put_lse([p[1] for p in parts]), lse, RTOL)
+    assert_close_normwise(c["lay"].put([p[0] for p in parts], "q", out.shape), out, F64_GRAD)
+    assert_close_normwise(c["lay"].put_lse([p[1] for p in parts]), lse, F64_GRAD)
     assert np.all(np.isfinite(out))                              # the unused NaN slot is never read
 
 
@@ -235,8 +234,8 @@ def test_jvp(layout, qv, sinks, score, precision):
     out, tan = call()
     parts = [sdpa_jvp(_joined(c, b)[:3], _joined(c, b)[3], precision=precision, **_joined(c, b)[4])
              for b in range(_n(c))]
-    assert_close_normwise(c["lay"].put([p[0] for p in parts], "q", out.shape), out, RTOL)
-    assert_close_normwise(c["lay"].put([p[1] for p in parts], "q", tan.shape), tan, RTOL)
+    assert_close_normwise(c["lay"].put([p[0] for p in parts], "q", out.shape), out, F64_GRAD)
+    assert_close_normwise(c["lay"].put([p[1] for p in parts], "q", tan.shape), tan, F64_GRAD)
 
 
 SECOND = list(itertools.product(LAYOUTS, (False, True), (False, True), (False, True), (False, True)))

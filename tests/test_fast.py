@@ -17,11 +17,10 @@ from sdpa_ref.engines import fast
 
 from helpers import assert_close_normwise
 from strategies import attention_problem, variant_problem
+from tolerances import F64_REGROUPED
 
-FAST_RTOL = 1e-14
 
-
-def _close(x, y, rtol=FAST_RTOL):
+def _close(x, y, rtol=F64_REGROUPED):
     assert_close_normwise(x, y, rtol)
 
 

@@ -18,10 +18,11 @@ import sdpa_ref
 from sdpa_ref import KVCache, Packed, sdpa_backward, sdpa_forward, sdpa_jvp
 
 from helpers import assert_close_normwise
+from tolerances import F64_FEW_ULP, F64_SUMS
 
 HOWS = {"fast": {}, "plain": {"method": "plain"}, "tiled-2": {"block_size": 2},
         "reproducible": {"precision": "reproducible"}}
-RTOL = {"fast": 1e-13, "plain": 1e-13, "tiled-2": 1e-13, "reproducible": 1e-15}
+RTOL = {"fast": F64_SUMS, "plain": F64_SUMS, "tiled-2": F64_SUMS, "reproducible": F64_FEW_ULP}
 
 
 def _options(draw, rng, Hq):

@@ -21,10 +21,8 @@ import sdpa_ref.merge
 from sdpa_ref import causal_mask, merge_attention, merge_attention_backward, scaled_dot_product_attention
 from sdpa_ref.lse import combine_lse
 
-RTOL_SPLIT = 1e-12    # merged split attention against the unsplit call, float64
-RTOL_REF = 1e-13      # against the mpmath loop
-RTOL_FD = 1e-6        # against central differences
-ATOL_FD = 1e-8
+from tolerances import F64_AMPLIFIED, F64_SUMS, FD_LOOSE, FD_LOOSE_ATOL
+
 FD_STEP = 1e-6
 LN2 = math.log(2.0)
 GARBAGE = [np.nan, np.inf, -np.inf, 1e308, -1e308, 5e-324]
@@ -93,9 +91,9 @@ def test_attention_split_over_the_keys_and_merged_is_the_unsplit_attention(probl
     out_parts, lse_parts = np.stack([o for o, _ in res]), np.stack([s for _, s in res])
     scale = 1.0 if base == "e" else LN2
     out_ans, lse_ans = merge_attention(out_parts, lse_parts / scale, lse_base=base)
-    atol = RTOL_SPLIT * max(1.0, np.max(np.abs(v), initial=0))
-    np.testing.assert_allclose(out_ans, out_ref, rtol=RTOL_SPLIT, atol=atol)
-    np.testing.assert_allclose(lse_ans * scale, lse_ref, rtol=RTOL_SPLIT, atol=RTOL_SPLIT * 10)
+    atol = F64_AMPLIFIED * max(1.0, np.max(np.abs(v), initial=0))
+    np.testing.assert_allclose(out_ans, out_ref, rtol=F64_AMPLIFIED, atol=atol)
+    np.testing.assert_allclose(lse_ans * scale, lse_ref, rtol=F64_AMPLIFIED, atol=F64_AMPLIFIED * 10)
     assert np.array_equal(np.isneginf(lse_ans), np.isneginf(lse_ref))
     assert not np.isnan(out_ans).any() and not np.isnan(lse_ans).any()
 
@@ -146,8 +144,8 @@ def test_merge_matches_an_mpmath_loop(seed, base, quiet):
     lse_parts[0, 0, 1] = 700.0                       # exp overflows without the shift by the largest part
     out_ans, lse_ans = merge_attention(out_parts, lse_parts, lse_base=base)
     out_ref, lse_ref = _merge_ref(out_parts, lse_parts, base)
-    np.testing.assert_allclose(out_ans, out_ref, rtol=RTOL_REF, atol=RTOL_REF)
-    np.testing.assert_allclose(lse_ans, lse_ref, rtol=RTOL_REF, atol=RTOL_REF)
+    np.testing.assert_allclose(out_ans, out_ref, rtol=F64_SUMS, atol=F64_SUMS)
+    np.testing.assert_allclose(lse_ans, lse_ref, rtol=F64_SUMS, atol=F64_SUMS)
 
 
 def test_translation_permutation_and_grouping(quiet):
@@ -155,17 +153,17 @@ def test_translation_permutation_and_grouping(quiet):
     out_parts, lse_parts = _inputs(7, P=4, shape=(3, 2), Ev=2)
     out, lse = merge_attention(out_parts, lse_parts)
     out_c, lse_c = merge_attention(out_parts, lse_parts + 0.75)
-    np.testing.assert_allclose(out_c, out, rtol=RTOL_REF, atol=RTOL_REF)
-    np.testing.assert_allclose(lse_c, lse + 0.75, rtol=RTOL_REF, atol=RTOL_REF)
+    np.testing.assert_allclose(out_c, out, rtol=F64_SUMS, atol=F64_SUMS)
+    np.testing.assert_allclose(lse_c, lse + 0.75, rtol=F64_SUMS, atol=F64_SUMS)
     perm = [2, 0, 3, 1]
     out_p, lse_p = merge_attention(out_parts[perm], lse_parts[perm])
-    np.testing.assert_allclose(out_p, out, rtol=RTOL_REF, atol=RTOL_REF)
-    np.testing.assert_allclose(lse_p, lse, rtol=RTOL_REF, atol=RTOL_REF)
+    np.testing.assert_allclose(out_p, out, rtol=F64_SUMS, atol=F64_SUMS)
+    np.testing.assert_allclose(lse_p, lse, rtol=F64_SUMS, atol=F64_SUMS)
     o01, l01 = merge_attention(out_parts[:2], lse_parts[:2])
     o23, l23 = merge_attention(out_parts[2:], lse_parts[2:])
     out_g, lse_g = merge_attention(np.stack([o01, o23]), np.stack([l01, l23]))
-    np.testing.assert_allclose(out_g, out, rtol=RTOL_REF, atol=RTOL_REF)
-    np.testing.assert_allclose(lse_g, lse, rtol=RTOL_REF, atol=RTOL_REF)
+    np.testing.assert_allclose(out_g, out, rtol=F64_SUMS, atol=F64_SUMS)
+    np.testing.assert_allclose(lse_g, lse, rtol=F64_SUMS, atol=F64_SUMS)
 
 
 def test_one_part_and_empty_parts_are_the_identity_bit_for_bit(quiet):
@@ -185,8 +183,8 @@ def test_base_2_is_the_natural_merge_in_other_units(quiet):
     out_parts, lse_parts = _inputs(11, P=3, shape=(4,), Ev=2)
     out_e, lse_e = merge_attention(out_parts, lse_parts)
     out_2, lse_2 = merge_attention(out_parts, lse_parts / LN2, lse_base="2")
-    np.testing.assert_allclose(out_2, out_e, rtol=RTOL_REF, atol=RTOL_REF)
-    np.testing.assert_allclose(lse_2 * LN2, lse_e, rtol=RTOL_REF, atol=RTOL_REF)
+    np.testing.assert_allclose(out_2, out_e, rtol=F64_SUMS, atol=F64_SUMS)
+    np.testing.assert_allclose(lse_2 * LN2, lse_e, rtol=F64_SUMS, atol=F64_SUMS)
 
 
 def test_nan_in_an_lse_part_poisons_its_row_only(quiet):
@@ -266,7 +264,7 @@ def _fd_errors(vjp, out_parts, lse_parts, g, g_lse, base):
     live = np.isfinite(lse_parts)
     num_lse = num_grad(lse_parts, 1, live)
     assert np.all(d_lse[~live] == 0) and np.all(d_out[~live] == 0)
-    err = lambda a, n: float(np.max(np.abs(a - n) - RTOL_FD * np.abs(n), initial=0.0))
+    err = lambda a, n: float(np.max(np.abs(a - n) - FD_LOOSE * np.abs(n), initial=0.0))
     return err(d_out, num_out), err(d_lse, num_lse)
 
 
@@ -282,7 +280,7 @@ def test_backward_matches_central_differences(base, with_g_lse, scene, quiet):
     g = rng.standard_normal(out_parts.shape[1:])
     g_lse = rng.standard_normal(lse_parts.shape[1:]) if with_g_lse else None
     e_out, e_lse = _fd_errors(merge_attention_backward, out_parts, lse_parts, g, g_lse, base)
-    assert e_out <= ATOL_FD and e_lse <= ATOL_FD, (e_out, e_lse)
+    assert e_out <= FD_LOOSE_ATOL and e_lse <= FD_LOOSE_ATOL, (e_out, e_lse)
 
 
 @pytest.mark.parametrize("variant,base", [("no <g, out> term", "e"), ("no <g, out> term", 2),
@@ -295,7 +293,7 @@ def test_the_difference_check_catches_a_wrong_vjp(variant, base, quiet):
     def wrong(*args, lse_base):
         return _vjp_wrong(*args, lse_base=lse_base, variant=variant)
 
-    assert max(_fd_errors(merge_attention_backward, out_parts, lse_parts, g, g_lse, base)) <= ATOL_FD
+    assert max(_fd_errors(merge_attention_backward, out_parts, lse_parts, g, g_lse, base)) <= FD_LOOSE_ATOL
     assert max(_fd_errors(wrong, out_parts, lse_parts, g, g_lse, base)) > 1e-3
 
 

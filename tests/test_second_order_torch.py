@@ -23,8 +23,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from sdpa_ref import sdpa_hvp  # noqa: E402
 
+from tolerances import F64_GRAD_ORACLE  # noqa: E402
+
 B, HQ, L, S, E, EV = 2, 4, 5, 6, 3, 2
-RTOL = 1e-10
 
 
 def _t(x):
@@ -42,7 +43,7 @@ def _torch_hvp(loss_of, primals, directions):
 def _close(got, want, what):
     scale = max(float(np.abs(want).max()), 1e-300)
     err = float(np.abs(got - want).max()) / scale
-    assert err <= RTOL, f"{what}: normwise relative difference {err:.3e} from PyTorch's double backward"
+    assert err <= F64_GRAD_ORACLE, f"{what}: normwise relative difference {err:.3e} from PyTorch's double backward"
 
 
 SDPA_GRID = list(itertools.product((False, True), ("none", "bool", "float"), (None, 0.7), (2, 4)))
