@@ -35,7 +35,8 @@ F64_FEW_ULP = 1e-15      # ~4.5 EPS64: a closed form a handful of roundings away
 
 F64_REGROUPED = 1e-14    # ~45 EPS64: the same sums regrouped, on rows of S <= 8 (a batch loop against one call,
                          # GQA against repeated keys, ALiBi against its bias, merged log-sum-exps, a plain
-                         # softmax(q k^T / sqrt E) @ v): (S + E + 4) u ~ 2e-15, x5
+                         # softmax(q k^T / sqrt E) @ v, the fast engine against the plain one normwise):
+                         # (S + E + 4) u ~ 2e-15, x5
 F64_SUMS = 1e-13         # ~450 EPS64: float64 forward results whose S-term row sums and E-term dots run in
                          # another order (another schedule or engine, scipy, mpmath, a plain formula, the
                          # complex-step derivative at h = 1e-30, which has no truncation and no cancellation):
@@ -44,9 +45,10 @@ F64_AMPLIFIED = 1e-12    # ~4500 EPS64: float64 forward where the rounding is am
                          # against the loop oracle on hypothesis problems (scores up to |30|, so exp's relative
                          # error 30 u per score), logits shifted by |c| <= 100 (x + c rounds by 100 u absolute),
                          # rows of S ~ 10**3 (S u ~ 1e-13), a division by a small sigma (layer norm), a norm
-                         # against an explicit matrix
-F64_GRAD = 1e-12         # backward, JVP and HVP of one formula in two schedules (and float64 peers' backward):
-                         # dS = P * (dP - delta) cancels, so the forward's F64_SUMS grows about x10
+                         # against an explicit matrix, split partials merged through exp(lse_i - lse)
+F64_GRAD = 1e-12         # backward, JVP and HVP of one formula in two schedules or layouts (and float64 peers'
+                         # backward; with the forward where one check covers both): dS = P * (dP - delta) cancels,
+                         # so the forward's F64_SUMS grows about x10
 F64_GRAD_LONG = 1e-11    # gradients summed over KV splits, JVPs on rows of S ~ 10**3, tangents of tangents
                          # (second order): F64_GRAD with one more accumulation or differentiation, x10
 F64_GRAD_ORACLE = 1e-10  # gradients against an independent route (the loop oracle with sinks, JAX's and torch's
