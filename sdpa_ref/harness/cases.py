@@ -32,6 +32,7 @@ import numpy as np
 
 from ..api import sdpa_forward
 from ..options import ARRAY_OPTIONS, FUNCTION_OPTIONS, OPTION_NAMES, AttentionOptions
+from ..policy import DEFAULT, is_default
 from ..score_mod import ScoreMod
 from ..rounding import round_to
 from .lowp import dequantized, is_fp8, quantize
@@ -240,7 +241,7 @@ def _case(L, S, *, E=8, Ev=8, Hq=2, Hkv=2, batch_q=(2,), batch_kv=(2,), seed=0, 
         parts.append(f"softcap{options['softcap']:g}")
     if options.get("scale") is not None:
         parts.append(f"scale{options['scale']:g}")
-    if options.get("fully_masked", "zero") != "zero":
+    if not is_default(options.get("fully_masked", DEFAULT)):
         parts.append(options["fully_masked"])
     if logit_scale != 1.0:
         parts.append("large-logits")

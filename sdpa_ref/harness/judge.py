@@ -19,6 +19,7 @@ from ..api import sdpa_forward
 from ..derivatives import sdpa_backward, sdpa_jvp
 from ..lse import convert_lse
 from ..options import AttentionOptions
+from ..policy import averages_values
 from ..problem import Problem
 from ..rounding import round_to
 from ..transforms import unbroadcast
@@ -237,7 +238,7 @@ def dead_positions(q, k, inp):
     keys = None
     if allowed is not None:
         read = np.broadcast_to(allowed, prob.full_scores).any(axis=(-3, -2))       # (*batch, S)
-        if inp.get("fully_masked") in ("uniform", "jax"):
+        if averages_values(inp.get("fully_masked")):
             _, res = sdpa_forward(q, k, np.zeros(k.shape[:-1] + (1,)), save_probs=False, **dict(
                 {n: x for n, x in inp.items() if n not in DESCALES}))
             empty = res.empty if res.padded is None else (res.empty & ~res.padded)

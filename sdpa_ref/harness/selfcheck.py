@@ -44,6 +44,7 @@ from ..api import sdpa_forward, sdpa_forward_complex
 from ..derivatives import sdpa_backward, sdpa_jvp
 from ..second_order import sdpa_hvp
 from ..gradcheck import check_jvp, check_vjp
+from ..policy import makes_nan
 from ..softmax import log_softmax, log_softmax_vjp, softmax, softmax_jvp, softmax_vjp
 from .cases import Case
 from .grid import gradcheck_grid
@@ -181,7 +182,7 @@ def run_attention_case(case: Case, *, rtol=CHECK_RTOL, atol=CHECK_ATOL, complex_
         case = replace(case, seed=seed)
     seed = case.seed
     q, k, v, fmask, bias, opts = differentiable_inputs(case)
-    if case.opts.get("fully_masked") == "nan":
+    if makes_nan(case.opts.get("fully_masked")):
         return _nan_policy_check(case, t0, rtol=rtol, atol=atol, complex_rtol=complex_rtol,
                                  complex_atol=complex_atol, lse_rtol=lse_rtol)
     args = (q, k, v) + ((fmask,) if fmask is not None else ()) + ((bias,) if bias is not None else ())

@@ -36,6 +36,7 @@ import numpy as np
 from ..api import sdpa_forward
 from ..derivatives import sdpa_backward
 from ..layouts import KVCache, Packed
+from ..policy import averages_every_key
 from .lowp import widen
 from .storage import Storage
 
@@ -64,7 +65,7 @@ def takes(case, layout) -> bool:
     padding), and for ``"paged"`` no ``q_lengths`` (a KV-cache kernel computes every query row)."""
     if case.batch_q != case.batch_kv or len(case.batch_q) != 1 or set(case.arrays) - _PER_SEQUENCE:
         return False
-    if case.opts.get("fully_masked") == "uniform":
+    if averages_every_key(case.opts.get("fully_masked")):
         return False
     return not (layout == "paged" and "lengths" in case.arrays)
 
