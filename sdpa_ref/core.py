@@ -181,9 +181,10 @@ def attention_jvp(residuals, tangents):
     """``dO`` (..., L, Ev) along the input tangents ``(dq, dk, dv)``, each of its input's shape."""
     q, k, v, P, s = residuals
     dq, dk, dv = (np.asarray(t, dtype=np.float64) for t in tangents)
-    dT = s * (dq @ k.swapaxes(-1, -2) + q @ dk.swapaxes(-1, -2))   # dT = s (dQ K^T + Q dK^T)   T = s Q K^T
-    dP = softmax_jvp((P, -1), dT)                        # dP = P * (dT - rowsum(P * dT))       P = softmax_rows(T)
-    return dP @ v + P @ dv                               # dO = dP V + P dV                     O = P V
+    # each line differentiates one forward line (the product rule), first line first
+    dT = s * (dq @ k.swapaxes(-1, -2) + q @ dk.swapaxes(-1, -2))   # dT = s (dQ K^T + Q dK^T)   of T = s Q K^T
+    dP = softmax_jvp((P, -1), dT)                        # dP = P * (dT - rowsum(P * dT))     of P = softmax_rows(T)
+    return dP @ v + P @ dv                               # dO = dP V + P dV                   of O = P V
 
 
 # ---------------------------------------------------------------- helpers

@@ -16,9 +16,9 @@ This page derives the backward pass in index notation, one line at a time
 and last line first, checks **each step alone** by finite differences, then
 the whole chain against :func:`sdpa_ref.sdpa_backward` and
 :func:`sdpa_ref.check_vjp`, and shows each step's line in the package's
-teaching core, ``sdpa_ref/attention.py``. The last section runs the same
-derivation forwards (the JVP). It builds on the softmax VJP of the previous
-tutorial.
+teaching core, ``sdpa_ref/core.py`` (NumPy alone, one file, the oracle every
+engine is tested against). The last section runs the same derivation
+forwards (the JVP). It builds on the softmax VJP of the previous tutorial.
 """
 
 import inspect
@@ -26,9 +26,7 @@ import inspect
 import numpy as np
 
 import sdpa_ref
-import sdpa_ref.attention
-import sdpa_ref.pivot
-import sdpa_ref.transforms
+import sdpa_ref.core
 
 rng = np.random.default_rng(0)
 L, S, E, Ev = 3, 4, 5, 2                     # query rows, keys, query/key width, value width
@@ -51,10 +49,27 @@ def forward(Q, K, V):
 
 
 T, P, O = forward(Q, K, V)
-out, res = sdpa_ref.sdpa_forward(Q, K, V, method="plain")   # the teaching core: sdpa_ref/attention.py
-np.testing.assert_allclose(out, O, rtol=1e-13, atol=1e-15)
+out_core, res_core = sdpa_ref.core.attention_forward(Q, K, V)   # the teaching core: sdpa_ref/core.py
+out, res = sdpa_ref.sdpa_forward(Q, K, V, method="plain")       # the package's plain engine
+for o in (out_core, out):
+    np.testing.assert_allclose(o, O, rtol=1e-13, atol=1e-15)
 np.testing.assert_allclose(res.probs.reshape(L, S), P, rtol=1e-13, atol=1e-15)
 print("O =\n", np.array2string(O, precision=4))
+
+# %%
+# In the teaching core, :func:`sdpa_ref.core.attention_forward` is the same
+# three lines, with the allowed set (a boolean mask, the causal rule) written
+# as :math:`-\infty` scores, which the softmax turns into exact zeros; a row
+# with no allowed key gets :math:`P = 0`, so its output is 0 and it sends no
+# gradient (the package's default ``fully_masked="zero"``):
+#
+# .. literalinclude:: /../sdpa_ref/core.py
+#    :language: python
+#    :pyobject: attention_forward
+#    :lineno-match:
+#    :dedent:
+#    :start-at: with np.errstate(over="ignore", invalid="ignore"):
+#    :end-at: O = P @ v
 
 # %%
 # The loss, the check, and how to read it
@@ -120,8 +135,9 @@ def check(name, analytic, numeric, tol=TOL):
         raise AssertionError(f"{name}: relative error {err:.3e} > {tol:g}:\n{analytic}\nvs\n{numeric}")
 
 
-BACKWARD_SRC = inspect.getsource(sdpa_ref.attention.backward)
-JVP_SRC = inspect.getsource(sdpa_ref.attention.jvp)
+FORWARD_SRC = inspect.getsource(sdpa_ref.core.attention_forward)
+BACKWARD_SRC = inspect.getsource(sdpa_ref.core.attention_backward)
+JVP_SRC = inspect.getsource(sdpa_ref.core.attention_jvp)
 
 
 def cited(src, *texts):
@@ -129,6 +145,10 @@ def cited(src, *texts):
     for t in texts:
         if src.count(t) != 1:
             raise AssertionError(f"expected {t!r} exactly once in the cited source, found {src.count(t)} times")
+
+
+cited(FORWARD_SRC, 'with np.errstate(over="ignore", invalid="ignore"):', "T = s * (q @ np.swapaxes(k, -1, -2))",
+      "T = np.where(A, T, -np.inf)", "P, _ = softmax_forward(T)", "O = P @ v")
 
 
 # %%
@@ -171,27 +191,23 @@ check("dV = P^T dO", dV, num_grad(lambda V_: np.sum(dO * (P @ V_)), V))
 check("dP = dO V^T", dP, num_grad(lambda P_: np.sum(dO * (P_ @ V)), P))
 
 # %%
-# In the teaching core (:func:`sdpa_ref.attention.backward`) these are the
-# first lines after the set-up; each comment names the forward line it
-# inverts:
+# In the teaching core (:func:`sdpa_ref.core.attention_backward`) these are
+# the first lines after unpacking the residuals; each comment names the
+# forward line it inverts and the rule:
 #
-# .. literalinclude:: /../sdpa_ref/attention.py
+# .. literalinclude:: /../sdpa_ref/core.py
 #    :language: python
-#    :pyobject: backward
+#    :pyobject: attention_backward
 #    :lineno-match:
 #    :dedent:
-#    :start-at: dV = P_drop^T dO
-#    :end-at: dP = dropout_vjp(
+#    :start-at: dv = P.swapaxes(-1, -2) @ g
+#    :end-at: dP = g @ v.swapaxes(-1, -2)
 #
-# ``P_drop`` is :math:`P` after dropout, :math:`P \odot Z / (1 - p)`, with
-# the keep mask :math:`Z`; ``dropout_vjp`` multiplies by the same factor.
-# Without dropout both are the identity. ``_grouped`` and ``.sum(axis=-3)``
-# are grouped-query attention: the :math:`G` query heads that share one
-# key/value head each contribute to its :math:`dV`. Here :math:`G = 1`.
+# ``g`` is :math:`dO`, and ``swapaxes(-1, -2)`` is the transpose of the last
+# two axes, so that leading (batch, head) axes ride along.
 
-cited(BACKWARD_SRC, "dV = P_drop^T dO", "dP_drop = dO V^T", "dP = dropout_vjp(",
-      "dv = (np.swapaxes(_grouped(P_drop, prob), -1, -2) @ dO).sum(axis=-3)",
-      "dO @ np.swapaxes(v, -1, -2)")
+cited(BACKWARD_SRC, "dv = P.swapaxes(-1, -2) @ g", "# dV = P^T dO", "dP = g @ v.swapaxes(-1, -2)",
+      "# dP = dO V^T")
 
 # %%
 # Step 2: :math:`P = \operatorname{softmax}_{\text{rows}}(T)` gives :math:`dT`
@@ -250,37 +266,37 @@ print(f"relative difference  : {rel_error(D, D_flash):.1e}   (rounding only)")
 np.testing.assert_allclose(D_flash, D, rtol=1e-12, atol=1e-15)
 
 # %%
-# In the teaching core the comment carries the derivation and one call does
-# the row pass (``vjp`` of :mod:`sdpa_ref.normalize`; ``p_extra`` and
-# ``dlse`` are for attention sinks and for a loss that reads the
-# log-sum-exp, both absent here):
+# In the teaching core one call does the row pass, the softmax VJP along
+# the last axis; the comment carries the derivation, and why a masked entry
+# gets no gradient:
 #
-# .. literalinclude:: /../sdpa_ref/attention.py
+# .. literalinclude:: /../sdpa_ref/core.py
 #    :language: python
-#    :pyobject: backward
+#    :pyobject: attention_backward
 #    :lineno-match:
 #    :dedent:
-#    :start-at: P = softmax(T), J = diag(P) - P P^T
-#    :end-at: dT, dextra = vjp(P, dP
+#    :start-at: dT = softmax_backward((P, -1), dP)
+#    :end-at: T = -inf outside A is a constant there
 #
-# Without sinks or ``dlse`` that call is :func:`sdpa_ref.softmax_vjp`, whose
-# one formula line is
+# and :func:`sdpa_ref.core.softmax_backward` is the formula above, two lines:
 #
-# .. literalinclude:: /../sdpa_ref/pivot.py
+# .. literalinclude:: /../sdpa_ref/core.py
 #    :language: python
-#    :pyobject: pivoted_vjp
+#    :pyobject: softmax_backward
 #    :lineno-match:
 #
-# with :math:`c` the entry of :math:`dP` at the row's largest :math:`P`.
-# Since the rows of :math:`P` sum to 1, subtracting :math:`c` changes
-# nothing, :math:`P \odot ((g - c) - \langle g - c, P\rangle) = P \odot (g
-# - \langle g, P\rangle)`; it only makes the dominant term of the sum exactly
-# 0, which helps accuracy on peaked rows.
+# The package's engines (:func:`sdpa_ref.softmax_vjp` too) evaluate the same
+# :math:`dT` in a pivoted form, :math:`P \odot ((dP - c) - \langle dP - c,
+# P\rangle)` with :math:`c` the entry of :math:`dP` at the row's largest
+# :math:`P`. Since the rows of :math:`P` sum to 1, subtracting :math:`c`
+# changes nothing in exact arithmetic; it only makes the dominant term of the
+# sum exactly 0, which helps accuracy on peaked rows.
 
-cited(BACKWARD_SRC, "P = softmax(T), J = diag(P) - P P^T", "dT = J dP = P * (dP - D), D = rowsum(P * dP)",
-      "dT, dextra = vjp(P, dP")
-cited(inspect.getsource(sdpa_ref.pivot.pivoted_vjp), "D = np.sum(gc * y, axis=axis, keepdims=True)",
-      "return nan_rows_vjp(y * (gc - D), y, D)")
+cited(BACKWARD_SRC, "dT = softmax_backward((P, -1), dP)", "# dT = P * (dP - D), D = rowsum(P * dP)",
+      "inverts P = softmax_rows(T)")
+cited(inspect.getsource(sdpa_ref.core.softmax_backward), "D = np.sum(y * g, axis=axis, keepdims=True)",
+      "return y * (g - D)")
+np.testing.assert_allclose(sdpa_ref.core.softmax_backward((P, -1), dP), dT, rtol=1e-12, atol=1e-15)
 c = dP[np.arange(L), np.argmax(P, axis=1)][:, None]
 np.testing.assert_allclose(P * ((dP - c) - np.sum(P * (dP - c), axis=1, keepdims=True)), dT, rtol=1e-12, atol=1e-15)
 np.testing.assert_allclose(sdpa_ref.softmax_vjp(P, dP), dT, rtol=1e-12, atol=1e-15)
@@ -313,53 +329,39 @@ check("dQ = s dT K", dQ, num_grad(lambda Q_: np.sum(dT * (scale * Q_ @ K.T)), Q)
 check("dK = s dT^T Q", dK, num_grad(lambda K_: np.sum(dT * (scale * Q @ K_.T)), K))
 
 # %%
-# In the teaching core:
+# In the teaching core, the last two lines, and the gradients summed back
+# over any leading axis that ``np.matmul`` broadcast (none here):
 #
-# .. literalinclude:: /../sdpa_ref/attention.py
+# .. literalinclude:: /../sdpa_ref/core.py
 #    :language: python
-#    :pyobject: backward
+#    :pyobject: attention_backward
 #    :lineno-match:
 #    :dedent:
-#    :start-at: dQ = scale dTraw K
-#    :end-at: dq, dk = scores_vjp(
+#    :start-at: dq = s * (dT @ k)
+#    :end-at: return _unbroadcast(dq
 #
-# ``dTraw`` is :math:`dT` taken back through the optional softcap
-# :math:`T = c \tanh(T_{\text{raw}}/c)`, which multiplies by
-# :math:`1 - \tanh^2`; without softcap it is :math:`dT`. The two products
-# are in :mod:`sdpa_ref.transforms`:
-#
-# .. literalinclude:: /../sdpa_ref/transforms.py
-#    :language: python
-#    :pyobject: scores_vjp
-#    :lineno-match:
-#
-# :math:`dK = dT^{\top} Q` is a product whose first factor is the transposed
-# :math:`L \times S` matrix; ``transposed_product`` computes it as
-# :math:`(Q^{\top} dT)^{\top}` in float64, the same sums, which OpenBLAS
-# runs faster. The order of the
-# additions differs, so the last bits may differ, as they do between BLAS
-# builds; the check below holds either way.
+# (The package's engines compute :math:`dK = dT^{\top} Q` as :math:`(Q^{\top}
+# dT)^{\top}`, the same sums in another order, which OpenBLAS runs faster;
+# the last bits may differ, as they do between BLAS builds.)
 
-cited(BACKWARD_SRC, "dQ = scale dTraw K, dK = scale dTraw^T Q", "dq, dk = scores_vjp(")
-cited(inspect.getsource(sdpa_ref.transforms.scores_vjp), "np.matmul(dT, k", "transposed_product(dT, q")
-np.testing.assert_allclose(sdpa_ref.transforms.transposed_product(dT, Q), dT.T @ Q, rtol=1e-12, atol=1e-15)
+cited(BACKWARD_SRC, "dq = s * (dT @ k)", "# dQ = s dT K", "dk = s * (dT.swapaxes(-1, -2) @ q)", "# dK = s dT^T Q")
 
 # %%
 # The general form: what the extra factors are
 # ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
 #
-# The lines shown are the general form; with this page's single head and no
-# options, every extra factor is the identity:
+# The teaching core has the scale, the causal rule and boolean masks only.
+# The package's engines (:mod:`sdpa_ref.attention` is the ``"plain"`` one)
+# add factors that are the identity on this page:
 #
-# * **dropout**: ``P_drop`` :math:`= P \odot Z/(1-p)` and ``dropout_vjp``
-#   multiplies :math:`dP` by the same :math:`Z/(1-p)`;
-# * **grouped-query attention**: ``_grouped`` views the :math:`H_q` query
-#   heads as :math:`H_{kv}` groups of :math:`G`, and ``.sum(axis=-3)`` adds
-#   the :math:`G` heads' contributions to the shared :math:`dK` and
-#   :math:`dV`;
-# * **masks, bias, ALiBi**: added to :math:`T`, so their gradient is
-#   :math:`dT` summed to their shape (``additive_vjp``); a masked entry has
-#   :math:`P = 0` and so :math:`dT = 0`;
+# * **dropout**: ``P_drop`` :math:`= P \odot Z/(1-p)`, and :math:`dP` is
+#   multiplied by the same :math:`Z/(1-p)`;
+# * **grouped-query attention**: the :math:`H_q` query heads are viewed as
+#   :math:`H_{kv}` groups of :math:`G`, and the :math:`G` heads'
+#   contributions are added to the shared :math:`dK` and :math:`dV`;
+# * **float masks, bias, ALiBi**: added to :math:`T`, so their gradient is
+#   :math:`dT` summed to their shape; a masked entry has :math:`P = 0` and
+#   so :math:`dT = 0`;
 # * **softcap**: ``dTraw`` :math:`= dT \odot (1 - \tanh^2)`;
 # * **sinks** (extra logits with no value) and ``dlse`` (a loss that reads
 #   the log-sum-exp): more terms inside the one softmax row pass.
@@ -369,8 +371,9 @@ np.testing.assert_allclose(sdpa_ref.transforms.transposed_product(dT, Q), dT.T @
 #
 # Put together, the backward is five lines. We check it against central
 # differences of the whole loss :math:`\langle dO, O(Q, K, V)\rangle`,
-# against the package's :func:`sdpa_ref.sdpa_backward` run on the teaching
-# core (``method="plain"``), and with :func:`sdpa_ref.check_vjp`, which
+# against the teaching core's :func:`sdpa_ref.core.attention_backward` and
+# the package's :func:`sdpa_ref.sdpa_backward` (``method="plain"``), and with
+# :func:`sdpa_ref.check_vjp`, which
 # builds the whole Jacobian of :math:`O` both ways (one VJP per output
 # entry, two forward runs per input entry) and compares them entry by entry.
 
@@ -397,9 +400,12 @@ for name, a, n in zip(("dQ", "dK", "dV"), hand, numeric):
     check(f"whole chain: {name}", a, n)
 
 grads = sdpa_ref.sdpa_backward(res, dO)     # res: the residuals of sdpa_forward(..., method="plain")
-for name, a, b in zip(("dQ", "dK", "dV"), hand, (grads.query, grads.key, grads.value)):
-    print(f"{name} by hand vs sdpa_backward: max |difference| {np.abs(a - b).max():.1e}")
+for name, a, b, c in zip(("dQ", "dK", "dV"), hand, (grads.query, grads.key, grads.value),
+                         sdpa_ref.core.attention_backward(res_core, dO)):
+    print(f"{name} by hand vs sdpa_backward: max |difference| {np.abs(a - b).max():.1e}, "
+          f"vs the core: {np.abs(a - c).max():.1e}")
     np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(c, a, rtol=1e-12, atol=1e-14)
 
 
 def attention(q, k, v):
@@ -467,9 +473,9 @@ if rep.ok:
 # The softmax line is the same map as in the backward, because the softmax
 # Jacobian is symmetric: :math:`\delta P = P \odot (\delta T -
 # \operatorname{rowsum}(P \odot \delta T))`. We check it against a central
-# difference of the forward along the tangents, against
-# :func:`sdpa_ref.sdpa_jvp` (the teaching core's
-# :func:`sdpa_ref.attention.jvp`), with :func:`sdpa_ref.check_jvp`, and
+# difference of the forward along the tangents, against the teaching core's
+# :func:`sdpa_ref.core.attention_jvp` and :func:`sdpa_ref.sdpa_jvp`
+# (``method="plain"``), with :func:`sdpa_ref.check_jvp`, and
 # against the backward through the identity :math:`\langle dO, J\,\delta
 # \rangle = \langle J^{\top} dO, \delta\rangle`, which ties the two modes
 # together.
@@ -489,8 +495,11 @@ minus = forward(*(x - H * t for x, t in zip((Q, K, V), tangents)))[2]
 check("JVP vs central difference", dO_t, (plus - minus) / (2 * H))
 
 _, dO_lib = sdpa_ref.sdpa_jvp((Q, K, V), tangents, method="plain")
-print(f"JVP by hand vs sdpa_jvp: max |difference| {np.abs(dO_lib - dO_t).max():.1e}")
+dO_core = sdpa_ref.core.attention_jvp(res_core, tangents)
+print(f"JVP by hand vs sdpa_jvp: max |difference| {np.abs(dO_lib - dO_t).max():.1e}, "
+      f"vs the core: {np.abs(dO_core - dO_t).max():.1e}")
 np.testing.assert_allclose(dO_lib, dO_t, rtol=1e-12, atol=1e-14)
+np.testing.assert_allclose(dO_core, dO_t, rtol=1e-12, atol=1e-14)
 
 rep = sdpa_ref.check_jvp(attention, lambda ts, q, k, v: jvp_by_hand(q, k, v, *ts), (Q, K, V))
 print(rep)
@@ -503,18 +512,20 @@ print(f"<dO, J t> = {lhs:.15f}\n<J^T dO, t> = {rhs:.15f}")
 np.testing.assert_allclose(lhs, rhs, rtol=1e-12)
 
 # %%
-# In the teaching core, :func:`sdpa_ref.attention.jvp` (the scores' tangent,
-# the softmax row pass on it, then the two products):
+# In the teaching core, :func:`sdpa_ref.core.attention_jvp` (the scores'
+# tangent, the softmax row pass on it, then the two products), each line
+# naming the forward line it differentiates:
 #
-# .. literalinclude:: /../sdpa_ref/attention.py
+# .. literalinclude:: /../sdpa_ref/core.py
 #    :language: python
-#    :pyobject: jvp
+#    :pyobject: attention_jvp
 #    :lineno-match:
 #    :dedent:
-#    :start-at: dTraw = scores_jvp(
-#    :end-at: dO_v = Pd @ _kv(dv)
+#    :start-at: dT = s * (dq @ k.swapaxes(-1, -2)
+#    :end-at: return dP @ v + P @ dv
 
-cited(JVP_SRC, "dTraw = scores_jvp(", "dP = vjp(P, dT, p_extra", "dO = _grouped(dropout_jvp(dP", "dO_v = Pd @ _kv(dv)")
+cited(JVP_SRC, "dT = s * (dq @ k.swapaxes(-1, -2) + q @ dk.swapaxes(-1, -2))", "dP = softmax_jvp((P, -1), dT)",
+      "return dP @ v + P @ dv")
 
 # %%
 # Summary
