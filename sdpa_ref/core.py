@@ -47,6 +47,12 @@ A row with no allowed key (a fully masked bool row, or S = 0) gets ``P = 0``: it
 gradient and tangent it sends is 0, and its LSE (``logsumexp_forward`` of ``T``) is ``-inf``. This is the
 package's default ``fully_masked="zero"`` (PyTorch 2.5 and later, FlashAttention). The core has no other policy
 and no float mask, bias, softcap, dropout, sinks or grouped heads: those are the engines' (see SEMANTICS.md).
+
+>>> log_softmax_forward(np.array([1000., 1.]))[0].tolist()          # naive log(softmax): [0., -inf]
+[0.0, -999.0]
+>>> out, res = attention_forward(np.ones((2, 3)), np.ones((4, 3)), np.eye(4), is_causal=True)
+>>> out.tolist()                                                       # row i: the mean of values 0..i
+[[1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]
 """
 
 import numpy as np
@@ -109,9 +115,10 @@ def logsumexp_forward(x, axis=-1):
     x = np.asarray(x, dtype=np.float64)
     m = _row_max(x, axis)
     with np.errstate(divide="ignore", invalid="ignore"):
-        s = np.sum(np.exp(x - m), axis=axis, keepdims=True)     # s = rowsum(exp(x - m)) in [1, n]; 0 if all -inf
+        e = np.exp(x - m)                                        # e = exp(x - m) <= 1
+        s = np.sum(e, axis=axis, keepdims=True)                  # s = rowsum(e) in [1, n]; 0 if all -inf
         lse = m + np.log(s)                                      # lse = m + log s; -inf on an all -inf row
-        y = np.exp(x - m) / s                                    # y = softmax(x), the slope of lse
+        y = e / s                                                # y = softmax(x), the slope of lse
     return np.squeeze(lse, axis=axis), (y, axis)
 
 

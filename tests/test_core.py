@@ -2,6 +2,7 @@
 combination of its options, and as the independent oracle of every engine of the package."""
 
 import ast
+import doctest
 import pathlib
 import warnings
 
@@ -316,6 +317,11 @@ def test_every_backward_method_against_the_core(method, prob):
 
 
 # ------------------------------------------------------------------ the core stands alone
+
+def test_the_core_docstring_examples():
+    res = doctest.testmod(core, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert res.attempted > 0 and res.failed == 0
+
 
 def test_the_core_imports_numpy_alone_and_is_short():
     tree = ast.parse(CORE.read_text())
