@@ -28,10 +28,9 @@ import numbers
 import numpy as np
 
 from . import _validate as V
+from .alignment import ALIGNMENTS, _per_batch, alignment_offset, diagonal_offset
+from .broadcast import block_of, slice_ls
 from .score_mod import apply_mask_mod
-
-#: Accepted values of ``causal_alignment``: where the diagonal of causal, the window and ALiBi sits.
-ALIGNMENTS = ("top_left", "bottom_right")
 
 __all__ = [
     "alignment_offset",
@@ -43,19 +42,6 @@ __all__ = [
     "reads",
     "window_mask",
 ]
-
-
-def alignment_offset(L, S, alignment="top_left"):
-    """The diagonal offset ``off``: 0 for top-left, ``S - L`` for bottom-right.
-
-    ``L`` and ``S`` may be integer arrays (per-batch lengths), in which case
-    the offset is an array of the broadcast shape.
-    """
-    if alignment not in ALIGNMENTS:
-        raise ValueError(f"`alignment` should be one of {ALIGNMENTS!r}, but got {alignment!r}")
-    if alignment == "top_left":
-        return np.zeros(np.broadcast_shapes(np.shape(L), np.shape(S)), dtype=np.int64)[()]
-    return np.asarray(S, dtype=np.int64) - np.asarray(L, dtype=np.int64)
 
 
 def allowed_set(L, S, *, is_causal=False, window=None, alignment="top_left", q_lengths=None, kv_lengths=None,
@@ -144,16 +130,6 @@ def _named(kv_indices, i0, i1, j0, j1):
     out = np.zeros(idx.shape[:-1] + (n + 1,), bool)
     np.put_along_axis(out, idx, True, axis=-1)
     return out[..., :n]
-
-
-def diagonal_offset(L, S, alignment, q_lengths=None, kv_lengths=None):
-    """``off`` for the problem: 0, ``S - L``, or per batch ``kv_len - q_len`` of shape ``(*batch, 1, 1, 1)``."""
-    if alignment == "top_left":
-        return 0
-    if q_lengths is None and kv_lengths is None:
-        return int(alignment_offset(L, S, alignment))
-    return _per_batch(alignment_offset(L if q_lengths is None else q_lengths,
-                                       S if kv_lengths is None else kv_lengths, alignment))
 
 
 def padded_rows(L, q_lengths, rows=None):
@@ -296,40 +272,6 @@ def padding_mask(q_lengths, kv_lengths, L, S):
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def block_of(a, nd, lead=None, rows=None, cols=None):
-    """The block of ``a`` (broadcastable to an ``nd``-dim ``(*batch, Hq, L, S)`` array); a view.
-
-    ``lead`` holds slices of the leading ``(*batch, Hq)`` axes (the fast
-    engine's chunk of heads), ``rows`` / ``cols`` ``(start, stop)`` ranges of
-    the last two (the tiled engine's block). Axes that ``a`` lacks or has as
-    1 are left alone, so the result still broadcasts against the block.
-    """
-    if a is None:
-        return None
-    if rows is not None or cols is not None:
-        a = slice_ls(a, *(rows or (0, None)), *(cols or (0, None)))
-    if lead is not None:
-        off = nd - a.ndim
-        a = a[tuple(slice(None) if i - off < 0 or a.shape[i - off] == 1 else s
-                    for i, s in enumerate(lead) if i - off >= 0)]
-    return a
-
-
-def slice_ls(a, i0, i1, j0, j1):
-    """Rows ``i0:i1`` and columns ``j0:j1`` of an array broadcastable to (..., L, S); a view."""
-    if a.ndim < 2:
-        a = a.reshape((1,) * (2 - a.ndim) + a.shape)
-    rows = slice(None) if a.shape[-2] == 1 else slice(i0, i1)
-    cols = slice(None) if a.shape[-1] == 1 else slice(j0, j1)
-    return a[..., rows, cols]
-
-
-def _per_batch(x):
-    """A per-batch array ``(*batch)`` as ``(*batch, 1, 1, 1)``: against (head, row, column)."""
-    x = np.asarray(x)
-    return x.reshape(x.shape + (1, 1, 1))
 
 
 def _check_size(n, name):
