@@ -34,6 +34,7 @@ from ..api import sdpa_forward
 from ..options import ARRAY_OPTIONS, FUNCTION_OPTIONS, OPTION_NAMES, AttentionOptions
 from ..policy import DEFAULT, is_default
 from ..score_mod import ScoreMod
+from ..transforms import SCORE_STAGES
 from ..rounding import round_to
 from .lowp import dequantized, is_fp8, quantize
 
@@ -237,8 +238,9 @@ def _case(L, S, *, E=8, Ev=8, Hq=2, Hkv=2, batch_q=(2,), batch_kv=(2,), seed=0, 
     if options.get("causal_alignment", "top_left") != "top_left" or options.get("is_causal") \
             or options.get("window") is not None:
         parts.append(options.get("causal_alignment", "top_left"))
-    if options.get("softcap") is not None:
-        parts.append(f"softcap{options['softcap']:g}")
+    for st in SCORE_STAGES:                                  # the score stages' numeric options (softcap)
+        if st.elementwise and st.judged and options.get(st.option) is not None:
+            parts.append(f"{st.option}{options[st.option]:g}")
     if options.get("scale") is not None:
         parts.append(f"scale{options['scale']:g}")
     if not is_default(options.get("fully_masked", DEFAULT)):

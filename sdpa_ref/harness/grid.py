@@ -7,6 +7,7 @@ import itertools
 from typing import List
 
 from ..policy import DEFAULT, FULLY_MASKED_POLICIES, emulates_peer, is_default
+from ..transforms import SCORE_STAGES
 from .cases import ARRAY_KINDS, Case
 
 __all__ = ["gradcheck_grid"]
@@ -41,7 +42,7 @@ def _grid_case(shape, *, gqa=False, dropout=False, arrays=(), **options):
                      + ("-br" if br else ""))
     if br and not (options.get("is_causal") or options.get("window") is not None):
         parts.append("bottom_right")
-    for k in ("softcap",):
+    for k in _stage_options():
         if options.get(k) is not None:
             parts.append(f"{k}={options[k]:g}")
     if gqa:
@@ -53,6 +54,19 @@ def _grid_case(shape, *, gqa=False, dropout=False, arrays=(), **options):
         parts.append(f"fully_masked={policy}")
     return Case(name=" ".join(parts), L=L, S=S, E=E, Ev=Ev, Hq=4 if gqa else 2, Hkv=2, batch_q=bq, batch_kv=bkv,
                 options=tuple(sorted(options.items())), arrays=arrays)
+
+
+def _stage_options():
+    """The options of the score stages the grid draws (:data:`sdpa_ref.transforms.SCORE_STAGES`: the judged
+    element-wise ones, whose option is a number)."""
+    return [st.option for st in SCORE_STAGES if st.elementwise and st.judged and st.examples]
+
+
+def _stage_cases():
+    """Each such stage with its first example value, alone and with a bias under causal (softcap: 1.5)."""
+    return [case for st in SCORE_STAGES if st.option in _stage_options()
+            for case in ({st.option: st.examples[0]}, dict({st.option: st.examples[0]}, arrays=("bias",),
+                                                             is_causal=True))]
 
 
 def gradcheck_grid(quick: bool = False) -> List[Case]:
@@ -79,7 +93,7 @@ def gradcheck_grid(quick: bool = False) -> List[Case]:
         dict(is_causal=True, causal_alignment=br),
         dict(window=(2, 1)), dict(window=(2, 1), causal_alignment=br), dict(window=(None, 1), causal_alignment=br),
         dict(window=(1, None)), dict(window=(1, 0), is_causal=True, causal_alignment=br),
-        dict(softcap=1.5), dict(softcap=1.5, arrays=("bias",), is_causal=True),
+        *_stage_cases(),
         dict(arrays=("alibi",)), dict(arrays=("alibi",), causal_alignment=br),
         dict(arrays=("alibi",), is_causal=True, causal_alignment=br),
         dict(arrays=("lengths",)), dict(arrays=("lengths",), causal_alignment=br, is_causal=True),
