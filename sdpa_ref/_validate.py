@@ -24,6 +24,8 @@ __all__ = [
     "check_dtype",
     "broadcast_batch",
     "check_axis",
+    "along_axis",
+    "pair_along_axis",
     "check_choice",
     "check_tolerance",
     "describe",
@@ -191,6 +193,29 @@ def check_axis(axis, ndim: int, name: str = "axis") -> int:
             f"`{name}` should be in [{-ndim}, {ndim}) for an array of {ndim} dimensions, but got {axis}"
         )
     return int(axis) % ndim
+
+
+def along_axis(x, axis, name="x"):
+    """``(array, axis)``: ``x`` as a real or complex array of at least one dimension (ints and bools as
+    float64) and ``axis`` normalised for it: the arguments of a softmax-like function along an axis."""
+    arr = np.asarray(x)
+    if arr.dtype.kind in "iub":
+        arr = arr.astype(np.float64)
+    elif arr.dtype.kind not in "fc":
+        raise TypeError(f"`{name}` should be a numeric array, but got dtype {arr.dtype}")
+    if arr.ndim == 0:
+        raise ValueError(f"`{name}` should have at least 1 dimension, but got a scalar")
+    return arr, check_axis(axis, arr.ndim)
+
+
+def pair_along_axis(y, g, axis, yname, gname):
+    """``(y, g, axis)``: :func:`along_axis` of both, ``g`` of ``y``'s shape (a function's output and its
+    cotangent or tangent)."""
+    y, axis = along_axis(y, axis, name=yname)
+    g, _ = along_axis(g, axis, name=gname)
+    if g.shape != y.shape:
+        raise ValueError(f"`{gname}` should have the shape of `{yname}` {y.shape}, but got shape {g.shape}")
+    return y, g, axis
 
 
 def per_head(x, name: str, Hq: int, batch: tuple) -> np.ndarray:

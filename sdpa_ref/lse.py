@@ -28,7 +28,7 @@ import numpy as np
 
 from . import _validate as V
 from .arith import NUMPY, NUMPY2
-from .softmax import softmax_vjp
+from .pivot import pivoted_vjp
 
 __all__ = ["LSE_BASES", "check_base", "check_empty", "combine_in", "combine_lse", "combine_lse_vjp", "convert_lse"]
 
@@ -182,8 +182,9 @@ def combine_lse_vjp(w, g_w, g_lse, axis=0, base="e"):
     :math:`\partial\, \operatorname{lse} / \partial l_i = w_i` and :math:`\partial w_i / \partial l_j = c\, w_i
     (\delta_{ij} - w_j)` (a softmax; :math:`c = 1`, or :math:`\ln 2` in base 2, where :math:`w_i = 2^{l_i -
     \operatorname{lse}}`), so :math:`\bar l = c\, w \odot (\bar w - \sum_i w_i \bar w_i) + w\, \bar\lambda`
-    (:math:`\bar\lambda` = ``g_lse``, ``axis`` removed). The softmax part is
-    :func:`sdpa_ref.softmax.softmax_vjp`'s (pivoted at the largest weight).
+    (:math:`\bar\lambda` = ``g_lse``, ``axis`` removed). The softmax part is the pivoted VJP of
+    :func:`sdpa_ref.softmax.softmax_vjp` (:func:`sdpa_ref.pivot.pivoted_vjp`, pivoted at the largest weight).
     """
     c = _LN2 if check_base(base) == 2 else 1.0
-    return c * softmax_vjp(w, g_w, axis) + w * np.expand_dims(g_lse, axis)
+    wa, ga, ax = V.pair_along_axis(w, g_w, axis, "w", "g_w")
+    return c * pivoted_vjp(wa, ga, ax) + w * np.expand_dims(g_lse, axis)

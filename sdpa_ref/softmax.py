@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validate import check_axis
+from ._validate import along_axis, pair_along_axis
 from .pivot import pivoted_vjp, row_pivot
 
 __all__ = [
@@ -80,7 +80,7 @@ def logsumexp(x, axis=-1, keepdims=False):
     """
     if not isinstance(keepdims, (bool, np.bool_)):
         raise TypeError(f"`keepdims` should be a bool, but got {keepdims!r}")
-    x, axis = _prepare(x, axis)
+    x, axis = along_axis(x, axis)
     m = _safe_max(x, axis)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         s = np.sum(np.exp(x - m), axis=axis, keepdims=True)
@@ -121,7 +121,7 @@ def softmax(x, axis=-1):
     >>> softmax(np.array([1000., 1.])).tolist()  # naive exp overflows to nan
     [1.0, 0.0]
     """
-    x, axis = _prepare(x, axis)
+    x, axis = along_axis(x, axis)
     m = _safe_max(x, axis)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         e = np.exp(x - m)
@@ -158,7 +158,7 @@ def softmax_parts(x, axis=-1):
     large, whereas ``exp(x - lse)`` loses what ``lse = m + log(s)`` rounded
     away (all of ``log(s)`` once ``|m|`` passes ``2**53 log(s)``).
     """
-    x, axis = _prepare(x, axis)
+    x, axis = along_axis(x, axis)
     m = _safe_max(x, axis)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         e = np.exp(x - m)
@@ -188,7 +188,7 @@ def log_softmax(x, axis=-1):
     >>> log_softmax(np.array([1000., 1.])).tolist()  # naive: [0., -inf]
     [0.0, -999.0]
     """
-    x, axis = _prepare(x, axis)
+    x, axis = along_axis(x, axis)
     m = _safe_max(x, axis)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         shifted = x - m
@@ -227,7 +227,7 @@ def softmax_vjp(y, g, axis=-1):
     entry of ``g`` at the row's largest ``y``: the same value, with the
     cancellation of the dominant term done exactly.
     """
-    y, g, axis = _prepare_pair(y, g, axis, "y", "g")
+    y, g, axis = pair_along_axis(y, g, axis, "y", "g")
     return pivoted_vjp(y, g, axis)
 
 
@@ -259,7 +259,7 @@ def softmax_lse_vjp(y, g, g_lse, axis=-1):
     FlashAttention 4 folds :math:`\bar\lambda` into :math:`D = \sum_k g_k y_k` (``D - dlse``); the
     attention engines use either form (:func:`sdpa_ref.sdpa_backward`'s ``grad_lse``).
     """
-    y, g, axis = _prepare_pair(y, g, axis, "y", "g")
+    y, g, axis = pair_along_axis(y, g, axis, "y", "g")
     gl = np.asarray(g_lse)
     if gl.dtype.kind not in "iubfc":
         raise TypeError(f"`g_lse` should be a numeric array, but got dtype {gl.dtype}")
@@ -293,7 +293,7 @@ def log_softmax_vjp(y, g, axis=-1):
 
     .. math:: dx = g - p \textstyle\sum_i g_i.
     """
-    y, g, axis = _prepare_pair(y, g, axis, "y", "g")
+    y, g, axis = pair_along_axis(y, g, axis, "y", "g")
     return g - np.exp(y) * np.sum(g, axis=axis, keepdims=True)
 
 
@@ -317,7 +317,7 @@ def softmax_jvp(y, dx, axis=-1):
     -----
     .. math:: dy = J\,dx = y \odot (dx - \textstyle\sum_k y_k\,dx_k).
     """
-    y, dx, axis = _prepare_pair(y, dx, axis, "y", "dx")
+    y, dx, axis = pair_along_axis(y, dx, axis, "y", "dx")
     return pivoted_vjp(y, dx, axis)                        # J is symmetric: the VJP's map
 
 
@@ -341,7 +341,7 @@ def softmax_jacobian(y, axis=-1):
         ``J[..., i, j] = dy_i / dx_j``, where ``...`` are the other axes of
         ``y`` in order.
     """
-    y, axis = _prepare(y, axis, name="y")
+    y, axis = along_axis(y, axis, name="y")
     y = np.moveaxis(y, axis, -1)
     n = y.shape[-1]
     eye = np.eye(n, dtype=y.real.dtype)
@@ -349,25 +349,6 @@ def softmax_jacobian(y, axis=-1):
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _prepare(x, axis, name="x"):
-    arr = np.asarray(x)
-    if arr.dtype.kind in "iub":
-        arr = arr.astype(np.float64)
-    elif arr.dtype.kind not in "fc":
-        raise TypeError(f"`{name}` should be a numeric array, but got dtype {arr.dtype}")
-    if arr.ndim == 0:
-        raise ValueError(f"`{name}` should have at least 1 dimension, but got a scalar")
-    return arr, check_axis(axis, arr.ndim)
-
-
-def _prepare_pair(y, g, axis, yname, gname):
-    y, axis = _prepare(y, axis, name=yname)
-    g, _ = _prepare(g, axis, name=gname)
-    if g.shape != y.shape:
-        raise ValueError(f"`{gname}` should have the shape of `{yname}` {y.shape}, but got shape {g.shape}")
-    return y, g, axis
 
 
 def _safe_max(x, axis):
