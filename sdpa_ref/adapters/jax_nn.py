@@ -20,12 +20,15 @@ from __future__ import annotations
 import numpy as np
 
 from ..options import OPTION_NAMES
+from ..transforms import SCORE_STAGES
 from ..transforms import unbroadcast as _unbroadcast
 
 __all__ = ["jax_dpa", "forward", "backward", "SUPPORTS"]
 
-#: What jax.nn.dot_product_attention can be asked for: the options of sdpa_ref but these.
-SUPPORTS = frozenset(OPTION_NAMES) - {"sinks", "softcap", "alibi_slopes", "dropout_p", "dropout_mask"}
+#: What jax.nn.dot_product_attention can be asked for: the options of sdpa_ref but these, and no score stage's
+#: (softcap; a stage added later is not claimed).
+SUPPORTS = frozenset(OPTION_NAMES) - {"sinks", "alibi_slopes", "dropout_p", "dropout_mask"} \
+    - {st.option for st in SCORE_STAGES}
 
 
 def jax_dpa(implementation=None):
