@@ -1,13 +1,16 @@
-"""The work of each ``sdpa-ref`` command: call the library, hand the rows to :mod:`.output`."""
+"""The work of each ``sdpa-ref`` command: call the library, hand the rows to :mod:`.output`; and
+:func:`main`, which parses a command line (:mod:`.parser`) and runs the command it names."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from typing import Optional, Sequence
 
 from ..harness.casefile import CaseFileError, load_cases
 from ..harness.lowp import as_test_dtype
+from .parser import build_parser
 from .output import DIAGNOSE_COLUMNS, _dump, _import_pyplot, _plot_sweep, _Progress, format_rows
 
 #: ``sdpa-ref conform``'s exit status by verdict (the C client's are the same; 2 is a usage error or a bad file).
@@ -347,3 +350,18 @@ def _is_cwd(entry):
         return entry == "" or os.path.samefile(entry, os.getcwd())
     except (OSError, TypeError, ValueError):
         return False
+
+
+#: The function of each command, by the name the parser gives it (``args.command``).
+COMMANDS = {"check": _cmd_check, "diagnose": _cmd_diagnose, "saturation": _cmd_saturation, "vectors": _cmd_vectors,
+            "verify": _cmd_verify, "conform": _cmd_conform, "info": _cmd_info}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``sdpa-ref`` command ``argv`` names (``sys.argv[1:]`` when None); its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(COMMANDS[args.command](args) or 0)
