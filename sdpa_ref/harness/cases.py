@@ -37,12 +37,10 @@ from ..score_mod import ScoreMod
 from ..transforms import SCORE_STAGES
 from ..rounding import round_to
 from .lowp import dequantized, is_fp8, quantize
+from .suites import SUITE_VERSION, SUITES
 
 __all__ = ["ARRAY_KINDS", "SUITE_VERSION", "SUITES", "Case", "get_suite", "grad_out_for", "tangents_for"]
 
-#: Bumped whenever the cases or their inputs change ("2": plain self-attention added; "3": two past a block).
-SUITE_VERSION = "4"
-SUITES = ("quick", "full")
 #: The array inputs a case can draw (see :class:`Case`), in the order case names list them.
 ARRAY_KINDS = ("mask", "masked_rows", "float_mask", "bias", "alibi", "lengths", "zero_kv", "dropout", "sinks",
                "gather")
@@ -105,6 +103,10 @@ class Case:
     def has_fully_masked_rows(self, dtype="float64") -> bool:
         """Whether the reference has a row with no allowed key (query rows past ``q_len`` aside)."""
         return _has_fully_masked_rows(self, np.dtype(dtype).name)
+
+    def grad_out(self, shape, dtype):
+        """The case's seeded upstream gradient of ``shape`` in ``dtype`` (:func:`grad_out_for`)."""
+        return grad_out_for(self, shape, dtype)
 
     def make_inputs(self, dtype="float64") -> Dict[str, object]:
         """``query``, ``key``, ``value`` in ``dtype`` plus every option of the case, as keyword arguments.

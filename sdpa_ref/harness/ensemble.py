@@ -55,7 +55,6 @@ from ..problem import Problem
 from ..rounding import round_to
 from ..policy import averages_excluded, averages_values, constant_rows, counts, nan_rows, zero_output_rows
 from ..transforms import dropout_forward, transform_scores_in, unbroadcast
-from .cases import grad_out_for
 from .lowp import DESCALES, LibmLowPrecision, MemberArith, output_dtype, tf32 as _tf32, widen, work_dtype
 
 __all__ = ["MEMBERS", "Member", "ensemble_errors", "honest_errors", "member_quantities", "run_member"]
@@ -146,7 +145,7 @@ def member_quantities(case, dtype, member: Member):
     and its ``lse`` (base e) in the work dtype; read-only (cached)."""
     dt = np.dtype(dtype)
     prob, desc = _problem(case.make_inputs(dt), "ensemble")
-    dO = grad_out_for(case, prob.out_shape, output_dtype(dt))
+    dO = case.grad_out(prob.out_shape, output_dtype(dt))
     res = run_member(prob, dt, member, np.asarray(dO).astype(np.float64), desc)
     for a in res.values():
         a.setflags(write=False)

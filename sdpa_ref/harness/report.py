@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .cases import SUITE_VERSION
+from .suites import SUITE_VERSION
 
 __all__ = ["ConformanceReport", "ConformanceRow"]
 

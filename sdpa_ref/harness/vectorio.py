@@ -22,7 +22,7 @@ from typing import Dict, List
 import numpy as np
 
 from ._files import read_regular_file
-from .cases import SUITE_VERSION, SUITES
+from .suites import SUITE_VERSION, SUITES
 from .lowp import TEST_DTYPES
 
 __all__ = ["FORMAT_VERSION", "MAX_FILE_BYTES", "MAX_MANIFEST_BYTES", "ManifestError", "manifest_bytes",
