@@ -184,10 +184,6 @@ def longest_import_chain(graph):
     return chain
 
 
-@pytest.mark.xfail(strict=True, reason="15 deep today (__main__ -> cli -> cli.commands -> harness.conformance -> "
-                   "judge -> ensemble -> cases -> api -> poison -> reproducible -> normalize -> sinks -> lse -> "
-                   "softmax -> _validate): the cuts of issue 41 item 7 that remain; strict, so reaching 12 "
-                   "fails here until this mark goes")
 def test_the_longest_import_chain_is_short():
     graph = {name: _imports(path, name) for path, name in MODULES.items()}
     chain = longest_import_chain(graph)
