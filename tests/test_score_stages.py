@@ -9,21 +9,14 @@ backwards and JVPs, the double backward and ``precision="reproducible"`` all com
 import numpy as np
 import pytest
 
+from tolerances import F32_ATOL, F32_SCHEDULES, F64_GRAD, F64_SUMS, FD, FD_ATOL, FD_SECOND_ORDER
+
 from sdpa_ref import sdpa_backward, sdpa_forward
 from sdpa_ref.derivatives import sdpa_jvp
 from sdpa_ref.gradcheck import check_jvp, check_vjp
 from sdpa_ref.options import DOC_OPTIONS, OPTION_NAMES, AttentionOptions
 from sdpa_ref.second_order import sdpa_backward_jvp
 from sdpa_ref.transforms import SCORE_STAGES, ScoreStage, register_score_stage, unregister_score_stage
-
-#: A float64 forward against the direct formula below: the same operations, the row sums and the products in
-#: another order (S, E <= 6 here: a few ulps of each O(1) term, with room).
-F64_FORWARD = 1e-12
-#: The double-double forward against the float64 one: the float64 result's own error.
-F64_REPRODUCIBLE = 1e-12
-#: Central differences of a float64 function whose third derivative is O(10): the truncation and rounding
-#: balance near 1e-7 relative (sdpa_ref.gradcheck's own defaults are tighter: this is its documented tier).
-FD_RTOL, FD_ATOL = 1e-6, 1e-8
 
 METHODS = [dict(method="plain"), dict(method="fast"), dict(method="tiled", block_size=2)]
 
@@ -127,7 +120,7 @@ def test_every_engine_computes_the_registered_stage(toy, how, cap):
     q, k, v, kw = _problem()
     kw.update({} if cap is None else dict(softcap=cap))
     out, _ = sdpa_forward(q, k, v, toy=0.3, **kw, **how)
-    np.testing.assert_allclose(out, _direct(q, k, v, 0.3, cap, **kw), rtol=F64_FORWARD, atol=F64_FORWARD)
+    np.testing.assert_allclose(out, _direct(q, k, v, 0.3, cap, **kw), rtol=F64_SUMS, atol=F64_SUMS)
     assert not np.allclose(out, sdpa_forward(q, k, v, **kw, **how)[0])          # the stage changes the result
 
 
@@ -145,9 +138,9 @@ def test_the_backward_and_jvp_of_the_registered_stage_match_central_differences(
     def jvp(t, q, k, v):
         return sdpa_jvp((q, k, v), t, **kw)[1]
 
-    rep = check_vjp(fun, vjp, (q, k, v), mode=_mode(how), rtol=FD_RTOL, atol=FD_ATOL)
+    rep = check_vjp(fun, vjp, (q, k, v), mode=_mode(how), rtol=FD, atol=FD_ATOL)
     assert rep.ok, rep
-    rep = check_jvp(fun, jvp, (q, k, v), mode=_mode(how), rtol=FD_RTOL, atol=FD_ATOL)
+    rep = check_jvp(fun, jvp, (q, k, v), mode=_mode(how), rtol=FD, atol=FD_ATOL)
     assert rep.ok, rep
 
 
@@ -164,7 +157,7 @@ def test_the_double_backward_of_the_registered_stage_matches_central_differences
         gt = sdpa_backward_jvp((q, k, v), t, g, **kw)[1]
         return np.concatenate([x.ravel() for x in tuple(gt)[:3]])
 
-    rep = check_jvp(grads, grads_jvp, (q, k, v), mode=_mode(how), rtol=FD_RTOL, atol=FD_ATOL)
+    rep = check_jvp(grads, grads_jvp, (q, k, v), mode=_mode(how), rtol=FD_SECOND_ORDER, atol=FD_ATOL)
     assert rep.ok, rep
 
 
@@ -173,13 +166,13 @@ def test_the_reproducible_precision_computes_the_registered_stage(toy):
     kw.update(softcap=2.5, toy=0.3)
     out, res = sdpa_forward(q, k, v, precision="reproducible", **kw)
     want, wres = sdpa_forward(q, k, v, method="plain", **kw)
-    np.testing.assert_allclose(out, want, rtol=F64_REPRODUCIBLE, atol=F64_REPRODUCIBLE)
+    np.testing.assert_allclose(out, want, rtol=F64_SUMS, atol=F64_SUMS)
     g = np.cos(out)
     for a, b in zip(tuple(sdpa_backward(res, g))[:3], tuple(sdpa_backward(wres, g))[:3]):
-        np.testing.assert_allclose(a, b, rtol=F64_REPRODUCIBLE, atol=F64_REPRODUCIBLE)
+        np.testing.assert_allclose(a, b, rtol=F64_GRAD, atol=F64_SUMS)
     low, _ = sdpa_forward(*(x.astype(np.float32) for x in (q, k, v)), precision="reproducible", upcast=False,
                           **dict(kw, bias=kw["bias"].astype(np.float32)))
-    np.testing.assert_allclose(low, want, rtol=1e-4, atol=1e-5)      # float32 rounded at every step: u32 x 100
+    np.testing.assert_allclose(low, want, rtol=F32_SCHEDULES, atol=F32_ATOL)     # float32, rounded at every step
 
 
 def test_a_stage_without_a_form_over_an_arithmetic_is_refused_there():
