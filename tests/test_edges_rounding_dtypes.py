@@ -205,7 +205,8 @@ def test_sdpa_ref_no_compile_builds_nothing_and_says_why(tmp_path):
     for f in ("setup.py", "setup.cfg", "pyproject.toml", "README.md"):
         shutil.copy(ROOT / f, tmp_path / f)
     (tmp_path / "sdpa_ref" / "exact").mkdir(parents=True)
-    shutil.copy(ROOT / "sdpa_ref" / "__init__.py", tmp_path / "sdpa_ref" / "__init__.py")
+    for f in ("__init__.py", "_version.py"):                    # setup.cfg reads the version from _version.py
+        shutil.copy(ROOT / "sdpa_ref" / f, tmp_path / "sdpa_ref" / f)
     for f in ("_kernels.c", "_fast_rows.c", "_fast_rows.h"):
         shutil.copy(ROOT / "sdpa_ref" / "exact" / f, tmp_path / "sdpa_ref" / "exact" / f)
     (tmp_path / "sdpa_ref" / "exact" / "__init__.py").write_text("")
