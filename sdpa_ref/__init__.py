@@ -138,9 +138,18 @@ _ELSEWHERE = {
 }
 
 
+#: The namespaces named for their job, reachable as attributes (``sdpa_ref.functional.softmax_vjp``) without an
+#: import of their own; each is imported on first use.
+NAMESPACES = ("core", "functional", "gradcheck", "conformance", "flash", "flex", "masks", "alibi", "lse", "merge",
+              "options", "diagnostics", "harness", "adapters")
+
+
 def __getattr__(name):
     """A name of :data:`_ELSEWHERE`, read from its namespace (imported on first use): ``sdpa_ref.X`` and
-    ``from sdpa_ref import X`` keep working for every name that was once at the top level."""
+    ``from sdpa_ref import X`` keep working for every name that was once at the top level; a namespace of
+    :data:`NAMESPACES` is imported on first use."""
+    if name in NAMESPACES:
+        return _import_module(f"{__name__}.{name}")
     home = _ELSEWHERE.get(name)
     if home is None:
         raise AttributeError(f"module 'sdpa_ref' has no attribute {name!r}")
@@ -148,4 +157,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_ELSEWHERE))
+    return sorted(set(globals()) | set(_ELSEWHERE) | set(NAMESPACES))

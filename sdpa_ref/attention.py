@@ -1,4 +1,4 @@
-r"""The teaching core: attention's forward, backward and JVP, written as the derivation reads.
+r"""The plain engine: attention's forward, backward and JVP with every option, written as the derivation reads.
 
 This is the ``"plain"`` engine and the oracle that every other engine is
 tested against. Each function reads top to bottom against ``SEMANTICS.md``;

@@ -209,7 +209,7 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
         given, ``"split"`` with ``num_splits`` or ``split_bounds``), each with
         its own forward mode on its forward's residuals (``"split"``'s is
         ``"tiled"``'s):
-        ``"plain"``, the teaching core's :func:`sdpa_ref.attention.jvp`;
+        ``"plain"``, the plain engine's :func:`sdpa_ref.attention.jvp`;
         ``"fast"``, the same formulas with its backward's in-place pivoted
         row pass on the tangent scores (:func:`sdpa_ref.engines.fast.jvp`);
         ``"tiled"``, block by block from the row max and sum, in the

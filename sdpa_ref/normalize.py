@@ -88,7 +88,7 @@ def nan_row_probs(P, T, nan):
 def row_softmax(T):
     r"""``(P, m, s, empty)`` of each row of ``T`` by :func:`row_stats`: :math:`P = e^{T - m} / s`,
     :math:`s = \sum_j e^{T_j - m}`, NaN rows as the rule says (``s`` NaN), ``P`` 0/0 on empty rows (the policy
-    fills them). The teaching core's row pass."""
+    fills them). The plain engine's row pass."""
     m, empty, nan = row_stats(T)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         e = np.exp(T - m)
@@ -194,7 +194,7 @@ def vjp_delta_in(X, P, g, D, p_extra=None):
 
 
 def vjp(P, g, p_extra=None, g_lse=None, d_extra=None):
-    """:func:`vjp_in` on NumPy arrays along the last axis (the teaching core's forms of
+    """:func:`vjp_in` on NumPy arrays along the last axis (the plain engine's forms of
     :mod:`sdpa_ref.softmax`: ``softmax_vjp``, ``softmax_lse_vjp``)."""
     if p_extra is None:
         return (softmax_vjp(P, g) if g_lse is None else softmax_lse_vjp(P, g, g_lse)), None
@@ -268,7 +268,7 @@ def extra_second(piv, p_extra, t_extra=None, g_lse=None, dg_lse=None):
 
 
 def vjp_jvp_scores(P, g, t, h, p_extra=None, t_extra=None, g_lse=None, dg_lse=None):
-    r"""The softmax's second order on whole rows (the teaching core's), from the scores' tangent ``t``:
+    r"""The softmax's second order on whole rows (the plain engine's), from the scores' tangent ``t``:
     ``(dT, P', dT', extra)``, ``extra`` :func:`extra_second`'s ``(p', d_extra, d_extra')`` or None.
 
     ``g`` is :math:`dP`, ``h`` its tangent :math:`dP'`, ``t_extra`` the extra logits' tangent; :math:`P'` the

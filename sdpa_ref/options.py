@@ -19,7 +19,8 @@ their values in one field, ``stages``, and reads them as attributes
 (``opts.softcap``), so a new stage adds its option without a line here.
 
 The scalar fields are checked and normalised here (``window`` becomes a
-pair of ``int`` or ``None``, ``-1`` meaning unbounded). Array fields are
+pair of ``int`` or ``None``, ``-1`` meaning unbounded; the peers' other
+spellings of it, deprecated here, translate in :mod:`sdpa_ref.flash`). Array fields are
 checked against the shapes of ``query``, ``key`` and ``value`` when the
 problem is built (:mod:`sdpa_ref.problem`), since only then are the shapes
 known.
@@ -28,6 +29,9 @@ known.
 from __future__ import annotations
 
 import numbers
+import os
+import sys
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Tuple
 
@@ -86,9 +90,6 @@ class AttentionOptions:
     kv_lengths: Any = _opt(None, array=True)
     sinks: Any = _opt(None, array=True)
     # the allowed sets kernels define beyond the classic ones (not yet in the harness's cases)
-    window_size_left: Optional[int] = _opt(None, judged=False)
-    window_size_right: Optional[int] = _opt(None, judged=False)
-    sliding_window: Optional[int] = _opt(None, judged=False)
     sink_token_length: int = _opt(0, judged=False)
     attention_chunk: Optional[int] = _opt(None, judged=False)
     gather_kv_indices: Any = _opt(None, array=True, judged=False)
@@ -121,6 +122,7 @@ class AttentionOptions:
         `TypeError` naming ``where``."""
         stages = {st.option: st for st in SCORE_STAGES if st.option is not None}
         names = _names(lambda f: True)
+        kwargs, spelled = _without_deprecated(kwargs)
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
             raise TypeError(f"`{where}` got unexpected keyword(s) {', '.join(unknown)}; the attention options "
@@ -130,8 +132,8 @@ class AttentionOptions:
             o[name] = check_bool(o[name], name)
         V.check_choice(o["fully_masked"], "fully_masked", FULLY_MASKED_POLICIES)
         V.check_choice(o["causal_alignment"], "causal_alignment", ALIGNMENTS)
-        o["window"] = _check_window(o["window"])
-        o["window"] = _other_windows(o)
+        o["window"] = _check_reach(_check_window(o["window"], signed=True), o["is_causal"])
+        o["window"] = _deprecated_windows(o["window"], spelled, o["is_causal"])
         o["sink_token_length"] = _count(o["sink_token_length"], "sink_token_length", 0)
         chunk = o["attention_chunk"]
         o["attention_chunk"] = None if chunk is None or (_count(chunk, "attention_chunk", 0) == 0) \
@@ -247,17 +249,17 @@ _DOC_HEAD = r"""
             xformers); with per-batch lengths ``kv_len - q_len``.
         window : (int or None, int or None)
             Sliding window ``(left, right)``, inclusive: keeps
-            ``i + off - left <= j <= i + off + right``; ``None`` or ``-1`` is
-            unbounded on that side (FlashAttention 2 and 3). ``(None, 0)`` is
-            causal.
-        window_size_left, window_size_right : int or None
-            The same window in FlashAttention 4's form: ``None`` is
-            unbounded, and a bound may be negative (past the diagonal on the
-            other side); ``left + right < 0`` keeps no key and is refused
-            (FlashAttention 4 silently drops such a window).
-        sliding_window : int >= 1
-            The window as a count of keys up to the diagonal (gpt-oss,
-            cuDNN's left bound): ``left = sliding_window - 1``.
+            ``i + off - left <= j <= i + off + right``; ``None`` is unbounded
+            on that side (``-1`` too, FlashAttention 2 and 3's spelling, which
+            case files and golden vectors use). A bound below ``-1`` reaches
+            past the diagonal on the other side (FlashAttention 4);
+            ``left + right < 0`` keeps no key and is refused. ``(None, 0)`` is
+            causal. The peers' other spellings translate into it in
+            :mod:`sdpa_ref.flash`: ``window_from_window_size`` (FlashAttention
+            2 and 3), ``window_from_fa4`` (FlashAttention 4's
+            ``window_size_left``, ``window_size_right``) and
+            ``window_from_count`` (gpt-oss's ``sliding_window``, cuDNN's
+            count: ``left = n - 1``); those keywords here are deprecated.
         sink_token_length : int >= 0
             StreamingLLM's sink tokens: the first ``n`` keys are exempt from
             the window's left bound (only: causal, the right bound and the
@@ -302,7 +304,7 @@ _DOC_TAIL = r"""
             where the sink is ``-inf``). Its gradient is ``grads.sinks``.
     method : {"fast", "plain", "tiled", "split"}, optional
         The engine: ``"fast"`` (default; dense, in place, threaded over
-        heads), ``"plain"`` (the teaching core, :mod:`sdpa_ref.attention`),
+        heads), ``"plain"`` (the dense schedule as the derivation reads, :mod:`sdpa_ref.attention`),
         ``"tiled"`` (FlashAttention's online softmax in bounded memory) or
         ``"split"`` (split-KV: partials over splits of the keys merged by
         their LSEs, as decode kernels do; :mod:`sdpa_ref.engines.splitkv`).
@@ -355,27 +357,79 @@ def _count(x, name, low):
     return int(x)
 
 
-def _other_windows(o):
-    """The window as ``(left, right)`` (None: unbounded) from ``window`` or FlashAttention 4's
-    ``window_size_left`` / ``window_size_right`` (any int; None unbounded) or a count ``sliding_window``
-    (gpt-oss, cuDNN: ``W`` keys up to the diagonal, ``left = W - 1``); at most one of the three forms."""
-    w4 = (o["window_size_left"], o["window_size_right"])
-    given = [n for n, on in (("window", o["window"] is not None), ("window_size_left/right", w4 != (None, None)),
-                             ("sliding_window", o["sliding_window"] is not None)) if on]
-    if len(given) > 1:
+#: The window's spellings of the peers that the core API accepted beside ``window`` and now deprecates: each one
+#: names the keywords it takes and the function of :mod:`sdpa_ref.flash` that translates it into ``window=``.
+_DEPRECATED_WINDOWS = {"window_size_left": "window_from_fa4", "window_size_right": "window_from_fa4",
+                       "sliding_window": "window_from_count"}
+
+
+def _without_deprecated(kwargs):
+    """``kwargs`` less the deprecated spellings of the window, and those spellings (name: value) apart."""
+    spelled = {n: kwargs[n] for n in _DEPRECATED_WINDOWS if n in kwargs}
+    return {n: x for n, x in kwargs.items() if n not in spelled}, spelled
+
+
+def _deprecated_windows(window, spelled, is_causal):
+    """The window from ``window`` or one deprecated spelling of it (FlashAttention 4's ``window_size_left`` /
+    ``window_size_right``, or the count ``sliding_window``), with a `DeprecationWarning` naming the ``window=`` it
+    is whenever a deprecated keyword is given (None included: no window, as it always was); at most one of the
+    spellings may hold a window."""
+    given = {n: x for n, x in spelled.items() if x is not None}
+    forms = [n for n, on in (("window", window is not None),
+                             ("window_size_left/right", "window_size_left" in given or "window_size_right" in given),
+                             ("sliding_window", "sliding_window" in given)) if on]
+    if len(forms) > 1:
         raise ValueError(f"`window`, `window_size_left`/`window_size_right` and `sliding_window` should not be "
-                         f"combined (they are three spellings of one window), but got {' and '.join(given)}")
-    if o["sliding_window"] is not None:
-        return (_count(o["sliding_window"], "sliding_window", 1) - 1, None)
-    if w4 == (None, None):
-        return o["window"]
-    left, right = (None if b is None else _signed(b, n) for b, n in zip(w4, ("window_size_left", "window_size_right")))
-    eff = 0 if o["is_causal"] and (right is None or right > 0) else right
-    if left is not None and eff is not None and left + eff < 0:
+                         f"combined (they are three spellings of one window), but got {' and '.join(forms)}")
+    if "sliding_window" in spelled:
+        n = spelled["sliding_window"]
+        out = window if n is None else count_window(n)
+        here = "None: pass no window" if n is None else \
+            f"here `window={out!r}`; `sdpa_ref.flash.window_from_count({n!r})` translates it"
+        _warn(f"`sliding_window` is deprecated: pass `window=(n - 1, None)` (with `is_causal=True`, as gpt-oss: "
+              f"`window=(n - 1, 0)`); {here}")
+        window = out
+    if "window_size_left" in spelled or "window_size_right" in spelled:
+        left, right = spelled.get("window_size_left"), spelled.get("window_size_right")
+        out = window if (left, right) == (None, None) else fa4_window(left, right, is_causal)
+        here = "None: pass no window" if (left, right) == (None, None) else \
+            f"here `window={out!r}`; `sdpa_ref.flash.window_from_fa4({left!r}, {right!r})` translates it" \
+            if -1 not in out else "a bound of -1 (one key past the diagonal) has no spelling in `window=`, where -1 " \
+            "is unbounded as in FlashAttention 2 and 3"
+        _warn(f"`window_size_left` and `window_size_right` are deprecated: pass `window=(left, right)` (None "
+              f"unbounded, a negative bound past the diagonal on the other side); {here}")
+        window = out
+    return window
+
+
+def _warn(message):
+    """A `DeprecationWarning` attributed to the first frame outside the package: the line that spelled the
+    window, whichever entry point it called."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
+
+
+def fa4_window(left, right, is_causal=False):
+    """FlashAttention 4's window bounds as ``(left, right)``: each any int (negative: past the diagonal on the
+    other side) or None (unbounded); a window that keeps no key (``left + right < 0``, the right bound at most 0
+    under ``is_causal``) is a `ValueError`, where FlashAttention 4 silently drops the window."""
+    left, right = (None if b is None else _signed(b, n) for b, n in zip((left, right),
+                                                                        ("window_size_left", "window_size_right")))
+    empty, eff = _keeps_none(left, right, is_causal)
+    if empty:
         raise ValueError(f"`window_size_left` + `window_size_right` should be >= 0 (with is_causal the right bound "
                          f"is at most 0), or no key would be kept, but got {left} + {eff}; FlashAttention 4 silently "
                          "drops such a window and keeps every key: to get its result, pass no window")
     return (left, right)
+
+
+def count_window(n):
+    """A window counted in keys up to the diagonal (gpt-oss's ``sliding_window``, cuDNN's left bound) as
+    ``(n - 1, None)``: ``n`` an int >= 1."""
+    return (_count(n, "sliding_window", 1) - 1, None)
 
 
 def _signed(b, name):
@@ -387,30 +441,53 @@ def _signed(b, name):
     return int(b)
 
 
-def _check_window(window, name="window"):
-    """``(left, right)`` of ints >= 0 or None (``-1`` is None), or a `TypeError` / `ValueError` naming ``name``
-    (``window``, or FlashAttention's ``window_size``)."""
+def _check_window(window, name="window", signed=False):
+    """``(left, right)`` of ints or None (``-1`` is None), or a `TypeError` / `ValueError` naming ``name``.
+
+    Without ``signed`` a bound is an int >= 0 (FlashAttention 2 and 3's ``window_size``, and the vocabulary of case
+    files, golden vectors and the C client). With ``signed`` (the core's ``window``) a bound below -1 reaches past
+    the diagonal on the other side, as in FlashAttention 4 (:func:`_check_reach` then refuses a window that keeps
+    no key)."""
     if window is None:
         return None
+    kinds = "ints, -1 or None" if signed else "ints >= 0, -1 or None"
     if not isinstance(window, (tuple, list)) or len(window) != 2:     # a set has no order: refused
-        raise TypeError(f"`{name}` should be a pair (left, right) of ints >= 0, -1 or None, but got "
-                        f"{window!r}")
+        raise TypeError(f"`{name}` should be a pair (left, right) of {kinds}, but got {window!r}")
     out = []
     for side, b in zip(("left", "right"), window):
         if b is None:
             out.append(None)
             continue
         if isinstance(b, (bool, np.bool_)) or not isinstance(b, (numbers.Integral, np.integer)):
-            raise TypeError(f"`{name}` {side} bound should be an int >= 0, -1 or None, but got {b!r}")
+            raise TypeError(f"`{name}` {side} bound should be an int{'' if signed else ' >= 0, -1'} or None, but got "
+                            f"{b!r}")
         if b == -1:
             out.append(None)
-        elif b < 0:
+        elif b < 0 and not signed:
             raise ValueError(f"`{name}` {side} bound should be >= 0 (or -1 / None for unbounded), but got {b}")
-        elif b > 2**62:
+        elif abs(b) > 2**62:
             raise ValueError(f"`{name}` {side} bound should be at most 2**62 (use None for unbounded), but got {b}")
         else:
             out.append(int(b))
     return tuple(out)
+
+
+def _check_reach(window, is_causal):
+    """The core's ``window`` unless it keeps no key: ``left + right < 0``, the right bound at most 0 under
+    ``is_causal`` (only a negative bound can do it)."""
+    empty, eff = _keeps_none(*(window or (None, None)), is_causal)
+    if empty:
+        left = window[0]
+        raise ValueError(f"`window` left + right should be >= 0 (with is_causal the right bound is at most 0), or "
+                         f"no key would be kept, but got {left} + {eff}")
+    return window
+
+
+def _keeps_none(left, right, is_causal):
+    """Whether the window ``(left, right)`` (signed bounds, None unbounded) keeps no key of any row, with the
+    right bound it has beside ``is_causal`` (causal is the right bound 0): ``left + right < 0``."""
+    eff = 0 if is_causal and (right is None or right > 0) else right
+    return left is not None and eff is not None and left + eff < 0, eff
 
 
 #: :func:`_check_window` for a wrapper that spells the window otherwise (FlashAttention's ``window_size``).

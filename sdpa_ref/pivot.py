@@ -10,7 +10,7 @@ dominant term of the sum is then exactly 0 and the cancellation of the plain for
 engine computes this form, from here:
 
 * :func:`pivoted_vjp` -- along any axis, in NumPy (:func:`sdpa_ref.softmax.softmax_vjp` and ``softmax_jvp``,
-  the teaching core);
+  the plain engine);
 * :func:`softmax_vjp_in` -- over the rows of an arithmetic (:mod:`sdpa_ref.arith`; double-double and the honest
   low precision of ``precision="reproducible"``);
 * :func:`softmax_vjp_rows` -- in place on a block of rows (the fast engine, where the compiled row pass does not
@@ -21,7 +21,7 @@ engine computes this form, from here:
 * :func:`softmax_vjp_delta_in` -- the unpivoted form with :math:`D` given, as kernels compute it (the honest
   ensemble);
 * :func:`second_partial`, :func:`combine_second`, :func:`tangent_probs`, :func:`second_entries` -- the
-  softmax's second order (the double backward), pivoted the same way, on a whole row (the teaching core) or
+  softmax's second order (the double backward), pivoted the same way, on a whole row (the plain engine) or
   key block by key block (the tiled engine).
 """
 

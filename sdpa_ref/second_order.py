@@ -5,7 +5,7 @@ The backward of attention maps the cotangents ``(dO, dlse)`` to the gradients; i
 tangents and the cotangents' own tangents, is the *double backward* (what ``torch.autograd.grad`` of a gradient
 with ``create_graph=True`` computes, or JAX's ``jvp`` of a ``vjp``). With the cotangents held fixed it is the
 Hessian-vector product of the loss :math:`\langle dO, O\rangle + \langle dlse, \mathrm{LSE}\rangle`. The formulas
-are the teaching core's (:func:`sdpa_ref.attention.backward_jvp`): each line of the backward differentiated by
+are the plain engine's (:func:`sdpa_ref.attention.backward_jvp`): each line of the backward differentiated by
 the product rule, the softmax's step in :func:`sdpa_ref.normalize.vjp_jvp` and softcap's in
 :func:`sdpa_ref.transforms.softcap_sech2_jvp`; SEMANTICS.md derives them.
 """
@@ -50,7 +50,7 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
         The LSE's cotangent and its tangent (None: zero).
     method : {"plain", "tiled"}, optional
         The schedule: ``"plain"`` (the default without ``block_size``), the
-        teaching core's :func:`sdpa_ref.attention.backward_jvp` on the dense
+        plain engine's :func:`sdpa_ref.attention.backward_jvp` on the dense
         problem with ``P`` saved; ``"tiled"`` (the default with
         ``block_size``), :func:`sdpa_ref.engines.second.backward_jvp`, which
         recomputes ``P`` block by block from the tiled forward's row max and

@@ -1,6 +1,6 @@
 """Engines: the ways of computing attention, behind one contract (:mod:`.contract`).
 
-* ``plain`` -- :mod:`sdpa_ref.attention`, the teaching core and the oracle;
+* ``plain`` -- :mod:`sdpa_ref.attention`, the dense schedule as the derivation reads, with every option;
 * ``fast`` -- :mod:`.fast`, dense, in place, threaded over heads;
 * ``tiled`` -- :mod:`.tiled`, FlashAttention's online softmax over blocks;
 * ``reproducible`` -- :mod:`.reproducible`, ``precision="reproducible"``: the core's formulas in

@@ -1,4 +1,4 @@
-r"""The fast dense engine: the teaching core's arithmetic, with fewer passes and copies.
+r"""The fast dense engine: the plain engine's arithmetic, with fewer passes and copies.
 
 The default of :func:`sdpa_ref.sdpa_forward` (``method="fast"``). It calls
 the same transforms, allowed set and policy as the core

@@ -1,6 +1,6 @@
 r"""``precision="reproducible"``: faithfully rounded float64, the same bits on every machine.
 
-The formulas are the teaching core's (:mod:`sdpa_ref.attention`), evaluated
+The formulas are the plain engine's (:mod:`sdpa_ref.attention`), evaluated
 once, here, in one of two arithmetics (:mod:`sdpa_ref.exact.arith`). In
 float64: double-double (:mod:`sdpa_ref.exact.dd`), every matrix product
 formed exactly on the BLAS by the Ozaki scheme (:mod:`sdpa_ref.exact.ozaki`),
@@ -49,7 +49,7 @@ from ..exact.arith import for_problem
 from ..normalize import EXTRA_NAME, close_in, extra_shape, extras, vjp_in
 from ..broadcast import block_of
 from ..policy import constant_rows, counts, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
-from ..transforms import transform_scores_in, unbroadcast
+from ..transforms import dropout_in, transform_scores_in, unbroadcast
 from .._threads import run_all
 from .contract import Forward, Grads
 
@@ -319,7 +319,7 @@ def _no_silent_nan(X, x, ok, what):
 
 def _dropout(X, x, keep, p):
     """``x * Z / (1 - p)``; ``x`` itself without a keep mask."""
-    return x if keep is None else X.divide_by_keep(x, keep, p)
+    return dropout_in(X, x, keep, p)
 
 
 def _any_to(mask, shape):

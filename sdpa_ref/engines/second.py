@@ -1,6 +1,6 @@
 r"""The tiled engine's double backward: :func:`sdpa_ref.attention.backward_jvp` in bounded memory.
 
-The teaching core's double backward holds ``P``, ``P'``, ``dP``, ``dP'`` and their scores as whole
+The plain engine's double backward holds ``P``, ``P'``, ``dP``, ``dP'`` and their scores as whole
 ``L x S`` arrays. Here, as in the tiled backward, each block of rows walks the key blocks twice and recomputes
 :math:`P = e^{T - m} / s` from the forward's row max and sum; no ``L x S`` array is made. Every quantity
 of the derivation is a row sum or a block's own product, so two sweeps suffice:

@@ -12,7 +12,7 @@ Each attention case is checked four ways:
 * ``cs``: the VJP and the JVP against the complex step
   (:func:`sdpa_forward_complex`), whole Jacobian, to ``COMPLEX_RTOL`` (1e-12);
 * ``lse``: the tiled engine's recomputing backward (FlashAttention's,
-  ``method="tiled"``) and the teaching core's (``method="plain"``) against the
+  ``method="tiled"``) and the plain engine's (``method="plain"``) against the
   default one, to ``LSE_RTOL`` (1e-13) in the normwise relative error
   ``max|a - b| / max(1, max|a|)`` of each gradient;
 * ``ip``: the inner-product identity ``<g, J t> == <J^T g, t>`` between the
@@ -20,7 +20,7 @@ Each attention case is checked four ways:
 * ``hvp``: second order, the Hessian-vector product of ``<g, O>``
   (:func:`sdpa_ref.sdpa_hvp`) along two random directions against central
   differences of the VJP, to ``HVP_RTOL`` (1e-6), and the tiled schedule's
-  against the teaching core's, to ``LSE_RTOL`` (normwise).
+  against the plain engine's, to ``LSE_RTOL`` (normwise).
 
 The differentiable arguments are ``query``, ``key``, ``value``, then a float
 ``attn_mask`` and a ``bias`` when the case has them.
