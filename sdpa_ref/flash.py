@@ -24,9 +24,10 @@ import numpy as np
 from . import _validate as V
 from .api import scaled_dot_product_attention
 from .layouts import KVCache, Packed
-from .options import check_bool, check_scale, check_softcap, check_window
+from .options import check_bool, check_scale, check_softcap, check_window, count_window, fa4_window
 
-__all__ = ["flash_attn_varlen_func", "flash_attn_with_kvcache"]
+__all__ = ["flash_attn_varlen_func", "flash_attn_with_kvcache", "window_from_window_size", "window_from_fa4",
+           "window_from_count"]
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
@@ -124,6 +125,97 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
                  alibi_slopes, check_bool(return_softmax_lse, "return_softmax_lse"), dict(options, qv=qv))
 
 
+def window_from_window_size(window_size=(-1, -1)):
+    """FlashAttention 2 and 3's ``window_size`` as the core's ``window=``.
+
+    Parameters
+    ----------
+    window_size : (int, int)
+        ``(left, right)``, each an int >= 0 or ``-1`` (unbounded); ``(-1, -1)`` is no window.
+
+    Returns
+    -------
+    (int or None, int or None)
+        ``window=`` for :func:`sdpa_ref.sdpa_forward`: ``-1`` becomes None, so ``(-1, -1)`` is
+        ``(None, None)``, no window.
+
+    Examples
+    --------
+    >>> window_from_window_size((128, 0))
+    (128, 0)
+    >>> window_from_window_size((-1, -1))
+    (None, None)
+    """
+    if window_size is None:                              # FlashAttention's "no window" is (-1, -1)
+        raise TypeError("`window_size` should be a pair (left, right) of ints >= 0, -1 or None, but got None; "
+                        "pass (-1, -1) for no window")
+    return check_window(window_size, "window_size")
+
+
+def window_from_fa4(window_size_left=None, window_size_right=None, causal=False):
+    """FlashAttention 4's window bounds as the core's ``window=``.
+
+    Parameters
+    ----------
+    window_size_left, window_size_right : int or None
+        FlashAttention 4's bounds: None unbounded, a negative bound past the diagonal on the other side.
+    causal : bool, optional
+        FlashAttention 4's ``causal`` (pass it on as ``is_causal``), with which the window is checked: the core
+        intersects causal with the window, so the right bound is ``min(right, 0)`` (FlashAttention 4 sets it to 0,
+        which differs for a negative right bound only).
+
+    Returns
+    -------
+    (int or None, int or None) or None
+        ``window=`` for :func:`sdpa_ref.sdpa_forward` (None when both bounds are None: no window).
+
+    Raises
+    ------
+    ValueError
+        A window that keeps no key (``left + right < 0``, the right bound at most 0 under ``causal``), which
+        FlashAttention 4 silently drops (pass no window for its result); and a bound of ``-1``, one key past the
+        diagonal, which ``window=`` cannot spell (its ``-1`` is unbounded, as in FlashAttention 2 and 3).
+
+    Examples
+    --------
+    >>> window_from_fa4(127, 0)
+    (127, 0)
+    >>> window_from_fa4(-2, 5)
+    (-2, 5)
+    """
+    if window_size_left is None and window_size_right is None:
+        return None
+    window = fa4_window(window_size_left, window_size_right, check_bool(causal, "causal"))
+    if -1 in window:
+        side = "window_size_left" if window[0] == -1 else "window_size_right"
+        raise ValueError(f"`{side}` should not be -1 (one key past the diagonal): `window=` spells -1 as unbounded, "
+                         "as FlashAttention 2 and 3 do, but got -1")
+    return window
+
+
+def window_from_count(sliding_window):
+    """A window counted in keys up to the diagonal (gpt-oss's ``sliding_window``, cuDNN's left bound) as the
+    core's ``window=``.
+
+    Parameters
+    ----------
+    sliding_window : int >= 1 or None
+        The ``n`` keys up to the diagonal; None: no window.
+
+    Returns
+    -------
+    (int, None) or None
+        ``(n - 1, None)``: FlashAttention counts the left bound inclusively, ``left + 1`` keys. The right side
+        stays unbounded; gpt-oss is causal (``is_causal=True``, the same as ``(n - 1, 0)``).
+
+    Examples
+    --------
+    >>> window_from_count(128)
+    (127, None)
+    """
+    return None if sliding_window is None else count_window(sliding_window)
+
+
 def _storage(arrays, ndim):
     """The wrapper's arrays checked under FlashAttention's names (their dtype, and ``ndim`` dims)."""
     for name, x in arrays.items():
@@ -136,10 +228,7 @@ def _call(q, k, lay, v, scale, causal, window_size, chunk, softcap, slopes, retu
     """FlashAttention's scalar arguments checked under their own names (before anything is gathered), then the
     reference on the layout."""
     causal = check_bool(causal, "causal")
-    if window_size is None:                              # FlashAttention's "no window" is (-1, -1)
-        raise TypeError("`window_size` should be a pair (left, right) of ints >= 0, -1 or None, but got None; "
-                        "pass (-1, -1) for no window")
-    window = check_window(window_size, "window_size")
+    window = window_from_window_size(window_size)
     scale = None if scale is None else check_scale(scale, "softmax_scale")
     cap = None if softcap is None else V.as_real_scalar(softcap, "softcap")
     cap = None if cap is None or cap == 0.0 else check_softcap(cap, "softcap")     # FlashAttention's 0: off

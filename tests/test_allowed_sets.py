@@ -1,5 +1,7 @@
 """The allowed sets kernels define: FlashAttention 4's signed window bounds, a count window, StreamingLLM's sink
-tokens, Llama 4's chunks and top-k gathered key indices.
+tokens, Llama 4's chunks and top-k gathered key indices. The peers' spellings of the window reach the core as
+``window=`` through :mod:`sdpa_ref.flash`'s translations; the core's deprecated keywords for them give the same
+window, with a warning.
 
 The oracle is written here with loops from the peers' own test references (FlashAttention's
 ``construct_local_mask``, ``construct_chunk_mask`` and ``attention_ref``'s gather), sharing nothing with
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 
 import sdpa_ref
 from sdpa_ref import sdpa_backward, sdpa_forward, sdpa_jvp
+from sdpa_ref.flash import window_from_count, window_from_fa4
 
 from helpers import assert_close_normwise
 
@@ -57,15 +60,16 @@ def problems(draw):
          "fully_masked": draw(st.sampled_from(["zero", "uniform"]))}
     form = draw(st.sampled_from(["none", "fa4", "count", "window"]))
     if form == "fa4":
-        left = draw(st.one_of(st.none(), st.integers(-3, 4)))
-        right = draw(st.one_of(st.none(), st.integers(-3, 4)))
+        # -1, one key past the diagonal, is unbounded in `window=`: its deprecated spelling is tested apart
+        bound = st.one_of(st.none(), st.integers(-3, 4).filter(lambda b: b != -1))
+        left, right = draw(bound), draw(bound)
         eff = 0 if o["is_causal"] and (right is None or right > 0) else right
         if left is not None and eff is not None and left + eff < 0:
             left = None                                      # refused: tested apart
-        o.update(window_size_left=left, window_size_right=right, _window=(left, right))
+        o.update(window=window_from_fa4(left, right, o["is_causal"]), _window=(left, right))
     elif form == "count":
         w = draw(st.integers(1, 5))
-        o.update(sliding_window=w, _window=(w - 1, None))
+        o.update(window=window_from_count(w), _window=(w - 1, None))
     elif form == "window":
         w = (draw(st.sampled_from([None, 0, 1, 3])), draw(st.sampled_from([None, 0, 2])))
         o.update(window=w, _window=w)
@@ -91,8 +95,7 @@ def _api(o):
 def _dense(o, a):
     """The same problem as a plain bool mask: no window, chunk or indices, the lengths kept (they zero padded
     rows, which a mask does not)."""
-    d = {k: v for k, v in _api(o).items() if k not in ("window_size_left", "window_size_right", "sliding_window",
-                                                       "sink_token_length", "attention_chunk", "gather_kv_indices",
+    d = {k: v for k, v in _api(o).items() if k not in ("sink_token_length", "attention_chunk", "gather_kv_indices",
                                                        "window", "is_causal")}
     return dict(d, attn_mask=a)
 
@@ -144,14 +147,61 @@ def test_the_window_forms_are_one_window():
     rng = np.random.default_rng(5)
     q, k, v = rng.standard_normal((1, 1, 6, 2)), rng.standard_normal((1, 1, 6, 2)), rng.standard_normal((1, 1, 6, 2))
     want = sdpa_forward(q, k, v, window=(2, 0))[0]
-    for kw in (dict(window_size_left=2, window_size_right=0), dict(sliding_window=3, is_causal=True),
-               dict(window_size_left=2, is_causal=True)):
+    for kw in (dict(window=window_from_fa4(2, 0)), dict(window=window_from_count(3), is_causal=True),
+               dict(window=window_from_fa4(2, None, causal=True), is_causal=True)):
         np.testing.assert_array_equal(sdpa_forward(q, k, v, **kw)[0], want)
 
 
+def _qkv(seed, L=6, S=7):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((1, 2, L, 3)), rng.standard_normal((1, 2, S, 3)), rng.standard_normal((1, 2, S, 2))
+
+
+@pytest.mark.parametrize("old, new", [
+    (dict(window_size_left=2, window_size_right=0), dict(window=(2, 0))),
+    (dict(window_size_left=-2, window_size_right=4), dict(window=(-2, 4))),
+    (dict(window_size_left=3, is_causal=True), dict(window=(3, None), is_causal=True)),
+    (dict(window_size_left=4, window_size_right=-1), dict(attn_mask=np.tri(6, 7, -1, bool) & ~np.tri(6, 7, -5, bool))),
+    (dict(window_size_left=None, window_size_right=None), {}),
+])
+def test_fa4_window_keywords_are_deprecated_and_give_the_same_result(old, new):
+    q, k, v = _qkv(8)
+    with pytest.warns(DeprecationWarning, match=r"`window_size_left` and `window_size_right` are deprecated: pass "
+                                                r"`window=\(left, right\)`"):
+        got = sdpa_forward(q, k, v, **old)
+    want = sdpa_forward(q, k, v, **new)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1].lse, want[1].lse)
+
+
+@pytest.mark.parametrize("n, causal", [(3, True), (2, False), (None, True)])
+def test_sliding_window_is_deprecated_and_gives_the_same_result(n, causal):
+    q, k, v = _qkv(9)
+    with pytest.warns(DeprecationWarning, match=r"`sliding_window` is deprecated: pass `window=\(n - 1, None\)`"):
+        got = sdpa_forward(q, k, v, sliding_window=n, is_causal=causal)
+    want = sdpa_forward(q, k, v, window=window_from_count(n), is_causal=causal)
+    np.testing.assert_array_equal(got[0], want[0])
+    if n is not None:
+        np.testing.assert_array_equal(got[0], sdpa_forward(q, k, v, window=(n - 1, 0 if causal else None),
+                                                           is_causal=causal)[0])
+
+
+@pytest.mark.parametrize("call, err, match", [
+    (lambda: window_from_fa4(-2, 1), ValueError, "FlashAttention 4 silently drops"),
+    (lambda: window_from_fa4(-1, None, causal=True), ValueError, "keep"),
+    (lambda: window_from_fa4(4, -1), ValueError, "`window_size_right` should not be -1"),
+    (lambda: window_from_fa4(1.5), TypeError, "`window_size_left`"),
+    (lambda: window_from_count(0), ValueError, "`sliding_window`"),
+    (lambda: window_from_count(2.0), TypeError, "`sliding_window`"),
+])
+def test_the_window_translations_name_the_peers_arguments(call, err, match):
+    with pytest.raises(err, match=match):
+        call()
+
+
 @pytest.mark.parametrize("kw, err, match", [
-    (dict(window_size_left=-2, window_size_right=1), ValueError, "FlashAttention 4 silently drops"),
-    (dict(window_size_left=-1, is_causal=True), ValueError, "keep"),
+    (dict(window=(-2, 1)), ValueError, "`window` left \\+ right should be >= 0"),
+    (dict(window=(-2, 3), is_causal=True), ValueError, "no key would be kept"),
     (dict(window=(1, 1), sliding_window=2), ValueError, "combined"),
     (dict(window=(1, 1), window_size_left=1), ValueError, "combined"),
     (dict(sliding_window=0), ValueError, "`sliding_window`"),
@@ -176,7 +226,7 @@ def test_attention_chunk_zero_is_off():
 def test_the_gradients_through_a_chunk_and_indices_match_central_differences():
     rng = np.random.default_rng(7)
     q, k, v = rng.standard_normal((1, 2, 4, 2)), rng.standard_normal((1, 2, 6, 2)), rng.standard_normal((1, 2, 6, 3))
-    o = dict(attention_chunk=2, sliding_window=3, sink_token_length=1, is_causal=True,
+    o = dict(attention_chunk=2, window=(2, None), sink_token_length=1, is_causal=True,
              causal_alignment="bottom_right", gather_kv_indices=np.array([[[[0, 1, 3, 5, 5]]]]))
     rep = sdpa_ref.check_vjp(lambda q, k, v: sdpa_forward(q, k, v, **o)[0],
                              lambda g, q, k, v: tuple(sdpa_backward(sdpa_forward(q, k, v, **o)[1], g))[:3],
