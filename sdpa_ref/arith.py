@@ -52,6 +52,19 @@ class NumPyArith:
     def sum(a, axis=-1, keepdims=False):
         return np.sum(a, axis=axis, keepdims=keepdims)
 
+    @staticmethod
+    def recip(n):
+        """``1/n`` for positive ``n`` (a count, or an array of counts): one IEEE division (a Python float for a
+        Python number, as it mixes with arrays of any dtype without widening them)."""
+        return 1.0 / n
+
+    @staticmethod
+    def div_masked(x, keep, a, b, out=None):
+        """``x * Z / (a + b)`` for the bool mask ``Z`` (``keep``) and the divisor ``a + b`` of two floats: the
+        factor ``Z * (1 / (a + b))`` rounded once to ``x``'s dtype, then one multiply (into ``out`` if given).
+        A multiply, not ``np.where``, so that a NaN entry stays NaN where ``Z`` is 0 (``NaN * 0``)."""
+        return np.multiply(x, keep * x.real.dtype.type(1.0 / (a + b)), out=out)
+
 
 class NumPyBase2(NumPyArith):
     """:class:`NumPyArith` whose exponential is base 2 (``exp2``): FlashInfer's base-2 log-sum-exps combined

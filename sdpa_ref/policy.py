@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .arith import NUMPY
+
 __all__ = ["DEFAULT", "FULLY_MASKED_POLICIES", "averages_every_key", "averages_excluded", "averages_values",
            "constant_rows", "counts", "emulates_peer", "excluded", "fill_empty_rows", "fill_output_without_keys",
-           "fills_zero", "is_default", "makes_nan", "nan_rows", "policy_fill", "zero_output_rows"]
+           "fills_zero", "is_default", "makes_nan", "nan_rows", "policy_fill", "policy_fill_in", "zero_output_rows"]
 
 #: Accepted values of ``fully_masked``, in the order the harness enumerates them; see ``SEMANTICS.md``.
 FULLY_MASKED_POLICIES = ("zero", "nan", "uniform", "jax")
@@ -93,12 +95,19 @@ def emulates_peer(policy):
 def policy_fill(policy, S):
     """What ``P`` holds on a row with no allowed key: 0, NaN, or ``1/S`` (the uniform average); for ``"jax"``,
     ``S`` is the count ``n`` of the keys the row averages (an array: :func:`counts`), and the fill ``1/n``, NaN
-    where ``n = 0``."""
+    where ``n = 0``. In NumPy: :func:`policy_fill_in` over :data:`sdpa_ref.arith.NUMPY`."""
+    return policy_fill_in(NUMPY, policy, S)
+
+
+def policy_fill_in(X, policy, S):
+    """:func:`policy_fill` as a value of the arithmetic ``X`` (:mod:`sdpa_ref.arith`): an average's ``1/S`` or
+    ``1/n`` is ``X.recip`` (in double-double, to about 100 bits), 0 and NaN are ``X.const``."""
     if averages_excluded(policy):
         n = np.asarray(S, np.float64)
-        with np.errstate(divide="ignore"):
-            return np.where(n > 0, 1.0 / np.where(n > 0, n, 1.0), np.nan)
-    return {"zero": 0.0, "nan": np.nan, "uniform": 1.0 / S if S else np.nan}[policy]
+        return X.where(n > 0, X.recip(np.where(n > 0, n, 1.0)), X.const(np.nan))
+    if averages_every_key(policy) and S:
+        return X.recip(S)
+    return X.const({"zero": 0.0, "nan": np.nan, "uniform": np.nan}[policy])      # the mean of no key: NaN
 
 
 def counts(prob, rows=None):
@@ -122,10 +131,10 @@ def fill_empty_rows(P, empty, padded, policy, S, X=None, n=None, excl=None):
 
     ``empty`` is ``(..., L, 1)`` bool; ``padded`` the rows past ``q_len``
     (or None). Returns ``P`` itself when no row is empty. ``X``: an
-    arithmetic (:mod:`sdpa_ref.arith`) whose values ``P`` holds; its
-    ``policy_const`` is the fill as that arithmetic holds it (double-double:
-    ``1/S`` to about 100 bits), and the fills are its constants (structural
-    zeros, for :mod:`sdpa_ref.reads`). ``"jax"`` takes the rows' counts ``n``
+    arithmetic (:mod:`sdpa_ref.arith`) whose values ``P`` holds; the fill is
+    :func:`policy_fill_in`, the value as that arithmetic holds it
+    (double-double: ``1/S`` to about 100 bits), and the zeros are its
+    constants (structural zeros, for :mod:`sdpa_ref.reads`). ``"jax"`` takes the rows' counts ``n``
     (:func:`counts`) for ``S`` and the block's excluded keys ``excl``
     (:func:`excluded`): ``1/n`` on those keys, 0 on the others, NaN on a row
     with ``n = 0``.
@@ -141,8 +150,8 @@ def fill_empty_rows(P, empty, padded, policy, S, X=None, n=None, excl=None):
             np.where(on, policy_fill(policy, n), 0.0).astype(P.dtype)
         P = np.where(empty, fill, P)
         return P if padded is None or fills_zero(policy) else np.where(padded, P.dtype.type(0), P)
-    fill = X.policy_const(policy, S) if not per_key else \
-        X.where(on, X.policy_const(policy, n), X.const(0.0))
+    fill = policy_fill_in(X, policy, S) if not per_key else \
+        X.where(on, policy_fill_in(X, policy, n), X.const(0.0))
     P = X.where(empty, fill, P)
     return P if padded is None or fills_zero(policy) else X.where(padded, X.const(0.0), P)
 

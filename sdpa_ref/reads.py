@@ -49,8 +49,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .policy import policy_fill
-from .transforms import dropout_forward, softcap_sech2
+from .arith import NUMPY
+from .transforms import softcap_sech2
 
 __all__ = ["Poison", "Reads", "ReadsArith", "clean", "lift_problem", "nan_where", "scrub"]
 
@@ -246,8 +246,9 @@ class ReadsArith:
     def const(self, x):
         return Reads(np.asarray(x, self.dtype), False, x == 0)
 
-    def policy_const(self, policy, S):
-        return self.const(policy_fill(policy, S))
+    def recip(self, n):
+        """``1/n`` for positive ``n`` (a count, or an array of counts): a constant, which reads nothing."""
+        return self.const(1.0 / np.asarray(n, np.float64))
 
     def value(self, a):
         return a.v if isinstance(a, Reads) else a
@@ -325,10 +326,11 @@ class ReadsArith:
     def take(self, a, idx):
         return self.lift(a)._map(lambda x: np.take_along_axis(x, idx, -1))
 
-    def divide_by_keep(self, x, keep, p):
-        """``x * Z / (1 - p)``: a dropped entry is a structural zero."""
+    def div_masked(self, x, keep, a, b):
+        """``x * Z / (a + b)`` (the value as :data:`sdpa_ref.arith.NUMPY` computes it): an entry ``Z`` drops is a
+        structural zero."""
         v, t, z = _parts(x)
-        return self._join(dropout_forward(v, keep, p), t, z | ~np.asarray(keep))
+        return self._join(NUMPY.div_masked(v, keep, a, b), t, z | ~np.asarray(keep))
 
     # -- reductions and products
     def row_max(self, T, excluded):

@@ -55,6 +55,7 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _validate as V
+from .arith import NUMPY
 from .alignment import diagonal_offset
 from .broadcast import block_of, unbroadcast
 from .score_mod import as_score_mod, indices, params_vjp, score_mod_curvature, score_mod_forward
@@ -70,6 +71,7 @@ __all__ = [
     "alibi_forward",
     "check_softcap",
     "dropout_forward",
+    "dropout_in",
     "dropout_jvp",
     "dropout_vjp",
     "register_score_stage",
@@ -497,11 +499,16 @@ def dropout_forward(x, keep, p, out=None):
     """``x * Z / (1 - p)`` with ``Z`` the bool keep mask; ``x`` itself without one.
 
     A multiply, not ``np.where``, so that a NaN row stays NaN as the formula says (``NaN * 0`` on a dropped
-    entry): a ``"nan"``-policy row whose every key is dropped is NaN, as on every engine and precision.
+    entry): a ``"nan"``-policy row whose every key is dropped is NaN, as on every engine and precision. The
+    factor ``Z / (1 - p)`` is rounded once to ``x``'s dtype (:meth:`sdpa_ref.arith.NumPyArith.div_masked`).
     """
-    if keep is None:
-        return x
-    return np.multiply(x, keep * x.real.dtype.type(1.0 / (1.0 - p)), out=out)
+    return x if keep is None else NUMPY.div_masked(x, keep, 1.0, -p, out=out)
+
+
+def dropout_in(X, x, keep, p):
+    """:func:`dropout_forward` over the arithmetic ``X`` (:mod:`sdpa_ref.arith`): ``x * Z / (1 - p)``, the keep
+    probability ``1 - p`` passed as the sum ``1 + (-p)`` (exact in double-double); ``x`` itself without a mask."""
+    return x if keep is None else X.div_masked(x, keep, 1.0, -p)
 
 
 def dropout_vjp(g, keep, p, out=None):

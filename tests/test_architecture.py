@@ -96,10 +96,10 @@ ONE_HOME = {
     # over which softcap_forward_in runs; not a second softcap)
     "np.tanh(": {"transforms.py", "lowp.py"},
     "np.cosh(": {"transforms.py"},
-    # dropout's 1 / (1 - p)
-    "1.0 - p": {"transforms.py"},
-    # the fully-masked policy's fill values
-    "'uniform': 1.0 / S": {"policy.py"},
+    # dropout's 1 / (1 - p): the keep probability 1 - p, handed to the arithmetic's division as 1 + (-p)
+    "1.0, -p": {"transforms.py"},
+    # the fully-masked policy's fill values: the uniform average 1/S, in the arithmetic's precision
+    "X.recip(S)": {"policy.py"},
     # the GQA group size
     "Hq // Hkv": {"problem.py"},
     # the pivot of the softmax VJP (the row's largest P) -- and the reports' worst entry, which is not math
@@ -110,7 +110,7 @@ ONE_HOME = {
 @pytest.mark.parametrize("snippet", list(ONE_HOME))
 def test_each_piece_of_math_lives_in_one_place(snippet):
     found = {p.name for p in MODULES if snippet in _code_without_docstrings(p)
-             and p.parent.name != "adapters" and p.name not in ("diagnostics.py", "nn.py")}
+             and p.parent.name != "adapters" and p.name != "diagnostics.py"}
     assert found == ONE_HOME[snippet], f"{snippet!r} is written in {sorted(found)}"
 
 

@@ -43,7 +43,7 @@ def test_a_sum_and_a_product_read_every_term_that_is_not_a_structural_zero():
     V = _r(np.ones((3, 2)), [[False, False], [True, False], [False, True]])
     assert R.result(R.matmul(P, V)).tolist() == [[False, True]]                  # key 1 is masked: never read
     assert R.result(R.sum(R.mul(P, _r(np.ones((1, 3)), [[False, True, False]])))).tolist() == [False]
-    dropped = R.divide_by_keep(_r(np.ones((1, 3)), True), np.array([[True, False, True]]), 0.5)
+    dropped = R.div_masked(_r(np.ones((1, 3)), True), np.array([[True, False, True]]), 1.0, -0.5)
     assert R.result(dropped).tolist() == [[True, False, True]] and dropped.z.tolist() == [[False, True, False]]
     empty = R.matmul(_r(np.ones((2, 0))), _r(np.ones((0, 3)), True))
     assert not R.result(empty).any() and empty.z.all()                           # an empty sum is a structural 0
@@ -295,7 +295,7 @@ WRONG = {
         _case({}, {"query": (0, 0, 1, 0)})),
     # a dropped entry reads no value (row 0 drops key 2, which the other rows read)
     "a dropout that still reads what it drops": (
-        "divide_by_keep", lambda self, x, keep, p: self.lift(x),
+        "div_masked", lambda self, x, keep, a, b: self.lift(x),
         _case({"dropout_mask": np.array([[True, True, False], [True, True, True], [True, False, True]]),
                "dropout_p": 0.5}, {"value": (0, 0, 2, 1)})),
     # a constant row ("uniform", no key) has dP = 0: its tangent does not read v

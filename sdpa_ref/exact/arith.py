@@ -24,8 +24,6 @@ import math
 
 import numpy as np
 
-from ..policy import averages_every_key, averages_excluded, policy_fill
-from ..transforms import dropout_forward
 from . import _native, ozaki
 from .dd import (_EXP_CONSTS, _TABLE, dd, dd_add, dd_add_d, dd_div, dd_exp, dd_log, dd_mul, dd_mul_d, dd_sech2,
                  dd_sub, dd_sum, dd_tanh, two_prod, two_sum)
@@ -144,9 +142,10 @@ class DoubleDouble:
     def take(self, a, idx):
         return np.take_along_axis(a[0], idx, -1), np.take_along_axis(a[1], idx, -1)
 
-    def divide_by_keep(self, x, keep, p):
-        """``x * Z / (1 - p)``, with ``1 - p`` exact."""
-        q = dd_div(x, two_sum(np.float64(1.0), np.float64(-p)))
+    def div_masked(self, x, keep, a, b):
+        """``x * Z / (a + b)`` for the bool mask ``Z`` (``keep``) and two floats ``a``, ``b``: their sum exact
+        (TwoSum), the quotient a dd, then the mask applied by a multiply (a NaN stays NaN where ``Z`` is 0)."""
+        q = dd_div(x, two_sum(np.float64(a), np.float64(b)))
         return q[0] * keep, q[1] * keep
 
     # -- reductions and products
@@ -168,15 +167,11 @@ class DoubleDouble:
     def reshape(self, a, shape):
         return a[0].reshape(shape), a[1].reshape(shape)
 
-    def policy_const(self, policy, S):
-        """The fully-masked policy's fill (:func:`sdpa_ref.policy.policy_fill`) as a double-double: ``1/S`` for
-        ``"uniform"`` (``1/n`` per row for ``"jax"``, ``S`` the counts) with its low half."""
-        if averages_excluded(policy):
-            n = np.asarray(S, np.float64)
-            lo = dd_div(dd(np.ones_like(n)), dd(np.where(n > 0, n, 1.0)))[1]
-            return np.asarray(policy_fill(policy, n)), np.where(n > 0, lo, 0.0)
-        hi = np.float64(policy_fill(policy, S))
-        return (hi, dd_div(dd(np.float64(1.0)), dd(np.float64(S)))[1]) if averages_every_key(policy) and S else dd(hi)
+    def recip(self, n):
+        """``1/n`` for positive ``n`` (a count, or an array of counts) to about 100 bits: ``fl(1/n)`` with the low
+        half of the double-double quotient."""
+        n = np.asarray(n, np.float64)
+        return 1.0 / n, dd_div(dd(np.ones_like(n)), dd(n))[1]
 
 
 class LowPrecision:
@@ -279,16 +274,18 @@ class LowPrecision:
     def where(self, cond, a, b):
         return np.where(cond, a, b).astype(self.dtype, copy=False)
 
-    def policy_const(self, policy, S):
-        """The fully-masked policy's fill (:func:`sdpa_ref.policy.policy_fill`) in the dtype."""
-        return self._t(policy_fill(policy, S))
+    def recip(self, n):
+        """``1/n`` for positive ``n`` (a count, or an array of counts): the float64 quotient rounded to the dtype."""
+        return self._t(1.0 / np.asarray(n, np.float64))
 
     def take(self, a, idx):
         return np.take_along_axis(a, idx, -1)
 
-    def divide_by_keep(self, x, keep, p):
-        """``x * (Z / (1 - p))``, the factor rounded to the dtype: the fast path's dropout."""
-        return dropout_forward(x, keep, p)
+    def div_masked(self, x, keep, a, b):
+        """``x * (Z * (1 / (a + b)))`` for the bool mask ``Z`` (``keep``) and two floats ``a``, ``b``: the factor
+        rounded once to the dtype, as a kernel scales by a reciprocal, then one multiply (a NaN stays NaN where
+        ``Z`` is 0); the NumPy arithmetic's :meth:`sdpa_ref.arith.NumPyArith.div_masked`."""
+        return np.multiply(x, keep * x.real.dtype.type(1.0 / (a + b)))
 
     def sum(self, a, axis=-1, keepdims=False):
         """A fixed pairwise tree along ``axis`` in the accumulation dtype, rounded once to the dtype."""
