@@ -54,14 +54,15 @@ return. The rest is in namespaces named for their job:
 :mod:`sdpa_ref.options`, :mod:`sdpa_ref.api`
     The options' names and accepted values, and the engines' names.
 
-Every name that was once at the top level still is, read from its
-namespace on first use (``sdpa_ref.window_mask`` is
-``sdpa_ref.masks.window_mask``); CHANGELOG.md lists where each moved.
+A few names of the namespaces are also read from the top level on first
+use, so that code that calls them there keeps working
+(``sdpa_ref.window_mask`` is ``sdpa_ref.masks.window_mask``); CHANGELOG.md
+lists them.
 """
 
 from importlib import import_module as _import_module
 
-from . import alibi, flash, gradcheck, lse, masks, merge, options  # noqa: F401  (the namespaces, loaded as before)
+from . import alibi, flash, gradcheck, lse, masks, merge, options  # noqa: F401  (namespaces the API imports anyway)
 from ._info import info
 from ._version import __version__
 from .api import AttentionResiduals, scaled_dot_product_attention, sdpa_forward, split_kv_partials
@@ -109,8 +110,8 @@ __all__ = [
     "assert_conforms",
 ]
 
-#: Names read from a namespace on first use: the harness's (so that ``import sdpa_ref`` stays light), and every
-#: name that was once at the top level and now lives in the namespace of its job (CHANGELOG.md).
+#: Names read from a namespace on first use: the harness's (so that ``import sdpa_ref`` stays light), and names
+#: that live in the namespace of their job, reachable here for code that calls them by the short path (CHANGELOG.md).
 _ELSEWHERE = {
     "check_implementation": "conformance",
     "assert_conforms": "conformance",
@@ -145,9 +146,8 @@ NAMESPACES = ("core", "functional", "gradcheck", "conformance", "flash", "flex",
 
 
 def __getattr__(name):
-    """A name of :data:`_ELSEWHERE`, read from its namespace (imported on first use): ``sdpa_ref.X`` and
-    ``from sdpa_ref import X`` keep working for every name that was once at the top level; a namespace of
-    :data:`NAMESPACES` is imported on first use."""
+    """``sdpa_ref.X`` and ``from sdpa_ref import X`` for a name of :data:`_ELSEWHERE`, read from its namespace
+    (imported on first use); a namespace of :data:`NAMESPACES` is imported on first use."""
     if name in NAMESPACES:
         return _import_module(f"{__name__}.{name}")
     home = _ELSEWHERE.get(name)

@@ -113,7 +113,7 @@ class AttentionOptions:
     def has_slope(self) -> bool:
         """Whether the score chain has an element-wise part with a slope (softcap, a score function, any
         element-wise stage of :data:`~sdpa_ref.transforms.SCORE_STAGES`), which a backward or JVP reads
-        (``Forward.tanh``)."""
+        (``Forward.slope``)."""
         return any(getattr(self, st.option) is not None for st in SCORE_STAGES if st.elementwise)
 
     @classmethod

@@ -230,10 +230,9 @@ def transposed_product(a, b, out=None):
     product ``dV = P^T dO`` and ``dK = dT^T Q`` are of this form.
 
     In float64 it is computed as ``(b^T a)^T``: OpenBLAS runs that product (a short, wide result) faster than the
-    one whose first operand is the transposed ``M x N`` matrix (measured on an AMD EPYC, one thread,
-    ``1024 x 1024`` by ``1024 x 64``: 2.9 ms against 4.0); the same sums, another order, so the last bits may
-    differ between the two forms as they do between BLAS builds. float32 keeps the direct form, which was faster
-    there.
+    one whose first operand is the transposed ``M x N`` matrix; the same sums, another order, so the last bits may
+    differ between the two forms as they do between BLAS builds. float32 keeps the direct form, the faster one
+    there (timings: docs/performance.md, "Where the numbers in the code went").
     """
     if a.dtype != np.float64:
         return np.matmul(np.swapaxes(a, -1, -2), b, out=out)

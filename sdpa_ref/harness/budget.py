@@ -8,10 +8,9 @@ the largest input, the bytes of its file and the work of regenerating it -- and 
 :data:`VERIFY_LIMITS`, per case or in total, with a :class:`~.vectorio.ManifestError` naming the case, the
 quantity and the limit. The limits hold the full suite in every dtype and layout with room (about 4 times its
 largest case and 2.5 times its total work; tested), and bound what ``verify`` may take: one case at a time is
-regenerated and freed, about 110 bytes of memory per score entry at the largest (measured: 110 MiB at 2**20
-entries in bfloat16), so at most about 0.5 GB; the work limit is about a minute on one core in bfloat16 (whose
-honest ensemble is the slow part: 6 s for the full suite's largest case, 2**20 score entries with ``E = Ev =
-64``) and a few seconds in float64.
+regenerated and freed, at most about 110 bytes of memory per score entry (bfloat16, the costliest), so at most
+about 0.5 GB; the work limit is about a minute on one core in bfloat16 (whose honest ensemble is the slow part)
+and a few seconds in float64 (the figures: docs/performance.md, "Where the numbers in the code went").
 """
 
 from __future__ import annotations
