@@ -49,7 +49,7 @@ from .softmax import softmax_lse_vjp, softmax_vjp
 
 __all__ = ["EXTRA_NAME", "Closed", "close", "nan_row_probs", "row_softmax", "row_stats", "close_in", "extra_grad_in",
            "extra_probs", "extra_probs_in",
-           "extra_shape", "extras", "keys_only", "vjp", "vjp_delta_in", "vjp_in", "vjp_jvp",
+           "extra_shape", "extras", "keys_only", "lse_in", "vjp", "vjp_delta_in", "vjp_in", "vjp_jvp",
            "extra_second", "second_pivots", "vjp_jvp_scores"]
 
 
@@ -153,6 +153,14 @@ def close(m, s, empty, extra) -> Closed:
         return Closed(m, s, None, None, empty)
     with np.errstate(over="ignore", invalid="ignore"):
         return close_in(NUMPY, np.where(empty, m.dtype.type(0), m), s, empty, extra)
+
+
+def lse_in(X, m, s, empty=None):
+    r"""A row's log-sum-exp :math:`\mathrm{lse} = m + \log s` from its (closed) normaliser ``(m, s)`` ``(..., 1)``,
+    over an arithmetic ``X``; ``-inf`` on the ``empty`` rows (None: none named, and an empty row's ``s = 0``
+    gives ``log 0 = -inf``)."""
+    lse = X.add(X.log(s), m)
+    return lse if empty is None else X.where(empty, X.const(-np.inf), lse)
 
 
 def extra_probs_in(X, extra, lse):

@@ -46,7 +46,7 @@ import functools
 import numpy as np
 
 from ..exact.arith import for_problem
-from ..normalize import EXTRA_NAME, close_in, extra_shape, extras, vjp_in
+from ..normalize import EXTRA_NAME, close_in, extra_shape, extras, lse_in, vjp_in
 from ..broadcast import block_of
 from ..policy import constant_rows, counts, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
 from ..transforms import dropout_in, transform_scores_in, unbroadcast
@@ -104,7 +104,7 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
         sm = X.where(em, X.const(1.0), X.sum(e, keepdims=True))
         p = X.div(e, sm)
         if ext is not None:                                          # the normaliser closed by them
-            X.put(lse_keys, ix, X.where(em, X.const(-np.inf), X.add(X.log(sm), mx)))
+            X.put(lse_keys, ix, lse_in(X, mx, sm, em))
             mx, sm, fold, pe, em = close_in(X, mx, sm, em, block_of(ext, nd, lead, r))
             p = X.mul(p, fold)
             X.put(p_extra, ix, pe)
@@ -115,7 +115,7 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
         if Pd is not P:
             X.put(Pd, ix, _dropout(X, p, block_of(prob.keep, nd, lead, r), o.dropout_p))
         m[ix], s_val[ix], empty[ix] = X.value(mx), np.where(em, 0, X.value(sm)), em
-        X.put(lse, ix, X.where(em, X.const(-np.inf), X.add(X.log(sm), mx)))
+        X.put(lse, ix, lse_in(X, mx, sm, em))
 
     _by_rows(full, rows)
     O = _full(_times_values(X, prob, Pd, empty, prob.v, prob.v_full, final=True), prob)
