@@ -46,16 +46,15 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from ..exact.arith import LowPrecision
-from .. import normalize
 from ..lse import combine_in
+from ..normalize import close_in, extra_probs_in, lse_in, row_stats, vjp_delta_in
 from ..options import AttentionOptions
 from .._validate import check_choice, check_tolerance
 from ..problem import Problem
 from ..rounding import round_to
 from ..policy import averages_excluded, averages_values, constant_rows, counts, nan_rows, zero_output_rows
 from ..transforms import dropout_forward, transform_scores_in, unbroadcast
-from .lowp import DESCALES, LibmLowPrecision, MemberArith, output_dtype, tf32 as _tf32, widen, work_dtype
+from .lowp import DESCALES, MemberArith, output_dtype, widen
 
 __all__ = ["MEMBERS", "Member", "ensemble_errors", "honest_errors", "member_quantities", "run_member"]
 
@@ -162,19 +161,31 @@ def run_member(prob, dtype, member: Member, dO=None, descales=None):
 
 
 class _Kernel:
-    """One member on one problem: the forward, then the backward, in full ``(*batch, Hq, L, n)`` layout."""
+    """One member on one problem: the forward, then the backward, in full ``(*batch, Hq, L, n)`` layout.
+
+    The schedule (where the scale goes, dense or blocks of keys, early or late normalisation, ``D`` from ``O``
+    or from ``P``) is the member's and is written here; every formula it evaluates is a stage of the package,
+    run over the member's arithmetic ``A`` (:class:`~.lowp.MemberArith`, whose ``matmul``, ``sum``, ``exp`` and
+    ``div`` carry the member's order, ``exp`` error, reciprocal and TF32): the score transforms
+    (:func:`~sdpa_ref.transforms.transform_scores_in`, in the plain low precision ``A.base``), the row max
+    (:func:`~sdpa_ref.normalize.row_stats`), the merge of normalisers (:func:`~sdpa_ref.lse.combine_in`) and the
+    sink's fold (:func:`~sdpa_ref.normalize.close_in`), the LSE (:func:`~sdpa_ref.normalize.lse_in`), the
+    fully-masked policy's rows (:mod:`sdpa_ref.policy`), the softmax VJP with ``D`` given
+    (:func:`~sdpa_ref.normalize.vjp_delta_in`) and the gradients' unbroadcast
+    (:func:`~sdpa_ref.broadcast.unbroadcast`, by ``A.base``'s fixed trees).
+    """
 
     def __init__(self, prob, dt, member, descales=None):
         self.p, self.dt, self.m = prob, np.dtype(dt), member
         self.out_dt = output_dtype(dt)
-        self.w = work_dtype(dt)
-        self.X = LibmLowPrecision(self.w) if member.arith == "blas" else LowPrecision(self.w)
+        self.A = MemberArith(member, dt)
+        self.w, self.X = self.A.dtype, self.A.base
+        self.W = self.A.lift                                       # into the work dtype
         self.s = self.w.type(prob.scale * member.scale_factor)
         # fp8: (*batch, Hq, 1, 1) factors of q, k, v (a GQA group shares its kv-head's)
         self.desc = None if descales is None else tuple(
             self.W(np.repeat(np.asarray(d), prob.G, axis=-1)[..., None, None]) for d in descales)
 
-    # -- arithmetic
     def rd(self, x):
         """Rounded to the test dtype, returned in the work dtype (exact there)."""
         return round_to(x, self.dt).astype(self.w)
@@ -182,49 +193,6 @@ class _Kernel:
     def rd_out(self, x):
         """Rounded to the output dtype (bfloat16 for fp8: what an fp8 kernel returns and its backward reads)."""
         return round_to(x, self.out_dt).astype(self.w)
-
-    def W(self, x):
-        return np.asarray(x).astype(self.w)
-
-    def mm(self, a, b):
-        """``a @ b`` accumulated in the work dtype, in the member's order; the result in the work dtype."""
-        a, b = self.W(a), self.W(b)
-        if self.m.tf32:
-            a, b = _tf32(a), _tf32(b)
-        if self.m.arith == "blas":
-            return np.matmul(a, b)
-        if self.m.order == "tree" or a.shape[-1] == 0:
-            return self.X.matmul(a, b)
-        a2, b2 = a.astype(np.float64), b.astype(np.float64)     # float32 products exact in float64
-        acc = np.zeros(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), self.w)
-        for i in range(a.shape[-1]):                       # one multiply-add after another: a fixed order
-            acc = (acc + a2[..., :, i, None] * b2[..., None, i, :]).astype(self.w)
-        return acc
-
-    def rowsum(self, x):
-        """The sum over the last axis, kept: one add after another (``np.cumsum``, sequential by definition)
-        in the "fma" order; else NumPy's own (``"blas"``) or the fixed pairwise tree."""
-        x = self.W(x)
-        if x.shape[-1] == 0:
-            return np.zeros(x.shape[:-1] + (1,), self.w)
-        if self.m.order == "fma":
-            return np.cumsum(x, axis=-1)[..., -1:]
-        return np.sum(x, axis=-1, keepdims=True) if self.m.arith == "blas" else self.X.sum(x, keepdims=True)
-
-    def exp(self, x):
-        e = np.exp(self.W(x)) if self.m.arith == "blas" else self.X.exp(self.W(x))
-        if self.m.exp_ulps:                   # a deterministic error of up to exp_ulps ulp, from the bits of x
-            bits = np.asarray(self.W(x)).view(np.uint32 if self.w == np.float32 else np.uint64).astype(np.uint64)
-            salt = np.uint64(sum(map(ord, self.m.name)) * 2 + 1)         # each kernel its own pattern of errors
-            u = ((bits * np.uint64(2654435761) * salt) % np.uint64(65536)).astype(np.float64) / 32768.0 - 1.0
-            e = self.W(e * (1.0 + self.m.exp_ulps * np.finfo(self.w).eps * u))
-        return e
-
-    def log(self, x):
-        return self.W(np.log(self.W(x))) if self.m.arith == "blas" else self.X.log(self.W(x))
-
-    def div(self, a, b):
-        return self.W(a * self.W(self.w.type(1) / b)) if self.m.recip else self.W(a / b)
 
     # -- layouts
     def full(self, a, heads_of_kv):
@@ -258,15 +226,15 @@ class _Kernel:
         return out
 
     def scores(self):
-        p, m = self.p, self.m
+        p, m, A = self.p, self.m, self.A
         q, k = self.W(self.full(p.q, False)), self.W(self.full(p.k, True))
         if self.desc is not None:            # fp8: the scale rides with the descales, in float32, after the GEMM
             qd, kd, _ = self.desc
-            return self.W(self.mm(q, np.swapaxes(k, -1, -2)) * self.W(self.W(qd * kd) * self.s))
+            return self.W(A.matmul(q, np.swapaxes(k, -1, -2)) * self.W(self.W(qd * kd) * self.s))
         if m.scale_on == "scores":
-            return self.W(self.mm(q, np.swapaxes(k, -1, -2)) * self.s)
+            return self.W(A.matmul(q, np.swapaxes(k, -1, -2)) * self.s)
         q, k = self.scaled(q, k)
-        return self.mm(q, np.swapaxes(k, -1, -2))
+        return A.matmul(q, np.swapaxes(k, -1, -2))
 
     def factors(self):
         """``(r_q, r_k)``: what ``q`` and ``k`` are multiplied by before ``Q K^T`` (None: nothing)."""
@@ -280,7 +248,7 @@ class _Kernel:
         return (q if rq is None else self.rd(q * rq)), (k if rk is None else self.rd(k * rk))
 
     def forward(self):
-        p, m, o = self.p, self.m, self.p.options
+        p, m, o, A = self.p, self.m, self.p.options, self.A
         excl = np.zeros(p.full_scores, bool)
         if p.allowed() is not None:
             excl |= ~np.broadcast_to(p.allowed(), p.full_scores)
@@ -299,42 +267,36 @@ class _Kernel:
         keep, rdrop = self.dropout()
         v = self.W(self.full(p.v, True))
         vd = None if self.desc is None else self.desc[2]
-        A = MemberArith(self)
-        if m.block is None:
-            mx = T.max(axis=-1, keepdims=True, initial=-np.inf)
-            if sink is not None:                        # the sink: one more score, with no value, in the max
-                mx = np.maximum(mx, sink)
-            mx = np.where(np.isfinite(mx), mx, 0).astype(self.w)
-            e = self.exp(T - mx)
-            lsum = self.rowsum(e)
+        if m.block is None:                             # the sink: one more score, with no value, in the max
+            mx = row_stats(T if sink is None else np.concatenate([T, sink], axis=-1))[0]
+            e = A.exp_minus(T, mx)
+            lsum = A.sum(e, keepdims=True)
             if sink is not None:                        # the keys' sum at the row's max, joined by the sink's
-                _, lsum, _, _ = combine_in(A, [mx, np.where(sink == -np.inf, 0, sink).astype(self.w)],
-                                           [lsum, None], [np.zeros(mx.shape, bool), sink == -np.inf])
+                lsum = close_in(A, mx, lsum, np.zeros(mx.shape, bool), sink).s
             if m.normalize == "early":
-                P = self.div(e, lsum)
-                O = self.descale(self.mm(self.drop(self.rd(P), keep, rdrop), v), vd)
+                P = A.div(e, lsum)
+                O = self.descale(A.matmul(self.drop(self.rd(P), keep, rdrop), v), vd)
             else:
-                O = self.div(self.descale(self.mm(self.drop(self.rd(e), keep, rdrop), v), vd), lsum)
+                O = A.div(self.descale(A.matmul(self.drop(self.rd(e), keep, rdrop), v), vd), lsum)
         else:                                           # the online softmax: one block of keys at a time,
             mx = np.zeros(T.shape[:-1] + (1,), self.w)  # each block's exp at the new max (FlashAttention 2)
             lsum = np.zeros(T.shape[:-1] + (1,), self.w)
             none = np.ones(mx.shape, bool)
             acc = np.zeros(T.shape[:-1] + (v.shape[-1],), self.w)
             for j0 in range(0, p.S, m.block):
-                Tj = T[..., j0:j0 + m.block]
-                new = np.maximum(np.where(none, -np.inf, mx), Tj.max(axis=-1, keepdims=True))
-                safe = np.where(np.isfinite(new), new, 0).astype(self.w)
-                ej = self.exp(Tj - safe)
-                mx, lsum, (a, b), none = combine_in(A, [mx, safe], [lsum, self.rowsum(ej)], [none, new == -np.inf])
+                Tj = T[..., j0:j0 + m.block]            # the new max: the running one's and the block's
+                new, blank, _ = row_stats(np.concatenate([np.where(none, -np.inf, mx), Tj], axis=-1))
+                ej = A.exp_minus(Tj, new)
+                mx, lsum, (a, b), none = combine_in(A, [mx, new], [lsum, A.sum(ej, keepdims=True)], [none, blank])
                 kj = None if keep is None else keep[..., j0:j0 + m.block]
-                pv = self.mm(self.drop(self.rd(ej), kj, rdrop), v[..., j0:j0 + m.block, :])
-                acc = self.W(self.W(a * acc) + self.W(b * pv))                  # b = 1: exact
-            if sink is not None:                        # the sink folded in after the last block of keys
+                pv = A.matmul(self.drop(self.rd(ej), kj, rdrop), v[..., j0:j0 + m.block, :])
+                acc = A.add(A.mul(a, acc), A.mul(b, pv))                         # b = 1: exact
+            if sink is not None:                        # the sink: one more part, after the last block of keys
                 mx, lsum, (a, _), _ = combine_in(A, [mx, np.where(sink == -np.inf, 0, sink).astype(self.w)],
                                                  [lsum, None], [none, sink == -np.inf])
-                acc = self.W(a * acc)
-            O = self.div(self.descale(acc, vd), lsum)
-        lse = self.W(mx + self.log(lsum))
+                acc = A.mul(a, acc)
+            O = A.div(self.descale(acc, vd), lsum)
+        lse = lse_in(A, mx, lsum)
         O = self.fill_rows(O, empty)
         return {"O": self.rd_out(O), "T": T, "sd": sd, "lse": lse, "empty": empty, "sink": sink,
                 "P": P if m.normalize == "early" and m.block is None else None}
@@ -362,21 +324,20 @@ class _Kernel:
         return O if nan is None else np.where(nan, self.w.type(np.nan), O)
 
     def backward(self, fw, dO):
-        p, m = self.p, self.m
+        p, m, A = self.p, self.m, self.A
         dO = self.rd_out(dO)
         keep, rdrop = self.dropout()
         rd = self.rd if self.desc is None else self.rd_out        # fp8: the backward's operands in bfloat16
         q, k, v = (self.W(self.full(x, h)) for x, h in ((p.q, False), (p.k, True), (p.v, True)))
-        P = fw["P"] if fw["P"] is not None else self.exp(self.W(fw["T"] - fw["lse"]))
+        P = fw["P"] if fw["P"] is not None else A.exp_minus(fw["T"], fw["lse"])     # P from the LSE kept
         P = self.fill_rows(P, fw["empty"])
         Pd = self.drop(P, keep, rdrop, dt=False)
-        dv = self.mm(np.swapaxes(rd(Pd), -1, -2), dO)
-        dP = self.descale(self.mm(dO, np.swapaxes(v, -1, -2)), None if self.desc is None else self.desc[2])
+        dv = A.matmul(np.swapaxes(rd(Pd), -1, -2), dO)
+        dP = self.descale(A.matmul(dO, np.swapaxes(v, -1, -2)), None if self.desc is None else self.desc[2])
         dPd = self.drop(dP, keep, rdrop, dt=False)
-        A = MemberArith(self)
-        D = A.sum(A.mul(dO, fw["O"])) if m.delta == "out" else A.sum(A.mul(P, dPd))    # FlashAttention's identity
-        pe = normalize.extra_probs_in(A, fw["sink"], fw["lse"])       # the sink's e^(sink - lse), or None
-        dS, ds = normalize.vjp_delta_in(A, P, dPd, D, pe)            # P (dP - D), and -p_sink D
+        D = A.sum(A.mul(dO, fw["O"]) if m.delta == "out" else A.mul(P, dPd), keepdims=True)  # FlashAttention's
+        pe = extra_probs_in(A, fw["sink"], fw["lse"])               # the sink's e^(sink - lse), or None
+        dS, ds = vjp_delta_in(A, P, dPd, D, pe)                     # P (dP - D), and -p_sink D
         const = constant_rows(fw["empty"], p.padded_rows(), p.options.fully_masked, counts(p))
         dS = dS if const is None else np.where(const, self.w.type(0), dS)      # P is a constant there
         res = {}
@@ -387,20 +348,19 @@ class _Kernel:
         if p.bias is not None:
             res["dbias"] = self.sum_to(dS, p.shapes["bias"]).reshape(p.shapes["bias"])
         if fw["sd"] is not None and m.softcap_grad:
-            dS = self.W(dS * fw["sd"])
+            dS = A.mul(dS, fw["sd"])
         dSt = rd(dS)
         if self.desc is not None:            # d(S) = dS through (q8 qd)(k8 kd)^T * scale
             qd, kd, _ = self.desc
-            dq = self.W(self.mm(dSt, k) * self.W(kd * self.s))
-            dk = self.W(self.mm(np.swapaxes(dSt, -1, -2), q) * self.W(qd * self.s))
+            dq = self.W(A.matmul(dSt, k) * self.W(kd * self.s))
+            dk = self.W(A.matmul(np.swapaxes(dSt, -1, -2), q) * self.W(qd * self.s))
         elif m.scale_on == "scores":
-            dq = self.W(self.mm(dSt, k) * self.s)
-            dk = self.W(self.mm(np.swapaxes(dSt, -1, -2), q) * self.s)
+            dq = self.W(A.matmul(dSt, k) * self.s)
+            dk = self.W(A.matmul(np.swapaxes(dSt, -1, -2), q) * self.s)
         else:                                # d(q' k'^T): dq' = dS k', dk' = dS^T q', then through q' = q * r
             (rq, rk), (qs, ks) = self.factors(), self.scaled(q, k)
-            dq, dk = self.mm(dSt, ks), self.mm(np.swapaxes(dSt, -1, -2), qs)
+            dq, dk = A.matmul(dSt, ks), A.matmul(np.swapaxes(dSt, -1, -2), qs)
             dq = dq if rq is None else self.W(dq * rq)
             dk = dk if rk is None else self.W(dk * rk)
         res.update(dq=self.to_input(dq, "query"), dk=self.to_input(dk, "key"), dv=self.to_input(dv, "value"))
         return {n: round_to(a, self.w if n == "dsinks" else self.out_dt) for n, a in res.items()}   # dsinks: as sinks
-

@@ -136,43 +136,106 @@ def tf32(x):
 
 
 class MemberArith:
-    """An honest member's arithmetic (:mod:`.ensemble`) in the interface of :mod:`sdpa_ref.arith`, for the
-    stages it shares with the engines (:func:`sdpa_ref.lse.combine_in`, the normaliser's
-    :func:`sdpa_ref.normalize.vjp_delta_in` and :func:`sdpa_ref.normalize.extra_probs_in`): values are work-dtype
-    arrays, each operation rounded to the work dtype (``kernel.W``), ``exp`` the member's own (``kernel.exp``)."""
+    """An honest member's arithmetic (:mod:`.ensemble`) in the interface of :mod:`sdpa_ref.arith`: the stages it
+    shares with the engines (:func:`sdpa_ref.normalize.row_stats`, :func:`sdpa_ref.lse.combine_in`,
+    :func:`sdpa_ref.normalize.close_in`, :func:`sdpa_ref.normalize.lse_in`, :func:`sdpa_ref.normalize.vjp_delta_in`,
+    :func:`sdpa_ref.normalize.extra_probs_in`) run over it with the member's knobs.
 
-    def __init__(self, kernel):
-        self.k = kernel
+    Values are arrays of the work dtype (:func:`work_dtype` of the test dtype ``dt``), every operation rounded to
+    it. The knobs of ``member`` (a :class:`~.ensemble.Member`) live in four operations:
+
+    * :meth:`matmul` -- products accumulated in the work dtype by the fixed pairwise tree (``order="tree"``) or
+      one multiply-add after another (``"fma"``), or by ``np.matmul`` (``arith="blas"``); inputs rounded to TF32
+      first (``tf32``);
+    * :meth:`sum` -- a row sum in the same order (``np.cumsum`` for ``"fma"``, sequential by definition;
+      ``np.sum`` for ``"blas"``); a sum along another axis is the fixed tree;
+    * :meth:`exp` -- the double-double ``exp`` rounded (NumPy's for ``"blas"``), off by up to ``exp_ulps`` ulp
+      in a fixed pattern drawn from the argument's bits and the member's name;
+    * :meth:`div` -- a division, or a product with the rounded reciprocal (``recip``).
+
+    ``base`` is the plain low precision (:class:`~sdpa_ref.exact.arith.LowPrecision`; its ``tanh`` NumPy's for
+    ``"blas"``, :class:`LibmLowPrecision`): the score transforms and the sums over rows, heads and the batch
+    (a gradient's reduction after the kernel's) run in it.
+    """
+
+    def __init__(self, member, dt):
+        self.m = member
+        self.dtype = work_dtype(dt)
+        self.base = LibmLowPrecision(self.dtype) if member.arith == "blas" else LowPrecision(self.dtype)
+        self._salt = np.uint64(sum(map(ord, member.name)) * 2 + 1)   # each member its own pattern of exp errors
 
     def value(self, a):
         return a
 
     def const(self, x):
-        return self.k.w.type(x)
+        return self.dtype.type(x)
+
+    def lift(self, x):
+        return np.asarray(x).astype(self.dtype)
 
     def where(self, cond, a, b):
-        return self.k.W(np.where(cond, a, b))
-
-    def exp_minus(self, a, m):
-        return self.k.exp(self.k.W(a - m))
-
-    def mul(self, a, b):
-        return self.k.W(a * b)
+        return self.lift(np.where(cond, a, b))
 
     def add(self, a, b):
-        return self.k.W(a + b)
+        return self.lift(a + b)
 
     def sub(self, a, b):
-        return self.k.W(a - b)
+        return self.lift(a - b)
+
+    def mul(self, a, b):
+        return self.lift(a * b)
 
     def neg(self, a):
         return -a
 
-    def sum(self, a, axis=-1, keepdims=True):
-        """Over the last axis, in the member's order (``kernel.rowsum``)."""
-        assert axis in (-1, np.ndim(a) - 1)
-        r = self.k.rowsum(a)
+    def div(self, a, b):
+        """``a / b``, or ``a`` times the reciprocal of ``b`` rounded (``recip``)."""
+        return self.lift(a * self.lift(self.dtype.type(1) / b)) if self.m.recip else self.lift(a / b)
+
+    def exp(self, x):
+        """``exp(x)`` rounded to the work dtype; off by up to ``exp_ulps`` ulp in a fixed pattern."""
+        x = self.lift(x)
+        e = np.exp(x) if self.m.arith == "blas" else self.base.exp(x)
+        if self.m.exp_ulps:                   # a deterministic error of up to exp_ulps ulp, from the bits of x
+            bits = np.asarray(x).view(np.uint32 if self.dtype == np.float32 else np.uint64).astype(np.uint64)
+            u = ((bits * np.uint64(2654435761) * self._salt) % np.uint64(65536)).astype(np.float64) / 32768.0 - 1.0
+            e = self.lift(e * (1.0 + self.m.exp_ulps * np.finfo(self.dtype).eps * u))
+        return e
+
+    def exp_minus(self, a, m):
+        """``exp(a - m)``, the difference rounded first."""
+        return self.exp(self.lift(a - m))
+
+    def log(self, x):
+        return self.lift(np.log(self.lift(x))) if self.m.arith == "blas" else self.base.log(self.lift(x))
+
+    def sum(self, a, axis=-1, keepdims=False):
+        """Along the last axis in the member's order (above); along another axis by the fixed tree."""
+        x = self.lift(a)
+        if axis not in (-1, x.ndim - 1):
+            return self.base.sum(x, axis=axis, keepdims=keepdims)
+        if x.shape[-1] == 0:
+            r = np.zeros(x.shape[:-1] + (1,), self.dtype)
+        elif self.m.order == "fma":
+            r = np.cumsum(x, axis=-1)[..., -1:]
+        else:
+            r = np.sum(x, axis=-1, keepdims=True) if self.m.arith == "blas" else self.base.sum(x, keepdims=True)
         return r if keepdims else r[..., 0]
+
+    def matmul(self, a, b):
+        """``a @ b`` accumulated in the work dtype in the member's order; the result in the work dtype."""
+        a, b = self.lift(a), self.lift(b)
+        if self.m.tf32:
+            a, b = tf32(a), tf32(b)
+        if self.m.arith == "blas":
+            return np.matmul(a, b)
+        if self.m.order == "tree" or a.shape[-1] == 0:
+            return self.base.matmul(a, b)
+        a2, b2 = a.astype(np.float64), b.astype(np.float64)     # float32 products exact in float64
+        acc = np.zeros(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), self.dtype)
+        for i in range(a.shape[-1]):                       # one multiply-add after another: a fixed order
+            acc = (acc + a2[..., :, i, None] * b2[..., None, i, :]).astype(self.dtype)
+        return acc
 
 
 class LibmLowPrecision(LowPrecision):
