@@ -98,6 +98,13 @@ class AttentionOptions:
     mask_mod: Any = _opt(None, judged=False)
     block_mask: Any = _opt(None, judged=False)               # sdpa_ref.block_mask: tiles, with its mask function
 
+    def __post_init__(self):
+        # each score stage's option as a plain attribute, so that ``opts.softcap`` (read on every block of every
+        # engine) is an ordinary lookup; ``__getattr__`` answers for a stage registered after this record was made
+        for st in SCORE_STAGES:
+            if st.option is not None:
+                object.__setattr__(self, st.option, self.stages.get(st.option, st.default))
+
     def __getattr__(self, name):
         """A score stage's option (``opts.softcap``): its value in ``stages``, or the stage's default."""
         if not name.startswith("__") and name != "stages":
@@ -120,8 +127,7 @@ class AttentionOptions:
     def from_kwargs(cls, where: str = "sdpa_forward", **kwargs) -> "AttentionOptions":
         """Validate the scalar options (each once; a score stage's by its own ``check``); an unknown keyword is a
         `TypeError` naming ``where``."""
-        stages = {st.option: st for st in SCORE_STAGES if st.option is not None}
-        names = _names(lambda f: True)
+        stages, names = _vocabulary()
         kwargs, spelled = _without_deprecated(kwargs)
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
@@ -174,6 +180,20 @@ def _names(keep, judged=False):
         else:
             out.append(f.name)
     return tuple(out)
+
+
+_VOCABULARY = {}
+
+
+def _vocabulary():
+    """``({option: stage}, every option name)`` for the score stages registered now (kept per state of the table,
+    so a call does not rebuild them)."""
+    key = tuple(map(id, SCORE_STAGES))
+    got = _VOCABULARY.get(key)
+    if got is None:
+        got = _VOCABULARY[key] = ({st.option: st for st in SCORE_STAGES if st.option is not None},
+                                  _names(lambda f: True))
+    return got
 
 
 def _check_stage(stage, value):
