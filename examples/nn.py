@@ -19,7 +19,7 @@ Shapes: ``B`` batch, ``T`` positions, ``D`` model width, ``H`` heads,
 
 The claim, checked when this file runs as a script: every backward here is
 its forward's vector-Jacobian product, against central finite differences in
-float64 (:func:`sdpa_ref.check_vjp`, the whole Jacobian). ``tests/test_nn.py``
+float64 (:func:`sdpa_ref.check_vjp`, the whole Jacobian). ``tests/test_examples_nn.py``
 checks the same layers on more inputs.
 """
 

@@ -85,7 +85,7 @@ def averages_excluded(policy):
 def emulates_peer(policy):
     """Whether ``policy`` reproduces one peer's algorithm bit for bit rather than stating a rule for the row
     (``"jax"``: ``"uniform"`` on rows the structural rules empty, ``"nan"`` on rows ``-inf`` floats empty). It
-    is held to that algorithm written out (``tests/test_jax_policy.py``), not to the self-check's grid."""
+    is held to that algorithm written out (``tests/test_policy.py``), not to the self-check's grid."""
     return policy == "jax"
 
 

@@ -18,7 +18,7 @@ it at the target's fixed quantum ``2**(emin - m)``: ``(|x| + C) - C`` with
 correctly rounded value, exact in float64 and in the target, so the final
 cast to the ``ml_dtypes`` type is exact in every version. float32 and float16
 sources are cast by ``ml_dtypes`` directly: one rounding in every version
-(tests/test_edges_rounding_dtypes.py checks it against the same oracle). Past the largest finite value: ``inf`` (with the sign)
+(tests/test_rounding.py checks it against the same oracle). Past the largest finite value: ``inf`` (with the sign)
 for bfloat16 and ``float8_e5m2``, NaN for ``float8_e4m3fn``, which has no
 infinity (what ``ml_dtypes`` does); ``inf`` is NaN there too. NaN stays NaN,
 ``-0`` stays ``-0``, and a value that rounds to zero keeps its sign.

@@ -58,7 +58,7 @@ def sink_probs(sink, m, s):
     r"""The sink's probability :math:`p_\sigma = e^{\sigma - m} / s` ``(..., 1)`` from the row's closed normaliser
     ``(m, s)`` (:func:`fold_sink_in`'s ``m2``, ``s2``: what a forward keeps as its ``rowmax``, ``rowsum``), on NumPy
     arrays; 0 where there is no sink (``-inf``). The same bits as :func:`fold_sink_in`'s ``p_sink``
-    (``tests/test_edges_rows.py`` holds them to it), NaN on a NaN row (``s`` NaN).
+    (``tests/test_normalize.py`` holds them to it), NaN on a NaN row (``s`` NaN).
 
     Not :math:`e^{\sigma - \mathrm{lse}}`: the LSE ``m + log s`` is rounded at the size of ``m``, so with a sink
     near a top score of ``1e15`` its ulp (0.125) moved ``p_sigma`` by 13% (and ``dsinks`` and ``dq`` with it)."""

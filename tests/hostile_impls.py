@@ -1,4 +1,4 @@
-"""Implementations that turn against the harness, for tests/test_isolation.py (importable by ``module:function``).
+"""Implementations that turn against the harness, for tests/test_harness_isolate.py (importable by ``module:function``).
 
 Each one returns, or pretends to return, a result it did not compute: it exits the process, forks and exits,
 outlives the time limit however it is interrupted, rewrites the judge, or reads the reference off the stack.

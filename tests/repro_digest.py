@@ -7,7 +7,7 @@ large enough to be cut into blocks that run in the package's thread pool.
 Inputs come from ``Generator.uniform`` (integer bits scaled by IEEE
 arithmetic: the same on every machine; ``standard_normal`` is not, its tail
 calls the platform's ``log``). ``--block-entries`` changes how the exact
-products and the element-wise passes are cut into blocks; the bits must not change. ``tests/test_reproducible.py``
+products and the element-wise passes are cut into blocks; the bits must not change. ``tests/test_engines_reproducible.py``
 runs this under many thread, BLAS and SIMD settings and compares with
 ``tests/data/reproducible_hashes.json``.
 """

@@ -255,3 +255,44 @@ def test_the_import_contract_fails_on_a_planted_import(tmp_path, module, planted
     code, report = _lint_imports(root)
     assert code != 0, report
     assert "BROKEN" in report
+
+
+#: Test files about the package as a whole rather than one module: the docs and examples run, the README, the
+#: public surface, the import contract, the named tolerances, bad input across every entry point, one test per
+#: defect found, a kernel author's first hour, and the peers' conventions across the API.
+CROSS_CUTTING = ("architecture", "docs_site", "docs_sources", "doctests", "examples", "readme", "public_api",
+                 "tolerances", "hardening", "regressions", "first_hour", "peers", "benchmarks")
+
+
+def module_of_test(test_name, modules=None):
+    """The package module a test file ``test_<name>.py`` is for: the longest ``_``-joined prefix of ``<name>``
+    that names a module (``engines_tiled`` -> ``sdpa_ref.engines.tiled``), or None."""
+    modules = set(MODULES.values()) if modules is None else modules
+    parts = test_name.split("_")
+    for n in range(len(parts), 0, -1):
+        for cut in range(n, 0, -1):                    # a module name may itself hold "_" (score_mod, second_order)
+            pkg, mod = parts[:cut - 1], "_".join(parts[cut - 1:n])
+            for name in (".".join(["sdpa_ref"] + pkg + [mod]), ".".join(["sdpa_ref"] + pkg + ["_" + mod])):
+                if name in modules:                    # a private module (_threads) by its plain name
+                    return name
+    return None
+
+
+def test_tests_mirror_the_package():
+    """Each ``tests/test_<x>.py`` is named for the module it tests (or is one of the cross-cutting files)."""
+    stray = []
+    for p in sorted(pathlib.Path(__file__).parent.glob("test_*.py")):
+        name = p.stem[len("test_"):]
+        if module_of_test(name) is None and not name.startswith(CROSS_CUTTING):
+            stray.append(p.name)
+    assert not stray, f"test files named for no module of the package: {stray}"
+
+
+def test_the_mirror_check_reads_module_names():
+    mods = {"sdpa_ref.engines.tiled", "sdpa_ref.score_mod", "sdpa_ref.second_order", "sdpa_ref.harness.vectors"}
+    assert module_of_test("engines_tiled", mods) == "sdpa_ref.engines.tiled"
+    assert module_of_test("score_mod", mods) == "sdpa_ref.score_mod"
+    assert module_of_test("second_order_jax", mods) == "sdpa_ref.second_order"
+    assert module_of_test("harness_vectors_hashes", mods) == "sdpa_ref.harness.vectors"
+    assert module_of_test("edges_rows", mods) is None
+    assert module_of_test("threads", {"sdpa_ref._threads"}) == "sdpa_ref._threads"

@@ -57,7 +57,7 @@ def test_writing_into_the_inputs_after_the_forward_changes_no_gradient(how):
 
 def test_the_residuals_are_read_only():
     """What the backward reads is frozen; ``res.out`` and ``res.lse`` are results, the caller's own copies
-    (issue 40, item 9: tests/test_edges_peers.py checks every entry point)."""
+    (issue 40, item 9: tests/test_peers.py checks every entry point)."""
     q, k, v, g, bias, _ = _inputs(2)
     out, res = sdpa_ref.sdpa_forward(q, k, v, bias=bias)
     for arr in (res.probs, res.forward.out, res.forward.lse):

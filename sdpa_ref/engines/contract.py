@@ -15,7 +15,7 @@ batch layout (``*batch`` is the broadcast of the inputs' batch dims); the
 public API sums gradients back to the inputs' shapes and casts them.
 
 The engines agree with the teaching core (:mod:`sdpa_ref.core`) and the plain engine (:mod:`sdpa_ref.attention`) to
-rounding, on every option; ``tests/test_fast.py`` and ``tests/test_tiled.py``
+rounding, on every option; ``tests/test_engines_fast.py`` and ``tests/test_engines_tiled.py``
 hold them to it.
 """
 

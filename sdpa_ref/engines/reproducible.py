@@ -28,7 +28,7 @@ threads), NumPy's SIMD dispatch, or the machine. The intermediates carry
 about 100 bits, so every float64 result is within one ulp of the exact value
 of the formula on the given inputs unless that value is the result of a
 cancellation of more than about 2**45 (normwise: always within 2**-52);
-``tests/test_reproducible.py`` holds this against 50-digit mpmath.
+``tests/test_engines_reproducible.py`` holds this against 50-digit mpmath.
 
 NaN results are the one canonical quiet NaN (IEEE 754 does not fix the
 sign and payload bits of a NaN, and SIMD paths differ in them).

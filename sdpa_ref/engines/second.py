@@ -25,7 +25,7 @@ of the derivation is a row sum or a block's own product, so two sweeps suffice:
 
 The row sums are pivoted as the first-order engines' are, by the same functions as the core's
 (:func:`sdpa_ref.normalize.vjp_jvp_scores`), so a dominant key or sink costs neither schedule its accuracy
-(``tests/test_edges_second_order.py``).
+(``tests/test_engines_second.py``).
 """
 
 from __future__ import annotations

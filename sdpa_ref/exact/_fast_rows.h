@@ -50,7 +50,7 @@ FX_INLINE FX(vd) FX(vmin)(FX(vd) a, FX(vd) b) { return FX(sel)((FX(vi))(a < b), 
 FX_INLINE FX(vd) FX(load)(const double *p) { FX(vd) v; memcpy(&v, p, sizeof v); return v; }
 FX_INLINE void FX(store)(double *p, FX(vd) v) { memcpy(p, &v, sizeof v); }
 
-/* exp(x) lane by lane, within 1 ulp (tests/test_fast.py measures it against the double-double exp):
+/* exp(x) lane by lane, within 1 ulp (tests/test_engines_fast.py measures it against the double-double exp):
  * x = k ln2 + r with k = rint(x / ln2) (the sum with 1.5 * 2**52 rounds it, and its low bits are k) and
  * |r| <= ln2/2 + tiny, by Cody and Waite (LN2_HI has 32 bits, so k * LN2_HI is exact for |k| < 2**21);
  * exp(r) = 1 + (r + r^2 q(r)), q the Taylor series of (exp(r) - 1 - r) / r^2 to degree 11 (truncation below
@@ -120,7 +120,7 @@ FX_INLINE FX(vf) FX(vminf)(FX(vf) a, FX(vf) b) { return FX(self)((FX(vw))(a < b)
 FX_INLINE FX(vf) FX(loadf)(const float *p) { FX(vf) v; memcpy(&v, p, sizeof v); return v; }
 FX_INLINE void FX(storef)(float *p, FX(vf) v) { memcpy(p, &v, sizeof v); }
 
-/* exp(x) in float32, lane by lane, within 1 ulp of float (tests/test_fast.py): FX(exp)'s method with float
+/* exp(x) in float32, lane by lane, within 1 ulp of float (tests/test_engines_fast.py): FX(exp)'s method with float
  * constants: Cody and Waite with LN2_HI of 15 bits (k * LN2_HI exact for |k| < 2**9), q to degree 5 (truncation
  * below 2**-27). NaN gives NaN, -inf and x < -104 give 0, x >= 89 gives inf. */
 FX_INLINE FX(vf) FX(expf)(FX(vf) x)

@@ -30,7 +30,7 @@ build.
 Nothing depends on it: when it was not built at install (no compiler, a
 failed build), when it fails to load, or with ``SDPA_REF_NATIVE=0`` (read on
 every call), the NumPy code runs: the same bits for
-``precision="reproducible"`` (``tests/test_reproducible.py`` hashes both),
+``precision="reproducible"`` (``tests/test_engines_reproducible.py`` hashes both),
 and equal to rounding on the fast path. It only makes things faster.
 """
 

@@ -24,7 +24,7 @@ not expose and which not every machine has):
 
 Accuracy (relative, for normalised finite operands): add, multiply and divide
 about ``2**-104``; :func:`dd_exp` and :func:`dd_log` about ``2**-100``
-(``tests/test_exact.py`` holds them to mpmath). Non-finite values are not
+(``tests/test_engines_reproducible.py`` holds them to mpmath). Non-finite values are not
 handled here; the callers keep them out (masked scores are set aside before
 ``exp``).
 """

@@ -22,7 +22,7 @@ _GRID_SHAPES = {
 }
 
 # the policies that state a rule for a row with no allowed key; one that reproduces a peer's algorithm is held to
-# that algorithm written out instead (tests/test_jax_policy.py)
+# that algorithm written out instead (tests/test_policy.py)
 _RULE_POLICIES = tuple(p for p in FULLY_MASKED_POLICIES if not emulates_peer(p))
 
 

@@ -56,7 +56,7 @@ class RelativeRule:
     quick and full suites in all six dtypes the honest specimens reach at
     most 0.41 of this bound, and a correctly rounded bfloat16 output moved
     up one ulp is caught on the S = 128 cases (``beta = 0.99-1.00`` against
-    bounds of 0.60-0.79; ``tests/test_suite_coverage.py``).
+    bounds of 0.60-0.79; ``tests/test_harness_cases.py``).
 
     **The floor: the returned dtype's own rounding.** Whatever the
     ensemble errs by, the allowance is at least :func:`returned_rounding`,
@@ -85,7 +85,7 @@ class RelativeRule:
     case of the suites; the floor makes it hold by itself, for any ``k``:
     with ``k = 0`` it is the whole allowance, and the correctly rounded
     kernel passes the full suite at float16, bfloat16, float32 and both fp8
-    (``tests/test_edges_rounding.py``), where the ensemble's term alone
+    (``tests/test_harness_rules.py``), where the ensemble's term alone
     fails it on 11 to 15 of the quick suite's rows per dtype (the LSE, whose
     ``atol_dtype`` can be 0 -- ``x + 0.3 - 0.3`` exact, as for ``1000.5`` in
     float16 -- and dk, dv, the JVP by up to 1.9 times). With ``k = 3`` the

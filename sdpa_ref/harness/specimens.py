@@ -6,7 +6,7 @@ at any test dtype, built on the ensemble's kernel (:mod:`.ensemble`) but
 computed the way a NumPy user would write it -- ``np.matmul`` on the BLAS,
 ``np.exp``, ``np.sum`` (``arith="blas"``) -- with one honest choice or one
 bug each. :data:`HONEST` must pass on every case; each of :data:`MUTANTS`
-must fail on the case that exposes it (``tests/test_rule_specimens.py``,
+must fail on the case that exposes it (``tests/test_harness_specimens.py``,
 ``benchmarks/calibrate_rule.py``).
 
 Which bugs can be seen depends on the dtype: a scale off by 1e-4 moves a

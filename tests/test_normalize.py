@@ -96,7 +96,7 @@ def _expected(name):
 
 @pytest.fixture(params=["native", "numpy"])
 def native(request, monkeypatch):
-    """The compiled row passes, then NumPy's (``SDPA_REF_NATIVE=0``, as tests/test_fast.py switches them)."""
+    """The compiled row passes, then NumPy's (``SDPA_REF_NATIVE=0``, as tests/test_engines_fast.py switches them)."""
     if request.param == "native" and _native.kernels() is None:
         pytest.skip("the compiled row passes are not in use here")
     if request.param == "numpy":

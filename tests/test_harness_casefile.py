@@ -4,7 +4,7 @@
 The reference arrays are computed with ``precision="reproducible"`` and the inputs are drawn from each case's
 seed, so a set written from a case file on one machine verifies on any other (``sdpa-ref verify`` regenerates
 it from the definitions its manifest stores). To refresh after a deliberate change, run
-``python tests/test_custom_vectors.py``.
+``python tests/test_harness_casefile.py``.
 """
 
 import hashlib

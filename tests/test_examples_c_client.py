@@ -8,7 +8,7 @@ tests/data/c_regressions (one per defect class the client had: each refused with
 SDPA_REF_FUZZ_N sets the number of mutations (default 300; CI's step 5b runs a few thousand). The fuzzer also
 runs by hand against any build, e.g. an old revision's client, and counts what it finds:
 
-    python tests/test_c_client.py --exe path/to/sdpa_check_asan -n 3000
+    python tests/test_examples_c_client.py --exe path/to/sdpa_check_asan -n 3000
 """
 
 import argparse

@@ -10,7 +10,7 @@ full suite's, byte for byte); ``SDPA_REF_FULL_VECTORS=1`` (set by ``.ci/run``)
 regenerates the full suite and its manifests too.
 
 To refresh the hashes after a deliberate change of the suite, the format or
-the version, run ``python tests/test_vector_hashes.py``.
+the version, run ``python tests/test_harness_vectors_hashes.py``.
 """
 
 import hashlib

@@ -96,7 +96,7 @@ def test_an_lse_without_the_scale_is_caught():
 
 def test_an_lse_kept_in_float16_is_caught_at_float32():
     """At float32 an LSE rounded to float16 is far outside; it is not honest at float16 either
-    (tests/test_edges_rounding.py)."""
+    (tests/test_harness_rules.py)."""
     half = ref_lse(mutate=lambda lse, *_: np.asarray(lse).astype(np.float16))
     _fails(check_implementation(half, dtypes=("float32",), cases=CASES, lse="e"))
 

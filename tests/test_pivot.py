@@ -5,7 +5,7 @@ of items 1, 9 and 12).
   (``1e200 * 1e200 - 1e200 * 1e200``: ``+inf``, ``-inf`` or NaN, as the BLAS orders and fuses its sum) and
   ``scale * q`` beyond the largest float (``10 * 1e308``). Every engine (plain, fast, tiled, split), forward,
   ``sdpa_backward``, ``sdpa_jvp``, ``sdpa_backward_jvp`` and ``sdpa_hvp``, native row passes on and off, runs them
-  with every warning an error, and gives the one NaN rule's pattern (``tests/test_edges_rows.py``: the row is NaN
+  with every warning an error, and gives the one NaN rule's pattern (``tests/test_normalize.py``: the row is NaN
   on the keys it reads), or, where the product came out ``-inf``, the result of that key excluded.
   ``precision="reproducible"`` raises its ValueError on the ``+inf`` score, and on the cancelling product, which it
   forms exactly (0), gives finite results. The warnings are scoped where the products are formed
@@ -25,7 +25,7 @@ import sdpa_ref
 from sdpa_ref.exact import _native
 from sdpa_ref.pivot import lane_rowsum, softmax_vjp_rows
 
-from test_edges_rows import HOWS, L, S, E, _SECOND, _inputs, _run, native  # noqa: F401 (native: a fixture)
+from test_normalize import HOWS, L, S, E, _SECOND, _inputs, _run, native  # noqa: F401 (native: a fixture)
 from tolerances import F64_GRAD, F64_REGROUPED
 
 #: The second-order results compared with the first order's pattern.
@@ -50,7 +50,7 @@ CASES = _cases()
 
 
 def _pattern(reads):
-    """The rule's NaN pattern (``tests/test_edges_rows.py``): out, lse, dq and the JVP of a NaN row, dk, dv and
+    """The rule's NaN pattern (``tests/test_normalize.py``): out, lse, dq and the JVP of a NaN row, dk, dv and
     dbias of the keys it reads; ``reads`` {row: keys}."""
     pat = {n: np.zeros((1, 1, L, E), bool) for n in ("out", "dq", "jvp")}
     pat.update(lse=np.zeros((1, 1, L), bool), dk=np.zeros((1, 1, S, E), bool), dv=np.zeros((1, 1, S, E), bool),
@@ -131,7 +131,7 @@ def test_a_cancelling_float32_product_of_one_query_row(native):
     (not the BLAS) forms it, NaN with an "invalid value" flag. Before: "invalid value encountered in matmul" from
     ``scores_forward`` on every engine (2 to 7 times per forward, backward and JVP). Now silent, and the row is NaN
     on every key it reads (all three: every result is NaN), or, where the product came out ``-inf``, the result of
-    that key excluded, to float32's rounding (8 eps, as ``tests/test_dtypes.py`` allows a computation in float32)."""
+    that key excluded, to float32's rounding (8 eps, as ``tests/test_engines.py`` allows a computation in float32)."""
     f = np.float32
     q = np.array([[1e30, 1e30]], f)
     k = np.array([[0.5, -0.25], [1e30, -1e30], [-0.75, 0.5]], f)
