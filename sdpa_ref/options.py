@@ -127,13 +127,14 @@ class AttentionOptions:
     def from_kwargs(cls, where: str = "sdpa_forward", **kwargs) -> "AttentionOptions":
         """Validate the scalar options (each once; a score stage's by its own ``check``); an unknown keyword is a
         `TypeError` naming ``where``."""
-        stages, names = _vocabulary()
+        stages, names, known = _vocabulary()
         kwargs, spelled = _without_deprecated(kwargs)
-        unknown = sorted(set(kwargs) - set(names))
-        if unknown:
+        if not known.issuperset(kwargs):
+            unknown = sorted(set(kwargs) - known)
             raise TypeError(f"`{where}` got unexpected keyword(s) {', '.join(unknown)}; the attention options "
                             f"are {', '.join(names)}")
-        o = dict(_DEFAULTS, **{k: v for k, v in kwargs.items() if k not in stages})
+        o = dict(_DEFAULTS, **(kwargs if stages.keys().isdisjoint(kwargs) else
+                               {k: v for k, v in kwargs.items() if k not in stages}))
         for name in ("is_causal", "enable_gqa", "upcast"):
             o[name] = check_bool(o[name], name)
         V.check_choice(o["fully_masked"], "fully_masked", FULLY_MASKED_POLICIES)
@@ -186,13 +187,14 @@ _VOCABULARY = {}
 
 
 def _vocabulary():
-    """``({option: stage}, every option name)`` for the score stages registered now (kept per state of the table,
-    so a call does not rebuild them)."""
+    """``({option: stage}, every option name in order, the same as a set)`` for the score stages registered now
+    (kept per state of the table, so a call does not rebuild them)."""
     key = tuple(map(id, SCORE_STAGES))
     got = _VOCABULARY.get(key)
     if got is None:
-        got = _VOCABULARY[key] = ({st.option: st for st in SCORE_STAGES if st.option is not None},
-                                  _names(lambda f: True))
+        names = _names(lambda f: True)
+        got = _VOCABULARY[key] = ({st.option: st for st in SCORE_STAGES if st.option is not None}, names,
+                                  frozenset(names))
     return got
 
 
@@ -385,6 +387,8 @@ _DEPRECATED_WINDOWS = {"window_size_left": "window_from_fa4", "window_size_right
 
 def _without_deprecated(kwargs):
     """``kwargs`` less the deprecated spellings of the window, and those spellings (name: value) apart."""
+    if _DEPRECATED_WINDOWS.keys().isdisjoint(kwargs):
+        return kwargs, {}
     spelled = {n: kwargs[n] for n in _DEPRECATED_WINDOWS if n in kwargs}
     return {n: x for n, x in kwargs.items() if n not in spelled}, spelled
 
@@ -394,6 +398,8 @@ def _deprecated_windows(window, spelled, is_causal):
     ``window_size_right``, or the count ``sliding_window``), with a `DeprecationWarning` naming the ``window=`` it
     is whenever a deprecated keyword is given (None included: no window, as it always was); at most one of the
     spellings may hold a window."""
+    if not spelled:
+        return window
     given = {n: x for n, x in spelled.items() if x is not None}
     forms = [n for n, on in (("window", window is not None),
                              ("window_size_left/right", "window_size_left" in given or "window_size_right" in given),

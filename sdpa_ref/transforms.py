@@ -593,7 +593,7 @@ def transform_scores(prob, T, rows=None, cols=None, lead=None, sech2=False, sech
     """
     o, block = prob.options, (rows, cols)                   # as asked: a whole problem is no tile of a block mask
     at = ScoreBlock(prob, lead, rows if rows is not None else (0, prob.L), cols if cols is not None else (0, prob.S))
-    d, slope, zero = None, sech2 or sech2_out is not None, False
+    d, slope, zero, dt = None, sech2 or sech2_out is not None, False, T.real.dtype
     for st in SCORE_STAGES:
         if st.elementwise:                                   # f(T): its slope multiplies the chain's
             c = getattr(o, st.option)
@@ -603,7 +603,7 @@ def transform_scores(prob, T, rows=None, cols=None, lead=None, sech2=False, sech
                     d = s if d is None else np.multiply(d, s, out=d)
                 zero = zero or st.zero_masked_slope
         else:                                                # T + term
-            terms = st.terms(at, T.real.dtype)
+            terms = st.terms(at, dt)
             if terms is not None:
                 T = st.forward(T, *terms, out=T)
     if allowed is None:
