@@ -141,8 +141,8 @@ _ELSEWHERE = {
 
 #: The namespaces named for their job, reachable as attributes (``sdpa_ref.functional.softmax_vjp``) without an
 #: import of their own; each is imported on first use.
-NAMESPACES = ("core", "functional", "gradcheck", "conformance", "flash", "flex", "masks", "alibi", "lse", "merge",
-              "options", "diagnostics", "harness", "adapters")
+NAMESPACES = ("core", "functional", "gradcheck", "conformance", "testing", "flash", "flex", "masks", "alibi", "lse",
+              "merge", "options", "diagnostics", "harness", "adapters")
 
 
 def __getattr__(name):

@@ -1,0 +1,162 @@
+"""sdpa_ref.testing: a kernel's own results judged on its own inputs, honest kernels passing and wrong ones caught
+with a message that locates the error."""
+
+import re
+
+import numpy as np
+import pytest
+
+import sdpa_ref
+from sdpa_ref.testing import _host, assert_attention_close, check_attention_close
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+
+def honest(q, k, v, g=None, *, scale=None, causal=False, work=np.float32):
+    """A plain kernel computing in ``work`` and returning the inputs' dtype: ``(out, lse, (dq, dk, dv))``."""
+    dt = q.dtype
+    q, k, v = (x.astype(work) for x in (q, k, v))
+    s = work(q.shape[-1] ** -0.5 if scale is None else scale)
+    S = (q @ np.swapaxes(k, -1, -2)) * s
+    if causal:
+        S = np.where(np.tril(np.ones(S.shape[-2:], bool)), S, -np.inf)
+    m = S.max(-1, keepdims=True)
+    P = np.exp(S - m)
+    l = P.sum(-1, keepdims=True)
+    P = P / l
+    out, lse = P @ v, (m + np.log(l))[..., 0]
+    grads = None
+    if g is not None:
+        g = g.astype(work)
+        dP = g @ np.swapaxes(v, -1, -2)
+        dS = P * (dP - (P * dP).sum(-1, keepdims=True)) * s
+        grads = tuple(x.astype(dt) for x in (dS @ k, np.swapaxes(dS, -1, -2) @ q, np.swapaxes(P, -1, -2) @ g))
+    return out.astype(dt), lse, grads
+
+
+def draw(dt, shape=(2, 3, 24, 16), seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(shape).astype(dt) for _ in range(4))
+
+
+@pytest.mark.parametrize("dt", [np.float32, ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_an_honest_kernel_passes_out_lse_and_gradients(dt, causal):
+    q, k, v, g = draw(dt)
+    out, lse, grads = honest(q, k, v, g, causal=causal)
+    report = check_attention_close(out, q, k, v, lse=lse, grads=grads, grad_out=g, is_causal=causal)
+    assert report.ok and [r.quantity for r in report.rows] == ["out", "lse", "dq", "dk", "dv"], str(report)
+    assert_attention_close(out, q, k, v, lse=lse, grads=grads, grad_out=g, is_causal=causal)
+
+
+def test_a_one_percent_scale_error_fails_naming_out_and_the_worst_element():
+    q, k, v, g = draw(np.float32)
+    out, _, _ = honest(q, k, v, scale=1.01 * 16 ** -0.5, causal=True)
+    with pytest.raises(AssertionError) as err:
+        assert_attention_close(out, q, k, v, is_causal=True)
+    msg = str(err.value)
+    assert "`out`" in msg and re.search(r"at index \(\d+, \d+, \d+, \d+\) \(kernel .*, reference .*\)", msg), msg
+    assert re.search(r"\d+ of 2304 elements exceed it", msg) and "allowed" in msg
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_a_wrong_gradient_is_named(which):
+    q, k, v, g = draw(np.float32)
+    out, lse, grads = honest(q, k, v, g)
+    grads = list(grads)
+    grads[which] = (grads[which] * np.float32(1.01)).astype(np.float32)
+    with pytest.raises(AssertionError, match=f"`{('dq', 'dk', 'dv')[which]}`"):
+        assert_attention_close(out, q, k, v, grads=grads, grad_out=g)
+
+
+def test_the_lse_in_base_2_and_a_wrong_lse():
+    q, k, v, _ = draw(np.float32)
+    out, lse, _ = honest(q, k, v)
+    lse2 = (lse / np.log(2)).astype(np.float32)
+    assert_attention_close(out, q, k, v, lse=lse2, lse_base=2)
+    with pytest.raises(AssertionError, match="`lse`"):
+        assert_attention_close(out, q, k, v, lse=lse2)                    # base 2 read as base e
+
+
+def test_the_options_reach_the_reference():
+    q, k, v, _ = draw(np.float32)
+    out, _, _ = honest(q, k, v, causal=True)
+    with pytest.raises(AssertionError, match="`out`"):
+        assert_attention_close(out, q, k, v)                               # the kernel was causal
+    assert_attention_close(out, q, k, v, attn_mask=np.tril(np.ones((24, 24), bool)))
+
+
+def test_grads_by_mapping_and_record_and_float64():
+    q, k, v, g = draw(np.float64)
+    out, res = sdpa_ref.sdpa_forward(q, k, v, is_causal=True)
+    gr = sdpa_ref.sdpa_backward(res, g)
+    assert_attention_close(out, q, k, v, lse=res.lse, grads=gr, grad_out=g, is_causal=True)
+    assert_attention_close(out, q, k, v, grads={"dq": gr.query, "dk": gr.key, "dv": gr.value}, grad_out=g,
+                           is_causal=True)
+
+
+def test_bad_input_gets_a_clear_error():
+    q, k, v, g = draw(np.float32)
+    out, _, grads = honest(q, k, v, g)
+    with pytest.raises(ValueError, match="`grad_out` should be"):
+        check_attention_close(out, q, k, v, grads=grads)
+    with pytest.raises(ValueError, match="`grads` should hold"):
+        check_attention_close(out, q, k, v, grads=grads[:2], grad_out=g)
+    with pytest.raises(TypeError, match="`query` should be an array on the host of real numbers"):
+        check_attention_close(out, object(), k, v)
+    report = check_attention_close(out[..., :8], q, k, v)                 # a wrong shape is a row, not a crash
+    assert not report.ok and "shape" in report.rows[0].note
+    with pytest.raises(AssertionError, match="returned dtype float64"):
+        assert_attention_close(out.astype(np.float64), q, k, v)            # a float32 kernel returns float32
+
+
+class _Tensor:
+    """A framework tensor seen from outside: ``__dlpack__`` only, or a dtype NumPy lacks (PyTorch's bfloat16),
+    read through ``float()``, ``detach()`` and ``cpu()``."""
+
+    def __init__(self, a, dtype=None):
+        self.a, self.dtype = a, dtype
+
+    def __dlpack__(self, **kw):
+        if self.dtype is not None:
+            raise BufferError("bfloat16 is not supported by DLPack in NumPy")
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+    def float(self):
+        return _Tensor(self.a.astype(np.float32))
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self
+
+
+def test_any_framework_by_its_protocols():
+    q, k, v, g = draw(ml_dtypes.bfloat16)
+    out, lse, grads = honest(q, k, v, g, causal=True)
+    wrap = lambda a: _Tensor(a.astype(np.float32), "torch.bfloat16") if a.dtype == ml_dtypes.bfloat16 else _Tensor(a)
+    got = _host(wrap(q), "query")
+    assert got.dtype == ml_dtypes.bfloat16 and np.array_equal(got.astype(np.float32), q.astype(np.float32))
+    assert_attention_close(wrap(out), wrap(q), wrap(k), wrap(v), lse=_Tensor(lse),
+                           grads=[wrap(x) for x in grads], grad_out=wrap(g), is_causal=True)
+
+
+def test_a_torch_test_judges_bfloat16_sdpa_and_its_gradients_in_one_line():
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 32, 16, generator=gen, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn(2, 4, 32, 16, generator=gen, dtype=torch.bfloat16)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
+    assert_attention_close(out.detach(), q.detach(), k.detach(), v.detach(), grads=(dq, dk, dv), grad_out=g,
+                           is_causal=True)
+    # a 1% scale error: caught in float32; in bfloat16 it stays within the rule's allowance at these sizes (the
+    # output's own rounding is of its order), see the note in sdpa_ref/testing.py
+    q32, k32, v32 = (x.detach().float() for x in (q, k, v))
+    wrong = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, is_causal=True, scale=1.01 * 16 ** -0.5)
+    with pytest.raises(AssertionError, match="`out`"):
+        assert_attention_close(wrong, q32, k32, v32, is_causal=True)
