@@ -27,7 +27,7 @@ from .rounding import round_to
 __all__ = ["merge_attention", "merge_attention_backward"]
 
 
-def merge_attention(out_parts, lse_parts, *, lse_base="e"):
+def merge_attention(out_parts, lse_parts, *, lse_base="e", axis=0):
     r"""Merge partial attention results over disjoint sets of keys: ``(out, lse)`` of their union.
 
     Parameters
@@ -43,6 +43,10 @@ def merge_attention(out_parts, lse_parts, *, lse_base="e"):
     lse_base : {"e", 2}, optional
         ``"e"`` (default): natural log-sum-exps. ``2`` (or ``"2"``): base-2 ones, as FlashInfer returns them
         (``lse / ln 2``); the returned ``lse`` is then base 2 too.
+    axis : int, optional
+        The axis of ``lse_parts`` that holds the parts, and the same axis of ``out_parts`` (which has one more
+        axis at the end, ``Ev``); 0 by default, as above. Negative counts from the end of ``lse_parts``.
+        FlashInfer's ``merge_states`` stacks them as ``(L, P, Hq, Ev)`` / ``(L, P, Hq)``: ``axis=1``.
 
     Returns
     -------
@@ -99,14 +103,14 @@ def merge_attention(out_parts, lse_parts, *, lse_base="e"):
     (array([[0.]]), array([-inf]))
     """
     base = check_base(lse_base, "lse_base")
-    o, lse_in, live, dtypes = _parts(out_parts, lse_parts)
+    o, lse_in, live, dtypes, _ = _parts(out_parts, lse_parts, axis)
     lse, w = combine_lse(lse_in, axis=0, base=base)
     with np.errstate(invalid="ignore", over="ignore"):
         out = np.sum(w[..., None] * o, axis=0)                    # out = sum_i w_i out_i
     return round_to(out, dtypes[0], copy=False), round_to(lse, dtypes[1], copy=False)
 
 
-def merge_attention_backward(out_parts, lse_parts, grad_out, grad_lse=None, *, lse_base="e"):
+def merge_attention_backward(out_parts, lse_parts, grad_out, grad_lse=None, *, lse_base="e", axis=0):
     r"""The VJP of :func:`merge_attention`: ``(grad_out_parts, grad_lse_parts)``.
 
     Parameters
@@ -122,6 +126,8 @@ def merge_attention_backward(out_parts, lse_parts, grad_out, grad_lse=None, *, l
         parts are all empty.
     lse_base : {"e", 2}, optional
         As in :func:`merge_attention`.
+    axis : int, optional
+        As in :func:`merge_attention`; the gradients hold the parts on the same axis.
 
     Returns
     -------
@@ -161,7 +167,7 @@ def merge_attention_backward(out_parts, lse_parts, grad_out, grad_lse=None, *, l
     :math:`\bar\lambda` are unread. NaN in ``lse_parts`` makes its row's gradients NaN.
     """
     base = check_base(lse_base, "lse_base")
-    o, lse_in, live, dtypes = _parts(out_parts, lse_parts)
+    o, lse_in, live, dtypes, axis = _parts(out_parts, lse_parts, axis)
     row = np.any(live, axis=0)                                    # rows with some key in some part
     g = _cotangent(grad_out, "grad_out", o.shape[1:], "merged `out`", row[..., None])
     g_lse = (np.zeros(row.shape) if grad_lse is None
@@ -171,17 +177,23 @@ def merge_attention_backward(out_parts, lse_parts, grad_out, grad_lse=None, *, l
         d_out = np.where(live[..., None], w[..., None] * g, 0.0)  # step 1: w_i g
         g_w = np.where(live, np.sum(o * g, axis=-1), 0.0)         # <g, o_i>, the cotangent of w_i
         d_lse = np.where(live, combine_lse_vjp(w, g_w, g_lse, axis=0, base=base), 0.0)   # steps 2-4
+    d_out, d_lse = np.moveaxis(d_out, 0, axis), np.moveaxis(d_lse, 0, axis)         # the parts where they came
     return round_to(d_out, dtypes[0], copy=False), round_to(d_lse, dtypes[1], copy=False)
 
 
 # ---------------------------------------------------------------- helpers
 
 
-def _parts(out_parts, lse_parts):
-    """Validate the parts; return them in float64 (``out`` 0 wherever its part is empty: never read), the
-    mask of non-empty parts, and the two dtypes of the results."""
+def _parts(out_parts, lse_parts, axis=0):
+    """Validate the parts; return them in float64 with the parts on axis 0 (``out`` 0 wherever its part is
+    empty: never read), the mask of non-empty parts, the two dtypes of the results, and ``axis`` normalised."""
     out_a = as_float_array(out_parts, "out_parts", min_ndim=2)
     lse_a = as_float_array(lse_parts, "lse_parts", min_ndim=1)
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -lse_a.ndim <= axis < lse_a.ndim:
+        raise ValueError(f"`axis` should be an int in [{-lse_a.ndim}, {lse_a.ndim - 1}] (an axis of `lse_parts`, "
+                         f"shape {lse_a.shape}), but got {axis!r}")
+    axis = int(axis) % lse_a.ndim
+    out_a, lse_a = np.moveaxis(out_a, axis, 0), np.moveaxis(lse_a, axis, 0)
     if out_a.shape[0] == 0:
         raise ValueError(f"`out_parts` should have at least one part (P >= 1 on its leading axis), "
                          f"but got shape {out_a.shape}")
@@ -196,7 +208,7 @@ def _parts(out_parts, lse_parts):
                          "for a row with no key, make it -inf)")
     live = lse != -np.inf
     o = np.where(live[..., None], out_a.astype(np.float64, copy=False), 0.0)
-    return o, lse, live, (out_a.dtype, lse_a.dtype)
+    return o, lse, live, (out_a.dtype, lse_a.dtype), axis
 
 
 def _cotangent(x, name, shape, of, read):

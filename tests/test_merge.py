@@ -425,3 +425,27 @@ def test_docstring_examples():
 def test_public_names():
     assert {"merge_attention", "merge_attention_backward"} <= set(dir(sdpa_ref))   # one at the top, one in merge
     assert sdpa_ref.merge_attention is sdpa_ref.merge.merge_attention
+
+
+@pytest.mark.parametrize("axis", [1, -2, 2])
+def test_the_parts_may_sit_on_any_axis(axis):
+    """``axis=`` is moving the parts' axis to the front by hand, forward and backward, bit for bit; FlashInfer's
+    ``merge_states`` layout ``(L, P, H, Ev)`` / ``(L, P, H)`` is ``axis=1``."""
+    rng = np.random.default_rng(3)
+    o, lse = rng.standard_normal((3, 4, 5, 6)), rng.standard_normal((3, 4, 5))
+    lse[1, 2, 3] = -np.inf                                           # an empty part somewhere
+    ax = axis % lse.ndim                                             # negative: counted on lse_parts
+    front = (np.moveaxis(o, ax, 0), np.moveaxis(lse, ax, 0))
+    out, l = merge_attention(o, lse, axis=axis)
+    out0, l0 = merge_attention(*front)
+    assert np.array_equal(out, out0) and np.array_equal(l, l0)
+    g, gl = rng.standard_normal(out0.shape), rng.standard_normal(l0.shape)
+    do, dl = merge_attention_backward(o, lse, g, gl, axis=axis)
+    do0, dl0 = merge_attention_backward(*front, g, gl)
+    assert np.array_equal(do, np.moveaxis(do0, 0, ax)) and np.array_equal(dl, np.moveaxis(dl0, 0, ax))
+
+
+@pytest.mark.parametrize("axis", [3, -4, 1.0, True])
+def test_a_bad_axis_names_axis(axis):
+    with pytest.raises(ValueError, match="`axis` should be an int in \\[-3, 2\\]"):
+        merge_attention(np.zeros((2, 3, 4, 5)), np.zeros((2, 3, 4)), axis=axis)
