@@ -198,12 +198,14 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
     primals : tuple
         ``(query, key, value)``; every other input and option is a keyword,
         as in :func:`sdpa_forward` (``bias=`` included).
-    tangents : tuple
+    tangents : tuple or mapping
         ``(dquery, dkey, dvalue)``, ``(dquery, dkey, dvalue, dbias)`` or
         ``(dquery, dkey, dvalue, dbias, dsinks)`` or
         ``(dquery, dkey, dvalue, dbias, dsinks, dqv)`` (MLA's ``qv``), each
         of its primal's shape (in the layout's, with ``layout=``) and an
-        input dtype, any of them ``None`` for zero.
+        input dtype, any of them ``None`` for zero; or by the inputs' names,
+        ``{"value": dvalue}``, every name not given a zero tangent (names:
+        ``query``, ``key``, ``value``, ``bias``, ``sinks``, ``qv``).
     method : {"fast", "plain", "tiled", "split"}, optional
         The engine (default ``"fast"``, or ``"tiled"`` when ``block_size`` is
         given, ``"split"`` with ``num_splits`` or ``split_bounds``), each with
@@ -242,9 +244,10 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
     """
     if not isinstance(primals, (tuple, list)) or len(primals) != 3:
         raise TypeError(f"`primals` should be a tuple (query, key, value), but got {V.describe(primals)}")
-    if not isinstance(tangents, (tuple, list)) or len(tangents) not in (3, 4, 5, 6):
-        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks[, dqv]]]), "
-                        f"but got {V.describe(tangents)}")
+    if not isinstance(tangents, dict) and (not isinstance(tangents, (tuple, list)) or
+                                           len(tangents) not in (3, 4, 5, 6)):
+        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks[, dqv]]]) or a dict "
+                        f"by input name, but got {V.describe(tangents)}")
     V.check_choice("fast" if method is None else method, "method", ("fast", "plain", "tiled", "split"))
     out, res = sdpa_forward(*primals, method=method, precision=precision, layout=layout,
                             **dict(options, save_probs=True))
@@ -267,7 +270,16 @@ def input_tangents(res, tangents, name="tangents"):
     MLA's ``qv`` joined, and cleaned as the primals were."""
     prob, lay, ab = res.problem, res.layout, res.absorbed
     names = ("query", "key", "value", "bias", "sinks", "qv")
-    ts = list(tangents) + [None] * (6 - len(tangents))
+    if isinstance(tangents, dict):                       # by name: a name not given is a zero tangent
+        unknown = sorted(set(tangents) - set(names), key=str)
+        if unknown:
+            raise ValueError(f"`{name}` should map input names ({', '.join(names)}) to tangents, but got "
+                             f"{', '.join(map(repr, unknown))}")
+        ts = [tangents.get(n) for n in names]
+        label = [f"{name}[{n!r}]" for n in names]
+    else:
+        ts = list(tangents) + [None] * (6 - len(tangents))
+        label = [f"{name}[{i}]" for i in range(6)]
     if ts[5] is not None and ab is None:
         raise ValueError(f"`{name}` should have no qv tangent when no `qv` is given, but got one")
     # the user's shapes: the layout's over the dense ones of qv's join, over the joined problem's (one name each)
@@ -279,10 +291,10 @@ def input_tangents(res, tangents, name="tangents"):
     conv = []
     for i, (arg, t) in enumerate(zip(names, ts)):
         if t is not None:
-            t = V.as_float_array(t, f"{name}[{i}]")
+            t = V.as_float_array(t, label[i])
             want = user[arg]
             if t.shape != want:
-                raise ValueError(f"`{name}[{i}]` should have the shape of `{arg}` {want}, "
+                raise ValueError(f"`{label[i]}` should have the shape of `{arg}` {want}, "
                                  f"but got shape {t.shape}")
             if lay is not None and arg in lay.shapes:
                 t = lay.gather_input(t, arg)                 # a tangent is gathered as its primal is

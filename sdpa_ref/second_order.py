@@ -39,9 +39,10 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
     primals : tuple
         ``(query, key, value)``; every other input and option is a keyword,
         as in :func:`sdpa_forward`.
-    tangents : tuple
+    tangents : tuple or dict
         The inputs' tangents, as :func:`sdpa_jvp` takes them: ``(dquery,
-        dkey, dvalue[, dbias[, dsinks[, dqv]]])``, None for zero.
+        dkey, dvalue[, dbias[, dsinks[, dqv]]])``, None for zero, or a dict
+        by input name (``{"value": dvalue}``).
     grad_out : array_like, (..., Hq, L, Ev)
         The output's cotangent ``dO``, as :func:`sdpa_backward` takes it.
     grad_out_tangent : array_like, (..., Hq, L, Ev), optional
@@ -100,9 +101,10 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
     """
     if not isinstance(primals, (tuple, list)) or len(primals) != 3:
         raise TypeError(f"`primals` should be a tuple (query, key, value), but got {V.describe(primals)}")
-    if not isinstance(tangents, (tuple, list)) or len(tangents) not in (3, 4, 5, 6):
-        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks[, dqv]]]), "
-                        f"but got {V.describe(tangents)}")
+    if not isinstance(tangents, dict) and (not isinstance(tangents, (tuple, list)) or
+                                           len(tangents) not in (3, 4, 5, 6)):
+        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks[, dqv]]]) or a dict "
+                        f"by input name, but got {V.describe(tangents)}")
     for name in _SCHEDULE:
         if name in options:
             raise TypeError(f"`{name}` should not be given: second order has the plain and tiled schedules in "

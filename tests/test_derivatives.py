@@ -184,3 +184,32 @@ def test_grad_lse_is_not_written_into():
     gl.flags.writeable = False
     sdpa_backward(res, go, grad_lse=gl)
     assert _bits(gl, keep)
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value", "bias", "sinks"])
+def test_tangents_by_name_are_the_tuple_form(which):
+    """``tangents={"value": dv}`` is ``(None, None, dv)``, bit for bit, for every input and engine; a name not
+    given is a zero tangent; an unknown name is a ValueError listing the names."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 3, 6, 4)) for _ in range(3))
+    kw = dict(is_causal=True, bias=rng.standard_normal((6, 6)), sinks=rng.standard_normal(3))
+    shapes = dict(query=q.shape, key=k.shape, value=v.shape, bias=(6, 6), sinks=(3,))
+    order = ("query", "key", "value", "bias", "sinks")
+    t = rng.standard_normal(shapes[which])
+    for method in ("fast", "plain", "tiled"):
+        by_name = sdpa_ref.sdpa_jvp((q, k, v), {which: t}, method=method, **kw)[1]
+        by_position = sdpa_ref.sdpa_jvp((q, k, v), tuple(t if n == which else None for n in order),
+                                        method=method, **kw)[1]
+        assert np.array_equal(by_name, by_position)
+    g = rng.standard_normal(q.shape)
+    h1 = sdpa_ref.sdpa_backward_jvp((q, k, v), {which: t}, g, **kw)
+    h2 = sdpa_ref.sdpa_backward_jvp((q, k, v), tuple(t if n == which else None for n in order), g, **kw)
+    assert all(a is None and b is None or np.array_equal(a, b) for a, b in zip(h1[-1], h2[-1]))
+
+
+def test_an_unknown_tangent_name_is_named():
+    q = np.zeros((2, 3, 4))
+    with pytest.raises(ValueError, match="`tangents` should map input names .* but got 'dv'"):
+        sdpa_ref.sdpa_jvp((q, q, q), {"dv": q})
+    with pytest.raises(ValueError, match=r"`tangents\['value'\]` should have the shape"):
+        sdpa_ref.sdpa_jvp((q, q, q), {"value": q[0]})
