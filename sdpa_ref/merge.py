@@ -12,8 +12,9 @@ gives the attention over the union of the parts, exactly:
 
 The combine of the normalisers is :func:`sdpa_ref.lse.combine_lse` (with its VJP beside it); this module
 validates, reads the parts and applies the weights. Shapes, in the package legend: ``out_parts``
-``(P, ..., Hq, L, Ev)``, ``lse_parts`` ``(P, ..., Hq, L)``, the parts stacked on a leading axis; any leading
-dims work (``(P, Ev)`` and ``(P,)`` is one row). The conventions are SEMANTICS.md's "Merging partial results".
+``(P, ..., Hq, L, Ev)``, ``lse_parts`` ``(P, ..., Hq, L)``, the parts stacked on a leading axis (or on the
+axis ``axis=`` names, as FlashInfer's ``(L, P, Hq, Ev)``); any leading dims work (``(P, Ev)`` and ``(P,)``
+is one row). The conventions are SEMANTICS.md's "Merging partial results".
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ def merge_attention_backward(out_parts, lse_parts, grad_out, grad_lse=None, *, l
         d_out = np.where(live[..., None], w[..., None] * g, 0.0)  # step 1: w_i g
         g_w = np.where(live, np.sum(o * g, axis=-1), 0.0)         # <g, o_i>, the cotangent of w_i
         d_lse = np.where(live, combine_lse_vjp(w, g_w, g_lse, axis=0, base=base), 0.0)   # steps 2-4
-    d_out, d_lse = np.moveaxis(d_out, 0, axis), np.moveaxis(d_lse, 0, axis)         # the parts where they came
+    if axis:                                                      # the parts back where they came from
+        d_out, d_lse = np.moveaxis(d_out, 0, axis), np.moveaxis(d_lse, 0, axis)
     return round_to(d_out, dtypes[0], copy=False), round_to(d_lse, dtypes[1], copy=False)
 
 
@@ -193,9 +195,8 @@ def _parts(out_parts, lse_parts, axis=0):
         raise ValueError(f"`axis` should be an int in [{-lse_a.ndim}, {lse_a.ndim - 1}] (an axis of `lse_parts`, "
                          f"shape {lse_a.shape}), but got {axis!r}")
     axis = int(axis) % lse_a.ndim
-    out_a, lse_a = np.moveaxis(out_a, axis, 0), np.moveaxis(lse_a, axis, 0)
-    if out_a.shape[0] == 0:
-        raise ValueError(f"`out_parts` should have at least one part (P >= 1 on its leading axis), "
+    if out_a.shape[axis] == 0:
+        raise ValueError(f"`out_parts` should have at least one part (P >= 1 on axis {axis}), "
                          f"but got shape {out_a.shape}")
     if lse_a.shape != out_a.shape[:-1]:
         raise ValueError(f"`lse_parts` should have shape {out_a.shape[:-1]}, the shape of `out_parts` "
@@ -206,6 +207,8 @@ def _parts(out_parts, lse_parts, axis=0):
         raise ValueError(f"`lse_parts` should be finite, -inf (an empty part) or NaN, but got +inf at index "
                          f"{at} (a log-sum-exp of finite scores is never +inf; where a kernel writes +inf "
                          "for a row with no key, make it -inf)")
+    if axis:                                                      # the parts to the front (views)
+        out_a, lse = np.moveaxis(out_a, axis, 0), np.moveaxis(lse, axis, 0)
     live = lse != -np.inf
     o = np.where(live[..., None], out_a.astype(np.float64, copy=False), 0.0)
     return o, lse, live, (out_a.dtype, lse_a.dtype), axis

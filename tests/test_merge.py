@@ -427,7 +427,7 @@ def test_public_names():
     assert sdpa_ref.merge_attention is sdpa_ref.merge.merge_attention
 
 
-@pytest.mark.parametrize("axis", [1, -2, 2])
+@pytest.mark.parametrize("axis", [1, -2, 2, -3])
 def test_the_parts_may_sit_on_any_axis(axis):
     """``axis=`` is moving the parts' axis to the front by hand, forward and backward, bit for bit; FlashInfer's
     ``merge_states`` layout ``(L, P, H, Ev)`` / ``(L, P, H)`` is ``axis=1``."""
@@ -435,7 +435,7 @@ def test_the_parts_may_sit_on_any_axis(axis):
     o, lse = rng.standard_normal((3, 4, 5, 6)), rng.standard_normal((3, 4, 5))
     lse[1, 2, 3] = -np.inf                                           # an empty part somewhere
     ax = axis % lse.ndim                                             # negative: counted on lse_parts
-    front = (np.moveaxis(o, ax, 0), np.moveaxis(lse, ax, 0))
+    front = (np.ascontiguousarray(np.moveaxis(o, ax, 0)), np.ascontiguousarray(np.moveaxis(lse, ax, 0)))
     out, l = merge_attention(o, lse, axis=axis)
     out0, l0 = merge_attention(*front)
     assert np.array_equal(out, out0) and np.array_equal(l, l0)
@@ -449,3 +449,48 @@ def test_the_parts_may_sit_on_any_axis(axis):
 def test_a_bad_axis_names_axis(axis):
     with pytest.raises(ValueError, match="`axis` should be an int in \\[-3, 2\\]"):
         merge_attention(np.zeros((2, 3, 4, 5)), np.zeros((2, 3, 4)), axis=axis)
+
+
+def test_axis_0_is_the_default_bit_for_bit():
+    """``axis=0`` and ``axis=-lse.ndim`` are the default call, forward and backward, in float64 and float16."""
+    rng = np.random.default_rng(4)
+    for dt in (np.float64, np.float16):
+        o, lse = rng.standard_normal((3, 2, 5, 4)).astype(dt), rng.standard_normal((3, 2, 5)).astype(dt)
+        lse[0, 1, 2] = -np.inf
+        g, gl = rng.standard_normal((2, 5, 4)), rng.standard_normal((2, 5))
+        ref = merge_attention(o, lse, lse_base=2) + merge_attention_backward(o, lse, g, gl, lse_base=2)
+        for axis in (0, -3, np.int64(0)):
+            got = (merge_attention(o, lse, lse_base=2, axis=axis)
+                   + merge_attention_backward(o, lse, g, gl, lse_base=2, axis=axis))
+            assert all(a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True) for a, b in zip(got, ref))
+
+
+def test_flashinfer_merge_states_layout_is_the_unsplit_attention():
+    """FlashInfer's ``merge_states`` takes ``v`` ``(L, P, Hq, Ev)`` and ``s`` ``(L, P, Hq)`` (base 2): with
+    ``axis=1`` the merge of attention over three slices of the keys is the attention over all of them."""
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 7, 4)), rng.standard_normal((2, 7, 5))
+    parts = [scaled_dot_product_attention(q, k[:, s], v[:, s], return_lse=True)
+             for s in (slice(0, 2), slice(2, 3), slice(3, 7))]
+    v_fi = np.stack([np.moveaxis(o, 0, 1) for o, _ in parts], axis=1)            # (L, P, Hq, Ev)
+    s_fi = np.stack([np.moveaxis(l, 0, 1) for _, l in parts], axis=1) / LN2   # (L, P, Hq), base 2
+    out, lse = merge_attention(v_fi, s_fi, lse_base=2, axis=1)
+    ref_out, ref_lse = scaled_dot_product_attention(q, k, v, return_lse=True)
+    assert out.shape == (3, 2, 5) and lse.shape == (3, 2)
+    np.testing.assert_allclose(out, np.moveaxis(ref_out, 0, 1), rtol=F64_SUMS, atol=F64_SUMS)
+    np.testing.assert_allclose(lse * LN2, np.moveaxis(ref_lse, 0, 1), rtol=F64_SUMS,
+                               atol=F64_SUMS)
+    d_out, d_lse = merge_attention_backward(v_fi, s_fi, np.ones_like(out), lse_base=2, axis=1)
+    assert d_out.shape == v_fi.shape and d_lse.shape == s_fi.shape
+
+
+def test_the_errors_report_the_shapes_given():
+    """With the parts on ``axis``, errors name that axis and the shapes as given, not as moved."""
+    with pytest.raises(ValueError, match=r"P >= 1 on axis 1\), but got shape \(3, 0, 4, 5\)"):
+        merge_attention(np.zeros((3, 0, 4, 5)), np.zeros((3, 0, 4)), axis=1)
+    with pytest.raises(ValueError, match=r"should have shape \(3, 2, 4\).*but got shape \(3, 2, 5\)"):
+        merge_attention(np.zeros((3, 2, 4, 5)), np.zeros((3, 2, 5)), axis=1)
+    lse = np.zeros((3, 2, 4))
+    lse[2, 1, 0] = np.inf
+    with pytest.raises(ValueError, match=r"\+inf at index \(2, 1, 0\)"):
+        merge_attention(np.zeros((3, 2, 4, 5)), lse, axis=1)
