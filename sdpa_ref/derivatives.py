@@ -9,6 +9,8 @@ the docstrings below, in :mod:`sdpa_ref.attention` and in SEMANTICS.md.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from . import _validate as V
@@ -203,9 +205,11 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
         ``(dquery, dkey, dvalue, dbias, dsinks)`` or
         ``(dquery, dkey, dvalue, dbias, dsinks, dqv)`` (MLA's ``qv``), each
         of its primal's shape (in the layout's, with ``layout=``) and an
-        input dtype, any of them ``None`` for zero; or by the inputs' names,
-        ``{"value": dvalue}``, every name not given a zero tangent (names:
-        ``query``, ``key``, ``value``, ``bias``, ``sinks``, ``qv``).
+        input dtype, any of them ``None`` for zero; or a mapping by the
+        inputs' names, ``{"value": dvalue}``, every name not given a zero
+        tangent (names: ``query``, ``key``, ``value``, ``bias``, ``sinks``,
+        ``qv``, the keywords of :func:`sdpa_forward`). The two forms give the
+        same bits.
     method : {"fast", "plain", "tiled", "split"}, optional
         The engine (default ``"fast"``, or ``"tiled"`` when ``block_size`` is
         given, ``"split"`` with ``num_splits`` or ``split_bounds``), each with
@@ -227,6 +231,26 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
     -------
     out, out_tangent : ndarray, (..., Hq, L, Ev)
 
+    Raises
+    ------
+    ValueError
+        A name in ``tangents`` that is no input's (the message lists the
+        names), a tangent not of its primal's shape, or one for an input not
+        given.
+    TypeError
+        ``tangents`` neither a tuple of 3 to 6 nor a mapping, or a mapping
+        inside the tuple (one form or the other).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v, dv = (rng.standard_normal((2, 3)) for _ in range(4))
+    >>> a = sdpa_jvp((q, k, v), {"value": dv})[1]
+    >>> b = sdpa_jvp((q, k, v), (None, None, dv))[1]
+    >>> bool(np.array_equal(a, b))
+    True
+
     Notes
     -----
     Differentiating the forward in the direction of the tangents,
@@ -244,10 +268,10 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
     """
     if not isinstance(primals, (tuple, list)) or len(primals) != 3:
         raise TypeError(f"`primals` should be a tuple (query, key, value), but got {V.describe(primals)}")
-    if not isinstance(tangents, dict) and (not isinstance(tangents, (tuple, list)) or
-                                           len(tangents) not in (3, 4, 5, 6)):
-        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks[, dqv]]]) or a dict "
-                        f"by input name, but got {V.describe(tangents)}")
+    if not isinstance(tangents, Mapping) and (not isinstance(tangents, (tuple, list)) or
+                                              len(tangents) not in (3, 4, 5, 6)):
+        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks[, dqv]]]) or a "
+                        f"mapping by input name, but got {V.describe(tangents)}")
     V.check_choice("fast" if method is None else method, "method", ("fast", "plain", "tiled", "split"))
     out, res = sdpa_forward(*primals, method=method, precision=precision, layout=layout,
                             **dict(options, save_probs=True))
@@ -266,20 +290,27 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
 def input_tangents(res, tangents, name="tangents"):
     """The input tangents ``(dq, dk, dv, dbias, dsinks)`` of the residuals' problem, where each was not finite,
     and ``dv_full`` (:meth:`sdpa_ref.problem.Problem.clean_tangents`), from the user's ``tangents`` (3 to 6 of
-    them, None is zero; ``name`` for the messages): checked against the primals' shapes, gathered from a layout,
+    them by position, or a mapping by input name; None or a name not given is zero; ``name`` for the messages): checked against the primals' shapes, gathered from a layout,
     MLA's ``qv`` joined, and cleaned as the primals were."""
     prob, lay, ab = res.problem, res.layout, res.absorbed
     names = ("query", "key", "value", "bias", "sinks", "qv")
-    if isinstance(tangents, dict):                       # by name: a name not given is a zero tangent
+    if isinstance(tangents, Mapping):                    # by name: a name not given is a zero tangent
         unknown = sorted(set(tangents) - set(names), key=str)
         if unknown:
+            hint = (" (positions are the tuple form: pass a tuple or names, not both)"
+                    if any(isinstance(u, (int, np.integer)) for u in unknown) else "")
             raise ValueError(f"`{name}` should map input names ({', '.join(names)}) to tangents, but got "
-                             f"{', '.join(map(repr, unknown))}")
+                             f"{', '.join(map(repr, unknown))}{hint}")
         ts = [tangents.get(n) for n in names]
         label = [f"{name}[{n!r}]" for n in names]
     else:
         ts = list(tangents) + [None] * (6 - len(tangents))
         label = [f"{name}[{i}]" for i in range(6)]
+        nested = [i for i, t in enumerate(ts) if isinstance(t, Mapping)]
+        if nested:                                       # one form or the other, never a mapping inside a tuple
+            raise TypeError(f"`{name}[{nested[0]}]` should be an array (the tangent of `{names[nested[0]]}`), "
+                            "but got a mapping: pass the tangents as a tuple by position or as a mapping by "
+                            "input name, not both")
     if ts[5] is not None and ab is None:
         raise ValueError(f"`{name}` should have no qv tangent when no `qv` is given, but got one")
     # the user's shapes: the layout's over the dense ones of qv's join, over the joined problem's (one name each)

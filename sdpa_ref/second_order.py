@@ -12,6 +12,8 @@ the product rule, the softmax's step in :func:`sdpa_ref.normalize.vjp_jvp` and s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from . import _validate as V
@@ -39,10 +41,12 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
     primals : tuple
         ``(query, key, value)``; every other input and option is a keyword,
         as in :func:`sdpa_forward`.
-    tangents : tuple or dict
+    tangents : tuple or mapping
         The inputs' tangents, as :func:`sdpa_jvp` takes them: ``(dquery,
-        dkey, dvalue[, dbias[, dsinks[, dqv]]])``, None for zero, or a dict
-        by input name (``{"value": dvalue}``).
+        dkey, dvalue[, dbias[, dsinks[, dqv]]])``, None for zero, or a
+        mapping by input name (``{"value": dvalue}``; names ``query``,
+        ``key``, ``value``, ``bias``, ``sinks``, ``qv``), every name not
+        given a zero tangent. The same bits either way.
     grad_out : array_like, (..., Hq, L, Ev)
         The output's cotangent ``dO``, as :func:`sdpa_backward` takes it.
     grad_out_tangent : array_like, (..., Hq, L, Ev), optional
@@ -101,10 +105,10 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
     """
     if not isinstance(primals, (tuple, list)) or len(primals) != 3:
         raise TypeError(f"`primals` should be a tuple (query, key, value), but got {V.describe(primals)}")
-    if not isinstance(tangents, dict) and (not isinstance(tangents, (tuple, list)) or
-                                           len(tangents) not in (3, 4, 5, 6)):
-        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks[, dqv]]]) or a dict "
-                        f"by input name, but got {V.describe(tangents)}")
+    if not isinstance(tangents, Mapping) and (not isinstance(tangents, (tuple, list)) or
+                                              len(tangents) not in (3, 4, 5, 6)):
+        raise TypeError("`tangents` should be a tuple (dquery, dkey, dvalue[, dbias[, dsinks[, dqv]]]) or a "
+                        f"mapping by input name, but got {V.describe(tangents)}")
     for name in _SCHEDULE:
         if name in options:
             raise TypeError(f"`{name}` should not be given: second order has the plain and tiled schedules in "

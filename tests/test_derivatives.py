@@ -213,3 +213,35 @@ def test_an_unknown_tangent_name_is_named():
         sdpa_ref.sdpa_jvp((q, q, q), {"dv": q})
     with pytest.raises(ValueError, match=r"`tangents\['value'\]` should have the shape"):
         sdpa_ref.sdpa_jvp((q, q, q), {"value": q[0]})
+
+
+@pytest.mark.parametrize("method", ["fast", "plain", "tiled"])
+def test_tangents_by_name_take_qv_and_any_mapping(method):
+    """MLA's ``qv`` by name is the sixth slot, bit for bit; a read-only mapping is a mapping too; an empty one is
+    every tangent zero (the tuple of Nones)."""
+    from types import MappingProxyType
+
+    rng = np.random.default_rng(9)
+    q, qv = rng.standard_normal((2, 4, 3, 3)), rng.standard_normal((2, 4, 3, 2))
+    k, v = rng.standard_normal((2, 4, 5, 3)), rng.standard_normal((2, 4, 5, 2))
+    kw = dict(qv=qv, method=method, **({"block_size": 2} if method == "tiled" else {}))
+    t = rng.standard_normal(qv.shape)
+    by_name = sdpa_ref.sdpa_jvp((q, k, v), MappingProxyType({"qv": t}), **kw)[1]
+    by_position = sdpa_ref.sdpa_jvp((q, k, v), (None, None, None, None, None, t), **kw)[1]
+    assert np.array_equal(by_name, by_position)
+    assert np.array_equal(sdpa_ref.sdpa_jvp((q, k, v), {}, **kw)[1],
+                          sdpa_ref.sdpa_jvp((q, k, v), (None, None, None), **kw)[1])
+
+
+def test_tangents_mixing_positions_and_names_is_refused():
+    q = np.zeros((2, 3, 4))
+    with pytest.raises(TypeError, match=r"`tangents\[2\]` should be an array .* not both"):
+        sdpa_ref.sdpa_jvp((q, q, q), (None, None, {"value": q}))
+    with pytest.raises(ValueError, match="but got 2 .*pass a tuple or names, not both"):
+        sdpa_ref.sdpa_jvp((q, q, q), {2: q})
+    with pytest.raises(ValueError, match="but got 'attn_mask'"):      # AttentionGrads' mask has no tangent
+        sdpa_ref.sdpa_jvp((q, q, q), {"attn_mask": q})
+    with pytest.raises(TypeError, match="or a mapping by input name"):
+        sdpa_ref.sdpa_jvp((q, q, q), q)
+    with pytest.raises(TypeError, match=r"`tangents\[0\]` should be an array .* not both"):
+        sdpa_ref.sdpa_backward_jvp((q, q, q), ({"query": q}, None, None), q)

@@ -405,3 +405,24 @@ def test_second_order_refuses_captured_tensors_and_needs_a_derivative():
                                                                    params=(np.ones(1),)))
     with pytest.raises(ValueError, match="should have its derivative for second order"):
         sdpa_hvp((q, q, q), (q, None, None), q, score_mod=_gated)
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value", "bias", "sinks", "qv"])
+@pytest.mark.parametrize("method", ["plain", "tiled"])
+def test_hvp_tangents_by_name_are_the_tuple_form(which, method):
+    """``sdpa_hvp(primals, {"qv": t}, ...)`` is the tuple form with ``t`` in ``qv``'s slot, bit for bit, in both
+    schedules and for every input (MLA's qv included); the names not given are zero tangents."""
+    rng = np.random.default_rng(31)
+    kw = _kw(rng, Hkv=4, qv=rng.standard_normal((2, 4, 3, 2)), sinks=rng.uniform(-1, 2, 4),
+             bias=rng.standard_normal((4, 3, 5)), is_causal=True)
+    kw.update(method=method, **({"block_size": 2} if method == "tiled" else {}))
+    d = Differentiable(kw, with_lse=True)
+    (q, k, v), rest = d.call_kw(d.args)
+    t = rng.standard_normal(np.shape(kw[which]))
+    by_position = tuple(t if n == which else None for n in ("query", "key", "value", "bias", "sinks", "qv"))
+    g, gl = d.split(d.cotangent())
+    a = sdpa_hvp((q, k, v), {which: t}, g, grad_lse=gl, **rest)
+    b = sdpa_hvp((q, k, v), by_position, g, grad_lse=gl, **rest)
+    assert a._fields == b._fields
+    for x, y in zip(a, b):
+        assert (x is None and y is None) or np.array_equal(x, y)
