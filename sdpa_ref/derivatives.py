@@ -290,8 +290,9 @@ def sdpa_jvp(primals, tangents, *, method=None, precision="fast", layout=None, *
 def input_tangents(res, tangents, name="tangents"):
     """The input tangents ``(dq, dk, dv, dbias, dsinks)`` of the residuals' problem, where each was not finite,
     and ``dv_full`` (:meth:`sdpa_ref.problem.Problem.clean_tangents`), from the user's ``tangents`` (3 to 6 of
-    them by position, or a mapping by input name; None or a name not given is zero; ``name`` for the messages): checked against the primals' shapes, gathered from a layout,
-    MLA's ``qv`` joined, and cleaned as the primals were."""
+    them by position, or a mapping by input name; None or a name not given is zero; ``name`` for the messages):
+    checked against the primals' shapes, gathered from a layout, MLA's ``qv`` joined, and cleaned as the primals
+    were."""
     prob, lay, ab = res.problem, res.layout, res.absorbed
     names = ("query", "key", "value", "bias", "sinks", "qv")
     if isinstance(tangents, Mapping):                    # by name: a name not given is a zero tangent
