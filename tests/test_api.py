@@ -21,7 +21,11 @@ import numpy as np
 import pytest
 
 import sdpa_ref
-from sdpa_ref import ScoreMod, sdpa_backward, sdpa_backward_jvp, sdpa_forward, sdpa_hvp, sdpa_jvp
+from sdpa_ref import (
+    ScoreMod, combine_lse, convert_lse, flash_attn_varlen_func, flash_attn_with_kvcache, merge_attention,
+    merge_attention_backward, scaled_dot_product_attention, sdpa_backward, sdpa_backward_jvp, sdpa_forward, sdpa_hvp,
+    sdpa_jvp, split_kv_partials,
+)
 from sdpa_ref.layouts import KVCache, Packed
 
 from helpers import assert_close_normwise
@@ -375,3 +379,97 @@ def test_fuzzed_calls_raise_only_clear_errors_mutate_nothing_and_agree(call):
         for a, b in zip(grads, ref_grads):
             if a is not None and np.all(np.isfinite(b)):
                 assert_close_normwise(a, b, F64_GRAD)
+
+
+_RNG = np.random.default_rng(7)
+
+
+DTYPES = (np.float64, np.float32)
+
+
+HOWS = {"fast": {}, "plain": {"method": "plain"}, "tiled": {"block_size": 2}, "split": {"num_splits": 2},
+        "reproducible": {"precision": "reproducible"}}
+
+
+def _qkv(dt, B=2, H=2, L=3, S=5):
+    q, k, v = (_RNG.standard_normal(s).astype(dt) for s in ((B, H, L, 4), (B, H, S, 4), (B, H, S, 3)))
+    return q, k, v, _RNG.standard_normal((B, H, L, 3)).astype(dt)
+
+
+def _residual_arrays(res):
+    """Every array the residuals hold (the forward's and the problem's)."""
+    out = []
+
+    def walk(x):
+        if isinstance(x, np.ndarray):
+            out.append(x)
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+    walk(tuple(res.forward))
+    walk([getattr(res.problem, f) for f in res.problem.__dataclass_fields__])
+    return out
+
+
+def _own(x, res=None, what=""):
+    """``x`` (an array or a tuple of them, None skipped) is writeable and shares no memory with the residuals."""
+    for i, a in enumerate(x if isinstance(x, tuple) else (x,)):
+        if a is None:
+            continue
+        if isinstance(a, tuple):
+            _own(a, res, f"{what}[{i}]")
+            continue
+        assert a.flags.writeable, f"{what}[{i}] ({a.dtype}) is read-only"
+        if res is not None:
+            assert not any(np.shares_memory(a, r) for r in _residual_arrays(res)), f"{what}[{i}] shares residuals"
+
+
+def _scribble(x):
+    for a in (x if isinstance(x, tuple) else (x,)):
+        if isinstance(a, tuple):
+            _scribble(a)
+        elif a is not None:
+            a[...] = np.nan
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.__name__)
+@pytest.mark.parametrize("how", list(HOWS))
+def test_forward_results_are_writeable_and_writing_them_changes_no_gradient(dt, how):
+    q, k, v, g = _qkv(dt)
+    want = sdpa_backward(sdpa_forward(q, k, v, **HOWS[how])[1], g)
+    out, res = sdpa_forward(q, k, v, **HOWS[how])
+    views = (out, res.out, res.lse, res.lse_as(), res.lse_as(base=2), res.row_max, res.row_sumexp)
+    _own(views, res, f"sdpa_forward {how}")
+    _scribble(views)
+    got = sdpa_backward(res, g)
+    _own(tuple(got), res, "sdpa_backward")
+    for w, x in zip(want, got):
+        np.testing.assert_array_equal(x, w)
+    _scribble(tuple(got))                                       # a second backward on the same residuals
+    for w, x in zip(want, sdpa_backward(res, g)):
+        np.testing.assert_array_equal(x, w)
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.__name__)
+def test_every_entry_point_returns_writeable_arrays(dt):
+    """The LSE of return_lse=True was the residuals' own frozen array for float64 (dense, and a KV cache's)."""
+    q, k, v, g = _qkv(dt)
+    for how in HOWS.values():
+        _own(scaled_dot_product_attention(q, k, v, return_lse=True, **how), what="return_lse")
+        _own(sdpa_jvp((q, k, v), (q, k, v), **how), what="sdpa_jvp")
+    _own(sdpa_hvp((q, k, v), (q, k, v), g), what="sdpa_hvp")
+    _own(sdpa_backward_jvp((q, k, v), (q, k, v), g, block_size=2), what="sdpa_backward_jvp")
+    parts = split_kv_partials(q, k, v, num_splits=2)
+    _own(parts, what="split_kv_partials")
+    _own(merge_attention(*parts), what="merge_attention")
+    _own(merge_attention_backward(*parts, g), what="merge_attention_backward")
+    _own(combine_lse(parts[1]), what="combine_lse")
+    _own(convert_lse(parts[1][0]), what="convert_lse")
+    cu, qq = np.array([0, 3, 7]), _RNG.standard_normal((7, 2, 4)).astype(dt)
+    _own(flash_attn_varlen_func(qq, qq, qq, cu, cu, return_lse=True), what="varlen")
+    qc, kc = _RNG.standard_normal((2, 1, 2, 4)).astype(dt), _RNG.standard_normal((2, 5, 2, 4)).astype(dt)
+    _own(flash_attn_with_kvcache(qc, kc, kc, return_softmax_lse=True), what="kvcache")
+    _own(flash_attn_with_kvcache(qc, kc, kc, return_softmax_lse=True, num_splits=2), what="kvcache split")

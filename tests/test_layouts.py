@@ -346,3 +346,62 @@ def test_lengths_and_uniform_are_refused_with_a_layout():
         sdpa_forward(x, x, x, layout=lay, q_lengths=np.array([1]))
     with pytest.raises(ValueError, match="'uniform'"):
         sdpa_forward(x, x, x, layout=lay, fully_masked="uniform")
+
+
+_RNG = np.random.default_rng(7)
+
+
+def _residual_arrays(res):
+    """Every array the residuals hold (the forward's and the problem's)."""
+    out = []
+
+    def walk(x):
+        if isinstance(x, np.ndarray):
+            out.append(x)
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+    walk(tuple(res.forward))
+    walk([getattr(res.problem, f) for f in res.problem.__dataclass_fields__])
+    return out
+
+
+def _own(x, res=None, what=""):
+    """``x`` (an array or a tuple of them, None skipped) is writeable and shares no memory with the residuals."""
+    for i, a in enumerate(x if isinstance(x, tuple) else (x,)):
+        if a is None:
+            continue
+        if isinstance(a, tuple):
+            _own(a, res, f"{what}[{i}]")
+            continue
+        assert a.flags.writeable, f"{what}[{i}] ({a.dtype}) is read-only"
+        if res is not None:
+            assert not any(np.shares_memory(a, r) for r in _residual_arrays(res)), f"{what}[{i}] shares residuals"
+
+
+def _scribble(x):
+    for a in (x if isinstance(x, tuple) else (x,)):
+        if isinstance(a, tuple):
+            _scribble(a)
+        elif a is not None:
+            a[...] = np.nan
+
+
+@pytest.mark.parametrize("layout", ["packed", "kvcache"])
+def test_layout_results_are_writeable_and_writing_them_changes_no_gradient(layout):
+    if layout == "packed":
+        q = _RNG.standard_normal((7, 2, 4))
+        args, lay, g = (q, q, q), Packed(np.array([0, 3, 7]), np.array([0, 3, 7])), np.ones((7, 2, 4))
+    else:
+        q, kc = _RNG.standard_normal((2, 1, 2, 4)), _RNG.standard_normal((2, 5, 2, 4))
+        args, lay, g = (q, kc, kc), KVCache(cache_seqlens=np.array([3, 5])), np.ones((2, 1, 2, 4))
+    want = sdpa_backward(sdpa_forward(*args, layout=lay)[1], g)
+    out, res = sdpa_forward(*args, layout=lay)
+    views = (out, res.out, res.lse, res.lse_as())
+    _own(views, res, layout)
+    _scribble(views)
+    for w, x in zip(want, sdpa_backward(res, g)):
+        np.testing.assert_array_equal(x, w)

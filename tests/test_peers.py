@@ -5,16 +5,12 @@ over no key, FlashAttention 3's ``page_table[cache_batch_idx[b]]``, and the refu
 import numpy as np
 import pytest
 
-import sdpa_ref
-from sdpa_ref import (KVCache, Packed, combine_lse, convert_lse, flash_attn_varlen_func, flash_attn_with_kvcache,
-                      merge_attention, merge_attention_backward, scaled_dot_product_attention, sdpa_backward,
-                      sdpa_backward_jvp, sdpa_forward, sdpa_hvp, sdpa_jvp, split_kv_partials)
+from sdpa_ref import KVCache, flash_attn_with_kvcache, sdpa_backward, sdpa_forward, sdpa_hvp, sdpa_jvp
 
 from helpers import assert_close_normwise
 from tolerances import F64_AMPLIFIED, F64_FEW_ULP
 
 _RNG = np.random.default_rng(7)
-DTYPES = (np.float64, np.float32)
 HOWS = {"fast": {}, "plain": {"method": "plain"}, "tiled": {"block_size": 2}, "split": {"num_splits": 2},
         "reproducible": {"precision": "reproducible"}}
 
@@ -64,63 +60,6 @@ def _scribble(x):
 
 
 # ------------------------------------------------------------ results are the caller's own
-
-
-@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.__name__)
-@pytest.mark.parametrize("how", list(HOWS))
-def test_forward_results_are_writeable_and_writing_them_changes_no_gradient(dt, how):
-    q, k, v, g = _qkv(dt)
-    want = sdpa_backward(sdpa_forward(q, k, v, **HOWS[how])[1], g)
-    out, res = sdpa_forward(q, k, v, **HOWS[how])
-    views = (out, res.out, res.lse, res.lse_as(), res.lse_as(base=2), res.row_max, res.row_sumexp)
-    _own(views, res, f"sdpa_forward {how}")
-    _scribble(views)
-    got = sdpa_backward(res, g)
-    _own(tuple(got), res, "sdpa_backward")
-    for w, x in zip(want, got):
-        np.testing.assert_array_equal(x, w)
-    _scribble(tuple(got))                                       # a second backward on the same residuals
-    for w, x in zip(want, sdpa_backward(res, g)):
-        np.testing.assert_array_equal(x, w)
-
-
-@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.__name__)
-def test_every_entry_point_returns_writeable_arrays(dt):
-    """The LSE of return_lse=True was the residuals' own frozen array for float64 (dense, and a KV cache's)."""
-    q, k, v, g = _qkv(dt)
-    for how in HOWS.values():
-        _own(scaled_dot_product_attention(q, k, v, return_lse=True, **how), what="return_lse")
-        _own(sdpa_jvp((q, k, v), (q, k, v), **how), what="sdpa_jvp")
-    _own(sdpa_hvp((q, k, v), (q, k, v), g), what="sdpa_hvp")
-    _own(sdpa_backward_jvp((q, k, v), (q, k, v), g, block_size=2), what="sdpa_backward_jvp")
-    parts = split_kv_partials(q, k, v, num_splits=2)
-    _own(parts, what="split_kv_partials")
-    _own(merge_attention(*parts), what="merge_attention")
-    _own(merge_attention_backward(*parts, g), what="merge_attention_backward")
-    _own(combine_lse(parts[1]), what="combine_lse")
-    _own(convert_lse(parts[1][0]), what="convert_lse")
-    cu, qq = np.array([0, 3, 7]), _RNG.standard_normal((7, 2, 4)).astype(dt)
-    _own(flash_attn_varlen_func(qq, qq, qq, cu, cu, return_lse=True), what="varlen")
-    qc, kc = _RNG.standard_normal((2, 1, 2, 4)).astype(dt), _RNG.standard_normal((2, 5, 2, 4)).astype(dt)
-    _own(flash_attn_with_kvcache(qc, kc, kc, return_softmax_lse=True), what="kvcache")
-    _own(flash_attn_with_kvcache(qc, kc, kc, return_softmax_lse=True, num_splits=2), what="kvcache split")
-
-
-@pytest.mark.parametrize("layout", ["packed", "kvcache"])
-def test_layout_results_are_writeable_and_writing_them_changes_no_gradient(layout):
-    if layout == "packed":
-        q = _RNG.standard_normal((7, 2, 4))
-        args, lay, g = (q, q, q), Packed(np.array([0, 3, 7]), np.array([0, 3, 7])), np.ones((7, 2, 4))
-    else:
-        q, kc = _RNG.standard_normal((2, 1, 2, 4)), _RNG.standard_normal((2, 5, 2, 4))
-        args, lay, g = (q, kc, kc), KVCache(cache_seqlens=np.array([3, 5])), np.ones((2, 1, 2, 4))
-    want = sdpa_backward(sdpa_forward(*args, layout=lay)[1], g)
-    out, res = sdpa_forward(*args, layout=lay)
-    views = (out, res.out, res.lse, res.lse_as())
-    _own(views, res, layout)
-    _scribble(views)
-    for w, x in zip(want, sdpa_backward(res, g)):
-        np.testing.assert_array_equal(x, w)
 
 
 # ------------------------------------------------------------ JAX over no key
