@@ -33,7 +33,7 @@ __all__ = ["flash_attn_varlen_func", "flash_attn_with_kvcache", "window_from_win
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                            attention_chunk=0, softcap=0.0, alibi_slopes=None, *, qv=None, key_leftpad=None,
-                           return_lse=False, **options):
+                           return_lse=False, window_size_left=None, window_size_right=None, **options):
     r"""Attention over packed variable-length sequences, as FlashAttention's ``flash_attn_varlen_func``.
 
     Parameters
@@ -54,6 +54,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         The first keys of each sequence are padding (FlashAttention 2's ``leftpad_k``).
     return_lse : bool, optional
         Also return the LSE, ``(Hq, total_q)``.
+    window_size_left, window_size_right : int or None, optional
+        FlashAttention 4's signed window (its ``window_size=(left, right)``, whose ``-1`` is a real bound where
+        FlashAttention 2 and 3's is unbounded, hence its own keywords here): None unbounded, a negative bound past
+        the diagonal on the other side; translated by :func:`window_from_fa4` with ``causal``. One spelling of the
+        window only: with ``window_size`` (other than ``(-1, -1)``), ``window=`` or ``sliding_window=`` holding a
+        window too it is a `ValueError` naming both.
     **options
         Any option of :func:`sdpa_ref.sdpa_forward`.
 
@@ -64,7 +70,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     """
     _storage({"q": q, "k": k, "v": v}, 3)
     lay = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, key_leftpad)
-    return _call(q, k, lay, v, softmax_scale, causal, window_size, attention_chunk, softcap, alibi_slopes,
+    window = (window_size, window_size_left, window_size_right)
+    return _call(q, k, lay, v, softmax_scale, causal, window, attention_chunk, softcap, alibi_slopes,
                  check_bool(return_lse, "return_lse"), dict(options, qv=qv))
 
 
@@ -72,7 +79,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                             attention_chunk=0, softcap=0.0, alibi_slopes=None, *, qv=None, page_table=None,
                             kv_indptr=None, kv_indices=None, kv_last_page_len=None, kv_layout="NHD",
-                            num_splits=0, return_softmax_lse=False, **options):
+                            num_splits=0, return_softmax_lse=False, window_size_left=None, window_size_right=None,
+                            **options):
     r"""Queries against a KV cache, contiguous or paged, as FlashAttention's ``flash_attn_with_kvcache`` (without
     its in-place cache update and rotary embedding).
 
@@ -103,6 +111,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
         to rounding. :func:`sdpa_ref.split_kv_partials` gives the splits themselves.
     return_softmax_lse : bool, optional
         Also return the LSE, ``(B, Hq, Lq)``.
+    window_size_left, window_size_right : int or None, optional
+        FlashAttention 4's signed window, as in :func:`flash_attn_varlen_func`.
     **options
         Any option of :func:`sdpa_ref.sdpa_forward`.
 
@@ -121,7 +131,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
         raise ValueError(f"`num_splits` should be an int >= 0 (0: FlashAttention's heuristic), but got {num_splits!r}")
     if num_splits > 1:
         options = dict(options, num_splits=int(num_splits))
-    return _call(q, k_cache, lay, v_cache, softmax_scale, causal, window_size, attention_chunk, softcap,
+    window = (window_size, window_size_left, window_size_right)
+    return _call(q, k_cache, lay, v_cache, softmax_scale, causal, window, attention_chunk, softcap,
                  alibi_slopes, check_bool(return_softmax_lse, "return_softmax_lse"), dict(options, qv=qv))
 
 
@@ -224,11 +235,44 @@ def _storage(arrays, ndim):
             raise ValueError(f"`{name}` should have {ndim} dimensions, but got shape {a.shape}")
 
 
-def _call(q, k, lay, v, scale, causal, window_size, chunk, softcap, slopes, return_lse, options):
+def _one_window(spellings, causal, options):
+    """The core's ``window=`` from the one spelling of the window that holds one, and ``options`` less the
+    spellings it took; ``spellings`` is ``(window_size, window_size_left, window_size_right)``.
+
+    The caller may spell the window as FlashAttention 2 and 3's ``window_size``, FlashAttention 4's
+    ``window_size_left`` / ``window_size_right``, or through ``**options`` as the core's ``window`` (or its
+    deprecated count ``sliding_window``, left to the core, which warns). A spelling holds a window unless it is
+    FlashAttention's "none" (``window_size=(-1, -1)``, a bound or option of None); two that hold one are a
+    `ValueError` naming both as the caller spelled them, as no precedence between them is obvious."""
+    window_size, left, right = spellings
+    fa23 = window_from_window_size(window_size)
+    held = {}                                                # spelling: what the caller passed, as spelled
+    if fa23 != (None, None):
+        held["`window_size`"] = f"window_size={window_size!r}"
+    if left is not None or right is not None:
+        held["`window_size_left`/`window_size_right`"] = f"window_size_left={left!r}, window_size_right={right!r}"
+    for name in ("window", "sliding_window"):
+        if options.get(name) is not None:
+            held[f"`{name}`"] = f"{name}={options[name]!r}"
+    if len(held) > 1:
+        raise ValueError(f"{' and '.join(held)} should not both be given (each spells the one window: pass one), "
+                         f"but got {', '.join(held.values())}")
+    options = dict(options)
+    window = options.pop("window", None)
+    if window is not None:                                   # the core's own spelling: it validates it
+        return window, options
+    if options.get("sliding_window") is not None:           # the core translates the count, and warns
+        return None, options
+    if left is not None or right is not None:
+        return window_from_fa4(left, right, causal), options
+    return fa23, options
+
+
+def _call(q, k, lay, v, scale, causal, window, chunk, softcap, slopes, return_lse, options):
     """FlashAttention's scalar arguments checked under their own names (before anything is gathered), then the
     reference on the layout."""
     causal = check_bool(causal, "causal")
-    window = window_from_window_size(window_size)
+    window, options = _one_window(window, causal, options)
     scale = None if scale is None else check_scale(scale, "softmax_scale")
     cap = None if softcap is None else V.as_real_scalar(softcap, "softcap")
     cap = None if cap is None or cap == 0.0 else check_softcap(cap, "softcap")     # FlashAttention's 0: off

@@ -78,6 +78,15 @@ BAD = [
     (varlen, dict(window_size=(1.5, 0)), TypeError, ["`window_size`"]),
     (varlen, dict(window_size=(-2, 0)), ValueError, ["`window_size`"]),
     (kvcache, dict(window_size="left"), TypeError, ["`window_size`"]),
+    # FlashAttention 4's signed bounds: -1 (one key past the diagonal) has no `window=` spelling
+    (varlen, dict(window_size_left=-1, window_size_right=3), ValueError, ["`window_size_left`", "-1"]),
+    (kvcache, dict(window_size_left=1.5), TypeError, ["`window_size_left`"]),
+    (varlen, dict(window_size_left=-3, window_size_right=1), ValueError, ["`window_size_left`", "no key"]),
+    # two spellings of one window: the message names both as the caller spelled them
+    (varlen, dict(window_size=(2, 0), window=(1, 0)), ValueError, ["`window_size`", "`window`", "(2, 0)", "(1, 0)"]),
+    (kvcache, dict(window_size=(2, 0), window_size_left=1), ValueError, ["`window_size`", "`window_size_left`"]),
+    (paged, dict(window_size_right=0, window=(1, 0)), ValueError, ["`window_size_right`", "`window`"]),
+    (varlen, dict(window_size=(2, 0), sliding_window=3), ValueError, ["`window_size`", "`sliding_window`"]),
     # scalars under the wrappers' own names
     (varlen, dict(softcap=np.array([1.0, 2.0])), TypeError, ["`softcap`", "real number"]),
     (varlen, dict(softcap=-1.0), ValueError, ["`softcap`"]),
@@ -167,3 +176,63 @@ def test_window_size_of_two_ints_or_minus_one_is_accepted():
 def test_softcap_zero_is_off():
     np.testing.assert_array_equal(varlen(softcap=0), varlen())
     np.testing.assert_array_equal(varlen(softcap=np.float64(0.0)), varlen())
+
+
+#: FlashAttention 4's signed bounds (left, right): negative reaches past the diagonal, None is unbounded.
+SIGNED = [(-2, 3), (3, -2), (None, -2), (2, None), (0, 0), (1, 0)]
+
+
+@pytest.mark.parametrize("call, layout", [(varlen, lambda: Packed(CU, CU)), (kvcache, lambda: KVCache()),
+                                          (paged, lambda: KVCache(block_table=np.array([[0, 1], [2, 3]])))],
+                         ids=["varlen", "kvcache", "paged"])
+@pytest.mark.parametrize("left, right", SIGNED)
+def test_a_signed_window_equals_the_dense_call_with_its_window(call, layout, left, right):
+    """FlashAttention 4's ``window_size_left`` / ``window_size_right`` in each wrapper give the bits of the
+    reference called on the same layout with ``window=window_from_fa4(left, right)``, and of the wrapper given
+    that ``window=`` through its options."""
+    window = sdpa_ref.flash.window_from_fa4(left, right)
+    q, k = (Q, Q) if call is varlen else (QC, KC if call is kvcache else PAGES)
+    want = sdpa_ref.scaled_dot_product_attention(q, k, k, layout=layout(), window=window,
+                                                 causal_alignment="bottom_right", return_lse=True)
+    lse = "return_lse" if call is varlen else "return_softmax_lse"
+    got = call(window_size_left=left, window_size_right=right, **{lse: True})
+    through = call(window=window, **{lse: True})
+    for w, g, t in zip(want, got, through):
+        np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(t, w)
+
+
+def test_a_signed_window_masks_and_a_nonnegative_one_is_window_size():
+    """The signed window does mask (it differs from no window), and a bound >= 0 means what ``window_size``'s
+    does; under ``causal`` it is intersected with the causal mask, as ``window=`` is."""
+    assert not np.array_equal(varlen(window_size_left=3, window_size_right=-2), varlen())
+    assert not np.array_equal(varlen(window_size_left=-2, window_size_right=3), varlen())
+    np.testing.assert_array_equal(varlen(window_size_left=2, window_size_right=0), varlen(window_size=(2, 0)))
+    np.testing.assert_array_equal(varlen(window_size_left=2), varlen(window_size=(2, -1)))
+    np.testing.assert_array_equal(kvcache(window_size_left=1, window_size_right=3, causal=True),
+                                  kvcache(window_size=(1, 0), causal=True))
+    np.testing.assert_array_equal(varlen(window_size_left=None, window_size_right=None), varlen())
+
+
+@pytest.mark.parametrize("kw, names", [
+    (dict(window_size=(2, 0), window=(1, 0)), ["`window_size`", "`window`"]),
+    (dict(window_size=(2, 0), window_size_left=1), ["`window_size`", "`window_size_left`"]),
+    (dict(window_size_left=-2, window_size_right=3, window=(1, 0)), ["`window_size_left`", "`window`"]),
+    (dict(window=(1, 0), sliding_window=3), ["`window`", "`sliding_window`"]),
+])
+def test_two_spellings_of_the_window_name_both(kw, names):
+    """Each spelling the caller used is named once, never one name twice ("got window and window")."""
+    with pytest.raises(ValueError) as info:
+        varlen(**kw)
+    msg = str(info.value)
+    for n in names:
+        assert n in msg, msg
+    assert "window and window" not in msg and msg.count("`window`") <= 1, msg
+
+
+def test_a_spelling_holding_no_window_combines_with_any_other():
+    """``window_size=(-1, -1)``, bounds of None and ``window=None`` hold no window: no collision."""
+    np.testing.assert_array_equal(varlen(window_size=(-1, -1), window_size_left=2, window_size_right=0),
+                                  varlen(window_size=(2, 0)))
+    np.testing.assert_array_equal(varlen(window_size=(2, 0), window=None), varlen(window_size=(2, 0)))
+    np.testing.assert_array_equal(varlen(window_size_left=None, window=(2, 0)), varlen(window_size=(2, 0)))
