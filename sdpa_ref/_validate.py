@@ -232,15 +232,47 @@ def per_head(x, name: str, Hq: int, batch: tuple) -> np.ndarray:
     return s
 
 
-def sink_logits(x, Hq: int, batch: tuple) -> np.ndarray:
-    """``sinks``: :func:`per_head`, each logit finite or ``-inf`` (no sink on that head); NaN and ``+inf`` are
-    refused."""
-    s = per_head(x, "sinks", Hq, batch)
+def sink_fold_shape(shape, Hq: int, batch: tuple):
+    """The shape ``(..., Hq)`` or ``(..., 1)`` of the ``sinks`` input of shape ``shape`` read as one logit per
+    query head (a reshape of ``shape``, so its gradient folds back into it), or None when it is not one.
+
+    Accepted: ``(..., Hq)`` broadcasting to ``(*batch, Hq)`` (as :func:`per_head`, kept as it is); a scalar and
+    ``(1,)`` (one logit for every head); cuDNN's and FlashMLA's ``(..., H, 1, 1)`` (the score's ``L`` and ``S``
+    axes of size 1), e.g. ``(1, Hq, 1, 1)`` and ``(Hq, 1, 1)``, with leading size-1 axes past ``batch`` dropped.
+    """
+    shape = tuple(shape)
+
+    def fits(s):
+        try:
+            return len(s) >= 1 and s[-1] in (Hq, 1) and np.broadcast_shapes(s[:-1], batch) == batch
+        except ValueError:
+            return False
+
+    if len(shape) >= 1 and shape[-1] == Hq and fits(shape):
+        return shape
+    fold = shape[:-2] if len(shape) >= 3 and shape[-2:] == (1, 1) else shape
+    fold = fold or (1,)
+    while len(fold) > len(batch) + 1 and fold[0] == 1:
+        fold = fold[1:]
+    return fold if fits(fold) else None
+
+
+def sink_logits(x, Hq: int, batch: tuple):
+    r"""``sinks``: one logit per query head, as ``(logits, fold)``: ``logits`` of shape ``(..., Hq)``
+    broadcasting to ``(*batch, Hq)`` and ``fold`` the shape its gradient is summed to before it takes the
+    caller's own shape (:func:`sink_fold_shape`: a scalar, ``(Hq,)``, ``(1, Hq, 1, 1)``, ``(Hq, 1, 1)`` or
+    ``(..., Hq)``). Each logit is finite or ``-inf`` (no sink on that head); NaN and ``+inf`` are refused."""
+    s = as_float_array(x, "sinks")
+    fold = sink_fold_shape(s.shape, Hq, batch)
+    if fold is None:
+        raise ValueError(f"`sinks` should have shape (Hq,) = ({Hq},), a scalar, (1, Hq, 1, 1), (Hq, 1, 1) or "
+                         f"(..., Hq) broadcasting to {batch + (Hq,)}, but got shape {s.shape}")
     bad = np.isnan(s) | np.isposinf(s)
     if np.any(bad):
         raise ValueError(f"`sinks` should be finite or -inf (no sink), but got {s[bad].ravel()[0]!r} at index "
                          f"{tuple(int(i) for i in np.argwhere(bad)[0])}")
-    return s
+    s = s.reshape(fold)
+    return (s if fold[-1] == Hq else np.broadcast_to(s, fold[:-1] + (Hq,))), fold
 
 
 def lengths(x, name: str, limit: int, batch: tuple):

@@ -18,6 +18,7 @@ from . import poison
 from ._threads import single_threaded_blas
 from .api import METHODS, Engine, sdpa_forward
 from .engines import blocks
+from .normalize import extra_shape
 from .reads import clean
 from .residuals import AbsorbedGrads, AttentionGrads, AttentionResiduals, ScoreModGrads
 from .rounding import round_to
@@ -167,12 +168,13 @@ def user_grads(residuals, gr, bad):
     def own(x, name):                                    # in the problem's input shape, NaN where it reads poison
         if x is None:
             return None
-        x = unbroadcast(x, shapes[name])
+        fold = extra_shape(prob) if name == "sinks" else shapes[name]   # sinks: a reshape of their own shape
+        x = unbroadcast(x, fold)
         x = x if bad is None else poison.show(x, bad[name])
         if name == "sinks" and nan_rows is not None:
             heads = np.broadcast_to(nan_rows.any(axis=(-2, -1)), prob.full_scores[:-2])
-            x = poison.show(x, unbroadcast(heads.astype(np.int64), shapes[name]) > 0)
-        return x
+            x = poison.show(x, unbroadcast(heads.astype(np.int64), fold) > 0)
+        return x.reshape(shapes[name])
 
     g = {n: own(x, n) for n, x in (("query", gr.dq), ("key", gr.dk), ("value", gr.dv), ("attn_mask", gr.dmask),
                                     ("bias", gr.dbias), ("sinks", gr.dextra))}
@@ -340,7 +342,7 @@ def input_tangents(res, tangents, name="tangents"):
     (dq, dk, dv, db), (bq, bk, bv, bb), dv_full = prob.clean_tangents(dq, dk, dv, db)   # as the primals are
     bs = None
     if ds is not None:                                   # (..., Hq, 1, 1); a head's rows read its sink
-        ds, bs = clean(_cast_real(ds, prob)[..., None, None])
+        ds, bs = clean(_cast_real(ds, prob).reshape(extra_shape(prob) + (1, 1)))
     return (dq, dk, dv, db, ds), (bq, bk, bv, bb, bs), dv_full
 
 

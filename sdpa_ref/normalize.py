@@ -128,8 +128,12 @@ EXTRA_NAME = "sinks"
 
 
 def extra_shape(prob):
-    """The extra logits' own shape (the ``sinks`` input's), to which their gradient is summed."""
-    return prob.shapes[EXTRA_NAME]
+    """The shape ``(..., Hq)`` or ``(..., 1)`` to which the extra logits' gradient is summed: a reshape of the
+    ``sinks`` input's own shape (:func:`sdpa_ref._validate.sink_fold_shape`: ``()`` folds to ``(1,)``,
+    ``(1, Hq, 1, 1)`` to ``(1, Hq)``), read off the problem's ``(..., Hq, 1, 1)`` logits: their head axis is the input's
+    own unless the input holds fewer values (one logit for every head)."""
+    own, lead = prob.shapes[EXTRA_NAME], prob.sink.shape[:-2]
+    return lead if int(np.prod(own)) == int(np.prod(lead)) else lead[:-1] + (1,)
 
 
 def close_in(X, m, s, empty, extra) -> Closed:

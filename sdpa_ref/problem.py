@@ -113,7 +113,7 @@ class Problem:
                                 "scores), but got bool; pass a bool mask as `attn_mask`")
         alibi = None if opts.alibi_slopes is None else V.per_head(opts.alibi_slopes, "alibi_slopes", Hq, batch)
         alibi = None if alibi is None else alibi[..., None, None]
-        sinks = None if opts.sinks is None else V.sink_logits(opts.sinks, Hq, batch)
+        sinks = None if opts.sinks is None else V.sink_logits(opts.sinks, Hq, batch)[0]   # (..., Hq)
         q_lengths = V.lengths(opts.q_lengths, "q_lengths", L, batch)
         kv_lengths = V.lengths(opts.kv_lengths, "kv_lengths", S, batch)
         kv_indices = None if opts.gather_kv_indices is None else \
@@ -171,7 +171,8 @@ class Problem:
             full_scores=full_scores, user_ndim=user_ndim,
             shapes={"query": q.shape, "key": k.shape, "value": v.shape,
                     "attn_mask": None if mask_float is None else mask_float.shape,
-                    "bias": None if bias is None else bias.shape, "sinks": None if sinks is None else sinks.shape},
+                    "bias": None if bias is None else bias.shape,
+                    "sinks": None if sinks is None else np.shape(opts.sinks)},     # the caller's own shape
             dtypes={"query": q.dtype, "key": k.dtype, "value": v.dtype,
                     "attn_mask": None if mask_float is None else mask_float.dtype,
                     "bias": None if bias is None else bias.dtype, "sinks": None if sinks is None else sinks.dtype},

@@ -359,8 +359,11 @@ def test_inputs_are_not_mutated():
 
 
 @pytest.mark.parametrize("sinks,match", [
-    (np.zeros(3), r"`sinks` should have shape \(Hq,\) = \(2,\)"),
+    (np.zeros(3), r"`sinks` should have shape \(Hq,\) = \(2,\), a scalar, \(1, Hq, 1, 1\), \(Hq, 1, 1\)"),
     (np.zeros((3, 2)), r"`sinks` should have shape"),
+    (np.zeros((1, 3, 1, 1)), r"`sinks` should have shape .* but got shape \(1, 3, 1, 1\)"),
+    (np.zeros((2, 1, 1, 1, 1)), r"`sinks` should have shape"),
+    (np.zeros((3, 1)), r"`sinks` should have shape"),
     (np.array([0.0, np.nan]), r"`sinks` should be finite or -inf"),
     (np.array([np.inf, 0.0]), r"`sinks` should be finite or -inf"),
     ("a", r"`sinks`"),
@@ -425,3 +428,38 @@ def test_no_key_at_all_under_nan_is_a_fully_masked_row_sink_or_none(kw):
     out, lse, ds = got[0]
     assert (out[:, 0] == 0).all() and np.isnan(out[:, 1]).all()
     assert np.isnan(ds).tolist() == [False, True]
+
+
+
+#: Each accepted spelling of the sinks, and the (B, Hq) = (2, 3) shape it broadcasts from.
+SHAPES = {(): (1, 1), (1,): (1, 1), (3,): (1, 3), (1, 3, 1, 1): (1, 3), (3, 1, 1): (1, 3), (2, 3): (2, 3),
+          (1, 1, 3, 1, 1): (1, 3), (2, 1): (2, 1)}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES), ids=str)
+@pytest.mark.parametrize("engine", [{"method": "plain"}, {"method": "fast"}, {"method": "tiled", "block_size": 2},
+                                    {"num_splits": 2}, {"precision": "reproducible"}],
+                         ids=["plain", "fast", "tiled-2", "num_splits=2", "reproducible"])
+def test_sinks_of_any_shape_that_folds_to_one_logit_per_head(shape, engine):
+    """A scalar, ``(1,)``, ``(Hq,)``, cuDNN's and FlashMLA's ``(1, Hq, 1, 1)``, ``(Hq, 1, 1)``, ``(B, Hq)`` and
+    ``(B, 1)`` give the bits of the same logits spelled ``(B, Hq)``; ``dsinks`` comes back in the caller's own
+    shape, the gradient of the ``(B, Hq)`` spelling summed over the axes the caller's shape broadcasts; a sinks
+    tangent in the caller's shape gives the JVP of the ``(B, Hq)`` tangent broadcast the same way."""
+    rng = np.random.default_rng(7)
+    B, H, L, S, E = 2, 3, 4, 5, 4
+    q, k, v = rng.standard_normal((B, H, L, E)), rng.standard_normal((B, H, S, E)), rng.standard_normal((B, H, S, E))
+    fold = SHAPES[shape]
+    sinks, ds = rng.standard_normal(shape), rng.standard_normal(shape)
+    full, dfull = (np.broadcast_to(x.reshape(fold), (B, H)).copy() for x in (sinks, ds))
+    dO, dlse = rng.standard_normal((B, H, L, E)), rng.standard_normal((B, H, L))
+    out, res = sdpa_forward(q, k, v, sinks=sinks, **engine)
+    ref_out, ref = sdpa_forward(q, k, v, sinks=full, **engine)
+    assert _bits(out, ref_out) and _bits(res.lse, ref.lse)
+    g, ref_g = sdpa_backward(res, dO, grad_lse=dlse), sdpa_backward(ref, dO, grad_lse=dlse)
+    assert g.sinks.shape == shape and _bits(g.query, ref_g.query) and _bits(g.value, ref_g.value)
+    axes = tuple(i for i, n in enumerate(fold) if n == 1)
+    want = ref_g.sinks.sum(axis=axes, keepdims=True).reshape(shape)
+    np.testing.assert_allclose(g.sinks, want, rtol=F64_SUMS, atol=F64_SUMS)
+    t = sdpa_jvp((q, k, v), {"sinks": ds}, sinks=sinks, **engine)[1]
+    t_ref = sdpa_jvp((q, k, v), {"sinks": dfull}, sinks=full, **engine)[1]
+    assert _bits(t, t_ref)
