@@ -261,16 +261,17 @@ def sink_logits(x, Hq: int, batch: tuple):
     r"""``sinks``: one logit per query head, as ``(logits, fold)``: ``logits`` of shape ``(..., Hq)``
     broadcasting to ``(*batch, Hq)`` and ``fold`` the shape its gradient is summed to before it takes the
     caller's own shape (:func:`sink_fold_shape`: a scalar, ``(Hq,)``, ``(1, Hq, 1, 1)``, ``(Hq, 1, 1)`` or
-    ``(..., Hq)``). Each logit is finite or ``-inf`` (no sink on that head); NaN and ``+inf`` are refused."""
+    ``(..., Hq)``). Each logit is finite, ``-inf`` (no sink on that head) or ``+inf`` (the sink takes all the
+    mass: :func:`sdpa_ref.sinks.fold_sink_in`); NaN is refused."""
     s = as_float_array(x, "sinks")
     fold = sink_fold_shape(s.shape, Hq, batch)
     if fold is None:
         raise ValueError(f"`sinks` should have shape (Hq,) = ({Hq},), a scalar, (1, Hq, 1, 1), (Hq, 1, 1) or "
                          f"(..., Hq) broadcasting to {batch + (Hq,)}, but got shape {s.shape}")
-    bad = np.isnan(s) | np.isposinf(s)
+    bad = np.isnan(s)
     if np.any(bad):
-        raise ValueError(f"`sinks` should be finite or -inf (no sink), but got {s[bad].ravel()[0]!r} at index "
-                         f"{tuple(int(i) for i in np.argwhere(bad)[0])}")
+        raise ValueError(f"`sinks` should be finite, -inf (no sink) or +inf (all the mass), but got "
+                         f"{s[bad].ravel()[0]!r} at index {tuple(int(i) for i in np.argwhere(bad)[0])}")
     s = s.reshape(fold)
     return (s if fold[-1] == Hq else np.broadcast_to(s, fold[:-1] + (Hq,))), fold
 

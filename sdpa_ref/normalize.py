@@ -164,6 +164,9 @@ def lse_in(X, m, s, empty=None):
     over an arithmetic ``X``; ``-inf`` on the ``empty`` rows (None: none named, and an empty row's ``s = 0``
     gives ``log 0 = -inf``)."""
     lse = X.add(X.log(s), m)
+    full = (X.value(m) == np.inf) & (X.value(s) == 1)  # a +inf sink's row (fold_sink_in): +inf, kept out of a
+                                                       # dd sum (a +inf score's row has s NaN and stays NaN)
+    lse = X.where(full, X.const(np.inf), lse) if np.any(full) else lse
     return lse if empty is None else X.where(empty, X.const(-np.inf), lse)
 
 

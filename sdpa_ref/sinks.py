@@ -40,11 +40,23 @@ def fold_sink_in(X, m, s, empty, sink):
     ``s2``, the LSE and ``p_sink`` are NaN (the sink reads the row) and ``r`` is 1: the keys' ``P`` already holds
     the row's NaN on the keys it reads and 0 on the others, which ``P r`` keeps. The tiled engine applies it after
     a row's last key block.
+
+    A ``+inf`` sink (FlashMLA's tests draw them) takes all the mass, the limit :math:`\sigma \to +\infty`:
+    ``r = 0`` (every key's ``P`` is 0, ``O = 0``), ``p_sink = 1``, ``m2 = +inf`` and ``s2 = 1``, so the LSE is
+    ``+inf`` and a ``P`` recomputed as :math:`e^{T - m_2} / s_2` is 0. The row's keys are not read (a NaN key
+    row still gives NaN through ``P r``). Its gradients are the limits too: :math:`dT = P (\ldots) = 0`, so
+    ``dq``, ``dk``, ``dv`` get nothing from the row, and :math:`d\sigma = p_\sigma (\bar\lambda - D) =
+    \bar\lambda`, the LSE's cotangent (:math:`\partial\, \mathrm{lse} / \partial \sigma = \mathrm{sigmoid}(\sigma -
+    \mathrm{lse}_{keys}) \to 1`, and :math:`D = dO \cdot O = 0`): 0 without a ``grad_lse``.
     """
-    none = sink == -np.inf
+    none, full = sink == -np.inf, sink == np.inf            # no sink; a sink that takes all the mass
     shape = np.broadcast_shapes(np.shape(sink), np.shape(X.value(m)))
-    sv = X.lift(np.broadcast_to(np.where(none, 0.0, sink).astype(np.asarray(sink).dtype), shape))
+    sv = X.lift(np.broadcast_to(np.where(none | full, 0.0, sink).astype(np.asarray(sink).dtype), shape))
+    if np.any(full):                                        # the limit: the keys' part is empty beside the sink
+        empty = empty | full
     m2, s2, (a, b), empty2 = combine_in(X, [m, sv], [s, None], [empty, none])   # the sink: a part with s = 1
+    if np.any(full):                                        # m2 = +inf, s2 = 1: lse = +inf, exp(T - m2) = 0
+        m2 = X.where(np.broadcast_to(full, shape), X.const(np.inf), m2)
     s2_ = X.where(empty2, X.const(1.0), s2)
     r, p_sink = X.div(X.mul(a, s), s2_), X.div(b, s2_)
     sv2 = X.value(s2)
@@ -62,9 +74,9 @@ def sink_probs(sink, m, s):
 
     Not :math:`e^{\sigma - \mathrm{lse}}`: the LSE ``m + log s`` is rounded at the size of ``m``, so with a sink
     near a top score of ``1e15`` its ulp (0.125) moved ``p_sigma`` by 13% (and ``dsinks`` and ``dq`` with it)."""
-    none = np.asarray(sink) == -np.inf
+    none, full = np.asarray(sink) == -np.inf, np.asarray(sink) == np.inf     # full: +inf, p_sigma = 1
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        p = np.exp(np.where(none, 0.0, sink) - np.where(none, 0.0, m)) / np.where(none, 1.0, s)
+        p = np.exp(np.where(none | full, 0.0, sink) - np.where(none | full, 0.0, m)) / np.where(none, 1.0, s)
     return np.where(none, p.dtype.type(0), p)
 
 
@@ -73,6 +85,7 @@ def sink_probs_lse_in(X, sink, lse):
     an arithmetic, as a kernel that keeps only the LSE computes it (the honest ensemble's members); 0 where there
     is no sink (``-inf``) or ``lse`` is ``-inf`` (no key and no sink). The engines use :func:`sink_probs`."""
     none = (np.asarray(sink) == -np.inf) | (X.value(lse) == -np.inf)
-    return X.where(none, X.const(0.0), X.exp_minus(X.where(none, X.const(0.0), sink),
-                                                   X.where(none, X.const(0.0), lse)))
+    full = ~none & (np.asarray(sink) == np.inf)             # +inf: lse = +inf, p_sigma = 1
+    return X.where(none, X.const(0.0), X.exp_minus(X.where(none | full, X.const(0.0), sink),
+                                                   X.where(none | full, X.const(0.0), lse)))
 

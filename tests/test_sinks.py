@@ -364,8 +364,7 @@ def test_inputs_are_not_mutated():
     (np.zeros((1, 3, 1, 1)), r"`sinks` should have shape .* but got shape \(1, 3, 1, 1\)"),
     (np.zeros((2, 1, 1, 1, 1)), r"`sinks` should have shape"),
     (np.zeros((3, 1)), r"`sinks` should have shape"),
-    (np.array([0.0, np.nan]), r"`sinks` should be finite or -inf"),
-    (np.array([np.inf, 0.0]), r"`sinks` should be finite or -inf"),
+    (np.array([0.0, np.nan]), r"`sinks` should be finite, -inf \(no sink\) or \+inf"),
     ("a", r"`sinks`"),
     (np.array([True, False]), r"`sinks`"),
 ])
@@ -463,3 +462,35 @@ def test_sinks_of_any_shape_that_folds_to_one_logit_per_head(shape, engine):
     t = sdpa_jvp((q, k, v), {"sinks": ds}, sinks=sinks, **engine)[1]
     t_ref = sdpa_jvp((q, k, v), {"sinks": dfull}, sinks=full, **engine)[1]
     assert _bits(t, t_ref)
+
+
+@pytest.mark.parametrize("engine", [{"method": "plain"}, {"method": "fast"}, {"method": "tiled", "block_size": 2},
+                                    {"num_splits": 2}, {"precision": "reproducible"},
+                                    {"method": "plain", "save_probs": False}],
+                         ids=["plain", "fast", "tiled-2", "num_splits=2", "reproducible", "plain-save_probs=False"])
+def test_plus_inf_sinks_take_all_the_mass(engine):
+    """A ``+inf`` sink (FlashMLA's tests draw them) is the limit sigma -> +inf: every key's ``P`` is 0, ``O = 0``,
+    the LSE with the sink is ``+inf`` and the keys' own (``lse_as(sink=False)``) stays theirs. Its gradients are
+    the limits, not finite differences: 0 for ``q``, ``k``, ``v`` from the head, ``dsinks = sum(grad_lse)`` over
+    the head's rows (d lse / d sigma -> 1, ``D = dO . O = 0``), 0 without ``grad_lse``; a tangent gives 0. The
+    other heads keep the results of a finite sink there, in every engine alike."""
+    rng = np.random.default_rng(11)
+    B, H, L, S, E = 2, 3, 4, 5, 4
+    q, k, v = rng.standard_normal((B, H, L, E)), rng.standard_normal((B, H, S, E)), rng.standard_normal((B, H, S, E))
+    sinks, finite = np.array([np.inf, 0.3, -np.inf]), np.array([0.0, 0.3, -np.inf])
+    dO, dlse = rng.standard_normal((B, H, L, E)), rng.standard_normal((B, H, L))
+    out, res = sdpa_forward(q, k, v, sinks=sinks, is_causal=True, **engine)
+    ref_out, ref = sdpa_forward(q, k, v, sinks=finite, is_causal=True, **engine)
+    assert np.all(out[:, 0] == 0) and np.all(res.lse[:, 0] == np.inf)
+    np.testing.assert_array_equal(res.lse_as(sink=False), ref.lse_as(sink=False))   # the keys' own LSE
+    np.testing.assert_allclose(out[:, 1:], ref_out[:, 1:], rtol=F64_FEW_ULP, atol=F64_FEW_ULP)
+    g, g0 = sdpa_backward(res, dO, grad_lse=dlse), sdpa_backward(res, dO)
+    ref_g = sdpa_backward(ref, dO, grad_lse=dlse)
+    for x, r in ((g.query, ref_g.query), (g.key, ref_g.key), (g.value, ref_g.value)):
+        assert np.all(x[:, 0] == 0)
+        np.testing.assert_allclose(x[:, 1:], r[:, 1:], rtol=F64_SUMS, atol=F64_SUMS)
+    np.testing.assert_allclose(g.sinks[0], dlse[:, 0].sum(), rtol=F64_SUMS)
+    np.testing.assert_allclose(g.sinks[1:], ref_g.sinks[1:], rtol=F64_SUMS, atol=F64_SUMS)
+    assert g0.sinks[0] == 0
+    t = sdpa_jvp((q, k, v), {"sinks": np.ones(H), "query": np.ones_like(q)}, sinks=sinks, is_causal=True, **engine)[1]
+    assert np.all(t[:, 0] == 0) and np.all(np.isfinite(t))
