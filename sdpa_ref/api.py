@@ -33,6 +33,7 @@ from .rounding import round_to
 from .options import DOC_OPTIONS, FULLY_MASKED_POLICIES, AttentionOptions, check_bool
 from .policy import averages_values
 from .absorbed import Absorbed
+from .axes import Swapped, is_dense_layout
 from .layouts import Gathered
 from .problem import Problem
 
@@ -107,7 +108,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         Also return the per-row log-sum-exp of the allowed scores.
     precision : {"fast", "reproducible"}, optional
         As in :func:`sdpa_forward`.
-    layout : sdpa_ref.layouts.Packed or KVCache, optional
+    layout : {"bhsd", "bshd"}, sdpa_ref.layouts.Packed or KVCache, optional
         As in :func:`sdpa_forward`.
 
     Returns
@@ -157,8 +158,12 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         float32, float64 for float64): an honest computation in that
         precision, the same bits everywhere. Many times slower; ``method`` and ``block_size`` must be
         None.
-    layout : sdpa_ref.layouts.Packed or KVCache, optional
-        The sequences as a kernel stores them (:mod:`sdpa_ref.layouts`):
+    layout : {"bhsd", "bshd"}, sdpa_ref.layouts.Packed or KVCache, optional
+        ``"bshd"`` (:mod:`sdpa_ref.axes`): ``query``, ``key``, ``value`` (and
+        ``qv``) are ``(..., L, H, E)``, FlashAttention's and JAX's order, and
+        ``out`` and their gradients come back in it; the LSE, masks, biases
+        and sinks keep their shapes. ``"bhsd"`` or None: the package's own
+        order. Else the sequences as a kernel stores them (:mod:`sdpa_ref.layouts`):
         ``query``, ``key`` and ``value`` are then the layout's arrays
         (packed ``thd``; a query ``bshd`` against a KV cache, contiguous or
         paged), gathered into the dense problem with the sequences' lengths
@@ -301,9 +306,12 @@ def _problem(query, key, value, opts, layout):
     ``qv`` joined (each None when not given)."""
     gathered = absorbed = None
     qv = opts.qv
-    if layout is not None:                             # the sequences as stored: gathered into the dense problem
+    if is_dense_layout(layout):                        # "bshd": the dense problem with two axes swapped
+        gathered = None if layout == "bhsd" else Swapped(query, key, value)
+    elif layout is not None:                           # the sequences as stored: gathered into the dense problem
         gathered = Gathered(layout, query, key, value)
         opts = _with_lengths(opts, gathered)
+    if gathered is not None:
         query, key, value = gathered.q, gathered.k, gathered.v
         qv = None if qv is None else gathered.gather_qv(qv)
     if qv is not None:                                 # MLA's qv: [q | qv] against [k | v]

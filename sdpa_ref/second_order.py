@@ -62,7 +62,7 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
         sum in two sweeps, with no ``L x S`` array. They agree to rounding.
     block_size : int or "auto", optional
         The tiled schedule's block, as in :func:`sdpa_forward`.
-    layout : Packed or KVCache, optional
+    layout : {"bhsd", "bshd"}, Packed or KVCache, optional
         As in :func:`sdpa_forward`; tangents and cotangents in the layout's
         shapes, results in it too.
     **options
