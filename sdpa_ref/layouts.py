@@ -32,7 +32,12 @@ Names are FlashAttention's (``flash_attn_varlen_func``,
   keys of row ``b`` are ``cache_leftpad[b] <= t < cache_seqlens[b]``, the
   logical key ``j = t - cache_leftpad[b]``, position ``t`` on page
   ``block_table[b, t // page_size]``, slot ``t % page_size``;
-  ``out (B, Lq, Hq, Ev)``, ``lse (B, Hq, Lq)``.
+  ``out (B, Lq, Hq, Ev)``, ``lse (B, Hq, Lq)``. With ``cu_seqlens_q`` (and
+  ``seqused_q``, ``max_seqlen_q``) the queries are packed as :class:`Packed`'s
+  (FlashAttention 3's ``flash_attn_with_kvcache(cu_seqlens_q=, page_table=)``,
+  2's ``flash_attn_varlen_func(block_table=)``, FlashInfer's ``qo_indptr``
+  with its page lists): ``q (total_q, Hq, E)``, ``out (total_q, Hq, Ev)``,
+  ``lse (Hq, total_q)``, ``B = len(cu_seqlens_q) - 1``.
 
 The causal and window diagonal is per sequence: ``off = kv_len - q_len``
 under ``causal_alignment="bottom_right"``, FlashAttention's, which
@@ -49,7 +54,7 @@ import numpy as np
 
 from . import _validate as V
 
-__all__ = ["Gathered", "KVCache", "Packed"]
+__all__ = ["Gathered", "KVCache", "Packed", "paged_key_lengths"]
 
 
 def _ints(x, name, ndim=1):
@@ -138,27 +143,16 @@ class Packed:
             raise ValueError(f"`cu_seqlens_q` and `cu_seqlens_k` should have the same length B + 1 >= 1, but got "
                              f"{len(cq)} and {len(ck)}")
         B = len(cq) - 1
-        spans = {}
-        for name, cu, total in (("cu_seqlens_q", cq, q.shape[0]), ("cu_seqlens_k", ck, k.shape[0])):
-            d = np.diff(cu)
-            if cu.size and (cu[0] < 0 or np.any(d < 0) or cu[-1] > total):
-                raise ValueError(f"`{name}` should be non-decreasing offsets from >= 0 to at most the {total} rows "
-                                 f"of its array, but got {cu.tolist()}")
-            spans[name] = d
-        used_q = _per_batch(self.seqused_q, "seqused_q", B, spans["cu_seqlens_q"])
-        used_k = _per_batch(self.seqused_k, "seqused_k", B, spans["cu_seqlens_k"])
+        qmap = _packed_rows(cq, "cu_seqlens_q", q.shape[0], self.seqused_q, "seqused_q", self.max_seqlen_q,
+                            "max_seqlen_q")
+        starts, span = _offsets(ck, "cu_seqlens_k", k.shape[0])
+        used_k = _within(self.seqused_k, "seqused_k", span)
         pad = _per_batch(self.key_leftpad, "key_leftpad", B, np.zeros(B, np.int64))
-        for name, used, span in (("seqused_q", used_q, spans["cu_seqlens_q"]),
-                                 ("seqused_k", used_k, spans["cu_seqlens_k"])):
-            if np.any(used < 0) or np.any(used > span):
-                raise ValueError(f"`{name}` should be within each sequence's rows [0, {span.tolist()}], but got "
-                                 f"{used.tolist()}")
         if np.any(pad < 0) or np.any(pad > used_k):
             raise ValueError(f"`key_leftpad` should be within each sequence's used keys [0, {used_k.tolist()}], but "
                              f"got {pad.tolist()}")
-        lq, lk = used_q, used_k - pad
-        return (_Map(*_ranges(cq[:-1], lq), _max(self.max_seqlen_q, "max_seqlen_q", lq), lq),
-                _Map(*_ranges(ck[:-1] + pad, lk), _max(self.max_seqlen_k, "max_seqlen_k", lk), lk))
+        lk = used_k - pad
+        return qmap, _Map(*_ranges(starts + pad, lk), _max(self.max_seqlen_k, "max_seqlen_k", lk), lk)
 
     def queries(self, q, name="query"):
         return _storage(q, name, 3), 1
@@ -172,21 +166,89 @@ class Packed:
     def lse_from(self, qmap, lse, total, fill=-np.inf):
         """The LSE in FlashAttention's varlen layout ``(Hq, total_q)`` (``fill`` on unused rows); trailing dims
         are kept (a split-KV output accumulator, ``(Hq, total_q, Ev)``)."""
-        out = np.full((lse.shape[1], total) + lse.shape[3:], fill, lse.dtype)
-        out[:, qmap.where] = np.moveaxis(lse[qmap.b, :, qmap.i], 0, 1)
-        return out
+        return _packed_lse(qmap, lse, total, fill)
 
     def lse_to(self, qmap, g, B, Hq):
         """The inverse of :meth:`lse_from` on a cotangent ``(Hq, total_q)``: ``(B, Hq, Lmax)``."""
-        out = np.zeros((B, Hq, qmap.n), g.dtype)
-        out[qmap.b, :, qmap.i] = g[:, qmap.where].T
-        return out
+        return _packed_lse_to(qmap, g, B, Hq)
+
+
+def _offsets(cu, name, total):
+    """``(starts, spans)`` of FlashAttention's ``cu_seqlens`` offsets into the ``total`` rows of an array."""
+    d = np.diff(cu)
+    if cu.size and (cu[0] < 0 or np.any(d < 0) or cu[-1] > total):
+        raise ValueError(f"`{name}` should be non-decreasing offsets from >= 0 to at most the {total} rows "
+                         f"of its array, but got {cu.tolist()}")
+    return cu[:-1], d
+
+
+def _within(used, name, span):
+    """``seqused`` as ``(B,)`` int64 within each sequence's ``span`` (the whole span when None)."""
+    used = _per_batch(used, name, len(span), span)
+    if np.any(used < 0) or np.any(used > span):
+        raise ValueError(f"`{name}` should be within each sequence's rows [0, {span.tolist()}], but got "
+                         f"{used.tolist()}")
+    return used
+
+
+def _packed_rows(cu, name, total, used, used_name, bound, bound_name):
+    """The map of packed rows: sequence ``b`` at rows ``cu[b] + i``, ``i < used[b]`` (``cu``'s span by default),
+    of an array of ``total`` rows; ``bound`` is FlashAttention's ``max_seqlen``."""
+    starts, span = _offsets(cu, name, total)
+    lengths = _within(used, used_name, span)
+    return _Map(*_ranges(starts, lengths), _max(bound, bound_name, lengths), lengths)
+
+
+def paged_key_lengths(cu_seqlens_q, cu_seqlens_k, seqused_k=None):
+    """The keys per sequence of packed queries against a page table, as FlashAttention's varlen API gives them:
+    ``seqused_k`` (FlashAttention 3's, the ``cache_seqlens`` of :class:`KVCache`) when given, else the
+    differences of ``cu_seqlens_k`` (FlashAttention 2's ``flash_attn_varlen_func(block_table=)``, whose offsets
+    address no rows: the keys are on the pages), capped by ``seqused_k`` when both are given.
+
+    Parameters
+    ----------
+    cu_seqlens_q : array_like of int, (B + 1,)
+        Only its length is read.
+    cu_seqlens_k : array_like of int, (B + 1,), or None
+        Non-decreasing offsets from >= 0; None with ``seqused_k``.
+    seqused_k : array_like of int, (B,), optional
+
+    Returns
+    -------
+    ndarray of int64, (B,)
+    """
+    B = len(_ints(cu_seqlens_q, "cu_seqlens_q")) - 1
+    if cu_seqlens_k is None:
+        if seqused_k is None:
+            raise ValueError("`cu_seqlens_k` or `seqused_k` should be given with a page table (the keys per "
+                             "sequence), but got neither")
+        return _per_batch(seqused_k, "seqused_k", B, None)
+    ck = _ints(cu_seqlens_k, "cu_seqlens_k")
+    if len(ck) != B + 1:
+        raise ValueError(f"`cu_seqlens_q` and `cu_seqlens_k` should have the same length B + 1 >= 1, but got "
+                         f"{B + 1} and {len(ck)}")
+    if ck.size and (ck[0] < 0 or np.any(np.diff(ck) < 0)):
+        raise ValueError(f"`cu_seqlens_k` should be non-decreasing offsets from >= 0, but got {ck.tolist()}")
+    return _within(seqused_k, "seqused_k", np.diff(ck))
+
+
+def _packed_lse(qmap, lse, total, fill):
+    """A dense per-row ``(B, Hq, Lmax, ...)`` as FlashAttention's varlen ``(Hq, total_q, ...)``."""
+    out = np.full((lse.shape[1], total) + lse.shape[3:], fill, lse.dtype)
+    out[:, qmap.where] = np.moveaxis(lse[qmap.b, :, qmap.i], 0, 1)
+    return out
+
+
+def _packed_lse_to(qmap, g, B, Hq):
+    out = np.zeros((B, Hq, qmap.n), g.dtype)
+    out[qmap.b, :, qmap.i] = g[:, qmap.where].T
+    return out
 
 
 @dataclass(frozen=True)
 class KVCache:
     """Queries against a KV cache, contiguous or paged (FlashAttention's ``flash_attn_with_kvcache``, FlashInfer's
-    CSR page lists); see the module docstring."""
+    CSR page lists), the queries ``bshd`` or packed (``cu_seqlens_q``); see the module docstring."""
 
     cache_seqlens: Any = None
     cache_batch_idx: Any = None
@@ -197,13 +259,16 @@ class KVCache:
     kv_last_page_len: Any = None
     kv_layout: str = "NHD"
     max_seqlen_k: Optional[int] = None
+    cu_seqlens_q: Any = None
+    seqused_q: Any = None
+    max_seqlen_q: Optional[int] = None
 
     def maps(self, q, k):
-        """``(query map, key map)`` for ``q (B, Lq, Hq, E)`` and the cache ``k`` (NHD order: see :meth:`keys`)."""
+        """``(query map, key map)`` for ``q (B, Lq, Hq, E)`` (with ``cu_seqlens_q``: ``(total_q, Hq, E)``) and the
+        cache ``k`` (NHD order: see :meth:`keys`)."""
         V.check_choice(self.kv_layout, "kv_layout", ("NHD", "HND"))
-        B, Lq = q.shape[0], q.shape[1]
-        qmap = _Map(*_ranges(np.arange(B, dtype=np.int64) * Lq, np.full(B, Lq, np.int64)), Lq,
-                    np.full(B, Lq, np.int64))
+        qmap = self._queries(q)
+        B = len(qmap.lengths)
         csr = [x is not None for x in (self.kv_indptr, self.kv_indices, self.kv_last_page_len)]
         paged = self.block_table is not None or any(csr)
         if any(csr) and not all(csr):
@@ -238,6 +303,22 @@ class KVCache:
             raise ValueError(f"`block_table` / `kv_indices` should name pages of the cache [0, {k.shape[0]}) for "
                              f"every position in use, but got page {bad}")
         return qmap, _Map(b, j, where, _max(self.max_seqlen_k, "max_seqlen_k", lk), lk)
+
+    def _queries(self, q):
+        """The query map: ``bshd`` rows, or with ``cu_seqlens_q`` packed rows as :class:`Packed`'s."""
+        if self.cu_seqlens_q is None:
+            for name in ("seqused_q", "max_seqlen_q"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"`{name}` should be given only with `cu_seqlens_q` (packed queries), but got "
+                                     f"{name} without it")
+            B, Lq = q.shape[0], q.shape[1]
+            return _Map(*_ranges(np.arange(B, dtype=np.int64) * Lq, np.full(B, Lq, np.int64)), Lq,
+                        np.full(B, Lq, np.int64))
+        cq = _ints(self.cu_seqlens_q, "cu_seqlens_q")
+        if len(cq) < 1:
+            raise ValueError("`cu_seqlens_q` should have length B + 1 >= 1, but got length 0")
+        return _packed_rows(cq, "cu_seqlens_q", q.shape[0], self.seqused_q, "seqused_q", self.max_seqlen_q,
+                            "max_seqlen_q")
 
     def _table(self, B, P, rows):
         """``(block table (B, pages), cache_seqlens or None)`` from ``block_table`` or FlashInfer's CSR lists.
@@ -277,6 +358,8 @@ class KVCache:
         return table, np.where(n > 0, (n - 1) * P + last, 0)
 
     def queries(self, q, name="query"):
+        if self.cu_seqlens_q is not None:
+            return _storage(q, name, 3), 1
         q = _storage(q, name, 4)
         return q.reshape((-1,) + q.shape[2:]), 1
 
@@ -288,13 +371,14 @@ class KVCache:
         return x.reshape((-1,) + x.shape[2:]) if x.flags.c_contiguous else _Flat(x), 1
 
     def out_shape(self, q_shape, Ev):
-        return tuple(q_shape[:3]) + (Ev,)
+        return tuple(q_shape[:2 if self.cu_seqlens_q is not None else 3]) + (Ev,)
 
     def lse_from(self, qmap, lse, total, fill=-np.inf):
-        return lse
+        """The LSE as ``(B, Hq, Lq)``, or with ``cu_seqlens_q`` FlashAttention's varlen ``(Hq, total_q)``."""
+        return lse if self.cu_seqlens_q is None else _packed_lse(qmap, lse, total, fill)
 
     def lse_to(self, qmap, g, B, Hq):
-        return g
+        return g if self.cu_seqlens_q is None else _packed_lse_to(qmap, g, B, Hq)
 
 
 class _Flat:

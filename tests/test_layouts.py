@@ -18,7 +18,7 @@ import sdpa_ref
 from sdpa_ref import KVCache, Packed, sdpa_backward, sdpa_forward, sdpa_jvp
 
 from helpers import assert_close_normwise
-from tolerances import F64_FEW_ULP, F64_SUMS
+from tolerances import F64_FEW_ULP, F64_SUMS, FD_SECOND_ORDER
 
 HOWS = {"fast": {}, "plain": {"method": "plain"}, "tiled-2": {"block_size": 2},
         "reproducible": {"precision": "reproducible"}}
@@ -187,6 +187,131 @@ def test_a_kv_cache_is_the_dense_attention_of_each_sequences_keys(case, how):
         assert_close_normwise(y, x, RTOL[how])
 
 
+# ------------------------------------------------------------ packed queries against a paged cache
+
+
+@st.composite
+def packed_pages(draw):
+    """Packed queries (``cu_seqlens_q``, maybe ``seqused_q``) against a paged cache in FlashAttention's block-table
+    form or FlashInfer's CSR form; pages shared between sequences and repeated in one, every slot no sequence reads
+    (and every query row no sequence uses) NaN. ``seqs[b]``: sequence ``b``'s query rows and its keys' ``(page,
+    slot)``, read the way each peer reads them."""
+    B, Hkv, G = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    Hq = Hkv * G
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    form, hnd = draw(st.sampled_from(["table", "csr"])), draw(st.booleans())
+    P, N, npages = draw(st.integers(1, 4)), draw(st.integers(1, 5)), draw(st.integers(1, 3))
+    table = rng.integers(0, N, (B, npages))                                                  # pages may repeat
+    seqlens = rng.integers(0, npages * P + 1, B)
+    lq = rng.integers(0, 4, B)
+    span = lq + (rng.integers(0, 2, B) if draw(st.booleans()) else 0)
+    cq = np.r_[0, np.cumsum(span)]
+    pad = np.minimum(rng.integers(0, 2, B), seqlens) if draw(st.booleans()) else None
+    kw = {"cu_seqlens_q": cq, "kv_layout": "HND" if hnd else "NHD", "cache_leftpad": pad,
+          "seqused_q": lq if (span != lq).any() else None}
+    if form == "table":
+        kw.update(cache_seqlens=seqlens, block_table=table)
+        keys = [[(table[b, t // P], t % P) for t in range(seqlens[b])] for b in range(B)]
+    else:                                              # FlashInfer: each sequence's pages, its last page's length
+        n = np.where(seqlens > 0, -(-seqlens // P), 0)
+        last = np.where(n > 0, seqlens - (n - 1) * P, 0)
+        ptr, idx = np.r_[0, np.cumsum(n)], np.concatenate([table[b, :n[b]] for b in range(B)] + [np.zeros(0, int)])
+        kw.update(kv_indptr=ptr, kv_indices=idx, kv_last_page_len=last)
+        keys = []
+        for b in range(B):
+            pages = idx[ptr[b]:ptr[b + 1]]
+            count = (len(pages) - 1) * P + last[b] if len(pages) else 0
+            keys.append([(pages[t // P], t % P) for t in range(count)])
+    if pad is not None:
+        keys = [pos[pad[b]:] for b, pos in enumerate(keys)]
+    seqs = [(np.arange(cq[b], cq[b] + lq[b]), keys[b]) for b in range(B)]
+    extra = draw(st.integers(0, 2))
+    q = rng.standard_normal((cq[-1] + extra, Hq, 3))
+    kc, vc = rng.standard_normal((N, P, Hkv, 3)), rng.standard_normal((N, P, Hkv, 2))
+    unread = np.ones((N, P), bool)
+    for _, pos in seqs:
+        for n_, s in pos:
+            unread[n_, s] = False
+    kc[unread], vc[unread] = np.nan, np.nan
+    q[np.setdiff1d(np.arange(len(q)), np.concatenate([r for r, _ in seqs] + [np.zeros(0, int)]))] = np.nan
+    o = dict(_options(draw, rng, Hq), enable_gqa=G > 1)
+    store = (lambda x: np.ascontiguousarray(np.swapaxes(x, 1, 2))) if hnd else (lambda x: x)
+    return KVCache(**kw), (q, store(kc), store(vc)), (kc, vc), o, seqs, store
+
+
+def _pages_oracle(q, kc, vc, o, seqs, g, ts, how, hvp=False):
+    """Each sequence alone, dense: its query rows and its keys read page by page by hand; the results put back by
+    hand, the cache's gradients summed over every use of a slot (0 on rows and slots no sequence uses). With
+    ``hvp``, the Hessian-vector product along ``ts`` instead of the JVP (``how`` then a second-order method)."""
+    t = lambda x: np.swapaxes(x, 0, 1)[None]                                                 # noqa: E731
+    out, dq, dk, dv = np.zeros(q.shape[:2] + vc.shape[-1:]), np.zeros(q.shape), np.zeros(kc.shape), np.zeros(vc.shape)
+    lse, jvp = np.full((q.shape[1], q.shape[0]), -np.inf), np.zeros(out.shape)
+    hq, hk, hv = np.zeros(q.shape), np.zeros(kc.shape), np.zeros(vc.shape)
+    dsinks = None if "sinks" not in o else np.zeros(q.shape[1])
+    for rows, pos in seqs:
+        if not len(rows):
+            continue
+        take = lambda c: np.stack([c[n, s] for n, s in pos]) if pos else np.zeros((0,) + c.shape[2:])  # noqa: E731
+        qs, ks, vs, gs = t(q[rows]), t(take(kc)), t(take(vc)), t(g[rows])
+        tan = (t(ts[0][rows]), t(take(ts[1])), t(take(ts[2])))
+        if hvp:
+            h = sdpa_ref.sdpa_hvp((qs, ks, vs), tan, gs, **o, **how)
+            hq[rows] = np.swapaxes(h.query[0], 0, 1)
+            for j, (n, s) in enumerate(pos):
+                hk[n, s] += h.key[0, :, j]
+                hv[n, s] += h.value[0, :, j]
+            continue
+        o_b, res = sdpa_forward(qs, ks, vs, **o, **how)
+        gr = sdpa_backward(res, gs)
+        out[rows], lse[:, rows] = np.swapaxes(o_b[0], 0, 1), res.lse[0]
+        dq[rows] = np.swapaxes(gr.query[0], 0, 1)
+        for j, (n, s) in enumerate(pos):                      # the VJP of the gather: a scatter-add
+            dk[n, s] += gr.key[0, :, j]
+            dv[n, s] += gr.value[0, :, j]
+        if dsinks is not None:
+            dsinks += gr.sinks
+        jvp[rows] = np.swapaxes(sdpa_jvp((qs, ks, vs), tan, **o, **how)[1][0], 0, 1)
+    return (hq, hk, hv) if hvp else (out, lse, dq, dk, dv, dsinks, jvp)
+
+
+@pytest.mark.parametrize("how", list(HOWS))
+@settings(max_examples=max(8, settings.default.max_examples // 3))
+@given(case=packed_pages())
+def test_packed_queries_against_a_paged_cache_are_each_sequence_alone(case, how):
+    lay, (q, k, v), (kc, vc), o, seqs, store = case
+    rng = np.random.default_rng(9)
+    g = rng.standard_normal(q.shape[:2] + vc.shape[-1:])
+    ts = (rng.standard_normal(q.shape), rng.standard_normal(kc.shape), rng.standard_normal(vc.shape))
+    out, res = sdpa_forward(q, k, v, layout=lay, **o, **HOWS[how])
+    gr = sdpa_backward(res, g)
+    jvp = sdpa_jvp((q, k, v), (ts[0], store(ts[1]), store(ts[2])), layout=lay, **o, **HOWS[how])[1]
+    want = list(_pages_oracle(q, kc, vc, o, seqs, g, ts, HOWS[how]))
+    want[3], want[4] = store(want[3]), store(want[4])
+    assert out.shape == q.shape[:2] + vc.shape[-1:] and res.lse.shape == q.shape[1::-1]
+    assert gr.key.shape == k.shape and gr.value.shape == v.shape
+    got = (out, res.lse, gr.query, gr.key, gr.value, gr.sinks, jvp)
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv", "dsinks", "jvp"), got, want):
+        assert y is None or not np.isnan(x).any() or "nan" == o["fully_masked"], name      # NaN memory unread
+        assert_close_normwise(y, x, RTOL[how])
+
+
+@pytest.mark.parametrize("method", ["plain", "tiled"])
+@settings(max_examples=max(6, settings.default.max_examples // 5))
+@given(case=packed_pages())
+def test_the_hvp_of_packed_queries_against_a_paged_cache_is_each_sequences_scattered(case, method):
+    lay, (q, k, v), (kc, vc), o, seqs, store = case
+    o = {n: x for n, x in o.items() if n != "fully_masked"}                # empty rows: 0 in both
+    rng = np.random.default_rng(10)
+    g = rng.standard_normal(q.shape[:2] + vc.shape[-1:])
+    ts = (rng.standard_normal(q.shape), rng.standard_normal(kc.shape), rng.standard_normal(vc.shape))
+    how = {"method": method} if method == "plain" else {"block_size": 2}
+    hv = sdpa_ref.sdpa_hvp((q, k, v), (ts[0], store(ts[1]), store(ts[2])), g, layout=lay, **o, **how)
+    want = _pages_oracle(q, kc, vc, o, seqs, g, ts, how, hvp=True)
+    for x, y in zip(hv[:3], (want[0], store(want[1]), store(want[2]))):
+        assert x.shape == y.shape
+        assert_close_normwise(y, x, F64_SUMS)
+
+
 # ------------------------------------------------------------ finite differences through the gather
 
 
@@ -210,6 +335,35 @@ def test_the_gradient_through_packed_sequences_matches_central_differences():
     o = dict(layout=lay, enable_gqa=True, is_causal=True, causal_alignment="bottom_right", window=(1, None))
     rep = sdpa_ref.check_vjp(lambda q, k, v: sdpa_forward(q, k, v, **o)[0],
                              lambda g, q, k, v: tuple(sdpa_backward(sdpa_forward(q, k, v, **o)[1], g))[:3], (q, k, v))
+    assert rep.ok, rep
+
+
+@pytest.mark.parametrize("form", ["table", "csr"])
+def test_gradients_of_packed_queries_against_shared_pages_match_central_differences(form):
+    rng = np.random.default_rng(11)
+    q, kc, vc = rng.standard_normal((5, 2, 2)), rng.standard_normal((4, 2, 1, 2)), rng.standard_normal((4, 2, 1, 3))
+    if form == "table":                                   # page 0 in both sequences, twice in the second
+        lay = KVCache(cache_seqlens=np.array([3, 4]), block_table=np.array([[2, 0], [0, 0]]),
+                      cache_leftpad=np.array([1, 0]), cu_seqlens_q=np.array([0, 2, 5]))
+    else:
+        lay = KVCache(kv_indptr=np.array([0, 2, 4]), kv_indices=np.array([2, 0, 0, 0]),
+                      kv_last_page_len=np.array([1, 2]), cu_seqlens_q=np.array([0, 2, 5]))
+    o = dict(layout=lay, enable_gqa=True, is_causal=True, causal_alignment="bottom_right", softcap=3.0)
+    f = lambda q, k, v: sdpa_forward(q, k, v, **o)[0]                                        # noqa: E731
+    rep = sdpa_ref.check_vjp(f, lambda g, q, k, v: tuple(sdpa_backward(sdpa_forward(q, k, v, **o)[1], g))[:3],
+                             (q, kc, vc))
+    assert rep.ok, rep
+    rep = sdpa_ref.check_jvp(f, lambda t, q, k, v: sdpa_jvp((q, k, v), t, **o)[1], (q, kc, vc))
+    assert rep.ok, rep
+    g0 = rng.standard_normal((5, 2, 3))                   # second order: the backward's JVP, dO's tangent too
+
+    def backward(q, k, v, g):
+        return np.concatenate([x.ravel() for x in sdpa_backward(sdpa_forward(q, k, v, **o)[1], g)[:3]])
+
+    def backward_jvp(t, q, k, v, g):
+        gt = sdpa_ref.sdpa_backward_jvp((q, k, v), t[:3], g, t[3], **o)[1]
+        return np.concatenate([x.ravel() for x in gt[:3]])
+    rep = sdpa_ref.check_jvp(backward, backward_jvp, (q, kc, vc, g0), rtol=FD_SECOND_ORDER)
     assert rep.ok, rep
 
 
@@ -337,6 +491,26 @@ def test_a_bad_cache_layout_names_its_argument(kw, err, match):
     q, kc = np.zeros((1, 1, 2, 2)), np.zeros((3, 2, 2, 2))
     with pytest.raises(err, match=match):
         sdpa_forward(q, kc, kc, layout=KVCache(**kw))
+
+
+@pytest.mark.parametrize("kw, query, err, match", [
+    (dict(seqused_q=np.array([1])), (1, 1, 2, 2), ValueError, "`seqused_q`.*`cu_seqlens_q`"),
+    (dict(max_seqlen_q=1), (1, 1, 2, 2), ValueError, "`max_seqlen_q`.*`cu_seqlens_q`"),
+    (dict(cu_seqlens_q=np.array([0, 4])), (3, 2, 2), ValueError, "`cu_seqlens_q`.*3 rows"),
+    (dict(cu_seqlens_q=np.array([0, 2]), seqused_q=np.array([3])), (3, 2, 2), ValueError, "`seqused_q`"),
+    (dict(cu_seqlens_q=np.array([0, 2]), max_seqlen_q=1), (3, 2, 2), ValueError, "`max_seqlen_q`"),
+    (dict(cu_seqlens_q=np.array([0, 2])), (1, 3, 2, 2), ValueError, "`query` should have 3 dimensions"),
+    (dict(cu_seqlens_q=np.array([0.0, 2.0])), (3, 2, 2), TypeError, "`cu_seqlens_q`"),
+    (dict(cu_seqlens_q=np.array([], int)), (3, 2, 2), ValueError, "`cu_seqlens_q`"),
+    (dict(cu_seqlens_q=np.array([0, 1, 2]), block_table=np.array([[0]])), (3, 2, 2), ValueError,
+     "`block_table` should have one row per sequence"),
+    (dict(cu_seqlens_q=np.array([0, 1, 2]), cache_seqlens=np.array([1])), (3, 2, 2), ValueError,
+     "`cache_seqlens` should have shape \\(2,\\)"),
+])
+def test_a_bad_packed_query_against_a_cache_names_its_argument(kw, query, err, match):
+    kc = np.zeros((3, 2, 2, 2))
+    with pytest.raises(err, match=match):
+        sdpa_forward(np.zeros(query), kc, kc, layout=KVCache(**kw))
 
 
 def test_lengths_and_uniform_are_refused_with_a_layout():
