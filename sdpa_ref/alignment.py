@@ -1,7 +1,9 @@
 """The causal alignment: where the diagonal of a rectangular ``(L, S)`` score matrix lies.
 
 Query ``i`` meets key ``i + off``: ``off = 0`` for ``"top_left"`` (PyTorch, JAX), ``S - L`` for
-``"bottom_right"`` (FlashAttention, xformers), and per batch ``kv_len - q_len`` with lengths. The causal mask,
+``"bottom_right"`` (FlashAttention, xformers), per batch ``kv_len - q_len`` with lengths, or a per-sequence
+``q_offset[b]`` given outright (a chunk of a prefill whose queries start at position ``q_offset[b]`` of the
+keys, as FlashInfer's and vLLM's kernels derive it from their cache lengths). The causal mask,
 the windows and chunks of :mod:`sdpa_ref.masks` and ALiBi's distance ``|i + off - j|``
 (:mod:`sdpa_ref.transforms`) are all measured from it.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ALIGNMENTS", "alignment_offset", "diagonal_offset"]
+__all__ = ["ALIGNMENTS", "alignment_offset", "check_q_offset", "diagonal_offset"]
 
 #: Accepted values of ``causal_alignment``: where the diagonal of causal, the window and ALiBi sits.
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -29,14 +31,43 @@ def alignment_offset(L, S, alignment="top_left"):
     return np.asarray(S, dtype=np.int64) - np.asarray(L, dtype=np.int64)
 
 
-def diagonal_offset(L, S, alignment, q_lengths=None, kv_lengths=None):
-    """``off`` for the problem: 0, ``S - L``, or per batch ``kv_len - q_len`` of shape ``(*batch, 1, 1, 1)``."""
+def diagonal_offset(L, S, alignment, q_lengths=None, kv_lengths=None, q_offset=None):
+    """``off`` for the problem: 0, ``S - L``, per batch ``kv_len - q_len``, or ``q_offset`` (an int64 array
+    broadcastable to the batch, which then replaces the alignment), per batch of shape ``(*batch, 1, 1, 1)``."""
+    if q_offset is not None:
+        return _per_batch(q_offset)
     if alignment == "top_left":
         return 0
     if q_lengths is None and kv_lengths is None:
         return int(alignment_offset(L, S, alignment))
     return _per_batch(alignment_offset(L if q_lengths is None else q_lengths,
                                        S if kv_lengths is None else kv_lengths, alignment))
+
+
+def check_q_offset(q_offset, batch):
+    """``q_offset`` (a per-sequence query offset, any int, broadcastable to ``batch``) as int64, or a
+    `TypeError` / `ValueError` naming it. It replaces the alignment, so it goes with the default ``"top_left"``
+    only (:meth:`sdpa_ref.options.AttentionOptions.from_kwargs` checks that)."""
+    if isinstance(q_offset, np.ma.MaskedArray):
+        raise TypeError("`q_offset` should be an integer array of per-sequence offsets, but got a numpy.ma array")
+    try:
+        x = np.asarray(q_offset)
+    except ValueError:                                       # ragged
+        raise TypeError(f"`q_offset` should be an integer array of per-sequence offsets, but got {q_offset!r}") \
+            from None
+    if x.dtype.kind not in "iu" or isinstance(q_offset, (bool, np.bool_)):
+        raise TypeError(f"`q_offset` should be an integer array of per-sequence offsets, but got dtype {x.dtype}")
+    try:
+        ok = np.broadcast_shapes(x.shape, tuple(batch)) == tuple(batch)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"`q_offset` should have a shape that broadcasts to the batch shape {tuple(batch)}, but got "
+                         f"shape {x.shape}")
+    if x.size and (x.min() < -2**62 or x.max() > 2**62):
+        raise ValueError(f"`q_offset` should hold offsets in [-2**62, 2**62], but got values from {x.min()} to "
+                         f"{x.max()}")
+    return x.astype(np.int64)
 
 
 def _per_batch(x):

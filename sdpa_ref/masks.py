@@ -8,8 +8,8 @@ masks can come from the very definitions the reference uses.
 
 Take query ``i`` and key ``j``. The alignment sets an offset: ``off = 0`` for
 ``"top_left"`` (PyTorch, JAX) and ``off = S - L`` for ``"bottom_right"``
-(FlashAttention, xformers); with per-batch lengths ``off = kv_len - q_len``.
-Then
+(FlashAttention, xformers); with per-batch lengths ``off = kv_len - q_len``;
+``q_offset[b]`` when given (:mod:`sdpa_ref.alignment`). Then
 
 * causal keeps ``j <= i + off``;
 * ``window=(left, right)`` keeps ``i + off - left <= j <= i + off + right``
@@ -40,13 +40,14 @@ __all__ = [
     "padded_rows",
     "padding_mask",
     "reads",
+    "topk_indices",
     "window_mask",
 ]
 
 
 def allowed_set(L, S, *, is_causal=False, window=None, alignment="top_left", q_lengths=None, kv_lengths=None,
                 mask=None, rows=None, cols=None, sink_tokens=0, chunk=None, kv_indices=None, mask_mod=None,
-                full=None):
+                full=None, q_offset=None):
     """The allowed set: bool mask AND causal AND window AND chunk AND gathered indices AND mask function AND
     lengths, or ``None``
     when nothing is excluded.
@@ -73,6 +74,9 @@ def allowed_set(L, S, *, is_causal=False, window=None, alignment="top_left", q_l
         ``gather_kv_indices``.
     q_lengths, kv_lengths : ndarray of int64, (...), optional
         Per-batch lengths (validated by :func:`sdpa_ref._validate.lengths`).
+    q_offset : ndarray of int64, (...), optional
+        Per-sequence query offset (:func:`sdpa_ref.alignment.check_q_offset`): ``off = q_offset[b]``, in place
+        of the alignment's.
     mask : ndarray of bool, broadcastable to (..., Hq, L, S), optional
     mask_mod : callable, optional
         A mask function ``(b, h, q_idx, kv_idx) -> bool`` (:func:`sdpa_ref.score_mod.apply_mask_mod`), with
@@ -96,7 +100,7 @@ def allowed_set(L, S, *, is_causal=False, window=None, alignment="top_left", q_l
     if is_causal:
         right = 0 if right is None else min(right, 0)
     if left is not None or right is not None or chunk:
-        p = i + diagonal_offset(L, S, alignment, q_lengths, kv_lengths)
+        p = i + diagonal_offset(L, S, alignment, q_lengths, kv_lengths, q_offset)
         if left is not None:
             parts.append((j >= p - left) | (j < sink_tokens) if sink_tokens else j >= p - left)
         if right is not None:
@@ -130,6 +134,47 @@ def _named(kv_indices, i0, i1, j0, j1):
     out = np.zeros(idx.shape[:-1] + (n + 1,), bool)
     np.put_along_axis(out, idx, True, axis=-1)
     return out[..., :n]
+
+
+def topk_indices(kv_indices, topk_length, lead):
+    """``gather_kv_indices`` truncated at FlashMLA's ``topk_length``: index ``t`` of row ``i`` is kept where
+    ``t < topk_length[..., i]`` and becomes ``-1`` (names no key, so the key it named is never read) elsewhere.
+
+    Parameters
+    ----------
+    kv_indices : ndarray of int64, broadcastable to (..., Hq, L, K)
+        The validated indices.
+    topk_length : array_like of int, broadcastable to (..., Hq, L)
+        How many of each row's indices count, in ``[0, K]``. FlashMLA's sparse prefill passes ``(s_q,)``, one
+        per query (``(L,)`` here); its sparse decode ``(b,)``, one per sequence (``(b, 1, 1)`` here).
+    lead : tuple of int
+        ``(*batch, Hq, L)``.
+
+    Returns
+    -------
+    ndarray of int64, broadcastable to (..., Hq, L, K)
+
+    Examples
+    --------
+    >>> topk_indices(np.array([[3, 1, 2], [0, 2, 1]]), [1, 3], (2,)).tolist()
+    [[3, -1, -1], [0, 2, 1]]
+    """
+    n = V.as_array(topk_length, "topk_length", "an integer array of index counts")
+    if n.dtype.kind not in "iu":
+        raise TypeError(f"`topk_length` should be an integer array of index counts, but got dtype {n.dtype}")
+    try:
+        ok = np.broadcast_shapes(n.shape, tuple(lead)) == tuple(lead)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"`topk_length` should have a shape that broadcasts to (..., Hq, L) = {tuple(lead)}, but got "
+                         f"shape {n.shape}; FlashMLA's per-sequence (b,) is (b, 1, 1) here")
+    K = kv_indices.shape[-1]
+    if n.size and (n.min() < 0 or n.max() > K):
+        raise ValueError(f"`topk_length` should hold counts in [0, K] = [0, {K}], but got values from {n.min()} to "
+                         f"{n.max()}")
+    keep = np.arange(K) < n.astype(np.int64)[..., None]
+    return np.where(keep, kv_indices, np.int64(-1))
 
 
 def padded_rows(L, q_lengths, rows=None):

@@ -42,7 +42,7 @@ from .block_mask import BlockMask
 from .masks import ALIGNMENTS
 from .policy import DEFAULT as _DEFAULT_POLICY
 from .policy import FULLY_MASKED_POLICIES
-from .transforms import SCORE_STAGES, check_softcap
+from .transforms import ALIBI_MODES, SCORE_STAGES, check_softcap
 
 __all__ = [
     "ALIGNMENTS",
@@ -93,6 +93,9 @@ class AttentionOptions:
     sink_token_length: int = _opt(0, judged=False)
     attention_chunk: Optional[int] = _opt(None, judged=False)
     gather_kv_indices: Any = _opt(None, array=True, judged=False)
+    topk_length: Any = _opt(None, array=True, judged=False)   # FlashMLA: each row's count of gather_kv_indices
+    q_offset: Any = _opt(None, array=True, judged=False)      # per-sequence query position: off = q_offset[b]
+    alibi_mode: str = _opt("flash", judged=False)             # "flash" -m|i + off - j|, or cuDNN's m (j - i)
     qv: Any = _opt(None, array=True, judged=False)          # MLA's absorbed second query (sdpa_ref.absorbed)
     # programmable attention (sdpa_ref.score_mod): FlexAttention's mask function (its score function is a stage)
     mask_mod: Any = _opt(None, judged=False)
@@ -139,6 +142,14 @@ class AttentionOptions:
             o[name] = check_bool(o[name], name)
         V.check_choice(o["fully_masked"], "fully_masked", FULLY_MASKED_POLICIES)
         V.check_choice(o["causal_alignment"], "causal_alignment", ALIGNMENTS)
+        V.check_choice(o["alibi_mode"], "alibi_mode", ALIBI_MODES)
+        if o["q_offset"] is not None and o["causal_alignment"] != "top_left":
+            raise ValueError(f"`q_offset` should not be given beside `causal_alignment={o['causal_alignment']!r}` "
+                             "(the offset replaces the alignment: bottom-right is `q_offset = S - L`, or "
+                             "`kv_len - q_len` per sequence), but got both")
+        if o["topk_length"] is not None and o["gather_kv_indices"] is None:
+            raise ValueError("`topk_length` should be given with `gather_kv_indices` (it counts each row's indices), "
+                             "but got it alone")
         o["window"] = _check_reach(_check_window(o["window"], signed=True), o["is_causal"])
         o["window"] = _deprecated_windows(o["window"], spelled, o["is_causal"])
         o["sink_token_length"] = _count(o["sink_token_length"], "sink_token_length", 0)
@@ -295,6 +306,17 @@ _DOC_HEAD = r"""
             ``i`` keeps only the keys its ``K`` indices name; ``-1`` and any
             index outside ``[0, S)`` name none, a repeated index counts once.
             FlashAttention 4's ``(b, t, K)`` is ``(b, 1, t, K)`` here.
+        topk_length : array_like of int, broadcastable to (..., Hq, L)
+            FlashMLA's sparse attention: row ``i`` reads only its first
+            ``topk_length[..., i]`` indices of ``gather_kv_indices`` (in
+            ``[0, K]``); the rest are never read. FlashMLA's prefill
+            ``(s_q,)`` is ``(L,)`` here, its decode's ``(b,)`` ``(b, 1, 1)``.
+        q_offset : array_like of int, (...)
+            Per-sequence position of the first query on the keys' axis:
+            row ``i`` of sequence ``b`` is at ``i + q_offset[b]``, the
+            diagonal of ``is_causal``, the window, the chunks and ALiBi
+            (``causal_alignment`` is then ``"top_left"``: ``"bottom_right"``
+            is ``q_offset = S - L``). Any int, negative included.
         qv : array_like, (..., Hq, L, Ev)
             MLA's absorbed attention (FlashMLA, FlashAttention 3): the
             scores are ``scale * (Q K^T + qv V^T)``, the default scale
@@ -314,6 +336,11 @@ _DOC_TAIL = r"""
             (``residuals.tile_counts``).
         alibi_slopes : array_like, (Hq,) or (..., Hq)
             Adds ``-slope * |i + off - j|`` to the scores, as FlashAttention.
+        alibi_mode : {"flash", "cudnn"}
+            ALiBi's convention: ``"flash"`` (default) the term above;
+            ``"cudnn"`` cuDNN's signed ``slope * (j - i)`` (its
+            ``alibi_mask``), with no diagonal offset. They agree on the keys
+            ``j <= i`` (top-left causal).
         q_lengths, kv_lengths : array_like of int, (...)
             Per-batch valid lengths. Keys ``j >= kv_len`` are excluded; query
             rows ``i >= q_len`` are zeroed in the output and every gradient.

@@ -31,8 +31,9 @@ from typing import Optional, Tuple
 import numpy as np
 
 from . import _validate as V
+from .alignment import check_q_offset
 from .block_mask import TileCounts, tile_status, validate
-from .masks import allowed_set, padded_rows, slice_ls
+from .masks import allowed_set, padded_rows, slice_ls, topk_indices
 from .policy import averages_every_key, averages_excluded, averages_values, makes_nan, zero_output_rows
 from .options import AttentionOptions
 from .reads import Poison, clean, scrub
@@ -69,6 +70,8 @@ class Problem:
     excluded_counts: Optional[np.ndarray] = None  # "jax": (*batch, Hq, L, 1) keys the structural rules exclude
     sink: Optional[np.ndarray] = None   # (..., Hq, 1, 1) the sink logits (real compute dtype; -inf: none), or None
     kv_indices: Optional[np.ndarray] = None  # gather_kv_indices, int64 broadcastable to (..., Hq, L, K), or None
+    #                                          (-1 past topk_length)
+    q_offset: Optional[np.ndarray] = None   # the per-sequence query offset, int64 broadcastable to the batch, or None
     tile_counts: Optional[TileCounts] = None  # with a block mask: the tiles the tiled engine skipped and visited
 
     @classmethod
@@ -118,6 +121,9 @@ class Problem:
         kv_lengths = V.lengths(opts.kv_lengths, "kv_lengths", S, batch)
         kv_indices = None if opts.gather_kv_indices is None else \
             V.indices(opts.gather_kv_indices, "gather_kv_indices", batch + (Hq, L))
+        if opts.topk_length is not None:
+            kv_indices = topk_indices(kv_indices, opts.topk_length, batch + (Hq, L))
+        q_offset = None if opts.q_offset is None else check_q_offset(opts.q_offset, batch)
         keep = None
         if opts.dropout_mask is not None:
             keep = V.as_mask(opts.dropout_mask, "dropout_mask", user_scores, allow_float=False)
@@ -136,7 +142,7 @@ class Problem:
         ct = np.result_type(out_dtype, np.float64) if (opts.upcast or complex_ok) else out_dtype
         rt = np.dtype(ct.type(0).real.dtype)
         G = Hq // Hkv if Hkv else 1
-        arrays = (q_lengths, kv_lengths, mask_bool, kv_indices)
+        arrays = (q_lengths, kv_lengths, mask_bool, kv_indices, q_offset)
         at = find_unread(full_scores, G, lambda rows: _allowed(opts, full_scores, arrays, rows), keep,
                          {"q": qh.shape[:-1], "k": kh.shape[:-1], "v": vh.shape[:-1],
                           "mask": None if mask_float is None else mask_float.shape,
@@ -180,6 +186,7 @@ class Problem:
             excluded_counts=None if not averages_excluded(opts.fully_masked) else
             _own(excluded_counts(full_scores, lambda rows: _allowed(opts, full_scores, arrays, rows))),
             sink=None if sinks is None else _own(sinks[..., None, None], rt), kv_indices=_own(kv_indices),
+            q_offset=_own(q_offset),
             tile_counts=_tiles(opts, full_scores),
         )
 
@@ -228,7 +235,8 @@ class Problem:
         With a block mask, a block that is one tile absent for every batch entry and head is all False, and one
         that is full is the other masks' set without the mask function (counted in :attr:`tile_counts`).
         """
-        arrays, opts = (self.q_lengths, self.kv_lengths, self.mask_bool, self.kv_indices), self.options
+        arrays = (self.q_lengths, self.kv_lengths, self.mask_bool, self.kv_indices, self.q_offset)
+        opts = self.options
         st = None if opts.block_mask is None or rows is None or cols is None else \
             tile_status(opts.block_mask, self.full_scores, rows, cols)
         if st is not None:
@@ -382,10 +390,10 @@ def _tiles(opts, full):
 
 
 def _allowed(opts, full, arrays, rows=None, cols=None):
-    """:func:`masks.allowed_set` of a problem's options and its ``(q_lengths, kv_lengths, bool mask, kv_indices)``:
-    the one place that hands every allowed-set parameter on."""
-    q_lengths, kv_lengths, mask, kv_indices = arrays
+    """:func:`masks.allowed_set` of a problem's options and its ``(q_lengths, kv_lengths, bool mask, kv_indices,
+    q_offset)``: the one place that hands every allowed-set parameter on."""
+    q_lengths, kv_lengths, mask, kv_indices, q_offset = arrays
     return allowed_set(full[-2], full[-1], is_causal=opts.is_causal, window=opts.window,
                        alignment=opts.causal_alignment, q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask,
                        rows=rows, cols=cols, sink_tokens=opts.sink_token_length, chunk=opts.attention_chunk,
-                       kv_indices=kv_indices, mask_mod=opts.mask_mod, full=tuple(full))
+                       kv_indices=kv_indices, mask_mod=opts.mask_mod, full=tuple(full), q_offset=q_offset)

@@ -8,7 +8,9 @@ The scores of attention are built in stages (``SEMANTICS.md``)::
     T    = fn(T, b, h, i, j)             score_mod.score_mod_forward (a user's score function; its slope
                                                                        multiplies softcap's)
     T    = T + B                         additive_forward    / additive_vjp  / additive_jvp   (float mask, bias)
-    T    = T - slope * |i + off - j|     alibi_forward       (a constant: identity VJP and JVP)
+    T    = T - slope * |i + off - j|     alibi_forward       (a constant: identity VJP and JVP; cuDNN's
+                                                                       signed T + slope * (j - i) with
+                                                                       alibi_mode="cudnn")
     T    = -inf outside the allowed set  (masks.allowed_set)
 
 and, after the softmax, dropout ``P_drop = P * Z / (1 - p)``
@@ -61,6 +63,7 @@ from .broadcast import block_of, unbroadcast
 from .score_mod import as_score_mod, indices, params_vjp, score_mod_curvature, score_mod_forward
 
 __all__ = [
+    "ALIBI_MODES",
     "SCORE_STAGES",
     "ScoreBlock",
     "ScoreStage",
@@ -452,19 +455,30 @@ BIAS = _additive_stage("bias", "bias")
 # -------------------------------------- ALiBi: T = T - slope * |i + off - j|
 
 
+#: Accepted values of ``alibi_mode``: ``"flash"`` adds ``-slope * |i + off - j|`` (FlashAttention, xformers,
+#: measured from the diagonal of :mod:`sdpa_ref.alignment`), ``"cudnn"`` the signed ``slope * (j - i)`` of cuDNN's
+#: ``alibi_mask`` (no diagonal offset: a key after the query is raised, not lowered).
+ALIBI_MODES = ("flash", "cudnn")
+
+
 def alibi_distance(L, S, alignment="top_left", q_lengths=None, kv_lengths=None, rows=None, cols=None,
-                   dtype=np.float64):
-    """``|i + off - j|`` in ``dtype``, broadcastable to the scores (or to one block of them)."""
+                   dtype=np.float64, mode="flash", q_offset=None):
+    """The distance ALiBi multiplies by ``-slope``, in ``dtype``, broadcastable to the scores (or to one block of
+    them): ``|i + off - j|`` (``mode="flash"``, the offset of :func:`sdpa_ref.alignment.diagonal_offset`), or
+    cuDNN's signed ``i - j`` (``mode="cudnn"``: the term ``slope * (j - i)``, with no offset)."""
     i0, i1 = rows if rows is not None else (0, L)
     j0, j1 = cols if cols is not None else (0, S)
-    off = diagonal_offset(L, S, alignment, q_lengths, kv_lengths)
+    if mode == "cudnn":
+        return (np.arange(i0, i1)[:, None] - np.arange(j0, j1)[None, :]).astype(dtype)
+    off = diagonal_offset(L, S, alignment, q_lengths, kv_lengths, q_offset)
     return np.abs(np.arange(i0, i1)[:, None] + off - np.arange(j0, j1)[None, :]).astype(dtype)
 
 
 def alibi_forward(t, slopes, dist, out=None):
     """``T - slope * dist``; ``slopes`` is ``(..., Hq, 1, 1)``. A constant term: its VJP and JVP are the identity.
 
-    A term that overflows (a slope of ``1e308``) makes the score ``-inf``, which excludes the key.
+    A term that overflows (a slope of ``1e308``) makes the score ``-inf``, which excludes the key (``+inf``
+    where cuDNN's signed distance is negative, which makes the row NaN, as any ``+inf`` score does).
     """
     with np.errstate(over="ignore", invalid="ignore"):
         return np.subtract(t, slopes * dist, out=out)
@@ -478,12 +492,13 @@ def alibi_forward_in(X, t, slopes, dist):
 
 
 def _alibi_terms(at, dtype):
-    """The block's slopes ``(..., Hq, 1, 1)`` and distances ``|i + off - j|`` (in ``dtype``), or None."""
+    """The block's slopes ``(..., Hq, 1, 1)`` and distances (:func:`alibi_distance`, in ``dtype``), or None."""
     p = at.prob
     if p.alibi is None:
         return None
-    dist = alibi_distance(p.L, p.S, p.options.causal_alignment, p.q_lengths, p.kv_lengths, at.rows, at.cols,
-                          dtype=dtype)
+    o = p.options
+    dist = alibi_distance(p.L, p.S, o.causal_alignment, p.q_lengths, p.kv_lengths, at.rows, at.cols, dtype=dtype,
+                          mode=o.alibi_mode, q_offset=p.q_offset)
     return at.heads(p.alibi), at.heads(dist)
 
 

@@ -57,7 +57,11 @@ class _Mp:
 
 def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None, p=0.0, policy="zero",
                      grad_out=None, bias=None, alignment="top_left", window=None, softcap=None, slopes=None,
-                     q_lengths=None, kv_lengths=None, num="float", sinks=None):
+                     q_lengths=None, kv_lengths=None, num="float", sinks=None, q_offset=None, alibi_mode="flash",
+                     kv_indices=None, topk_length=None):
+    """``q_offset`` (B,): the diagonal at ``i + q_offset[b]``; ``alibi_mode="cudnn"``: cuDNN's ``slope * (j - i)``;
+    ``kv_indices`` (B, Hq, L, K) with ``topk_length`` (B, Hq, L): FlashMLA's sparse rows (the first
+    ``topk_length`` indices count; one outside ``[0, S)`` names no key)."""
     M = _Mp() if num == "mp" else _Float
     q, k, v = (M.array(a) for a in (q, k, v))
     B, Hq, L, E = q.shape
@@ -82,6 +86,8 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
         ql = L if q_lengths is None else int(q_lengths[b])
         kl = S if kv_lengths is None else int(kv_lengths[b])
         off = 0 if alignment == "top_left" else kl - ql
+        if q_offset is not None:
+            off = int(q_offset[b])
         for h in range(Hq):
             kh = h // G
             for i in range(L):
@@ -107,7 +113,10 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
                     if bias is not None:
                         t[j] += float(bias[b, h, i, j])
                     if slopes is not None:
-                        t[j] += -(M.one * float(slopes[b, h])) * abs(i + off - j)
+                        if alibi_mode == "cudnn":
+                            t[j] += (M.one * float(slopes[b, h])) * (j - i)
+                        else:
+                            t[j] += -(M.one * float(slopes[b, h])) * abs(i + off - j)
                     if t[j] == -math.inf:
                         allowed[j] = False
                     if is_causal and j > i + off:
@@ -118,6 +127,10 @@ def oracle_attention(q, k, v, mask=None, is_causal=False, scale=None, keep=None,
                         allowed[j] = False
                     if j >= kl:
                         allowed[j] = False
+                    if kv_indices is not None:
+                        n = kv_indices.shape[-1] if topk_length is None else int(topk_length[b, h, i])
+                        if j not in [int(x) for x in kv_indices[b, h, i, :n]]:
+                            allowed[j] = False
                 padded = i >= ql
                 js = [j for j in range(S) if allowed[j]] if not padded else []
                 P = [0.0] * S

@@ -1,10 +1,12 @@
 """The allowed sets kernels define: FlashAttention 4's signed window bounds, a count window, StreamingLLM's sink
-tokens, Llama 4's chunks and top-k gathered key indices. The peers' spellings of the window reach the core as
+tokens, Llama 4's chunks, top-k gathered key indices with FlashMLA's ``topk_length`` and a per-sequence
+``q_offset``. The peers' spellings of the window reach the core as
 ``window=`` through :mod:`sdpa_ref.flash`'s translations; the core's deprecated keywords for them give the same
 window, with a warning.
 
 The oracle is written here with loops from the peers' own test references (FlashAttention's
-``construct_local_mask``, ``construct_chunk_mask`` and ``attention_ref``'s gather), sharing nothing with
+``construct_local_mask``, ``construct_chunk_mask`` and ``attention_ref``'s gather, FlashMLA's ``ref_sparse_attn_fwd``
+truncation at ``topk_length``), sharing nothing with
 ``sdpa_ref.masks``. Each engine must give, forward, backward and JVP, what the dense problem with that allowed set
 as a bool ``attn_mask`` gives; keys the set excludes are never read.
 """
@@ -19,8 +21,9 @@ from sdpa_ref import sdpa_backward, sdpa_forward, sdpa_jvp
 from sdpa_ref.flash import window_from_count, window_from_fa4
 
 from helpers import assert_close_normwise
+from tolerances import F64_SUMS
 
-HOWS = {"fast": {}, "plain": {"method": "plain"}, "tiled-2": {"block_size": 2},
+HOWS = {"fast": {}, "plain": {"method": "plain"}, "tiled-2": {"block_size": 2}, "split-2": {"num_splits": 2},
         "reproducible": {"precision": "reproducible"}}
 
 
@@ -32,10 +35,12 @@ def oracle(B, Hq, L, S, o):
     if o.get("is_causal"):
         right = 0 if right is None else min(right, 0)
     n_sink, C = o.get("sink_token_length", 0), o.get("attention_chunk")
-    idx = o.get("gather_kv_indices")
+    idx, n_top = o.get("gather_kv_indices"), o.get("topk_length")
     a = np.zeros((B, Hq, L, S), bool)
     for b, h, i, j in np.ndindex(B, Hq, L, S):
         off = int(kl[b]) - int(ql[b]) if o.get("causal_alignment") == "bottom_right" else 0
+        if o.get("q_offset") is not None:                   # the row's position given outright
+            off = int(np.broadcast_to(o["q_offset"], (B,))[b])
         p = i + off
         ok = i < ql[b] and j < kl[b]
         ok = ok and not (left is not None and j < p - left and j >= n_sink)
@@ -45,6 +50,8 @@ def oracle(B, Hq, L, S, o):
             ok = ok and start <= j < start + C
         if idx is not None:
             row = np.broadcast_to(idx, (B, Hq, L, idx.shape[-1]))[b, h, i]
+            if n_top is not None:                            # FlashMLA: positions >= topk_length are -1
+                row = row[:int(np.broadcast_to(n_top, (B, Hq, L))[b, h, i])]
             ok = ok and any(int(x) == j for x in row)        # -1 and out-of-range name nothing; duplicates once
         a[b, h, i, j] = ok
     return a
@@ -81,6 +88,10 @@ def problems(draw):
         K = draw(st.integers(1, 4))
         shape = (B, draw(st.sampled_from([1, Hq])), draw(st.sampled_from([1, L])), K)
         o["gather_kv_indices"] = rng.integers(-2, S + 2, shape)
+        if draw(st.booleans()):                              # per query (FlashMLA's prefill) or per row and head
+            o["topk_length"] = rng.integers(0, K + 1, draw(st.sampled_from([(L,), (B, 1, 1), (B, Hq, L)])))
+    if o["causal_alignment"] == "top_left" and draw(st.booleans()):
+        o["q_offset"] = rng.integers(-3, 5, draw(st.sampled_from([(B,), ()])))
     if draw(st.booleans()):
         o["q_lengths"], o["kv_lengths"] = rng.integers(0, L + 1, B), rng.integers(0, S + 1, B)
     arrays = (rng.standard_normal((B, Hq, L, 3)), rng.standard_normal((B, Hkv, S, 3)),
@@ -96,7 +107,7 @@ def _dense(o, a):
     """The same problem as a plain bool mask: no window, chunk or indices, the lengths kept (they zero padded
     rows, which a mask does not)."""
     d = {k: v for k, v in _api(o).items() if k not in ("sink_token_length", "attention_chunk", "gather_kv_indices",
-                                                       "window", "is_causal")}
+                                                       "window", "is_causal", "topk_length", "q_offset")}
     return dict(d, attn_mask=a)
 
 
@@ -232,3 +243,85 @@ def test_the_gradients_through_a_chunk_and_indices_match_central_differences():
                              lambda g, q, k, v: tuple(sdpa_backward(sdpa_forward(q, k, v, **o)[1], g))[:3],
                              (q, k, v))
     assert rep.ok, rep
+
+
+# ------------------------------------------------ FlashMLA's topk_length, the per-sequence q_offset
+
+
+@pytest.mark.parametrize("how", list(HOWS))
+def test_indices_past_topk_length_are_never_read(how):
+    """FlashMLA's sparse rows read their first ``topk_length`` indices only: keys named past it (and only there)
+    may hold NaN and inf without a bit of any result moving; the result is the problem whose indices are -1 there."""
+    rng = np.random.default_rng(11)
+    q, k, v = rng.standard_normal((2, 2, 4, 3)), rng.standard_normal((2, 2, 9, 3)), rng.standard_normal((2, 2, 9, 2))
+    idx = np.broadcast_to(np.array([0, 2, 4, 6, 8, 1]), (2, 1, 4, 6))
+    n = np.array([[[6, 3, 0, 2]], [[1, 4, 5, 6]]])                 # (B, 1, L): per sequence and query
+    o = dict(gather_kv_indices=idx, topk_length=n)
+    clean = sdpa_forward(q, k, v, **o, **HOWS[how])
+    cut = np.where(np.arange(6) < n[..., None], idx, -1)
+    np.testing.assert_array_equal(clean[0], sdpa_forward(q, k, v, gather_kv_indices=cut, **HOWS[how])[0])
+    kb, vb = k.copy(), v.copy()
+    kb[1, ..., [6, 8, 1], :] = np.nan                              # sequence 1 names them past its counts only
+    vb[1, ..., [6, 8, 1], :] = np.inf
+    kb[0, ..., [3, 5, 7], :] = np.nan                              # named by no index
+    n1 = np.array([[[6, 3, 0, 2]], [[1, 3, 3, 3]]])
+    clean = sdpa_forward(q, k, v, gather_kv_indices=idx, topk_length=n1, **HOWS[how])
+    dirty = sdpa_forward(q, kb, vb, gather_kv_indices=idx, topk_length=n1, **HOWS[how])
+    np.testing.assert_array_equal(clean[0], dirty[0])
+    np.testing.assert_array_equal(clean[1].lse, dirty[1].lse)
+    g = rng.standard_normal(clean[0].shape)
+    for x, y in zip(sdpa_backward(clean[1], g), sdpa_backward(dirty[1], g)):
+        if x is not None:
+            np.testing.assert_array_equal(x, y)
+
+
+def test_topk_length_per_query_is_flashmla_prefills_reference():
+    """FlashMLA's ``ref_sparse_attn_fwd``: ``topk_length`` ``(s_q,)``, indices past it masked to -1, one KV head
+    shared by the query heads; a row with no index left has ``O = 0`` and the sink-free LSE ``+inf`` there."""
+    rng = np.random.default_rng(12)
+    s_q, s_kv, h_q, d, topk = 5, 8, 3, 4, 4
+    q, kv = rng.standard_normal((h_q, s_q, d)), rng.standard_normal((1, s_kv, d))
+    idx = rng.integers(-1, s_kv, (1, s_q, topk))
+    n = np.array([4, 0, 2, 1, 3])
+    out, res = sdpa_forward(q, kv, kv, gather_kv_indices=idx, topk_length=n, enable_gqa=True)
+    want = np.zeros((h_q, s_q, d))
+    for i in range(s_q):                                            # the reference's loop, one query at a time
+        keep = sorted({int(j) for j in idx[0, i, :n[i]] if 0 <= j < s_kv})
+        for h in range(h_q):
+            if keep:
+                t = np.array([q[h, i] @ kv[0, j] / np.sqrt(d) for j in keep])
+                p = np.exp(t - t.max()) / np.exp(t - t.max()).sum()
+                want[h, i] = sum(pj * kv[0, j] for pj, j in zip(p, keep))
+    np.testing.assert_allclose(out, want, rtol=F64_SUMS, atol=F64_SUMS)
+    assert np.all(res.lse_as(empty="+inf")[:, 1] == np.inf)
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(topk_length=np.array([1, 2, 3])), ValueError, "`topk_length` should be given with `gather_kv_indices`"),
+    (dict(gather_kv_indices=np.zeros((1, 1, 3, 2), int), topk_length=np.array([1, 2, 3])), ValueError,
+     r"`topk_length` should hold counts in \[0, K\] = \[0, 2\], but got values from 1 to 3"),
+    (dict(gather_kv_indices=np.zeros((1, 1, 3, 2), int), topk_length=np.array([-1, 0, 0])), ValueError,
+     "`topk_length` should hold counts"),
+    (dict(gather_kv_indices=np.zeros((1, 1, 3, 2), int), topk_length=np.array([1.0, 1, 1])), TypeError,
+     "`topk_length` should be an integer array"),
+    (dict(gather_kv_indices=np.zeros((1, 1, 3, 2), int), topk_length=np.array([1, 1])), ValueError,
+     r"`topk_length` should have a shape that broadcasts to \(..., Hq, L\) = \(1, 2, 3\), but got shape \(2,\)"),
+    (dict(q_offset=np.array([1]), causal_alignment="bottom_right"), ValueError,
+     "`q_offset` should not be given beside `causal_alignment='bottom_right'`"),
+    (dict(q_offset=np.array([1.0])), TypeError, "`q_offset` should be an integer array"),
+    (dict(q_offset=np.array([1, 2, 3])), ValueError,
+     r"`q_offset` should have a shape that broadcasts to the batch shape \(1,\), but got shape \(3,\)"),
+    (dict(q_offset=np.ma.array([1])), TypeError, "`q_offset` should be an integer array"),
+])
+def test_bad_topk_length_and_q_offset_name_the_argument(kw, err, match):
+    q, k, v = _qkv(13, L=3, S=4)
+    with pytest.raises(err, match=match):
+        sdpa_forward(q, k, v, **kw)
+
+
+def test_topk_indices_does_not_mutate_its_input():
+    idx = np.array([[3, 1, 2], [0, 2, 1]])
+    before = idx.copy()
+    got = sdpa_ref.masks.topk_indices(idx, np.array([1, 3]), (2,))
+    np.testing.assert_array_equal(idx, before)
+    assert got.tolist() == [[3, -1, -1], [0, 2, 1]]
