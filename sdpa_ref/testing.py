@@ -27,17 +27,18 @@ lacks (PyTorch's bfloat16) is read through its ``float()`` and rounded back to `
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import numpy as np
 
 from .api import sdpa_forward
 from .derivatives import sdpa_backward
-from .harness.ensemble import honest_errors
+from .harness.ensemble import honest_results, worst_errors
 from .harness.judge import _compare
 from .harness.lowp import output_dtype, work_dtype
 from .harness.report import ConformanceReport
-from .harness.rules import as_rule
+from .harness.rules import RelativeRule, as_rule, lean, rms_error
 from .lse import check_base, convert_lse
 
 __all__ = ["assert_attention_close", "check_attention_close"]
@@ -46,24 +47,34 @@ _GRAD_NAMES = ("dq", "dk", "dv")
 
 
 def check_attention_close(out, query, key, value, *, lse=None, grads=None, grad_out=None, lse_base="e",
-                          rule="relative", **options) -> ConformanceReport:
+                          layout=None, rule="relative", **options) -> ConformanceReport:
     """Judge a kernel's ``out`` (and ``lse``, ``grads``) against the reference on the same inputs; the report.
 
     Parameters
     ----------
     out : array_like, (..., Hq, L, Ev)
-        The kernel's output, in the dtype it returns (the inputs' dtype).
+        The kernel's output, in the dtype it returns (the inputs' dtype); in ``layout``'s shape with one.
     query, key, value : array_like, (..., Hq, L, E), (..., Hkv, S, E), (..., Hkv, S, Ev)
-        The inputs the kernel was given, in the dtype it computed in.
+        The inputs the kernel was given, in the dtype it computed in (``layout``'s shapes with one).
     lse : array_like, (..., Hq, L), optional
-        The kernel's log-sum-exp of the scores, in ``lse_base`` (``"e"`` or ``2``), float32 or wider.
+        The kernel's log-sum-exp of the scores, in ``lse_base`` (``"e"`` or ``2``), float32 or wider
+        (``layout``'s LSE layout with one).
     grads : sequence or mapping, optional
-        ``(dq, dk, dv)``, a mapping with those keys, or a record with ``.query``, ``.key``, ``.value``: the
-        kernel's gradients for the cotangent ``grad_out``.
+        ``(dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``, a mapping with those keys (``dsinks`` optional), or a
+        gradients record (``.query``, ``.key``, ``.value``, and ``.sinks`` if not None): the kernel's
+        gradients for the cotangent ``grad_out``; ``dsinks`` in the shape of ``sinks``, float32 or wider.
     grad_out : array_like, (..., Hq, L, Ev)
         The cotangent the gradients were computed for; required with ``grads``.
+    lse_base : {"e", 2}
+        The base of ``lse`` (2: FlashInfer, FlashAttention 4's ``exp2``).
+    layout : {"bhsd", "bshd"}, sdpa_ref.layouts.Packed or KVCache, optional
+        How the kernel's arrays are laid out, as in :func:`sdpa_ref.sdpa_forward`: ``"bshd"`` for
+        ``(..., L, H, E)`` (FlashAttention's, JAX's), a packed or paged layout object for varlen and
+        KV-cache kernels. Every quantity is judged in that layout (indices in messages are the kernel's own).
     rule : {"relative", "fixed", "ulp"} or a rule object
-        As in :func:`sdpa_ref.check_implementation`.
+        As in :func:`sdpa_ref.check_implementation`. ``"relative"`` (the default) is the harness's
+        honest-ensemble rule with the spread judged too (``RelativeRule(judge_rms=True)``, see below); pass a
+        :class:`~sdpa_ref.harness.rules.RelativeRule` to choose.
     **options
         The attention keywords of :func:`sdpa_ref.sdpa_forward` the kernel computed with (``is_causal``,
         ``scale``, ``attn_mask``, ``enable_gqa``, ``window``, ``softcap``, ``sinks``, ...).
@@ -71,11 +82,22 @@ def check_attention_close(out, query, key, value, *, lse=None, grads=None, grad_
     Returns
     -------
     ConformanceReport
-        One row per quantity judged (``out``, ``lse``, ``dq``, ``dk``, ``dv``); ``.ok``, ``str()``.
+        One row per quantity judged (``out``, ``lse``, ``dq``, ``dk``, ``dv``, ``dsinks``); ``.ok``, ``str()``.
+
+    Notes
+    -----
+    Under the relative rule each quantity passes three tests, all set by the seven honest kernels of
+    :mod:`sdpa_ref.harness.ensemble` run on the caller's inputs in the caller's dtype: the largest error
+    (at most 3 times theirs, plus the dtype's rounding), the lean (the systematic error in ulps, as in the
+    harness) and the spread: the root mean square of the error, at most 2 times theirs, on quantities of
+    256 or more finite entries (:meth:`~sdpa_ref.harness.rules.RelativeRule.rms_bound`). The spread is what
+    catches, in bfloat16, an error of either sign spread over every element, such as a 1% error in the
+    scale, which moves the worst element no further than bfloat16's own rounding does.
     """
     out, q, k, v = (_host(x, n) for x, n in ((out, "out"), (query, "query"), (key, "key"), (value, "value")))
     options = {n: _host(x, n) if _is_array(x) else x for n, x in options.items()}
-    rule = as_rule(rule)
+    rule = RelativeRule(judge_rms=True) if rule is None or (isinstance(rule, str) and rule == "relative") \
+        else as_rule(rule)
     dt = np.dtype(q.dtype)
     got = {"out": out}
     if lse is not None:
@@ -85,24 +107,69 @@ def check_attention_close(out, query, key, value, *, lse=None, grads=None, grad_
         if grad_out is None:
             raise ValueError("`grad_out` should be the cotangent the gradients were computed for when `grads` is "
                              "given, but got None")
-        got.update(zip(_GRAD_NAMES, _grads(grads)))
+        got.update(_grads(grads, options.get("sinks") is not None))
     g = None if grad_out is None else _host(grad_out, "grad_out")
+    wide = {n: _wide(x) for n, x in options.items()}
     ref_out, res = sdpa_forward(*(np.asarray(x, np.float64) for x in (q, k, v)), precision="reproducible",
-                                **{n: _wide(x) for n, x in options.items()})
+                                layout=layout, **wide)
     ref = {"out": ref_out, "lse": np.asarray(res.lse, np.float64)}
     if grads is not None:
         gr = sdpa_backward(res, np.asarray(g, np.float64))
-        ref.update(dq=gr.query, dk=gr.key, dv=gr.value)
-    ref = {n: ref[n] for n in got}
-    honest = None
-    if rule.name == "relative":
-        cot = np.zeros(ref_out.shape, output_dtype(dt)) if g is None else g
-        honest = honest_errors(dict(options, query=q, key=k, value=v), cot, dt, ref)
-    rows = [_compare("your inputs", dt.name, n, got[n], ref[n], None if honest is None else honest[n], rule,
-                     want=work_dtype(dt) if n == "lse" else None) for n in got]
-    for row in rows:
-        row.exceeding = _exceeding(got[row.quantity], ref[row.quantity], row)
+        ref.update(dq=gr.query, dk=gr.key, dv=gr.value, dsinks=gr.sinks)
+    ref = {n: np.asarray(ref[n], np.float64) for n in got}
+    members = None
+    if isinstance(rule, RelativeRule):
+        members = _honest(q, k, v, g, dt, options, layout, res, ref)
+    rows = []
+    for n in got:
+        want = work_dtype(dt) if n in ("lse", "dsinks") else None
+        honest = lean_of = None
+        if members is not None:
+            honest = worst_errors(members, {n: ref[n]})[n]
+            if rule.judge_lean and n != "dsinks":             # one number per head: no lean to judge
+                lean_of = max(abs(lean(m[n], ref[n], want or output_dtype(dt))[0]) for m in members)
+        row = _compare("your inputs", dt.name, n, got[n], ref[n], honest, rule, lean_of, want=want)
+        if members is not None and row.status == "pass":
+            _judge_spread(row, got[n], ref[n], max(rms_error(m[n], ref[n]) for m in members), rule,
+                          want or output_dtype(dt))
+        row.exceeding = _exceeding(got[n], ref[n], row)
+        rows.append(row)
     return ConformanceReport(rows, rule=rule.describe(), suite="your inputs")
+
+
+def _honest(q, k, v, g, dt, options, layout, res, ref):
+    """The honest ensemble's results on the caller's inputs, in the caller's layout and shapes (float64)."""
+    lay = res.layout
+    dense = dict(options, query=q, key=k, value=v)
+    if lay is not None:                                  # the members run the dense problem the layout gathers
+        dense.update(query=lay.q, key=lay.k, value=lay.v)
+        if lay.lengths is not None:
+            dense.update(lay.lengths)
+    cot = np.zeros(res.problem.out_shape, output_dtype(dt)) if g is None else (g if lay is None
+                                                                                else lay.gather_out(g))
+    results = []
+    for m in honest_results(dense, cot, dt):
+        m = {n: np.asarray(x, np.float64) for n, x in m.items()}
+        if lay is not None:
+            back = {"out": lay.out, "lse": lay.lse}
+            back.update({d: (lambda x, name=name: lay.scatter_input(x, name))
+                         for d, name in (("dq", "query"), ("dk", "key"), ("dv", "value"))})
+            m = {n: back[n](x) if n in back else x for n, x in m.items()}
+        results.append({n: m[n] for n in ref if n in m})
+    return results
+
+
+def _judge_spread(row, got, ref, honest_rms, rule, dtype):
+    """Fail ``row`` (a pass by the largest error) where the error's root mean square is past the rule's
+    :meth:`~sdpa_ref.harness.rules.RelativeRule.rms_bound`."""
+    bound = rule.rms_bound(ref, honest_rms, dtype)
+    err = rms_error(got, ref)
+    if err > bound:
+        row.status = "FAIL"
+        row.note = "; ".join(x for x in (
+            f"spread: rms error {err:.3g}, allowed {bound:.3g} ({rule.k_rms:g} x the honest kernels' "
+            f"{honest_rms:.3g}): an error spread over every element, though the largest is within the rule",
+            row.note) if x)
 
 
 def assert_attention_close(out, query, key, value, **kwargs) -> None:
@@ -139,24 +206,32 @@ def _exceeding(got, ref, row):
     return int(np.count_nonzero(d > row.allowed)), int(d.size)
 
 
-def _grads(grads):
-    """``(dq, dk, dv)`` from a sequence, a mapping or a gradients record, each on the host."""
-    if isinstance(grads, dict):
+def _grads(grads, sinks):
+    """``{"dq", "dk", "dv"[, "dsinks"]}`` from a sequence, a mapping or a gradients record, each on the host
+    (``dsinks`` where given; ``sinks``: whether the problem has sinks, without which it is an error)."""
+    names = _GRAD_NAMES + ("dsinks",)
+    if isinstance(grads, Mapping):
+        unknown = sorted(set(grads) - set(names), key=str)
         missing = [n for n in _GRAD_NAMES if n not in grads]
-        if missing:
-            raise ValueError(f"`grads` should map {', '.join(_GRAD_NAMES)} to arrays, but misses {missing}")
-        items = [grads[n] for n in _GRAD_NAMES]
+        if missing or unknown:
+            raise ValueError(f"`grads` should map {', '.join(_GRAD_NAMES)} (and dsinks) to arrays, but "
+                             + (f"misses {missing}" if missing else f"has {unknown}"))
+        items = {n: grads[n] for n in names if grads.get(n) is not None}
     elif all(hasattr(grads, n) for n in ("query", "key", "value")):
-        items = [grads.query, grads.key, grads.value]
+        items = dict(zip(names, (grads.query, grads.key, grads.value, getattr(grads, "sinks", None))))
+        items = {n: x for n, x in items.items() if x is not None}
     else:
         try:
-            items = list(grads)[:3]
+            seq = list(grads)
         except TypeError:
-            raise TypeError(f"`grads` should be (dq, dk, dv), a mapping or a gradients record, but got "
-                            f"{type(grads).__name__}") from None
-        if len(items) != 3:
-            raise ValueError(f"`grads` should hold (dq, dk, dv), but got {len(items)} arrays")
-    return [_host(x, f"grads[{n!r}]") for x, n in zip(items, _GRAD_NAMES)]
+            raise TypeError(f"`grads` should be (dq, dk, dv), (dq, dk, dv, dsinks), a mapping or a gradients "
+                            f"record, but got {type(grads).__name__}") from None
+        if len(seq) not in (3, 4):
+            raise ValueError(f"`grads` should hold (dq, dk, dv) or (dq, dk, dv, dsinks), but got {len(seq)} arrays")
+        items = {n: x for n, x in zip(names, seq) if x is not None}
+    if "dsinks" in items and not sinks:
+        raise ValueError("`grads` should have no dsinks when no `sinks` are given, but got one")
+    return {n: _host(x, f"grads[{n!r}]") for n, x in items.items()}
 
 
 def _natural_lse(lse, base):

@@ -205,3 +205,22 @@ def test_a_backward_that_reads_an_lse_held_in_float16_is_caught():
     cases = [c for c in QUICK if c.name == "large-logits-L16-S16"]
     rep = check_implementation(fwd, backward=backward, dtypes=("float16",), cases=cases, lse="e")
     assert any(r.quantity == "dv" and r.status == "FAIL" for r in rep.rows), rep
+
+
+def test_the_spread_rule_judges_only_when_asked_and_never_fails_a_correctly_rounded_result():
+    from sdpa_ref.harness.rules import RMS_MIN_ENTRIES, RelativeRule, rms_error
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((4, 128))
+    assert RelativeRule().rms_bound(ref, 1e-3, np.float32) == np.inf              # the harness's default: off
+    on = RelativeRule(judge_rms=True)
+    assert on.rms_bound(ref[:1, :RMS_MIN_ENTRIES - 1], 1e-3, np.float32) == np.inf  # too few entries
+    assert on.rms_bound(ref, 1e-3, np.float32) == 2e-3
+    for dt in (np.float16, ml_dtypes.bfloat16, np.float32):                        # honest RMS 0: the floor
+        rounded = ref.astype(dt).astype(np.float64)
+        assert 0 < rms_error(rounded, ref) <= on.rms_bound(ref, 0.0, dt)
+    with_inf = np.where(ref > 2, np.inf, ref)                                      # infinite entries not counted
+    assert rms_error(with_inf, with_inf) == 0.0
+    assert rms_error(np.full_like(ref, np.nan), ref) == np.inf
+    with pytest.raises(TypeError, match="`judge_rms` should be a bool"):
+        RelativeRule(judge_rms=1)

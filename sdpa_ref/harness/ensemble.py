@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from ..lse import combine_in
-from ..normalize import close_in, extra_probs_in, lse_in, row_stats, vjp_delta_in
+from ..normalize import close_in, extra_probs_in, extra_shape, lse_in, row_stats, vjp_delta_in
 from ..options import AttentionOptions
 from .._validate import check_choice, check_tolerance
 from ..problem import Problem
@@ -56,7 +56,8 @@ from ..policy import averages_excluded, averages_values, constant_rows, counts, 
 from ..transforms import dropout_forward, transform_scores_in, unbroadcast
 from .lowp import DESCALES, MemberArith, output_dtype, widen
 
-__all__ = ["MEMBERS", "Member", "ensemble_errors", "honest_errors", "member_quantities", "run_member"]
+__all__ = ["MEMBERS", "Member", "ensemble_errors", "honest_errors", "honest_results", "member_quantities",
+           "run_member", "worst_errors"]
 
 
 @dataclass(frozen=True)
@@ -103,16 +104,22 @@ MEMBERS = (
 def ensemble_errors(case, dtype, ref64) -> Dict[str, float]:
     """Per quantity (``out, dq, dk, dv``, ``dbias``), the largest ``max|member - ref64|`` over :data:`MEMBERS` on
     ``case``'s inputs in ``dtype``, over the entries where ``ref64`` is a number (members cached per case)."""
-    return _worst((member_quantities(case, np.dtype(dtype).name, m) for m in MEMBERS), ref64)
+    return worst_errors((member_quantities(case, np.dtype(dtype).name, m) for m in MEMBERS), ref64)
 
 
 def honest_errors(inputs, grad_out, dtype, ref64) -> Dict[str, float]:
     """:func:`ensemble_errors` for any problem: ``inputs`` are the keyword arguments of :func:`sdpa_forward`
     (``query``, ``key``, ``value`` and the options, arrays in ``dtype``), ``grad_out`` the cotangent in
     ``dtype``."""
+    return worst_errors(honest_results(inputs, grad_out, dtype), ref64)
+
+
+def honest_results(inputs, grad_out, dtype) -> List[Dict[str, np.ndarray]]:
+    """Each member's results (:func:`run_member`) on any problem, ``inputs`` and ``grad_out`` as in
+    :func:`honest_errors`: for statistics beyond the largest error (the spread, the lean)."""
     prob, desc = _problem(inputs, "honest_errors")
     dO = np.asarray(grad_out).astype(np.float64)
-    return _worst((run_member(prob, dtype, m, dO, desc) for m in MEMBERS), ref64)
+    return [run_member(prob, dtype, m, dO, desc) for m in MEMBERS]
 
 
 def _problem(inputs, who):
@@ -124,7 +131,9 @@ def _problem(inputs, who):
     return Problem.build(q, k, v, AttentionOptions.from_kwargs(who, **arrays)), desc
 
 
-def _worst(results, ref64):
+def worst_errors(results, ref64) -> Dict[str, float]:
+    """Per quantity of ``ref64``, the largest ``max|member - ref64|`` over ``results`` (members' result
+    dicts), over the entries where the reference is finite; a member's NaN there is an unbounded error."""
     worst: Dict[str, float] = {}
     for got in results:
         for q, ref in ref64.items():
@@ -344,7 +353,7 @@ class _Kernel:
         if ds is not None:                              # dsink = -sum_i p_sink,i D_i
             ds = ds if const is None else np.where(const, self.w.type(0), ds)
             ds = self.X.sum(ds[..., 0], axis=-1)                       # over the rows, by a fixed tree
-            res["dsinks"] = self.sum_to(ds, p.shapes["sinks"]).reshape(p.shapes["sinks"])
+            res["dsinks"] = self.sum_to(ds, extra_shape(p)).reshape(p.shapes["sinks"])   # the caller's shape
         if p.bias is not None:
             res["dbias"] = self.sum_to(dS, p.shapes["bias"]).reshape(p.shapes["bias"])
         if fw["sd"] is not None and m.softcap_grad:
