@@ -14,7 +14,9 @@ the package can be added by keyword (``sinks=``, ``gather_kv_indices=``,
 
 Shapes: ``q (total_q, Hq, E)``, ``k, v (total_k, Hkv, E|Ev)`` packed; ``q
 (B, Lq, Hq, E)`` against ``k_cache, v_cache (B_cache, S_cache, Hkv, E|Ev)``
-or, paged, ``(num_pages, page_size, Hkv, E|Ev)``.
+or, paged, ``(num_pages, page_size, Hkv, E|Ev)``; packed queries against a
+paged cache in either (``block_table=`` / ``page_table=`` in
+``flash_attn_varlen_func``, ``cu_seqlens_q=`` in ``flash_attn_with_kvcache``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 
 from . import _validate as V
 from .api import scaled_dot_product_attention
-from .layouts import KVCache, Packed
+from .layouts import KVCache, Packed, paged_key_lengths
 from .options import check_bool, check_scale, check_softcap, check_window, count_window, fa4_window
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_with_kvcache", "window_from_window_size", "window_from_fa4",
@@ -33,25 +35,36 @@ __all__ = ["flash_attn_varlen_func", "flash_attn_with_kvcache", "window_from_win
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                            attention_chunk=0, softcap=0.0, alibi_slopes=None, *, qv=None, key_leftpad=None,
-                           return_lse=False, window_size_left=None, window_size_right=None, **options):
-    r"""Attention over packed variable-length sequences, as FlashAttention's ``flash_attn_varlen_func``.
+                           block_table=None, page_table=None, return_lse=False, window_size_left=None,
+                           window_size_right=None, **options):
+    r"""Attention over packed variable-length sequences, as FlashAttention's ``flash_attn_varlen_func``; with
+    ``block_table`` (FlashAttention 2's) or ``page_table`` (3's), the packed queries read a paged KV cache.
 
     Parameters
     ----------
     q, k, v : array_like, (total_q, Hq, E), (total_k, Hkv, E), (total_k, Hkv, Ev)
+        With a page table, ``k, v`` are the cache ``(num_pages, page_size, Hkv, E|Ev)``.
     cu_seqlens_q, cu_seqlens_k : array_like of int, (B + 1,)
-        Sequence ``b``'s rows are ``cu_seqlens[b] .. cu_seqlens[b + 1]``.
+        Sequence ``b``'s rows are ``cu_seqlens[b] .. cu_seqlens[b + 1]``. With a page table, sequence ``b`` has
+        ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` keys (FlashAttention 2), logical key ``t`` on page
+        ``block_table[b, t // page_size]``, slot ``t % page_size``; ``cu_seqlens_k`` may then be None with
+        ``seqused_k``.
     max_seqlen_q, max_seqlen_k : int, optional
         FlashAttention's bound on the sequences' lengths: checked (below the longest sequence is a
         `ValueError`), never used as a padded length, so a generous bound costs nothing.
     seqused_q, seqused_k : array_like of int, (B,), optional
-        Only the first rows of each sequence are used.
+        Only the first rows of each sequence are used (with a page table, ``seqused_k`` is the keys per sequence,
+        FlashAttention 3's ``cache_seqlens``).
     softmax_scale, causal, window_size, attention_chunk, softcap, alibi_slopes
         FlashAttention's: ``window_size`` ``-1`` unbounded, ``softcap`` 0 off.
     qv : array_like, (total_q, Hq, Ev), optional
         MLA's absorbed query: scores ``scale (q k^T + qv v^T)``, default scale ``1/sqrt(E + Ev)``.
     key_leftpad : array_like of int, (B,), optional
-        The first keys of each sequence are padding (FlashAttention 2's ``leftpad_k``).
+        The first keys of each sequence are padding (FlashAttention 2's ``leftpad_k``; with a page table, the
+        cache positions ``t < key_leftpad[b]``, as ``cache_leftpad``).
+    block_table, page_table : array_like of int, (B, max_pages), optional
+        The pages of each sequence (FlashAttention 2's name, and 3's): :class:`~sdpa_ref.layouts.KVCache` with
+        ``cu_seqlens_q``. The gradients of ``k`` and ``v`` are in the cache's shape, summed where pages repeat.
     return_lse : bool, optional
         Also return the LSE, ``(Hq, total_q)``.
     window_size_left, window_size_right : int or None, optional
@@ -68,8 +81,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     out : ndarray, (total_q, Hq, Ev)
     lse : ndarray, (Hq, total_q), with ``return_lse``
     """
-    _storage({"q": q, "k": k, "v": v}, 3)
-    lay = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, key_leftpad)
+    table = _one_table(block_table, page_table)
+    if table is None:
+        _storage({"q": q, "k": k, "v": v}, 3)
+        lay = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, key_leftpad)
+    else:
+        _storage({"q": q}, 3)
+        _storage({"k": k, "v": v}, 4)
+        lay = KVCache(paged_key_lengths(cu_seqlens_q, cu_seqlens_k, seqused_k), cache_leftpad=key_leftpad,
+                      block_table=table, max_seqlen_k=max_seqlen_k, cu_seqlens_q=cu_seqlens_q, seqused_q=seqused_q,
+                      max_seqlen_q=max_seqlen_q)
     window = (window_size, window_size_left, window_size_right)
     return _call(q, k, lay, v, softmax_scale, causal, window, attention_chunk, softcap, alibi_slopes,
                  check_bool(return_lse, "return_lse"), dict(options, qv=qv))
@@ -78,15 +99,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                             attention_chunk=0, softcap=0.0, alibi_slopes=None, *, qv=None, page_table=None,
-                            kv_indptr=None, kv_indices=None, kv_last_page_len=None, kv_layout="NHD",
-                            num_splits=0, return_softmax_lse=False, window_size_left=None, window_size_right=None,
-                            **options):
+                            cu_seqlens_q=None, max_seqlen_q=None, kv_indptr=None, kv_indices=None,
+                            kv_last_page_len=None, kv_layout="NHD", num_splits=0, return_softmax_lse=False,
+                            window_size_left=None, window_size_right=None, **options):
     r"""Queries against a KV cache, contiguous or paged, as FlashAttention's ``flash_attn_with_kvcache`` (without
-    its in-place cache update and rotary embedding).
+    its in-place cache update and rotary embedding); with ``cu_seqlens_q``, packed queries (FlashAttention 3's
+    prefill against a cache).
 
     Parameters
     ----------
-    q : array_like, (B, Lq, Hq, E)
+    q : array_like, (B, Lq, Hq, E), or (total_q, Hq, E) with ``cu_seqlens_q``
     k_cache, v_cache : array_like
         ``(B_cache, S_cache, Hkv, E|Ev)``, or paged ``(num_pages, page_size, Hkv, E|Ev)`` (``kv_layout="HND"``:
         ``(num_pages, Hkv, page_size, E|Ev)``).
@@ -99,8 +121,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
         The position each sequence's keys start at.
     block_table, page_table : array_like of int, (B, max_pages), optional
         The pages of each sequence (FlashAttention 2's name, and 3's); any page size, a page may repeat.
+    cu_seqlens_q : array_like of int, (B + 1,), optional
+        Packed queries (FlashAttention 3's): sequence ``b``'s rows of ``q`` are ``cu_seqlens_q[b] ..
+        cu_seqlens_q[b + 1]``; ``out`` is then ``(total_q, Hq, Ev)`` and the LSE ``(Hq, total_q)``.
+    max_seqlen_q : int, optional
+        FlashAttention 3's bound on the queries per sequence, checked as in :func:`flash_attn_varlen_func`.
     kv_indptr, kv_indices, kv_last_page_len : array_like of int, optional
-        The same pages as FlashInfer's CSR lists.
+        The same pages as FlashInfer's CSR lists (with ``cu_seqlens_q``, its ``qo_indptr``:
+        ``BatchPrefillWithPagedKVCacheWrapper``).
     softmax_scale, causal, window_size, attention_chunk, softcap, alibi_slopes
         FlashAttention's.
     qv : array_like, (B, Lq, Hq, Ev), optional
@@ -118,15 +146,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch
 
     Returns
     -------
-    out : ndarray, (B, Lq, Hq, Ev)
-    lse : ndarray, (B, Hq, Lq), with ``return_softmax_lse``
+    out : ndarray, (B, Lq, Hq, Ev), or (total_q, Hq, Ev) with ``cu_seqlens_q``
+    lse : ndarray, (B, Hq, Lq), or (Hq, total_q) with ``cu_seqlens_q``; with ``return_softmax_lse``
     """
-    _storage({"q": q, "k_cache": k_cache, "v_cache": v_cache}, 4)
-    if block_table is not None and page_table is not None:
-        raise ValueError("`block_table` and `page_table` should not both be given (FlashAttention 2's and 3's names "
-                         "of one table), but got both")
-    lay = KVCache(cache_seqlens, cache_batch_idx, cache_leftpad, block_table if page_table is None else page_table,
-                  kv_indptr, kv_indices, kv_last_page_len, kv_layout)
+    _storage({"q": q}, 4 if cu_seqlens_q is None else 3)
+    _storage({"k_cache": k_cache, "v_cache": v_cache}, 4)
+    lay = KVCache(cache_seqlens, cache_batch_idx, cache_leftpad, _one_table(block_table, page_table),
+                  kv_indptr, kv_indices, kv_last_page_len, kv_layout, cu_seqlens_q=cu_seqlens_q,
+                  max_seqlen_q=max_seqlen_q)
     if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
         raise ValueError(f"`num_splits` should be an int >= 0 (0: FlashAttention's heuristic), but got {num_splits!r}")
     if num_splits > 1:
@@ -233,6 +260,14 @@ def _storage(arrays, ndim):
         a = V.as_float_array(x, name)
         if a.ndim != ndim:
             raise ValueError(f"`{name}` should have {ndim} dimensions, but got shape {a.shape}")
+
+
+def _one_table(block_table, page_table):
+    """The page table under FlashAttention 2's name or 3's, never both."""
+    if block_table is not None and page_table is not None:
+        raise ValueError("`block_table` and `page_table` should not both be given (FlashAttention 2's and 3's names "
+                         "of one table), but got both")
+    return block_table if page_table is None else page_table
 
 
 def _one_window(spellings, causal, options):

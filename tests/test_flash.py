@@ -14,6 +14,8 @@ import pytest
 import sdpa_ref
 from sdpa_ref import KVCache, Packed, flash_attn_varlen_func, flash_attn_with_kvcache, sdpa_forward
 
+from tolerances import F64_SUMS
+
 #: Peak traced memory allowed for a call on a handful of tokens, whatever bound it is given (the problem itself
 #: needs kilobytes; the old code padded to the bound: 1 GB for 7 tokens and max_seqlen_k=2**27).
 SMALL_PEAK = 50 * 2**20
@@ -37,6 +39,12 @@ def kvcache(**kw):
 
 def paged(**kw):
     return flash_attn_with_kvcache(QC, PAGES, PAGES, **dict(dict(block_table=np.array([[0, 1], [2, 3]])), **kw))
+
+
+def paged_varlen(**kw):
+    """Packed queries (sequences of 3 and 4 rows) against PAGES, FlashAttention 2's varlen block table."""
+    kw = dict(dict(block_table=np.array([[0, 1], [2, 3]])), **kw)
+    return flash_attn_varlen_func(Q, kw.pop("k", PAGES), PAGES, CU, kw.pop("cu_seqlens_k", np.array([0, 3, 7])), **kw)
 
 
 def dense(**kw):
@@ -111,6 +119,19 @@ BAD = [
     (lambda **kw: flash_attn_with_kvcache(QC, KC[0], KC), {}, ValueError, ["`k_cache`", "4 dimensions"]),
     (lambda **kw: flash_attn_with_kvcache(QC, KC, KC.astype(int)), {}, TypeError, ["`v_cache`", "dtype"]),
     (lambda **kw: flash_attn_varlen_func(Q[None], Q, Q, CU, CU), {}, ValueError, ["`q`", "3 dimensions"]),
+    # packed queries against a paged cache
+    (paged_varlen, dict(page_table=np.array([[0, 1], [2, 3]])), ValueError, ["`block_table`", "`page_table`"]),
+    (paged_varlen, dict(cu_seqlens_k=None), ValueError, ["`cu_seqlens_k`", "`seqused_k`"]),
+    (paged_varlen, dict(cu_seqlens_k=np.array([0, 3])), ValueError, ["`cu_seqlens_k`", "same length"]),
+    (paged_varlen, dict(cu_seqlens_k=np.array([0, 3, 2])), ValueError, ["`cu_seqlens_k`", "non-decreasing"]),
+    (paged_varlen, dict(cu_seqlens_k=np.array([0, 3, 8])), ValueError, ["`cache_seqlens`", "4 positions"]),
+    (paged_varlen, dict(seqused_k=np.array([3, 5])), ValueError, ["`seqused_k`", "[3, 4]"]),
+    (paged_varlen, dict(k=Q), ValueError, ["`k`", "4 dimensions"]),
+    (paged_varlen, dict(max_seqlen_q=2), ValueError, ["`max_seqlen_q`"]),
+    (lambda **kw: flash_attn_with_kvcache(QC, PAGES, PAGES, page_table=np.array([[0, 1], [2, 3]]), cu_seqlens_q=CU),
+     {}, ValueError, ["`q`", "3 dimensions"]),
+    (lambda **kw: flash_attn_with_kvcache(Q, PAGES, PAGES, page_table=np.array([[0, 1]]), cu_seqlens_q=CU), {},
+     ValueError, ["`block_table`", "one row per sequence"]),
 ]
 
 
@@ -236,3 +257,83 @@ def test_a_spelling_holding_no_window_combines_with_any_other():
                                   varlen(window_size=(2, 0)))
     np.testing.assert_array_equal(varlen(window_size=(2, 0), window=None), varlen(window_size=(2, 0)))
     np.testing.assert_array_equal(varlen(window_size_left=None, window=(2, 0)), varlen(window_size=(2, 0)))
+
+
+# ------------------------------------------------------------ packed queries against a paged cache
+
+
+def _fa_paged_oracle(q, kc, vc, cu_q, table, seqlens, causal, scale=None):
+    """FlashAttention's test semantics written out: sequence ``b``'s queries ``q[cu_q[b]:cu_q[b + 1]]`` against its
+    keys ``t < seqlens[b]`` read from page ``table[b, t // P]``, slot ``t % P``; the causal diagonal at the bottom
+    right of each sequence (query ``i`` sees ``t <= i + seqlens[b] - len_q``), a row with no key 0, the LSE ``-inf``
+    there; ``out (total_q, Hq, Ev)``, ``lse (Hq, total_q)``. Loops, ``math``-free NumPy rows."""
+    P, Hq, Hkv = kc.shape[1], q.shape[1], kc.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = np.zeros(q.shape[:2] + vc.shape[-1:]), np.full((Hq, q.shape[0]), -np.inf)
+    for b in range(len(cu_q) - 1):
+        lq = cu_q[b + 1] - cu_q[b]
+        for i in range(lq):
+            for h in range(Hq):
+                keys = [t for t in range(seqlens[b]) if not causal or t <= i + seqlens[b] - lq]
+                if not keys:
+                    continue
+                hk = h // (Hq // Hkv)
+                s = np.array([scale * q[cu_q[b] + i, h] @ kc[table[b][t // P], t % P, hk] for t in keys])
+                p = np.exp(s - s.max())
+                out[cu_q[b] + i, h] = sum(w * vc[table[b][t // P], t % P, hk] for w, t in zip(p / p.sum(), keys))
+                lse[h, cu_q[b] + i] = s.max() + np.log(p.sum())
+    return out, lse
+
+
+def _paged_problem(seed=12):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((6, 4, 3))                        # sequences of 1, 3 and 2 queries
+    kc, vc = rng.standard_normal((6, 3, 2, 3)), rng.standard_normal((6, 3, 2, 2))
+    table = np.array([[4, 1, 0], [1, 1, 5], [2, 0, 0]])       # page 1 shared and repeated; page 3 named by none
+    kc[3], vc[3] = np.nan, np.nan                             # never read
+    return q, kc, vc, np.array([0, 1, 4, 6]), table, np.array([7, 5, 2])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_2s_varlen_block_table_is_each_sequences_paged_keys(causal):
+    q, kc, vc, cu_q, table, seqlens = _paged_problem()
+    cu_k = np.r_[0, np.cumsum(seqlens)]                       # FlashAttention 2: the keys per sequence
+    out, lse = flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 3, 7, causal=causal, block_table=table, return_lse=True)
+    want = _fa_paged_oracle(q, kc, vc, cu_q, table, seqlens, causal)
+    np.testing.assert_allclose(out, want[0], rtol=F64_SUMS, atol=F64_SUMS)
+    np.testing.assert_allclose(lse, want[1], rtol=F64_SUMS, atol=F64_SUMS)
+    # FlashAttention 3's spelling: page_table, the keys per sequence as seqused_k (cu_seqlens_k then unused)
+    out3, lse3 = flash_attn_varlen_func(q, kc, vc, cu_q, None, seqused_k=seqlens, causal=causal, page_table=table,
+                                        return_lse=True)
+    np.testing.assert_array_equal(out3, out)
+    np.testing.assert_array_equal(lse3, lse)
+    capped = flash_attn_varlen_func(q, kc, vc, cu_q, cu_k + np.r_[0, 1, 2, 3], seqused_k=seqlens, causal=causal,
+                                    block_table=table)             # seqused_k caps cu_seqlens_k's differences
+    np.testing.assert_array_equal(capped, out)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_3s_kvcache_with_cu_seqlens_q_and_flashinfers_page_lists(causal):
+    q, kc, vc, cu_q, table, seqlens = _paged_problem()
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, cu_seqlens_q=cu_q,
+                                       max_seqlen_q=3, causal=causal, return_softmax_lse=True)
+    want = _fa_paged_oracle(q, kc, vc, cu_q, table, seqlens, causal)
+    np.testing.assert_allclose(out, want[0], rtol=F64_SUMS, atol=F64_SUMS)
+    np.testing.assert_allclose(lse, want[1], rtol=F64_SUMS, atol=F64_SUMS)
+    assert out.shape == (6, 4, 2) and lse.shape == (4, 6)
+    # FlashInfer's BatchPrefillWithPagedKVCacheWrapper: qo_indptr, kv_indptr, kv_indices, kv_last_page_len
+    n = -(-seqlens // 3)
+    csr = dict(kv_indptr=np.r_[0, np.cumsum(n)], kv_indices=np.concatenate([table[b, :n[b]] for b in range(3)]),
+               kv_last_page_len=seqlens - (n - 1) * 3)
+    got = flash_attn_with_kvcache(q, kc, vc, cu_seqlens_q=cu_q, causal=causal, return_softmax_lse=True, **csr)
+    np.testing.assert_array_equal(got[0], out)
+    np.testing.assert_array_equal(got[1], lse)
+    # the same as the varlen call, and as sdpa_forward on the layout (the gradients' entry point)
+    via_varlen = flash_attn_varlen_func(q, kc, vc, cu_q, np.r_[0, np.cumsum(seqlens)], causal=causal,
+                                        block_table=table)
+    np.testing.assert_array_equal(via_varlen, out)
+    lay = KVCache(cache_seqlens=seqlens, block_table=table, cu_seqlens_q=cu_q)
+    o, res = sdpa_forward(q, kc, vc, layout=lay, is_causal=causal, causal_alignment="bottom_right", enable_gqa=True)
+    np.testing.assert_array_equal(o, out)
+    gr = sdpa_ref.sdpa_backward(res, np.ones(o.shape))
+    assert gr.key.shape == kc.shape and not gr.key[3].any() and not np.isnan(gr.key).any()
