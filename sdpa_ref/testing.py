@@ -36,12 +36,14 @@ from .api import sdpa_forward
 from .derivatives import sdpa_backward
 from .harness.ensemble import honest_results, worst_errors
 from .harness.judge import _compare
+from .harness.merge_check import judge_merged
 from .harness.lowp import output_dtype, work_dtype
 from .harness.report import ConformanceReport
 from .harness.rules import RelativeRule, as_rule, lean, rms_error
 from .lse import check_base, convert_lse
+from .merge import merge_attention
 
-__all__ = ["assert_attention_close", "check_attention_close"]
+__all__ = ["assert_attention_close", "assert_merge_close", "check_attention_close", "check_merge_close"]
 
 _GRAD_NAMES = ("dq", "dk", "dv")
 
@@ -137,6 +139,63 @@ def check_attention_close(out, query, key, value, *, lse=None, grads=None, grad_
     return ConformanceReport(rows, rule=rule.describe(), suite="your inputs")
 
 
+def check_merge_close(out, lse, out_parts, lse_parts, *, lse_base="e", axis=0,
+                      rule="relative") -> ConformanceReport:
+    """Judge a split-KV merge kernel's ``(out, lse)`` against :func:`sdpa_ref.merge_attention` of the same parts.
+
+    Parameters
+    ----------
+    out : array_like, (..., H, L, Ev)
+        The merge's output, in the parts' dtype.
+    lse : array_like, (..., H, L)
+        The merged LSE, in ``lse_base``, float32 or wider.
+    out_parts : array_like, (P, ..., H, L, Ev)
+        The parts the kernel merged, in the dtype it merged in (rows of a part with no key may hold anything,
+        NaN included: they must not be read); the parts along ``axis``.
+    lse_parts : array_like, (P, ..., H, L)
+        Their LSEs in ``lse_base``, ``-inf`` for a part with no key on the row.
+    lse_base : {"e", 2}
+        The base of ``lse`` and ``lse_parts`` (2: FlashInfer's ``merge_state``).
+    axis : int
+        The parts' axis of ``out_parts`` and ``lse_parts`` (:func:`sdpa_ref.merge_attention`'s).
+    rule : {"relative", "fixed", "ulp"} or a rule object
+        ``"relative"``: at most 3 times the error of the worse of two honest merges in the parts' work dtype
+        (:mod:`sdpa_ref.harness.merge_check`), plus the dtype's rounding. Not float64 parts under it: the
+        reference merges in float64, as such a kernel would, and could not judge it fairly.
+
+    Returns
+    -------
+    ConformanceReport
+        Rows ``out`` and ``lse``.
+    """
+    out, out_p = _host(out, "out"), _host(out_parts, "out_parts")
+    lse, lse_p = _host(lse, "lse"), _host(lse_parts, "lse_parts")
+    base = check_base(lse_base, "lse_base")
+    rule = as_rule(rule)
+    dt = np.dtype(out_p.dtype)
+    if isinstance(rule, RelativeRule) and dt == np.float64:
+        raise ValueError("`out_parts` should be float32, float16 or bfloat16 under the relative rule (the "
+                         "reference merges in float64, as a float64 kernel would), but got float64: pass "
+                         "rule='ulp' or 'fixed'")
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool) or not -lse_p.ndim <= axis < lse_p.ndim:
+        raise ValueError(f"`axis` should be an int in [-{lse_p.ndim}, {lse_p.ndim}) (the parts' axis of "
+                         f"`lse_parts` {lse_p.shape}), but got {axis!r}")
+    axis = axis % lse_p.ndim
+    rows = judge_merged(out, lse, out_p, lse_p, dt, base, rule, axis=axis)
+    ref = merge_attention(out_p.astype(np.float64), lse_p.astype(np.float64), lse_base=base, axis=axis)
+    for row, got, r in zip(rows, (out, lse), ref):
+        row.exceeding = _exceeding(got, r, row)
+    return ConformanceReport(rows, rule=rule.describe(), suite="your merge")
+
+
+def assert_merge_close(out, lse, out_parts, lse_parts, **kwargs) -> None:
+    """:func:`check_merge_close`, raising an `AssertionError` that names ``out`` or ``lse`` where it is out of
+    its allowance, with the worst element, the error, the allowance and how many elements exceed it."""
+    __tracebackhide__ = True
+    _raise(check_merge_close(out, lse, out_parts, lse_parts, **kwargs), "the merge is not close to the reference "
+           "on your parts")
+
+
 def _honest(q, k, v, g, dt, options, layout, res, ref):
     """The honest ensemble's results on the caller's inputs, in the caller's layout and shapes (float64)."""
     lay = res.layout
@@ -177,11 +236,15 @@ def assert_attention_close(out, query, key, value, **kwargs) -> None:
     the worst element's index, the kernel's value there, the reference's, the error and the allowance, and how
     many elements exceed it. Returns None when every quantity is within it."""
     __tracebackhide__ = True                       # pytest shows the caller's line, not this one
-    report = check_attention_close(out, query, key, value, **kwargs)
+    _raise(check_attention_close(out, query, key, value, **kwargs), "attention is not close to the reference on "
+           "your inputs")
+
+
+def _raise(report, what):
+    __tracebackhide__ = True
     bad = [r for r in report.rows if r.status != "pass"]
     if bad:
-        raise AssertionError("attention is not close to the reference on your inputs:\n"
-                             + "\n".join(_describe(r) for r in bad) + f"\nrule: {report.rule}")
+        raise AssertionError(f"{what}:\n" + "\n".join(_describe(r) for r in bad) + f"\nrule: {report.rule}")
 
 
 def _describe(row):

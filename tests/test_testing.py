@@ -246,3 +246,32 @@ def test_a_torch_test_judges_bfloat16_sdpa_and_its_gradients_in_one_line():
     with pytest.raises(AssertionError, match=r"`out`: .* at index \(\d+, \d+, \d+, \d+\)"):
         assert_attention_close(wrong.detach(), q.detach(), k.detach(), v.detach(), grads=(dq, dk, dv),
                                grad_out=g, is_causal=True)
+
+
+@pytest.mark.parametrize("dt", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("base", ["e", 2])
+def test_a_merge_kernel_is_judged_on_its_own_parts(dt, base):
+    rng = np.random.default_rng(3)
+    out_p = rng.standard_normal((2, 3, 4, 6, 8)).astype(dt)          # the parts on axis 1
+    lse_p = rng.uniform(-3, 3, (2, 3, 4, 6)).astype(np.float32)
+    lse_p[1, 0, 0, 0] = -np.inf                                     # a part with no key on a row: never read
+    out_p[1, 0, 0, 0] = np.nan
+    ln = lse_p if base == "e" else (lse_p * np.float32(np.log(2)))   # the natural LSE, for the honest merge
+    w = np.exp(ln - ln.max(axis=1, keepdims=True))
+    w = np.where(np.isneginf(ln), 0, w)
+    o = (np.where(np.isnan(out_p.astype(np.float32)), 0, out_p.astype(np.float32)) * w[..., None]).sum(1)
+    o = (o / w.sum(1)[..., None]).astype(dt)
+    lse = (ln.max(axis=1) + np.log(w.sum(1))).astype(np.float32)
+    lse = lse if base == "e" else (lse / np.float32(np.log(2))).astype(np.float32)
+    t = sdpa_ref.testing
+    t.assert_merge_close(o, lse, out_p, lse_p, lse_base=base, axis=1)
+    bad = o.copy()
+    bad[1, 2, 3] = (bad[1, 2, 3].astype(np.float32) * 1.1).astype(dt)
+    with pytest.raises(AssertionError, match=r"`out`.*at index \(1, 2, 3, \d\)"):
+        t.assert_merge_close(bad, lse, out_p, lse_p, lse_base=base, axis=1)
+    with pytest.raises(AssertionError, match="`lse`"):
+        t.assert_merge_close(o, lse + np.float32(0.01), out_p, lse_p, lse_base=base, axis=1)
+    with pytest.raises(ValueError, match="`axis` should be an int"):
+        t.check_merge_close(o, lse, out_p, lse_p, axis=4)
+    with pytest.raises(ValueError, match="float64"):
+        t.check_merge_close(o.astype(np.float64), lse, out_p.astype(np.float64), lse_p)
