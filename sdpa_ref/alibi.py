@@ -7,25 +7,32 @@ from __future__ import annotations
 import numpy as np
 
 from .masks import ALIGNMENTS, _check_size
-from .transforms import alibi_distance
+from .transforms import ALIBI_MODES, alibi_distance
 
 __all__ = ["alibi_bias", "alibi_slopes"]
 
 
-def alibi_bias(slopes, L, S, alignment="top_left"):
-    """Float ALiBi bias ``-slope * |i + off - j|`` of shape ``(..., Hq, L, S)``.
+def alibi_bias(slopes, L, S, alignment="top_left", mode="flash"):
+    """Float ALiBi bias of shape ``(..., Hq, L, S)``: ``-slope * |i + off - j|`` (``mode="flash"``,
+    FlashAttention's), or cuDNN's signed ``slope * (j - i)`` (``mode="cudnn"``, no diagonal offset:
+    ``alignment`` is not read).
 
     ``slopes`` is ``(Hq,)`` or ``(..., Hq)``. This is what ``alibi_slopes=``
-    adds to the scores; passing it as ``bias=`` gives the same attention.
+    adds to the scores (with ``alibi_mode=mode``); passing it as ``bias=``
+    gives the same attention.
 
     Examples
     --------
     >>> alibi_bias([0.5], 2, 3)[0].tolist()
     [[-0.0, -0.5, -1.0], [-0.5, -0.0, -0.5]]
+    >>> alibi_bias([0.5], 2, 3, mode="cudnn")[0].tolist()
+    [[-0.0, 0.5, 1.0], [-0.5, -0.0, 0.5]]
     """
     L, S = _check_size(L, "L"), _check_size(S, "S")
     if alignment not in ALIGNMENTS:
         raise ValueError(f"`alignment` should be one of {ALIGNMENTS!r}, but got {alignment!r}")
+    if mode not in ALIBI_MODES:
+        raise ValueError(f"`mode` should be one of {ALIBI_MODES!r}, but got {mode!r}")
     try:
         s = np.asarray(slopes)
     except ValueError:                                     # ragged
@@ -37,7 +44,7 @@ def alibi_bias(slopes, L, S, alignment="top_left"):
         raise ValueError(f"`slopes` should be finite, but got {slopes!r}")
     if s.ndim < 1:
         raise ValueError(f"`slopes` should have shape (Hq,) or (..., Hq), but got shape {s.shape}")
-    return -s[..., None, None] * alibi_distance(L, S, alignment)
+    return -s[..., None, None] * alibi_distance(L, S, alignment, mode=mode)
 
 
 def alibi_slopes(n_heads):

@@ -38,3 +38,34 @@ def assert_faithful(x, truth, what):
         if not ok:
             bad.append((idx, xi, mpmath.nstr(t, 20)))
     assert not bad, f"{what}: {len(bad)} entries not faithfully rounded, e.g. {bad[:3]}"
+
+
+def loss_derivatives(kw):
+    """``(fun, vjp, hvp, args, cotangent)`` of the loss ``<g, O> + <g_lse, LSE>`` of one problem in ``(query, key,
+    value)``, for ``sdpa_ref.assert_hvp``: ``kw`` holds the three inputs by name and the options (``method=`` too)."""
+    import sdpa_ref
+
+    kw = dict(kw)
+    q, k, v = (np.asarray(kw.pop(n), dtype=np.float64) for n in ("query", "key", "value"))
+    out, res = sdpa_ref.sdpa_forward(q, k, v, **kw)
+    n = out.size
+
+    def split(g):
+        return g[:n].reshape(out.shape), g[n:].reshape(out.shape[:-1])
+
+    def fun(q, k, v):
+        o, r = sdpa_ref.sdpa_forward(q, k, v, **kw)
+        return np.concatenate([o.ravel(), r.lse.ravel()])
+
+    def vjp(g, q, k, v):
+        dO, dl = split(g)
+        gr = sdpa_ref.sdpa_backward(sdpa_ref.sdpa_forward(q, k, v, **kw)[1], dO, grad_lse=dl)
+        return [gr.query, gr.key, gr.value]
+
+    def hvp(g, ts, q, k, v):
+        dO, dl = split(g)
+        hv = sdpa_ref.sdpa_hvp((q, k, v), tuple(ts), dO, grad_lse=dl, **kw)
+        return [hv.query, hv.key, hv.value]
+
+    g = np.random.default_rng(1).standard_normal(n + res.lse.size)
+    return fun, vjp, hvp, [q, k, v], g
