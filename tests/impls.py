@@ -28,3 +28,8 @@ def ref_forward_lse(q, k, v, **o):
     import numpy as np
     out, res = sdpa_forward(q, k, v, **o)
     return out, res.lse.astype(np.float64 if q.dtype == np.float64 else np.float32)
+
+
+def ref_forward_bshd(q, k, v, **o):
+    """The reference in FlashAttention's and JAX's ``(B, L, H, E)`` order."""
+    return sdpa_forward(q, k, v, layout="bshd", **o)[0]

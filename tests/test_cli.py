@@ -165,3 +165,21 @@ def test_conform_supports_overrides(capsys):
     rows = json.loads(capsys.readouterr().out)["rows"]
     skipped = {r["case"] for r in rows if r["status"] == "skip"}
     assert "mask-L7-S9" in skipped and "causal-top_left-L7-S13" not in skipped
+
+
+def test_conform_takes_the_layout(capsys):
+    from sdpa_ref.harness.conformance import LAYOUTS
+    assert main(["conform", "impls:ref_forward_bshd", "--layout", "bshd", "--suite", "quick", "--in-process",
+                 "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["meta"]["layout"] == "blhd"
+    assert main(["conform", "impls:ref_forward", "--layout", "bshd", "--in-process", "--format", "json"]) == 1
+    capsys.readouterr()
+    parser_choices = next(a.choices for a in _conform_parser()._actions if a.dest == "layout")
+    assert set(parser_choices) <= set(LAYOUTS)
+
+
+def _conform_parser():
+    import argparse
+    from sdpa_ref.cli.parser import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["conform"]

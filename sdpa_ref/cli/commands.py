@@ -285,7 +285,8 @@ def _conform(args) -> int:
                                                suite=args.suite, cases=cases, dtypes=args.dtype, rule=rule,
                                                progress=progress, timeout=args.timeout,
                                                isolate=not args.in_process, lse=args.lse,
-                                               lse_empty=args.lse_empty, deterministic=args.deterministic)
+                                               lse_empty=args.lse_empty, deterministic=args.deterministic,
+                                               layout=args.layout)
     except conformance.LoadError as exc:
         progress.done()
         flag = "--backward" if exc.which == "backward" else "MODULE:FUNCTION"

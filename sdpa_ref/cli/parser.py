@@ -230,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lse-empty", type=_lse_empty, default="-inf", metavar="VALUE",
                    help="with --lse, what a row with no allowed key holds: -inf (default; FlashAttention 3/4), "
                         "+inf (FlashAttention 2) or a number")
+    p.add_argument("--layout", choices=("bhsd", "bshd", "gathered", "thd", "paged", "thd_paged"), default="bhsd",
+                   help="how the function takes its arrays: bhsd (default; (B, H, L, E), PyTorch's), bshd "
+                        "((B, L, H, E), FlashAttention's and JAX's), gathered (a top-k sparse kernel), thd (packed "
+                        "varlen with cu_seqlens_q/k), paged (a paged KV cache), thd_paged (packed queries against "
+                        "one); see check_implementation")
     p.add_argument("--deterministic", action="store_true",
                    help="run the forward and the backward a second time: other bits fail the case")
     p.add_argument("--in-process", action="store_true",
