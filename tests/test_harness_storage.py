@@ -1,4 +1,5 @@
-"""Kernels judged in the layout they take: packed varlen (``layout="thd"``) and a paged KV cache (``"paged"``).
+"""Kernels judged in the layout they take: packed varlen (``layout="thd"``), a paged KV cache (``"paged"``) and
+packed queries against it (``"thd_paged"``).
 
 Honest kernels in each layout conform, forward, backward and JVP, with the poison check; kernels that are wrong in
 the ways layout kernels go wrong fail: attending across packed sequences, reading past a sequence's rows or a
@@ -118,9 +119,55 @@ def test_a_paged_kernel_that_reads_whole_pages_fails_the_poison_check():
     assert any(r.quantity == "poison" and r.status == "FAIL" for r in rep.rows)
 
 
+# -- packed queries against the paged cache (layout="thd_paged")
+
+def _packed_paged(cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table):
+    return KVCache(cache_seqlens=cache_seqlens, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
+                   max_seqlen_q=max_seqlen_q)
+
+
+def prefill(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table, **kw):
+    lay = _packed_paged(cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table)
+    out, lse = sdpa_ref.scaled_dot_product_attention(q, k_cache, v_cache, layout=lay, return_lse=True, **_opts(kw))
+    return out.astype(q.dtype), lse.astype(np.float32 if q.dtype != np.float64 else np.float64)
+
+
+def prefill_bwd(g, q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table, **kw):
+    lay = _packed_paged(cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table)
+    gr = sdpa_ref.sdpa_backward(sdpa_ref.sdpa_forward(q, k_cache, v_cache, layout=lay, **_opts(kw))[1], g)
+    extra = [gr.bias.astype(q.dtype)] if gr.bias is not None else []
+    return [x.astype(q.dtype) for x in gr[:3]] + extra + ([gr.sinks] if gr.sinks is not None else [])
+
+
+def prefill_jvp(primals, tangents, cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table, **kw):
+    lay = _packed_paged(cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table)
+    return sdpa_ref.sdpa_jvp(primals, tangents, layout=lay, **_opts(kw))[1].astype(primals[0].dtype)
+
+
+def test_an_honest_packed_prefill_on_a_paged_cache_conforms_with_padded_queries_gradients_and_poison():
+    rep = check_implementation(prefill, backward=prefill_bwd, jvp=prefill_jvp, layout="thd_paged", dtypes="float32",
+                               poison=True, lse="e")
+    assert rep.ok and rep.judged >= 40, str(rep)
+    assert {r.quantity for r in rep.rows if r.status == "pass"} >= {"out", "lse", "dq", "dk", "dv", "jvp", "poison"}
+    assert not any("computes every query row" in r.note for r in rep.rows if r.status == "skip")
+
+
+def test_a_packed_prefill_that_reads_its_pages_in_order_or_past_its_queries_fails():
+    def in_order(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table, **kw):
+        return prefill(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, cache_seqlens, np.sort(block_table, axis=1),
+                       **kw)[0]
+    _fails(in_order, "thd_paged")
+
+    def greedy(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, cache_seqlens, block_table, **kw):
+        cq = np.append(cu_seqlens_q[:-1], len(q))          # the last sequence's queries run into the spare row
+        return prefill(q, k_cache, v_cache, cq, None, cache_seqlens, block_table, **kw)[0]
+    rep = _fails(greedy, "thd_paged", poison=True)
+    assert any(r.quantity == "poison" and r.status == "FAIL" for r in rep.rows)
+
+
 def test_a_layout_is_named_in_the_error_when_unknown():
     with pytest.raises(ValueError, match="`layout`"):
-        check_implementation(varlen, layout="bshd")
+        check_implementation(varlen, layout="hbsd")
 
 
 # -- a top-k sparse kernel: (..., L, H, E) arrays and gather_kv_indices (..., L, K), shared by the heads

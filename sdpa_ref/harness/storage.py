@@ -10,6 +10,11 @@ r"""A case's dense arrays as a kernel stores them, and its results back: for ``c
   ``q (B, L, Hq, E)`` and ``k_cache, v_cache (pages, PAGE_SIZE, Hkv, E|Ev)``, the pages of each sequence in a
   shuffled order plus one page no table names, and returns ``out (B, L, Hq, Ev)`` (the LSE ``(B, Hq, L)``). Every
   query row is computed: a case with ``q_lengths`` is skipped.
+* ``"thd_paged"``: packed queries against the paged cache (FlashAttention 3's ``flash_attn_with_kvcache`` with
+  ``cu_seqlens_q`` and ``page_table``, 2's varlen ``block_table``, FlashInfer's paged prefill). It is called as
+  ``forward(q, k_cache, v_cache, cu_seqlens_q=, max_seqlen_q=, cache_seqlens=, block_table=, **options)`` with
+  ``q`` packed as in ``"thd"`` and the cache as in ``"paged"``, and returns ``out (total_q, Hq, Ev)`` (the LSE
+  ``(Hq, total_q)``); the case's ``q_lengths`` are the queries per sequence.
 
 The backward gets ``grad_out`` in the kernel's layout and returns the gradients of its arrays (``dq`` packed or
 ``bshd``, ``dk``/``dv`` packed or of the cache's shape), which come back to the case's shapes (summed where the
@@ -25,17 +30,19 @@ from ..transforms import unbroadcast
 __all__ = ["PAGE_SIZE", "STORAGE_LAYOUTS", "Storage"]
 
 #: The layouts a kernel may take its sequences in, beyond the dense ones.
-STORAGE_LAYOUTS = ("thd", "paged")
+STORAGE_LAYOUTS = ("thd", "paged", "thd_paged")
 #: The page size of the ``"paged"`` layout's cache.
 PAGE_SIZE = 16
 
 
 class Storage:
-    """One problem in a kernel's layout: ``layout`` ``"thd"`` or ``"paged"``, the case's dense ``q, k, v`` and its
-    options ``inp`` (their ``q_lengths``, ``kv_lengths``), positions no sequence uses filled with ``fill``."""
+    """One problem in a kernel's layout: ``layout`` one of :data:`STORAGE_LAYOUTS`, the case's dense ``q, k, v``
+    and its options ``inp`` (their ``q_lengths``, ``kv_lengths``), positions no sequence uses filled with
+    ``fill``."""
 
     def __init__(self, layout, q, k, v, inp, fill=0.0):
         self.layout, self.fill = layout, fill
+        self.packed_q, self.paged_kv = layout in ("thd", "thd_paged"), layout in ("paged", "thd_paged")
         self.shapes = (q.shape, k.shape, v.shape)
         self.batch = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
         B = int(np.prod(self.batch))
@@ -45,7 +52,7 @@ class Storage:
         if layout == "paged" and inp.get("q_lengths") is not None:
             raise NotImplementedError("q_lengths: a KV-cache kernel computes every query row")
         self.L, self.S, self.B = L, S, B
-        if layout == "paged":
+        if self.paged_kv:
             pages = -(-self.kl // PAGE_SIZE)
             rng = np.random.default_rng(int(B * 1000003 + S))       # a shuffled page order, fixed by the shape
             order = rng.permutation(int(pages.sum()) + 1)           # one page more, named by no table
@@ -77,11 +84,11 @@ class Storage:
 
     def query(self, q):
         q = self._dense(q)
-        return self._pack(q, self.ql) if self.layout == "thd" else np.ascontiguousarray(np.swapaxes(q, 1, 2))
+        return self._pack(q, self.ql) if self.packed_q else np.ascontiguousarray(np.swapaxes(q, 1, 2))
 
     def kv(self, x):
         x = self._dense(x)
-        return self._pack(x, self.kl) if self.layout == "thd" else self._page(x)
+        return self._page(x) if self.paged_kv else self._pack(x, self.kl)
 
     def out(self, g):
         """A cotangent of the output ``(..., Hq, L, Ev)`` in the kernel's layout."""
@@ -89,11 +96,12 @@ class Storage:
 
     def kwargs(self):
         """The layout's own keywords (FlashAttention's names)."""
+        cu_q = {"cu_seqlens_q": np.r_[0, np.cumsum(self.ql)].astype(np.int32)}
         if self.layout == "thd":
-            return {"cu_seqlens_q": np.r_[0, np.cumsum(self.ql)].astype(np.int32),
-                    "cu_seqlens_k": np.r_[0, np.cumsum(self.kl)].astype(np.int32),
-                    "max_seqlen_q": self.L, "max_seqlen_k": self.S}
-        return {"cache_seqlens": self.kl.astype(np.int32), "block_table": self.table.astype(np.int32)}
+            return dict(cu_q, cu_seqlens_k=np.r_[0, np.cumsum(self.kl)].astype(np.int32), max_seqlen_q=self.L,
+                        max_seqlen_k=self.S)
+        paged = {"cache_seqlens": self.kl.astype(np.int32), "block_table": self.table.astype(np.int32)}
+        return dict(cu_q, max_seqlen_q=self.L, **paged) if self.packed_q else paged
 
     # -- back to the case's shapes
     def _unpack(self, y, lens, n):
@@ -120,14 +128,14 @@ class Storage:
 
     def from_out(self, y):
         """The kernel's output (or the output's tangent) as the case's ``(..., Hq, L, Ev)``."""
-        d = self._unpack(y, self.ql, self.L) if self.layout == "thd" else np.swapaxes(np.asarray(y), 1, 2)
+        d = self._unpack(y, self.ql, self.L) if self.packed_q else np.swapaxes(np.asarray(y), 1, 2)
         return d.reshape(self.batch + d.shape[1:])
 
     def from_lse(self, lse):
         """The kernel's LSE (``(Hq, total_q)`` packed, ``(B, Hq, L)`` paged) as the case's ``(..., Hq, L)``
         (``-inf`` on rows no sequence has)."""
         lse = np.asarray(lse)
-        if self.layout == "thd":
+        if self.packed_q:
             out = np.full((self.B, lse.shape[0], self.L), -np.inf, lse.dtype)
             first = np.cumsum(self.ql) - self.ql
             for b in range(self.B):
@@ -137,9 +145,9 @@ class Storage:
 
     def from_grads(self, dq, dk, dv):
         """The kernel's ``dq``, ``dk``, ``dv`` in the case's shapes."""
-        if self.layout == "thd":
-            dq, dk, dv = (self._unpack(x, lens, n) for x, lens, n in
-                          ((dq, self.ql, self.L), (dk, self.kl, self.S), (dv, self.kl, self.S)))
+        dq = self._unpack(dq, self.ql, self.L) if self.packed_q else np.swapaxes(np.asarray(dq), 1, 2)
+        if self.paged_kv:
+            dk, dv = self._unpage(dk), self._unpage(dv)
         else:
-            dq, dk, dv = np.swapaxes(np.asarray(dq), 1, 2), self._unpage(dk), self._unpage(dv)
+            dk, dv = self._unpack(dk, self.kl, self.S), self._unpack(dv, self.kl, self.S)
         return self._shaped(dq, 0), self._shaped(dk, 1), self._shaped(dv, 2)
