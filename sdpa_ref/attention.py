@@ -101,10 +101,11 @@ def forward(prob, *, save_probs=True) -> Forward:
     P, m, s, empty = row_softmax(T)                                 # P = exp(T - m) / s; exp(-inf) = 0; empty:
     #                                                                 no allowed key; a NaN or +inf score: NaN row
     nrm = close(m, s, empty, extras(prob))                          # the normaliser closed by its extra logits
-    lse_keys = None
+    lse_keys = max_keys = None
     if nrm.r is not None:                                           # (sinks: one more score each, no value)
         with np.errstate(divide="ignore"):
             lse_keys = (m + np.log(s))[..., 0]                      # the LSE over the keys alone (FlashMLA's)
+        max_keys = np.where(empty, -np.inf, m)[..., 0]              # and their own max (FlashMLA's max_logits)
         P = np.where(empty, P.dtype.type(0), P) * nrm.r             # P' = P r, r = e^(m - m') s / s'
     m, s, empty = nrm.m, nrm.s, nrm.empty                           # m' = max(m, sink), s' = s e^(m-m') + ...
     with np.errstate(divide="ignore"):
@@ -115,7 +116,8 @@ def forward(prob, *, save_probs=True) -> Forward:
     O = _full(_grouped(P_drop, prob) @ v, prob)                     # O = P_drop V
     O = _policy_output(prob, O, P_drop, empty)                      # rows with no key: as the policy says
     return Forward(out=O, lse=lse[..., 0], probs=P if save_probs else None,
-                   slope=sech2 if save_probs else None, empty=empty, rowmax=m, rowsum=s, lse_keys=lse_keys)
+                   slope=sech2 if save_probs else None, empty=empty, rowmax=m, rowsum=s, lse_keys=lse_keys,
+                   rowmax_keys=max_keys)
 
 
 def _policy_output(prob, O, P_drop, empty):

@@ -136,8 +136,21 @@ class AttentionResiduals:
     @property
     def row_max(self):
         """cuDNN's ``score_max``: each row's largest allowed score ``m`` ``(..., Hq, L)``, after every score term
-        (scale, softcap, mask, bias, ALiBi); ``-inf`` on rows with no allowed key. ``lse = m + log(row_sumexp)``."""
+        (scale, softcap, mask, bias, ALiBi); ``-inf`` on rows with no allowed key. ``lse = m + log(row_sumexp)``.
+        With ``sinks`` it includes the sink, ``max(m, sink)`` (cuDNN folds it into the max and the sum);
+        :meth:`row_max_as` ``(sink=False)`` is the keys' own."""
         return self._rows(np.where(self.forward.empty, -np.inf, self.forward.rowmax)[..., 0])
+
+    def row_max_as(self, *, sink=True):
+        """:attr:`row_max` with or without the sink: ``sink=True`` (cuDNN's ``score_max``, which folds the sink
+        in) is :attr:`row_max`; ``sink=False`` (FlashMLA's ``max_logits``) the largest allowed score of the keys
+        alone, which the engine kept before it folded the sink in: ``-inf`` on a row with no allowed key, and
+        the keys' own where the sink is ``+inf`` (where :attr:`row_max` is ``+inf``). Without sinks the two are
+        the same."""
+        sink = check_bool(sink, "sink")
+        if sink or self.forward.rowmax_keys is None:
+            return self.row_max
+        return self._rows(self.forward.rowmax_keys, None if self.taint is None else self.taint.lse_keys)
 
     @property
     def row_sumexp(self):

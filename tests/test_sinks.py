@@ -494,3 +494,54 @@ def test_plus_inf_sinks_take_all_the_mass(engine):
     assert g0.sinks[0] == 0
     t = sdpa_jvp((q, k, v), {"sinks": np.ones(H), "query": np.ones_like(q)}, sinks=sinks, is_causal=True, **engine)[1]
     assert np.all(t[:, 0] == 0) and np.all(np.isfinite(t))
+
+
+# ----------------------------------------------- the row maximum with and without the sink
+
+
+ALL_ENGINES = {"fast": {"method": "fast"}, "plain": {"method": "plain"}, "tiled-2": {"block_size": 2},
+               "split-2": {"num_splits": 2}, "reproducible": {"precision": "reproducible"}}
+
+
+@pytest.mark.parametrize("engine", list(ALL_ENGINES))
+def test_the_sink_free_row_max_is_flashmlas_max_logits(engine):
+    """``row_max_as(sink=False)`` is FlashMLA's ``max_logits`` (``ref_sparse_attn_fwd``: ``P.max(dim=-1)`` of the
+    scaled scores, -inf where a row has no key), computed here by loops; ``row_max`` (cuDNN's ``score_max``) is
+    ``max(keys' max, sink)``, and ``+inf`` where the sink is; ``sink=True`` is ``row_max``."""
+    rng = np.random.default_rng(21)
+    B, Hq, L, S, E = 2, 3, 4, 5, 3
+    q, k, v = rng.standard_normal((B, Hq, L, E)), rng.standard_normal((B, Hq, S, E)), rng.standard_normal((B, Hq, S, 2))
+    sinks = np.array([[0.5, np.inf, -np.inf], [9.0, -1.0, np.inf]])
+    kv_lengths = np.array([5, 0])                                         # sequence 1: no key at all
+    out, res = sdpa_forward(q, k, v, sinks=sinks, kv_lengths=kv_lengths, window=(1, 0), **ALL_ENGINES[engine])
+    want = np.full((B, Hq, L), -np.inf)
+    for b, h, i in np.ndindex(B, Hq, L):
+        keys = [j for j in range(S) if j < kv_lengths[b] and i - 1 <= j <= i]
+        if keys:
+            want[b, h, i] = max(sum(q[b, h, i, e] * k[b, h, j, e] for e in range(E)) / np.sqrt(E) for j in keys)
+    got = res.row_max_as(sink=False)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=F64_FEW_ULP, atol=F64_FEW_ULP)
+    with_sink = np.maximum(got, sinks[..., None])
+    np.testing.assert_allclose(res.row_max, with_sink, rtol=F64_FEW_ULP, atol=F64_FEW_ULP)
+    assert np.all(res.row_max[0, 1] == np.inf) and np.all(res.row_max[1, 2] == np.inf)
+    np.testing.assert_array_equal(res.row_max_as(sink=True), res.row_max)
+    np.testing.assert_array_equal(res.row_max_as(sink=False), res.row_max_as(sink=False))   # a fresh copy each time
+    res.row_max_as(sink=False)[...] = 0.0
+    np.testing.assert_array_equal(np.isneginf(res.row_max_as(sink=False)), np.isneginf(want))
+
+
+@pytest.mark.parametrize("engine", list(ALL_ENGINES))
+def test_without_sinks_both_row_maxima_are_row_max(engine):
+    q, k, v = (np.random.default_rng(22).standard_normal((1, 2, 3, 4)) for _ in range(3))
+    res = sdpa_forward(q, k, v, is_causal=True, **ALL_ENGINES[engine])[1]
+    np.testing.assert_array_equal(res.row_max_as(sink=False), res.row_max)
+    res_sink = sdpa_forward(q, k, v, is_causal=True, sinks=np.array([-np.inf, -np.inf]), **ALL_ENGINES[engine])[1]
+    np.testing.assert_array_equal(res_sink.row_max_as(sink=False), res.row_max)
+
+
+def test_row_max_as_takes_a_bool():
+    q, k, v = (np.random.default_rng(23).standard_normal((1, 2, 3, 4)) for _ in range(3))
+    res = sdpa_forward(q, k, v, sinks=np.array([0.0, 1.0]))[1]
+    with pytest.raises(TypeError, match="`sink` should be a bool"):
+        res.row_max_as(sink="no")

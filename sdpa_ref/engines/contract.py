@@ -42,6 +42,8 @@ class Forward(NamedTuple):
     rowsum: np.ndarray                 # s (*batch, Hq, L, 1): sum_j exp(T_j - m); LSE = m + log(s)
     extra: Any = None                  # what only this engine's backward reads (the reproducible one's dd P)
     lse_keys: Optional[np.ndarray] = None  # with extra logits (sinks): the LSE over the keys alone (*batch, Hq, L)
+    rowmax_keys: Optional[np.ndarray] = None  # with extra logits: the keys' own max score (FlashMLA's max_logits)
+    #                                          (*batch, Hq, L), real, -inf on rows with no key; None without them
 
     @property
     def tanh(self):

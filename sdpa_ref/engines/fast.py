@@ -81,6 +81,7 @@ def forward(prob, *, save_probs=True) -> Forward:
     sub = max(1, _CACHE_ENTRIES // max(S, 1))          # rows per cache-sized block
     ext = lay.per_row(extras(prob))                    # the normaliser's extra logits (sinks), one per row
     lse_keys = None if ext is None else np.empty_like(lse)     # then the LSE over the keys alone
+    max_keys = None if ext is None else np.empty_like(rowmax)  # and their own max
 
     def softmax_rows(t, lse_c, empty_c, m_c, s_c):
         if _fused(t, lse_c, empty_c, m_c, s_c):        # compiled: the passes fused, row by row
@@ -119,6 +120,7 @@ def forward(prob, *, save_probs=True) -> Forward:
             e = empty[idx].copy()
             lse_keys[idx] = lse[idx]
             m0, s0 = rowmax[idx], rowsum[idx]
+            max_keys[idx] = np.where(e, -np.inf, m0)
             nrm = close(m0, s0, e, ext[idx])
             # where the extra logits leave the normaliser as it was (a -inf sink), the LSE is the keys' own bits:
             # m + log(s) is taken once, by the row pass (NumPy's log and the C library's may differ in the last bit)
@@ -149,7 +151,8 @@ def forward(prob, *, save_probs=True) -> Forward:
     return Forward(out=O, lse=lse.reshape(full[:-1]), probs=P if save_probs else None,
                    slope=None if sech2 is None else sech2.reshape(full), empty=empty,
                    rowmax=rowmax.reshape(full[:-1] + (1,)), rowsum=rowsum.reshape(full[:-1] + (1,)),
-                   lse_keys=None if lse_keys is None else lse_keys.reshape(full[:-1]))
+                   lse_keys=None if lse_keys is None else lse_keys.reshape(full[:-1]),
+                   rowmax_keys=None if max_keys is None else max_keys.real.reshape(full[:-1]))
 
 
 def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:

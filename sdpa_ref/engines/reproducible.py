@@ -84,6 +84,7 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
     lse = X.empty(full[:-1] + (1,))
     ext = extras(prob)                                               # the normaliser's extra logits (sinks)
     lse_keys = None if ext is None else X.empty(full[:-1] + (1,))    # then the LSE over the keys alone
+    max_keys = None if ext is None else np.empty(full[:-1] + (1,), X.dtype)     # and their own max
     p_extra = None if ext is None else X.empty(full[:-1] + (1,))
     empty = np.empty(full[:-1] + (1,), dtype=bool)
     excluded = _excluded(prob)
@@ -105,6 +106,7 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
         p = X.div(e, sm)
         if ext is not None:                                          # the normaliser closed by them
             X.put(lse_keys, ix, lse_in(X, mx, sm, em))
+            max_keys[ix] = np.where(em, -np.inf, X.value(mx))
             mx, sm, fold, pe, em = close_in(X, mx, sm, em, block_of(ext, nd, lead, r))
             p = X.mul(p, fold)
             X.put(p_extra, ix, pe)
@@ -128,7 +130,8 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
     extra = {"P": P, "Pd": Pd, "sech2": sd, "p_extra": p_extra} if save_probs else None
     return Forward(out=O, lse=_round(X, lse)[..., 0], probs=X.value(P) if save_probs else None,
                    slope=None if sd is None or not save_probs else X.value(sd), empty=empty, rowmax=m,
-                   rowsum=s_val, extra=extra, lse_keys=None if lse_keys is None else _round(X, lse_keys)[..., 0])
+                   rowsum=s_val, extra=extra, lse_keys=None if lse_keys is None else _round(X, lse_keys)[..., 0],
+                   rowmax_keys=None if max_keys is None else max_keys[..., 0])
 
 
 @_quiet

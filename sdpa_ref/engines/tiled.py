@@ -114,6 +114,7 @@ class Rows:
         self.rowmax = np.zeros(lead + (L, 1), dtype=rt)
         self.rowsum = np.zeros(lead + (L, 1), dtype=ct)
         self.lse_keys = None if extras(prob) is None else np.full(lead + (L,), -np.inf, dtype=rt)
+        self.rowmax_keys = None if self.lse_keys is None else np.full(lead + (L,), -np.inf, dtype=rt)
 
     def close(self, i0, i1, m, l, out, row_empty):
         """The rows ``[i0, i1)`` from the keys' normaliser ``(m, l)`` and output ``out`` (not read where
@@ -123,6 +124,7 @@ class Rows:
         with np.errstate(divide="ignore", invalid="ignore"):
             if self.lse_keys is not None:                           # the normaliser closed by its extra logits
                 self.lse_keys[..., i0:i1] = (np.log(l) + m)[..., 0].real
+                self.rowmax_keys[..., i0:i1] = np.where(row_empty, -np.inf, np.real(m))[..., 0]
                 nrm = close(m, l, row_empty, extras(prob, (i0, i1)))
                 m, l = nrm.m, nrm.s
                 out, row_empty = np.where(row_empty, ct.type(0), out) * nrm.r, nrm.empty
@@ -135,7 +137,7 @@ class Rows:
     def forward(self) -> Forward:
         O = fill_output_without_keys(self.O, self.prob.nan_rows_without_keys())
         return Forward(out=O, lse=self.lse, probs=None, slope=None, empty=self.empty, rowmax=self.rowmax,
-                       rowsum=self.rowsum, lse_keys=self.lse_keys)
+                       rowsum=self.rowsum, lse_keys=self.lse_keys, rowmax_keys=self.rowmax_keys)
 
 
 def _policy_rows(prob, bl, out, row_empty, i0, i1):
