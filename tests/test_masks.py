@@ -20,8 +20,8 @@ import sdpa_ref
 from sdpa_ref import sdpa_backward, sdpa_forward, sdpa_jvp
 from sdpa_ref.flash import window_from_count, window_from_fa4
 
-from helpers import assert_close_normwise
-from tolerances import F64_SUMS
+from helpers import assert_close_normwise, loss_derivatives
+from tolerances import F64_SUMS, FD_SECOND_ORDER
 
 HOWS = {"fast": {}, "plain": {"method": "plain"}, "tiled-2": {"block_size": 2}, "split-2": {"num_splits": 2},
         "reproducible": {"precision": "reproducible"}}
@@ -325,3 +325,26 @@ def test_topk_indices_does_not_mutate_its_input():
     got = sdpa_ref.masks.topk_indices(idx, np.array([1, 3]), (2,))
     np.testing.assert_array_equal(idx, before)
     assert got.tolist() == [[3, -1, -1], [0, 2, 1]]
+
+
+@pytest.mark.parametrize("method", ["plain", "tiled"])
+def test_topk_length_and_q_offset_gradients_and_hvp_match_central_differences(method):
+    q, k, v = _qkv(14, L=4, S=7)
+    idx = np.broadcast_to(np.array([6, 0, 3, 5, 1]), (1, 1, 4, 5))
+    kw = dict(gather_kv_indices=idx, topk_length=np.array([5, 2, 3, 4]), q_offset=np.array([2]), is_causal=True,
+              method=method)
+    fun, vjp, hvp, args, g = loss_derivatives(dict(query=q, key=k, value=v, **kw))
+    report = sdpa_ref.check_vjp(fun, vjp, args, mode="projection", n_projections=3)
+    assert report.ok, report
+    sdpa_ref.assert_hvp(fun, vjp, hvp, args, cotangent=g, mode="projection", rtol=FD_SECOND_ORDER)
+
+
+def test_a_nan_key_named_past_topk_length_poisons_nothing():
+    q, k, v = _qkv(15, L=3, S=5)
+    k = k.copy()
+    k[..., 4, :] = np.nan
+    idx = np.array([[[[0, 1, 4], [2, 4, 3], [4, 1, 0]]]])
+    out, res = sdpa_forward(q, k, v, gather_kv_indices=idx, topk_length=np.array([2, 1, 0]), q_offset=np.array([1]))
+    assert np.all(np.isfinite(out)) and not np.any(np.isnan(res.lse))
+    out, res = sdpa_forward(q, k, v, gather_kv_indices=idx, topk_length=np.array([3, 1, 0]))
+    assert np.all(np.isnan(out[..., 0, :])) and np.all(np.isfinite(out[..., 1:, :]))
