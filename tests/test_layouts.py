@@ -312,6 +312,26 @@ def test_the_hvp_of_packed_queries_against_a_paged_cache_is_each_sequences_scatt
         assert_close_normwise(y, x, F64_SUMS)
 
 
+def test_the_testing_call_judges_a_packed_prefill_on_a_paged_cache_in_its_own_layout():
+    from sdpa_ref.testing import check_attention_close
+    rng = np.random.default_rng(13)
+    q = rng.standard_normal((6, 4, 8)).astype(np.float32)
+    kc, vc = (rng.standard_normal((6, 3, 2, 8)).astype(np.float32) for _ in range(2))
+    lay = KVCache(cache_seqlens=np.array([7, 5, 2]), block_table=np.array([[4, 1, 0], [1, 1, 5], [2, 0, 0]]),
+                  cu_seqlens_q=np.array([0, 1, 4, 6]))
+    kw = dict(layout=lay, is_causal=True, causal_alignment="bottom_right", enable_gqa=True)
+    out, res = sdpa_forward(q, kc, vc, **kw)                  # an honest float32 kernel
+    g = rng.standard_normal(out.shape).astype(np.float32)
+    gr = sdpa_backward(res, g)
+    rep = check_attention_close(out, q, kc, vc, lse=res.lse.astype(np.float32), grads=tuple(gr[:3]), grad_out=g,
+                                **kw)
+    assert rep.ok and {r.quantity for r in rep.rows} == {"out", "lse", "dq", "dk", "dv"}, str(rep)
+    bad = out.copy()
+    bad[4, 2] *= 1.01                                         # sequence 2's first query, head 2
+    rep = check_attention_close(bad, q, kc, vc, **kw)
+    assert not rep.ok and "(4, 2," in str(rep), str(rep)      # indexed in the kernel's (total_q, Hq, Ev)
+
+
 # ------------------------------------------------------------ finite differences through the gather
 
 
@@ -468,7 +488,8 @@ def test_flash_attentions_entry_points_are_the_layouts():
     (Packed(np.array([0, 2]), np.array([0, 2]), key_leftpad=np.array([3])), ValueError, "`key_leftpad`"),
     (Packed(np.array([0, 2]), np.array([0, 2]), max_seqlen_q=1), ValueError, "`max_seqlen_q`"),
     (Packed(np.array([0.0, 2.0]), np.array([0, 2])), TypeError, "`cu_seqlens_q`"),
-    ("not a layout", TypeError, "`layout`"),
+    ("not a layout", ValueError, "`layout` should be one of"),       # a string: the dense layouts' names
+    (3, TypeError, "`layout`"),
 ])
 def test_a_bad_packed_layout_names_its_argument(lay, err, match):
     x = np.zeros((3, 2, 2))
