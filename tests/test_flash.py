@@ -112,7 +112,8 @@ BAD = [
     (dense, dict(gather_kv_indices=np.zeros((2, 3, 1), int)), ValueError,
      ["`gather_kv_indices`", "ambiguous", "(b, 1, t, K)", "(b, Hq, t, K)"]),
     (dense, dict(gather_kv_indices=np.zeros((2, 2, 3, 1))), TypeError, ["`gather_kv_indices`", "integer"]),
-    (dense, dict(layout="packed"), TypeError, ["`layout`"]),
+    (dense, dict(layout="packed"), ValueError, ["`layout`", "'bshd'"]),
+    (dense, dict(layout=3), TypeError, ["`layout`"]),
     # the arrays under the wrappers' names
     (kvcache, dict(qv=np.zeros(3)), ValueError, ["`qv`", "4 dimensions"]),
     (varlen, dict(qv=np.zeros((7, 2), int)), TypeError, ["`qv`", "dtype"]),
@@ -337,3 +338,12 @@ def test_flash_attention_3s_kvcache_with_cu_seqlens_q_and_flashinfers_page_lists
     np.testing.assert_array_equal(o, out)
     gr = sdpa_ref.sdpa_backward(res, np.ones(o.shape))
     assert gr.key.shape == kc.shape and not gr.key[3].any() and not np.isnan(gr.key).any()
+    # split-KV: num_splits, and the parts in FlashAttention's varlen accumulators (n, Hq, total_q, Ev) merged
+    split = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, cu_seqlens_q=cu_q,
+                                    causal=causal, num_splits=3)
+    np.testing.assert_allclose(split, out, rtol=F64_SUMS, atol=F64_SUMS)
+    o_parts, lse_parts = sdpa_ref.split_kv_partials(q, kc, vc, num_splits=2, layout=lay, is_causal=causal,
+                                                    causal_alignment="bottom_right", enable_gqa=True)
+    merged, merged_lse = sdpa_ref.merge_attention(o_parts, lse_parts)
+    np.testing.assert_allclose(np.moveaxis(merged, 0, 1), out, rtol=F64_SUMS, atol=F64_SUMS)
+    np.testing.assert_allclose(merged_lse, lse, rtol=F64_SUMS, atol=F64_SUMS)
