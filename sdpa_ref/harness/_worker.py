@@ -10,8 +10,10 @@ the parent trusts nothing from the child.
 A frame is an 8-byte little-endian length and that many bytes. The parent
 sends the setup (``sys.path`` and the functions, each a ``"module:attr"``
 spec or a pickle) and then one request per call, ``(which, args,
-kwargs)``; the child answers each with a JSON header and then one frame per
-array. Only the process the parent started answers: a forked copy that
+kwargs, guard_spec)``; the child answers each with a JSON header and then one frame per
+array. Inputs the parent guarded (:mod:`.guards`; a pickle keeps only their
+values) are guarded again here, by that module loaded from its path, and a
+call that wrote into their guards is answered as such (``"kind": "guard"``). Only the process the parent started answers: a forked copy that
 returns from the implementation ends silently, so the parent sees the
 process it called and nothing else.
 """
@@ -99,16 +101,25 @@ def main(req_fd, rep_fd, parent_pid):
                 pass                                 # that has ended as one that died, reply or not
             return
     _reply(rep_fd, {"pid": pid, "ok": True, "functions": infos})
+    guards = None
     while True:
         data = _read_frame(req_fd)
         if data is None:
             return
-        which, args, kwargs = pickle.loads(data)
-        arrays = []
+        which, args, kwargs, spec = pickle.loads(data)
+        arrays, given = [], []
         try:
+            if spec is not None:
+                guards = guards or _load_by_path("_sdpa_ref_guards", setup["guards"])
+                args, kwargs, given = _guarded(guards, which, args, kwargs, spec)
             res = funcs[which](*args, **kwargs)
-            arrays = _as_arrays(res, which)
-            header = {"ok": True}
+            broken = [n for n, a in given if not guards.guard_intact(a)]
+            if broken:
+                header = {"ok": False, "kind": "guard", "names": broken,
+                          "error": "wrote into the guard regions of " + ", ".join(broken)}
+            else:
+                arrays = _as_arrays(res, which)
+                header = {"ok": True}
         except BaseException as exc:       # SystemExit and KeyboardInterrupt too: the implementation's own
             kind = "skip" if isinstance(exc, NotImplementedError) else "error"
             header = {"ok": False, "kind": kind, "message": str(exc), "error": what(exc)}
@@ -116,6 +127,38 @@ def main(req_fd, rep_fd, parent_pid):
             os._exit(0)
         header.update(pid=pid, arrays=[_describe_array(a) for a in arrays])
         _reply(rep_fd, header, arrays)
+
+
+def _load_by_path(name, path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _guarded(guards, which, args, kwargs, spec):
+    """``(args, kwargs, [(name, guarded array), ...])``: the arguments ``spec`` names as guarded copies."""
+    names = ("grad_out", "query", "key", "value") if which == "backward" else ("query", "key", "value")
+    given, out = [], []
+    for i, (x, fill) in enumerate(zip(args, spec["args"])):
+        name = names[i] if i < len(names) else f"argument {i}"
+        if isinstance(x, tuple) and isinstance(fill, list):
+            parts = [x[j] if f is None else guards.guarded(x[j], f) for j, f in enumerate(fill)]
+            given += [(f"{name}[{j}]", p) for j, (p, f) in enumerate(zip(parts, fill)) if f is not None]
+            out.append(tuple(parts))
+        elif fill is not None:
+            out.append(guards.guarded(x, fill))
+            given.append((name, out[-1]))
+        else:
+            out.append(x)
+    out += list(args[len(spec["args"]):])
+    kwargs = dict(kwargs)
+    for n, fill in spec["kwargs"].items():
+        kwargs[n] = guards.guarded(kwargs[n], fill)
+        given.append((n, kwargs[n]))
+    return tuple(out), kwargs, given
 
 
 def _as_arrays(res, which):

@@ -98,7 +98,9 @@ __all__ = ["RelativeRule", "FixedRule", "ULPRule", "ConformanceRow", "Conformanc
 #: ``(..., L, H, E)`` (FlashAttention, JAX, xformers) and reads its results the same way. Masks and biases keep
 #: the ``(..., H, L, S)`` layout of :func:`sdpa_ref.sdpa_forward` either way. ``"gathered"``: a top-k sparse
 #: kernel, ``(..., L, H, E)`` arrays and ``gather_kv_indices`` ``(..., L, K)`` (:meth:`.cases.Case.gathered`).
-LAYOUTS = ("bhld", "blhd", "gathered") + STORAGE_LAYOUTS
+#: ``"bhsd"`` and ``"bshd"``, the entry points' names (:mod:`sdpa_ref.axes`), are ``"bhld"`` and ``"blhd"``.
+LAYOUTS = ("bhld", "blhd", "bhsd", "bshd", "gathered") + STORAGE_LAYOUTS
+_ALIASES = {"bhsd": "bhld", "bshd": "blhd"}
 
 
 def resolve_requires(forward, requires=None) -> frozenset:
@@ -187,6 +189,7 @@ def check_implementation(
     isolate: bool = False,
     lse=None,
     lse_empty="-inf",
+    guards: bool = True,
 ) -> ConformanceReport:
     r"""Run ``forward`` (and ``backward``, ``jvp``) over a case suite and judge them.
 
@@ -229,7 +232,7 @@ def check_implementation(
         Test dtypes, e.g. ``"float32"`` or ``("float32", "float16")``.
     rule : {"relative", "fixed", "ulp"} or a rule object, optional
         Default :class:`RelativeRule`; a name takes that rule's defaults.
-    layout : {"bhld", "blhd", "gathered", "thd", "paged"}
+    layout : {"bhld", "blhd", "bhsd", "bshd", "gathered", "thd", "paged", "thd_paged"}
         The arrays as the implementation takes them: ``(..., H, L, E)``,
         ``(..., L, H, E)``, packed variable-length sequences (``"thd"``,
         FlashAttention's varlen API: ``cu_seqlens_q``, ``cu_seqlens_k``,
@@ -290,6 +293,18 @@ def check_implementation(
         empty sum; FlashAttention 3/4, FlexAttention), ``"+inf"``
         (FlashAttention 2) or a number; met exactly. See
         :func:`sdpa_ref.convert_lse`.
+    guards : bool
+        Also call the forward twice more and the backward once more on
+        guarded copies of the inputs (:mod:`sdpa_ref.harness.guards`): each
+        floating-point input inside a larger buffer whose guard regions,
+        before and after it and between its rows, hold NaN (the NaN run),
+        then a huge finite value (the huge run; the backward: NaN only). A
+        result that moves from the implementation's own by more than the
+        rule allows fails the case with a ``guard`` row saying it "reads
+        outside its inputs", and guard regions written to fail it as "writes
+        outside its inputs"; a run that sees nothing adds no row. A kernel
+        that raises on the strided inputs gets a ``guard`` skip. Default
+        True; ``False`` skips the three calls.
 
     Returns
     -------
@@ -301,6 +316,7 @@ def check_implementation(
     """
     rule = as_rule(rule)
     check_choice(layout, "layout", LAYOUTS)
+    layout = _ALIASES.get(layout, layout)
     dtypes = _as_dtypes(dtypes)
     isolate = check_bool(isolate, "isolate")
     for name, fn in (("forward", forward), ("backward", backward), ("jvp", jvp)):
@@ -312,6 +328,7 @@ def check_implementation(
         if timeout == 0:
             raise ValueError("`timeout` should be a finite number of seconds > 0, or None, but got 0")
     deterministic, poison = check_bool(deterministic, "deterministic"), check_bool(poison, "poison")
+    guards = check_bool(guards, "guards")
     if lse is not None:
         check_base(lse, "lse")
         check_empty(lse_empty, "lse_empty")                # here, before any child starts
@@ -332,7 +349,7 @@ def check_implementation(
     if not isolate:
         return _run(cases, dtypes, (forward, backward, jvp), (forward, backward), supports, requires, layout,
                     deterministic, poison, call_in_process, rule, suite_name, meta, progress, timeout,
-                    (lse, lse_empty))
+                    (lse, lse_empty), guards)
     limit = DEFAULT_TIME_LIMIT if timeout is None else timeout
     with Isolated({"forward": forward, "backward": backward, "jvp": jvp}, limit) as child:
         remote = child.start()
@@ -340,17 +357,17 @@ def check_implementation(
         declared = tuple(f if callable(f) else remote.get(n)       # a callable's attributes as this process has them
                          for n, f in (("forward", forward), ("backward", backward)))
         return _run(cases, dtypes, fns, declared, supports, requires, layout, deterministic, poison, child.run,
-                    rule, suite_name, dict(meta, isolated=True), progress, limit, (lse, lse_empty))
+                    rule, suite_name, dict(meta, isolated=True), progress, limit, (lse, lse_empty), guards)
 
 
 def _run(cases, dtypes, fns, declared, supports, requires, layout, deterministic, poison, limit, rule, suite_name,
-         meta, progress, timeout, lse=(None, "-inf")):
+         meta, progress, timeout, lse=(None, "-inf"), guards=False):
     """The loop of :func:`check_implementation` over ``cases`` and ``dtypes``: ``fns`` are the functions to call,
     ``declared`` the forward and backward whose attributes and signatures say what they support."""
     sup = resolve_supports(declared[0], supports, declared[1])
     req = resolve_requires(declared[0], requires)
     impl = Implementation(*fns, layout=layout, deterministic=deterministic, poison=poison, implied=req - sup,
-                          limit=limit, lse=lse[0], lse_empty=lse[1])
+                          limit=limit, lse=lse[0], lse_empty=lse[1], guards=guards)
     sup = sup | req | (frozenset({"q_lengths", "kv_lengths"}) if layout in STORAGE_LAYOUTS else frozenset())
     if layout == "gathered":                               # every case with its top-k key indices
         cases = [c.gathered() for c in cases]
@@ -373,7 +390,7 @@ def _run(cases, dtypes, fns, declared, supports, requires, layout, deterministic
                              seconds=time.perf_counter() - t0,
                              meta=dict(meta, dtypes=list(dtypes), layout=layout, supports=sorted(sup),
                                        requires=sorted(req), isolated=meta.get("isolated", False),
-                                       time_limit=timeout, lse=None if lse[0] is None else
+                                       time_limit=timeout, guards=guards, lse=None if lse[0] is None else
                                        {"base": "e" if impl.lse == "e" else 2, "empty": lse[1]}))
 
 

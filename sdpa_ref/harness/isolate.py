@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from . import _worker
+from . import _worker, guards
 from ._limits import CaseTimeout, ImplementationFailure
 
 __all__ = ["DEFAULT_TIME_LIMIT", "LOAD_TIME_LIMIT", "Isolated", "LoadError", "Remote"]
@@ -133,7 +133,7 @@ class Isolated:
         if self._proc is None:
             self._restart()
         deadline = self._deadline if self._deadline is not None else time.monotonic() + self.time_limit
-        request = pickle.dumps((which, args, kwargs), protocol=4)
+        request = pickle.dumps((which, args, kwargs, _guard_spec(args, kwargs)), protocol=4)
         given = [a for x in list(args) + list(kwargs.values()) for a in (x if isinstance(x, tuple) else (x,))]
         budget = _SLACK + 16 * sum(a.nbytes for a in given if isinstance(a, np.ndarray))
         try:
@@ -148,6 +148,8 @@ class Isolated:
         if not header["ok"]:
             if header.get("kind") == "skip":
                 raise NotImplementedError(str(header.get("message", "")))
+            if header.get("kind") == "guard" and isinstance(header.get("names"), list):
+                raise guards.GuardBroken([str(n)[:100] for n in header["names"][:32]])
             raise ImplementationFailure(str(header.get("error", "failed")))
         if which == "forward" and len(arrays) == 2:    # (out, lse)
             return tuple(arrays)
@@ -191,7 +193,8 @@ class Isolated:
         self._proc, self._req, self._rep = proc, req_w, rep_r
         deadline = time.monotonic() + self._load_limit
         try:
-            self._send(pickle.dumps({"path": self._path, "functions": self._functions}, protocol=4), deadline)
+            self._send(pickle.dumps({"path": self._path, "functions": self._functions, "guards": guards.__file__},
+                                    protocol=4), deadline)
             hello, _ = self._answer(deadline, 0)
         except CaseTimeout:
             self._kill()
@@ -321,6 +324,17 @@ class Isolated:
         status = f"killed by {_signal_name(-code)}" if code < 0 else f"exit status {code}"
         return f"the implementation's process ended without answering ({status}: os._exit, a crash, or a fork " \
                "whose caller exited)"
+
+
+def _guard_spec(args, kwargs):
+    """Which arguments are guarded copies (:mod:`.guards`), which a pickle does not keep: ``{"args": [fill or
+    None, or a list of them for a tuple], "kwargs": {name: fill}}`` for the child to guard its own copies, or
+    None when none is."""
+    spec = {"args": [[guards.guard_fill(a) for a in x] if isinstance(x, tuple) else guards.guard_fill(x)
+                     for x in args],
+            "kwargs": {n: f for n, f in ((n, guards.guard_fill(x)) for n, x in kwargs.items()) if f is not None}}
+    flat = [f for x in spec["args"] for f in (x if isinstance(x, list) else [x])]
+    return spec if spec["kwargs"] or any(f is not None for f in flat) else None
 
 
 def _transportable(name, fn):

@@ -4,7 +4,9 @@
 returns its report rows; :mod:`.conformance` loops it over a suite. The
 optional checks a kernel author may ask for live here too: the same bits on
 a second run (``deterministic``), the JVP (``jvp``), and NaN written where
-no row reads (``poison``). ``layout="blhd"`` hands the implementation
+no row reads (``poison``); and, unless turned off, the same calls on guarded
+copies of the inputs (``guards``, :mod:`.guards`: what reads outside its
+inputs). ``layout="blhd"`` hands the implementation
 ``(B, L, H, E)`` arrays and reads its results back the same way.
 """
 
@@ -23,11 +25,12 @@ from ..policy import averages_values
 from ..problem import Problem
 from ..rounding import round_to
 from ..transforms import unbroadcast
-from .calling import Implementation
+from .calling import GuardBroken, Implementation
 from .storage import STORAGE_LAYOUTS
 from ._limits import CaseTimeout, ImplementationFailure
 from .cases import Case, grad_out_for, tangents_for
 from .ensemble import MEMBERS, ensemble_errors, member_quantities
+from .guards import guard_value
 from .lowp import DESCALES, dequantized, is_fp8, is_low, output_dtype, ulp, widen, work_dtype
 from .report import ConformanceRow
 from .rules import FixedRule, RelativeRule, lean
@@ -187,6 +190,8 @@ def judge_case(case, dt, impl, rule, sup, timeout=None):
         row = _poisoned(case, dt, impl, q, k, v, inp, ref64, honest, rule, deadline, timeout)
         if row is not None:
             rows.append(row)
+    if impl.guards:
+        rows.extend(_guarded(case, dt, impl, q, k, v, inp, got, g, grads, honest, rule, deadline, timeout))
     return rows
 
 
@@ -282,6 +287,68 @@ def _poisoned(case, dt, impl, q, k, v, inp, ref64, honest, rule, deadline, timeo
                     + (", storage no sequence uses" if impl.layout in STORAGE_LAYOUTS else "")
                     + ") reached the output; " + row.note).rstrip("; ")
     return row
+
+
+#: The guarded runs (:mod:`.guards`): the forward with each fill, then the backward with NaN guards.
+GUARD_RUNS = (("nan", "forward"), ("huge", "forward"), ("nan", "backward"))
+
+
+def _guarded(case, dt, impl, q, k, v, inp, got, g, grads, honest, rule, deadline, timeout):
+    """The calls again on guarded copies of the inputs (:data:`GUARD_RUNS`), each result compared with the
+    implementation's own unguarded one by the rule: a ``"guard"`` row for each run that sees something (a
+    result that moved: it reads outside its inputs; guards overwritten: it writes outside them), none for a
+    run that sees nothing. A run the implementation refuses (it takes no strided inputs) is a skip."""
+    rows = []
+    grad_names = ["dq", "dk", "dv", "dbias", "dsinks"]
+    for fill, what in GUARD_RUNS:
+        if what == "backward" and grads is None:
+            continue
+        run = f"the {_FILL_NAMES[fill]} run's {what}"
+        try:
+            if what == "forward":
+                res = impl.limit(deadline, impl.call_forward, q, k, v, inp, 0.0, fill)
+            else:
+                res = impl.limit(deadline, impl.call_backward, g, q, k, v, inp, fill)
+        except KeyboardInterrupt:
+            raise
+        except GuardBroken as exc:
+            rows.append(ConformanceRow(case.name, dt, "guard", "FAIL", note=f"{exc} ({run})"))
+            continue
+        except (CaseTimeout, ImplementationFailure, SystemExit) as exc:
+            rows.append(ConformanceRow(case.name, dt, "guard", "error", note=f"{run}: {_what(exc, timeout)}"))
+            continue
+        except BaseException as exc:
+            rows.append(ConformanceRow(case.name, dt, "guard", "skip",
+                                       note=f"{run}: raised on strided inputs ({_what(exc, timeout)})"))
+            continue
+        if what == "forward":
+            mine = {"out": got["out"]} | ({"lse": got["lse"]} if "lse" in got else {})
+            theirs = dict(zip(mine, res if impl.lse is not None and isinstance(res, tuple) else (res,)))
+        else:
+            mine = dict(zip(grad_names, grads))
+            theirs = dict(zip(grad_names, res))
+        for qty, own in mine.items():
+            own = np.asarray(own)
+            if qty not in theirs or (own.dtype.kind != "f" and not is_low(own.dtype)):
+                continue
+            base = None if honest is None else honest.get(qty, 0.0)
+            row = _compare(case.name, dt, qty, theirs[qty], own.astype(np.float64), base, rule, want=own.dtype)
+            if row.status == "pass":
+                continue
+            row.quantity = "guard"
+            row.note = (f"reads outside its inputs: {qty} changed when each input sat in a larger buffer with "
+                        f"{_fill_text(fill, own.dtype)} before, after and between its rows ({run}; 'reference' "
+                        f"here is its own {qty} on plain inputs); " + row.note).rstrip("; ")
+            rows.append(row)
+            break
+    return rows
+
+
+_FILL_NAMES = {"nan": "NaN guards'", "huge": "huge guards'"}
+
+
+def _fill_text(fill, dtype):
+    return "NaN" if fill == "nan" else f"{float(guard_value(dtype, fill)):g}"
 
 
 def _honest_leans(case, dt, ref64):
