@@ -308,8 +308,11 @@ def test_a_bhld_only_kernel_fails_under_blhd_and_a_blhd_kernel_passes():
     assert sdpa_ref.check_implementation(blhd, backward=blhd_backward, layout="blhd", cases=cases,
                                          supports=("enable_gqa",)).ok
     assert not sdpa_ref.check_implementation(ref, layout="blhd", cases=cases).ok
+    bshd = lambda q, k, v, **o: sdpa_ref.sdpa_forward(q, k, v, layout="bshd", **o)[0]  # noqa: E731
+    assert sdpa_ref.check_implementation(bshd, layout="bshd", cases=cases, supports=("enable_gqa",)).ok
+    assert not sdpa_ref.check_implementation(ref, layout="bshd", cases=cases).ok   # the entry points' name
     with pytest.raises(ValueError, match="layout"):
-        sdpa_ref.check_implementation(ref, layout="bshd", cases=cases)
+        sdpa_ref.check_implementation(ref, layout="bhds", cases=cases)
 
 
 def test_dtypes_and_rules_by_name():
