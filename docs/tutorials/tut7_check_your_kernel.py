@@ -116,3 +116,50 @@ report = sdpa_ref.check_implementation(lambda query, key, value, is_causal=False
 print(report.verdict, report.judged)
 if not report.ok:
     raise AssertionError(str(report))
+
+# %%
+# Inside your own test suite
+# --------------------------
+# The assertion is a line in a pytest test, beside the comparison it
+# replaces. Here the fixed kernel is tested in float32 and in bfloat16
+# (through ``ml_dtypes``; the kernel computes in float32 and returns the
+# inputs' dtype, as bfloat16 kernels do):
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_my_attention(dtype):
+    import ml_dtypes
+    dt = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    gen = np.random.default_rng(1)
+    q, k, v = (gen.standard_normal((2, 4, 64, 16)).astype(dt) for _ in range(3))
+    out, lse = my_attention_fixed(*(x.astype(np.float32) for x in (q, k, v)), is_causal=True)
+    sdpa_ref.testing.assert_attention_close(out.astype(dt), q, k, v, lse=lse, is_causal=True)
+
+
+for dtype in ("float32", "bfloat16"):
+    test_my_attention(dtype)
+print("the pytest test passes in float32 and bfloat16")
+
+# %%
+# With PyTorch the same line takes the tensors themselves (the package never
+# imports torch; it reads them through ``__dlpack__``, bfloat16 through
+# ``float()``), gradients included:
+#
+# .. code-block:: python
+#
+#     def test_sdpa_bf16_causal():
+#         q, k, v = (torch.randn(2, 4, 128, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+#         g = torch.randn(2, 4, 128, 64, dtype=torch.bfloat16)
+#         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+#         dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
+#         sdpa_ref.testing.assert_attention_close(out.detach(), q.detach(), k.detach(), v.detach(),
+#                                                 grads=(dq, dk, dv), grad_out=g, is_causal=True)
+#
+# The same test with the scale off by 1% fails and names ``out`` and its
+# worst element: in bfloat16 such an error moves the worst element no
+# further than bfloat16's own rounding does, so besides the largest error
+# the assertion judges the spread, the error's root mean square against
+# the honest kernels'. ``tests/test_testing.py`` runs exactly this test
+# wherever torch is installed.
