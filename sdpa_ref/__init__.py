@@ -30,10 +30,12 @@ Shape legend, used in every docstring
 ``total_q``, ``total_k``
     Rows of packed variable-length sequences (:class:`Packed`, ``thd``).
 ``B``, ``Lq``
-    Sequences and query tokens against a KV cache (:class:`KVCache`, ``bshd``).
+    Sequences and query tokens against a KV cache (:class:`KVCache`, ``bshd``,
+    or packed ``thd`` with ``cu_seqlens_q``).
 
 So ``query`` is ``(..., Hq, L, E)``, ``key`` is ``(..., Hkv, S, E)``,
-``value`` is ``(..., Hkv, S, Ev)`` and the output is ``(..., Hq, L, Ev)``.
+``value`` is ``(..., Hkv, S, Ev)`` and the output is ``(..., Hq, L, Ev)``;
+with ``layout="bshd"`` (:mod:`sdpa_ref.axes`) they are ``(..., L, H, E)``.
 
 Where the rest lives
 --------------------
