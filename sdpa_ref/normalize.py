@@ -255,51 +255,59 @@ def vjp_jvp(P, g, dP, dg, p_extra=None, dp_extra=None, g_lse=None, dg_lse=None):
     return ddT, ddx
 
 
-def second_pivots(parts, p_extra=None, t_extra=None):
+def second_pivots(parts, p_extra=None, t_extra=None, X=NUMPY):
     r"""A row's :class:`sdpa_ref.pivot.SecondPivots` from its key blocks' :func:`sdpa_ref.pivot.second_partial`
-    ``parts`` and the extra logits' probability ``p_extra`` ``(..., 1)`` and tangent ``t_extra`` (None: none /
-    zero), the extra column first (it wins a tie, as in first order): one more block with ``g = dP' = 0``."""
+    ``parts`` and the extra logits' probability ``p_extra`` ``(..., 1)`` and tangent ``t_extra`` (a float array;
+    None: none / zero), the extra column first (it wins a tie, as in first order): one more block with
+    ``g = dP' = 0``. Over the arithmetic ``X`` (NumPy by default), whose values ``parts`` and ``p_extra`` are."""
     if p_extra is not None:
-        z = np.zeros(np.shape(p_extra), np.result_type(p_extra))
+        pv = X.value(p_extra)
+        z = np.zeros(np.shape(pv), np.result_type(pv))
         te = z if t_extra is None else np.broadcast_to(t_extra, z.shape)
-        parts = [second_partial(p_extra, z, te, z)] + list(parts)
+        parts = [second_partial(p_extra, X.lift(z), X.lift(te), X.lift(z), X)] + list(parts)
     if not parts:                                               # no key and no extra logit: nothing moves
         raise ValueError("second_pivots needs a key block or an extra logit")
-    return combine_second(parts)
+    return combine_second(parts, X)
 
 
-def extra_second(piv, p_extra, t_extra=None, g_lse=None, dg_lse=None):
+def extra_second(piv, p_extra, t_extra=None, g_lse=None, dg_lse=None, X=NUMPY):
     r"""``(p', d_extra, d_extra')`` of the extra logits ``(..., 1)`` from the row's pivots ``piv``
     (:func:`second_pivots`): their probability's tangent :math:`p_\sigma' = p_\sigma ((\sigma' - \tau) - (c -
     \tau))`, gradient :math:`p_\sigma ((0 - a) - (D - a) + \bar\lambda)` and its tangent
     :math:`p_\sigma ((0 - b) - F + \bar\lambda') + p_\sigma' ((0 - a) - (D - a) + \bar\lambda) - p_\sigma E`
-    (:func:`sdpa_ref.pivot.second_entries` on a column whose ``g`` and ``dP'`` are 0); None without them."""
+    (:func:`sdpa_ref.pivot.second_entries` on a column whose ``g`` and ``dP'`` are 0); None without them. Over
+    the arithmetic ``X`` (NumPy by default); ``t_extra``, ``g_lse`` and ``dg_lse`` float arrays."""
     if p_extra is None:
         return None
     te = 0 if t_extra is None else t_extra
-    pt = tangent_probs(p_extra, te, piv)
+    pt = tangent_probs(p_extra, te, piv, X)
     lam, lam_t = (0 if x is None else x for x in (g_lse, dg_lse))
-    return (pt,) + second_entries(p_extra, pt, 0, 0, piv, lam, lam_t)
+    return (pt,) + second_entries(p_extra, pt, 0, 0, piv, lam, lam_t, X)
 
 
-def vjp_jvp_scores(P, g, t, h, p_extra=None, t_extra=None, g_lse=None, dg_lse=None):
-    r"""The softmax's second order on whole rows (the plain engine's), from the scores' tangent ``t``:
-    ``(dT, P', dT', extra)``, ``extra`` :func:`extra_second`'s ``(p', d_extra, d_extra')`` or None.
+def vjp_jvp_scores(P, g, t, h, p_extra=None, t_extra=None, g_lse=None, dg_lse=None, X=NUMPY):
+    r"""The softmax's second order on whole rows (the plain engine's and the reproducible one's), from the
+    scores' tangent ``t``: ``(dT, P', dT', extra)``, ``extra`` :func:`extra_second`'s ``(p', d_extra, d_extra')``
+    or None.
 
     ``g`` is :math:`dP`, ``h`` its tangent :math:`dP'`, ``t_extra`` the extra logits' tangent; :math:`P'` the
     JVP's :math:`J T'`, :math:`dT` the VJP and :math:`dT'` its tangent, as :func:`vjp_jvp`, each row sum pivoted
     (:func:`sdpa_ref.pivot.combine_second`). The tiled engine assembles the same from key blocks
-    (:mod:`sdpa_ref.engines.second`).
+    (:mod:`sdpa_ref.engines.second`). Over the arithmetic ``X``: ``P``, ``g``, ``t``, ``h`` and ``p_extra`` its
+    values (NumPy arrays by default; double-double pairs for ``precision="reproducible"``,
+    :mod:`sdpa_ref.engines.reproducible_second`); ``t_extra``, ``g_lse``, ``dg_lse`` float arrays.
     """
     with np.errstate(invalid="ignore"):
-        if P.shape[-1] == 0 and p_extra is None:               # S = 0: no entry, and no pivot to take
-            z = np.zeros(P.shape, P.dtype)
+        Pv = X.value(P)
+        if Pv.shape[-1] == 0 and p_extra is None:               # S = 0: no entry, and no pivot to take
+            z = X.lift(np.zeros(Pv.shape, Pv.dtype))
             return z, z, z, None
-        piv = second_pivots([] if P.shape[-1] == 0 else [second_partial(P, g, t, h)], p_extra, t_extra)
-        Pt = tangent_probs(P, t, piv)
+        parts = [] if Pv.shape[-1] == 0 else [second_partial(P, g, t, h, X)]
+        piv = second_pivots(parts, p_extra, t_extra, X)
+        Pt = tangent_probs(P, t, piv, X)
         lam, lam_t = (0 if x is None else x for x in (g_lse, dg_lse))
-        dT, ddT = second_entries(P, Pt, g, h, piv, lam, lam_t)
-        return dT, Pt, ddT, extra_second(piv, p_extra, t_extra, g_lse, dg_lse)
+        dT, ddT = second_entries(P, Pt, g, h, piv, lam, lam_t, X)
+        return dT, Pt, ddT, extra_second(piv, p_extra, t_extra, g_lse, dg_lse, X)
 
 
 def extra_grad_in(X, p_extra, c, D):

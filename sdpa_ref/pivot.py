@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .arith import NUMPY
+
 __all__ = ["block_partial", "combine_partials", "nan_rows_vjp", "pivoted_vjp", "row_pivot", "rowdot",
            "lane_rowsum", "sink_grad_in", "sink_softmax_vjp_in", "softmax_vjp_delta_in", "softmax_vjp_in", "softmax_vjp_rows",
            "SecondPivots", "combine_second", "second_entries", "second_partial", "tangent_probs"]
@@ -232,25 +234,28 @@ class SecondPivots(NamedTuple):
     E: Any          # rowsum(P' (g - a)) = rowsum(P' g);  D' - b = Fh + E,  D' = rowsum(P dP' + P' g)
 
 
-def second_partial(P, g, t, h):
+def second_partial(P, g, t, h, X=NUMPY):
     r"""One key block's share of the softmax's second order, for :func:`combine_second`.
 
     ``P`` the block's probabilities, ``g`` the probabilities' cotangent :math:`dP`, ``t`` the scores' tangent
-    :math:`T'`, ``h`` the cotangent's tangent :math:`dP'`, each ``(..., n)`` with ``n >= 1``. With the block's own
+    :math:`T'`, ``h`` the cotangent's tangent :math:`dP'`, each ``(..., n)`` with ``n >= 1``, values of the
+    arithmetic ``X`` (:mod:`sdpa_ref.arith`; NumPy arrays by default, double-double for
+    ``precision="reproducible"``). With the block's own
     pivots :math:`a_b, \tau_b, b_b` (``g``, ``t``, ``h`` at the block's first largest ``P``), returns
     ``(max P, a_b, tau_b, b_b, rowsum(P), rowsum(P (g - a_b)), rowsum(P (t - tau_b)), rowsum(P (h - b_b)),
     rowsum(P (t - tau_b) (g - a_b)))``. An extra column of the normaliser (a sink) is a block of one column whose
     ``g`` and ``h`` are 0 and ``t`` its tangent. Nothing is written into the arguments.
     """
-    idx = np.argmax(P.real, axis=-1, keepdims=True)
-    a, tau, b = (np.take_along_axis(x, idx, axis=-1) for x in (g, t, h))
-    gw = g - a
-    Pu = P * (t - tau)
-    return (np.take_along_axis(P.real, idx, axis=-1), a, tau, b, rowdot(P, None), rowdot(P, gw), rowdot(Pu, None),
-            rowdot(P, h - b), rowdot(Pu, gw))
+    Pv = X.value(P).real
+    idx = np.argmax(Pv, axis=-1, keepdims=True)
+    a, tau, b = (X.take(x, idx) for x in (g, t, h))
+    gw = X.sub(g, a)
+    Pu = X.mul(P, X.sub(t, tau))
+    return (np.take_along_axis(Pv, idx, axis=-1), a, tau, b, _rowsum(X, P), _rowsum(X, P, gw), _rowsum(X, Pu),
+            _rowsum(X, P, X.sub(h, b)), _rowsum(X, Pu, gw))
 
 
-def combine_second(parts):
+def combine_second(parts, X=NUMPY):
     r"""The row's :class:`SecondPivots` from its blocks' :func:`second_partial` (the first part holding the row's
     largest ``P`` gives the pivots; put the extra column first, so that it wins a tie, as in first order).
 
@@ -296,27 +301,36 @@ def combine_second(parts):
     difference (the pivot block's exactly 0). The extra column of the normaliser (a sink) is one more block,
     with :math:`g = dP' = 0` and :math:`T'` its tangent :math:`\sigma'`.
     """
-    pm, a_b, tau_b, b_b, s1, sg, st, sh, stg = (np.stack(x) for x in zip(*parts))
-    best = np.argmax(pm, axis=0)[None]
-    a, tau, b = (np.take_along_axis(x, best, axis=0)[0] for x in (a_b, tau_b, b_b))
-    Dg = Ct = Fh = Euw = 0
+    pm, a_b, tau_b, b_b, s1, sg, st, sh, stg = zip(*parts)
+    best = np.argmax(np.stack(pm), axis=0)
+
+    def at_best(x):                                             # the pivot block's entry, row by row
+        out = x[0]
+        for i in range(1, len(x)):
+            out = X.where(best == i, x[i], out)
+        return out
+
+    a, tau, b = at_best(a_b), at_best(tau_b), at_best(b_b)
+    Dg = Ct = Fh = Euw = X.const(0.0)
+    add, sub, mul = X.add, X.sub, X.mul
     for i in range(len(parts)):
-        da, dt, db = a_b[i] - a, tau_b[i] - tau, b_b[i] - b
-        Dg = Dg + (sg[i] + da * s1[i])
-        Ct = Ct + (st[i] + dt * s1[i])
-        Fh = Fh + (sh[i] + db * s1[i])
-        Euw = Euw + (stg[i] + da * st[i] + dt * (sg[i] + da * s1[i]))
-    return SecondPivots(a, tau, b, Dg, Ct, Fh, Euw - Ct * Dg)
+        da, dt, db = sub(a_b[i], a), sub(tau_b[i], tau), sub(b_b[i], b)
+        Dg = add(Dg, add(sg[i], mul(da, s1[i])))
+        Ct = add(Ct, add(st[i], mul(dt, s1[i])))
+        Fh = add(Fh, add(sh[i], mul(db, s1[i])))
+        Euw = add(Euw, add(add(stg[i], mul(da, st[i])), mul(dt, add(sg[i], mul(da, s1[i])))))
+    return SecondPivots(a, tau, b, Dg, Ct, Fh, sub(Euw, mul(Ct, Dg)))
 
 
-def tangent_probs(P, t, piv):
+def tangent_probs(P, t, piv, X=NUMPY):
     r""":math:`P' = P \odot ((T' - \tau) - (c - \tau))`, the probabilities' tangent (the JVP's
-    :math:`J T'`) pivoted by :func:`combine_second`'s ``piv``; ``t`` the scores' tangent :math:`T'`. A NaN row
-    (``piv.Dg`` NaN) as :func:`nan_rows_vjp` says: 0 where ``P`` is 0."""
-    return nan_rows_vjp(P * ((t - piv.tau) - piv.Ct), P, piv.Dg)
+    :math:`J T'`) pivoted by :func:`combine_second`'s ``piv``; ``t`` the scores' tangent :math:`T'` (a value of
+    ``X``, or a float array or 0 that it lifts). A NaN row (``piv.Dg`` NaN) as :func:`nan_rows_vjp` says: 0 where
+    ``P`` is 0."""
+    return _nan_rows_in(X, X.mul(P, X.sub(X.sub(_lift(X, t), piv.tau), piv.Ct)), P, piv.Dg)
 
 
-def second_entries(P, Pt, g, h, piv, lam=0, lam_t=0):
+def second_entries(P, Pt, g, h, piv, lam=0, lam_t=0, X=NUMPY):
     r"""``(dT, dT')`` of each entry: the softmax's VJP and its tangent, pivoted by ``piv``
     (:func:`combine_second`),
 
@@ -327,12 +341,51 @@ def second_entries(P, Pt, g, h, piv, lam=0, lam_t=0):
 
     :math:`F = \sum_j P_j (dP'_j - b)`, :math:`E = \sum_j P'_j (g_j - a)` (so that :math:`F + E = D' - b`),
     with ``Pt`` :math:`P'` (:func:`tangent_probs`), ``g`` :math:`dP`, ``h`` :math:`dP'`, ``lam`` the LSE's
-    cotangent :math:`\bar\lambda` and ``lam_t`` its tangent (0: none). The two terms of the curvature
+    cotangent :math:`\bar\lambda` and ``lam_t`` its tangent (0: none; float arrays in every arithmetic ``X``).
+    The two terms of the curvature
     :math:`J' dP = P' \odot (g - D) - P E` are added together first: on a row whose largest probability is
     shared by keys with the same weight (a tie) they cancel exactly, which leaves :math:`J\, dP'` its bits.
     The extra column of the normaliser (a sink) is an entry with ``g = h = 0``: its gradient and the
     gradient's tangent. A NaN row (``piv.Dg`` NaN) as :func:`nan_rows_vjp` says: both 0 where ``P`` is 0, NaN on
     the keys the row reads (the first-order reads pattern, inside the second order's documented superset)."""
-    r = (g - piv.a) - piv.Dg + lam
-    return (nan_rows_vjp(P * r, P, piv.Dg),
-            nan_rows_vjp(P * ((h - piv.b) - piv.Fh + lam_t) + (Pt * r - P * piv.E), P, piv.Dg))
+    r = _plus(X, X.sub(X.sub(_lift(X, g), piv.a), piv.Dg), lam)
+    dT_t = X.add(X.mul(P, _plus(X, X.sub(X.sub(_lift(X, h), piv.b), piv.Fh), lam_t)),
+                 X.sub(X.mul(Pt, r), X.mul(P, piv.E)))
+    return _nan_rows_in(X, X.mul(P, r), P, piv.Dg), _nan_rows_in(X, dT_t, P, piv.Dg)
+
+
+def _rowsum(X, a, b=None):
+    """``rowsum(a * b)`` (``b`` None: ``rowsum(a)``) keeping the axis, over ``X``: :func:`rowdot` on NumPy arrays
+    (no ``L x S`` temporary), the arithmetic's own fixed-order sum otherwise."""
+    if X is NUMPY:
+        return rowdot(a, b)
+    return X.sum(a if b is None else X.mul(a, b), keepdims=True)
+
+
+def _lift(X, x):
+    """``x`` as a value of ``X``: a value already (a double-double pair, or any value in NumPy) as it is, a float
+    array or a number lifted."""
+    if X is NUMPY or isinstance(x, tuple):
+        return x
+    return X.lift(x)
+
+
+def _plus(X, x, c):
+    """``x + c`` for the float array or number ``c`` (0: nothing to add, outside NumPy, which adds it as it
+    always has)."""
+    if X is NUMPY:
+        return x + c
+    if isinstance(c, (int, float)) and c == 0:
+        return x
+    return X.add(x, c) if isinstance(c, tuple) else X.add_d(x, c)
+
+
+def _nan_rows_in(X, dT, P, D):
+    """:func:`nan_rows_vjp` over ``X``."""
+    if X is NUMPY:
+        return nan_rows_vjp(dT, P, D)
+    Dv = X.value(D)
+    bad = Dv != Dv
+    if not np.any(bad):
+        return dT
+    return X.where(bad & (X.value(P) == 0), X.const(0.0), dT)

@@ -265,8 +265,9 @@ def test_the_oracle_does_not_move_with_its_step_or_precision():
                 assert _rel_err(r, f, fl) <= 1e-15, name
 
 
-def _unpivoted_partial(P, g, t, h):
-    """second_partial with every pivot 0: the plain sums rowsum(P g), rowsum(P T'), ... (the old, wrong form)."""
+def _unpivoted_partial(P, g, t, h, X=None):
+    """second_partial (in NumPy, ``X`` unread) with every pivot 0: the plain sums rowsum(P g), rowsum(P T'), ... (the
+    old, wrong form)."""
     z = np.zeros(P.shape[:-1] + (1,))
     rs = lambda x: np.sum(x, axis=-1, keepdims=True)  # noqa: E731
     return np.max(P, axis=-1, keepdims=True), z, z, z, rs(P), rs(P * g), rs(P * t), rs(P * h), rs(P * t * g)
