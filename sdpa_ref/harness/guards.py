@@ -182,12 +182,12 @@ def guard_value(dtype, fill):
     dt = np.dtype(dtype)
     if fill not in FILLS:
         raise ValueError(f"`fill` should be one of {FILLS}, but got {fill!r}")
-    if fill == "nan":
-        value = dt.type(np.nan)
-        if dt.kind not in "fc" and not np.isnan(np.array(value, dt).astype(np.float32)):
-            raise ValueError(f"`fill` should be 'huge' for {dt.name}, which has no NaN, but got 'nan'")
-        return value
-    return dt.type(min(HUGE, float(_finfo(dt).max) / 4))
+    if fill == "huge":
+        return dt.type(min(HUGE, float(_finfo(dt).max) / 4))
+    value = dt.type(np.nan)
+    if dt.kind not in "fc" and not np.isnan(np.array(value, dt).astype(np.float32)):
+        raise ValueError(f"`fill` should be 'huge' for {dt.name}, which has no NaN, but got 'nan'")
+    return value
 
 
 def is_guardable(dtype):

@@ -348,7 +348,7 @@ _FILL_NAMES = {"nan": "NaN guards'", "huge": "huge guards'"}
 
 
 def _fill_text(fill, dtype):
-    return "NaN" if fill == "nan" else f"{float(guard_value(dtype, fill)):g}"
+    return f"{float(guard_value(dtype, fill)):g}" if fill == "huge" else "NaN"
 
 
 def _honest_leans(case, dt, ref64):
