@@ -331,9 +331,6 @@ def _engine(method, block_size, prob, allowed, precision="fast", splits=(None, N
                              "precision='reproducible' (it has its own engine, whose bits no schedule changes), "
                              f"but got method={method!r}, block_size={block_size!r}"
                              + (", and splits" if split else ""))
-        if prob.options.score_mod is not None:
-            raise ValueError("`score_mod` should not be given with precision='reproducible': a NumPy score function "
-                             "has no double-double form, so its results could not be faithfully rounded")
         return Engine("reproducible")
     if method is None:
         method = "split" if split else "tiled" if block_size is not None else allowed[0]

@@ -26,6 +26,12 @@ VJP likewise: the user's ``params_vjp``, or the complex step one entry at a
 time (a cost of one evaluation per entry: for small tables).
 :func:`sdpa_ref.gradcheck.check_score_mod` checks a user's derivatives by finite differences.
 
+With ``precision="reproducible"`` the function runs in float64 on each score rounded to float64 (the
+double-double's high part, :meth:`sdpa_ref.exact.arith.DoubleDouble.elementwise`), and its values and slope
+are taken as exact: the results are faithfully rounded with respect to the exact attention over the function's
+float64 values, the same bits everywhere when the function's own are (``SEMANTICS.md``). Its own rounding,
+and NumPy's ``exp`` or ``tanh`` changing with the SIMD level, are outside that guarantee.
+
 A **mask function** ``mask_mod(b, h, q_idx, kv_idx) -> bool`` joins the
 allowed set (an intersection, as every mask does: :func:`sdpa_ref.masks.allowed_set`),
 so every engine, the reads of :mod:`sdpa_ref.unread` and the fully masked

@@ -11,8 +11,8 @@ Each result is checked against an independent spelling of the same problem, not 
   its gradients split by hand (``dV = dV' + dK'_{E:}``, both uses of ``V``);
 * sinks against the same sinks per sequence, their gradient summed over the sequences.
 
-What is refused by design is asserted as its clear error: ``precision="reproducible"`` with a score function
-(no double-double form), second order with ``precision=`` or a score function that captures a tensor.
+What is refused by design is asserted as its clear error: second order with ``precision=`` or a score function
+that captures a tensor.
 """
 
 import itertools
@@ -170,10 +170,6 @@ def _check_grads(got, want):
         assert_close_normwise(w, getattr(got, name), F64_GRAD)
 
 
-def _refused(c, precision):
-    return precision == "reproducible" and "score_mod" in c["opts"]
-
-
 def _seq_cotangents(c, b, with_lse):
     lay = c["lay"]
     g = lay.seqs(c["g"], "q")[b]
@@ -190,10 +186,6 @@ def test_forward(layout, qv, sinks, score, precision):
     c = _case(layout, qv, sinks, score)
     call = lambda: sdpa_ref.scaled_dot_product_attention(c["q"], c["k"], c["v"], qv=c["qv"], return_lse=True,  # noqa
                                                          precision=precision, **c["opts"])
-    if _refused(c, precision):
-        with pytest.raises(ValueError, match="`score_mod` should not be given with precision='reproducible'"):
-            call()
-        return
     out, lse = call()
     parts = [sdpa_ref.scaled_dot_product_attention(*_joined(c, b)[:3], return_lse=True, precision=precision,
                                                    **_joined(c, b)[4]) for b in range(_n(c))]
@@ -208,10 +200,6 @@ def test_forward(layout, qv, sinks, score, precision):
 def test_backward(layout, qv, sinks, score, precision, grad_lse):
     c = _case(layout, qv, sinks, score)
     call = lambda: sdpa_forward(c["q"], c["k"], c["v"], qv=c["qv"], precision=precision, **c["opts"])  # noqa
-    if _refused(c, precision):
-        with pytest.raises(ValueError, match="`score_mod`"):
-            call()
-        return
     got = sdpa_backward(call()[1], c["g"], grad_lse=c["gl"] if grad_lse else None)
     per_seq = []
     for b in range(_n(c)):
@@ -233,10 +221,6 @@ def test_jvp(layout, qv, sinks, score, precision):
     c = _case(layout, qv, sinks, score)
     call = lambda: sdpa_jvp((c["q"], c["k"], c["v"]), _tangents(c), qv=c["qv"], precision=precision,  # noqa
                             **c["opts"])
-    if _refused(c, precision):
-        with pytest.raises(ValueError, match="`score_mod`"):
-            call()
-        return
     out, tan = call()
     parts = [sdpa_jvp(_joined(c, b)[:3], _joined(c, b)[3], precision=precision, **_joined(c, b)[4])
              for b in range(_n(c))]

@@ -49,7 +49,8 @@ from ..exact.arith import for_problem
 from ..normalize import EXTRA_NAME, close_in, extra_shape, extras, lse_in, vjp_in
 from ..broadcast import block_of
 from ..policy import constant_rows, counts, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
-from ..transforms import dropout_in, transform_scores_in, unbroadcast
+from ..score_mod import indices, params_vjp
+from ..transforms import SCORE_MOD, SCORE_STAGES, ScoreBlock, dropout_in, transform_scores_in, unbroadcast
 from .._threads import run_all
 from .contract import Forward, Grads
 
@@ -149,7 +150,8 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None, absorbed=None) ->
     dv = X.matmul(_t(_fold(_grouped(Pd, prob))), _fold(dOg),          # P_drop^T dO, the group folded in
                   final=whole and _no_sum(prob.batch + prob.v.shape[-3:], prob.shapes["value"]))
     dP = _full(X.matmul(dOg, _t(_kv(prob.v))), prob)                 # dO V^T
-    keep_dT = prob.mask_float is not None or prob.bias is not None
+    mod = o.score_mod if o.score_mod is not None and o.score_mod.params else None   # captured tensors
+    keep_dT = prob.mask_float is not None or prob.bias is not None or mod is not None
     dT = X.empty(full) if keep_dT else None
     dTraw = X.empty(full)
     pe = fwd.extra["p_extra"]
@@ -196,7 +198,7 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None, absorbed=None) ->
     dq, dk, dv = (unbroadcast(x, prob.shapes[n], X) for x, n in ((dq, "query"), (dk, "key"), (dv, "value")))
     split = None if whole else tuple(_round(X, x) for x in absorbed.split(dq, dk, dv, arith=X))
     return Grads(dq=_round(X, dq), dk=_round(X, dk), dv=_round(X, dv), dmask=dmask, dbias=dbias, dextra=dextra,
-                 absorbed=split)
+                 absorbed=split, dmod=None if mod is None else _score_mod_grads(X, prob, mod, dT))
 
 
 @_quiet
@@ -274,6 +276,25 @@ def _by_rows(full, fn):
 
 
 # ------------------------------------------------------------- pieces
+
+
+def _score_mod_grads(X, prob, mod, dT):
+    """The score function's captured tensors' gradients: its own VJP (:func:`sdpa_ref.score_mod.params_vjp`, the
+    user's ``params_vjp`` or the complex step) of the rounded ``dT`` at the float64 scores the forward gave it.
+
+    Those scores are recomputed as the forward made them: ``scale Q K^T`` exactly, then the stages before the
+    score function over ``X``, each ``hi`` (the score rounded to float64). The sum over the scores is the
+    function's VJP's own, so these gradients are outside the faithful guarantee (``SEMANTICS.md``)."""
+    at = ScoreBlock(prob)
+    t = _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale), prob)
+    for st in SCORE_STAGES:
+        if st is SCORE_MOD:
+            break
+        c = getattr(prob.options, st.option) if st.elementwise else st.terms(at, np.float64)
+        if c is not None:
+            t = st.forward_in(X, t, c, at)[0] if st.elementwise else st.forward_in(X, t, c, None)[0]
+    g = _round(X, dT)
+    return tuple(params_vjp(mod, g, np.broadcast_to(X.value(t), g.shape), indices(prob.full_scores)))
 
 
 def _excluded(prob):

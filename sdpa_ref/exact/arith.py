@@ -107,6 +107,14 @@ class DoubleDouble:
         bad = empty | ~np.isfinite(mh)
         return (np.where(bad, 0.0, mh), np.where(bad | ~np.isfinite(ml), 0.0, ml)), empty, bad & ~empty
 
+    def elementwise(self, f, x):
+        """A NumPy element-wise map (a score function) on the float64 values: ``f`` of each ``hi`` (the score
+        rounded to float64), its float64 result taken as exact (``lo = 0``), so that everything after it is
+        the exact arithmetic's; the map's own rounding is its own."""
+        with np.errstate(all="ignore"):
+            y = np.array(f(x[0]), dtype=np.float64)
+        return y, np.zeros_like(y)
+
     def exact_product(self, a, b):
         """``a * b`` of two float64 arrays, exactly; ``(+-inf, 0)`` where it overflows.
 
