@@ -178,6 +178,16 @@ def test_conform_takes_the_layout(capsys):
     assert set(parser_choices) <= set(LAYOUTS)
 
 
+def test_conform_runs_the_guarded_runs_unless_told_not_to(capsys):
+    spec = "test_harness_guards:reads_past_each_head"
+    assert main(["conform", spec, "--in-process", "--format", "json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    guard = [r for r in rep["rows"] if r["quantity"] == "guard"]
+    assert guard and all("reads outside its inputs" in r["note"] for r in guard) and rep["meta"]["guards"]
+    assert main(["conform", spec, "--in-process", "--no-guards", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["meta"]["guards"] is False
+
+
 def _conform_parser():
     import argparse
     from sdpa_ref.cli.parser import build_parser

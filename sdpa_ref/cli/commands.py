@@ -286,6 +286,7 @@ def _conform(args) -> int:
                                                progress=progress, timeout=args.timeout,
                                                isolate=not args.in_process, lse=args.lse,
                                                lse_empty=args.lse_empty, deterministic=args.deterministic,
+                                               guards=not args.no_guards,
                                                layout=args.layout)
     except conformance.LoadError as exc:
         progress.done()

@@ -237,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "one); see check_implementation")
     p.add_argument("--deterministic", action="store_true",
                    help="run the forward and the backward a second time: other bits fail the case")
+    p.add_argument("--no-guards", action="store_true",
+                   help="skip the guarded runs (by default each case runs again with every input inside a larger "
+                        "buffer, NaN then 16384 before, after and between its rows: a kernel that reads outside "
+                        "its inputs fails)")
     p.add_argument("--in-process", action="store_true",
                    help="run the function in this process, as check_implementation does in Python: faster to "
                         "start, easier to debug, and defenceless against code that exits the process, "
