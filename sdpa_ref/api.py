@@ -90,6 +90,12 @@ class Engine(NamedTuple):
 METHODS = ("fast", "plain", "tiled", "split")
 #: Accepted values of ``precision=``.
 PRECISIONS = ("fast", "reproducible")
+#: Why :func:`sdpa_forward_complex` refuses ``precision="reproducible"``, and the bound its fast path reaches.
+COMPLEX_REPRODUCIBLE = (
+    "`precision` should be 'fast' for sdpa_forward_complex, but got 'reproducible': the reproducible engine's "
+    "double-double arithmetic has no complex exp (it would need cos and sin to about 100 bits), so complex "
+    "results cannot be faithfully rounded. The fast path is within about 6.5 ulps (the real part) and 120 ulps "
+    "(the complex step's derivative Im/h) of the largest entry, measured against 50-digit mpmath")
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -264,7 +270,7 @@ def split_kv_partials(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     return np.stack(res_out), np.stack(res_lse)
 
 
-def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **options):
+def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, precision="fast", **options):
     r"""The forward on complex input, for complex-step differentiation only.
 
     Takes the arguments of :func:`sdpa_forward` but accepts complex
@@ -280,7 +286,19 @@ def sdpa_forward_complex(query, key, value, *, method=None, block_size=None, **o
     rounding. :func:`sdpa_ref.check_vjp` with ``method="complex"`` uses it.
     It always computes in complex128 (``upcast`` must be True), with the
     ``"plain"`` or ``"tiled"`` engine (the fast engine is real-only).
+
+    ``precision`` must be ``"fast"``: ``"reproducible"`` is refused
+    (``sdpa_ref.api.COMPLEX_REPRODUCIBLE``), as its double-double arithmetic has no
+    complex ``exp`` (that needs ``cos`` and ``sin`` to about 100 bits).
+    Measured against 50-digit mpmath on 440 problems (dominant keys,
+    scores up to about 100, softcap, causal; plain and tiled), the fast
+    path's real part is within 6.5 ulps of the largest output entry, and the
+    complex step's derivative ``Im / h`` within 120 ulps of the largest
+    derivative entry (normwise; an entry that cancels has no relative bound).
     """
+    V.check_choice(precision, "precision", PRECISIONS)
+    if precision == "reproducible":
+        raise ValueError(COMPLEX_REPRODUCIBLE)
     opts = AttentionOptions.from_kwargs("sdpa_forward_complex", **options)
     if opts.qv is not None:
         raise ValueError("`qv` should be None for sdpa_forward_complex, but got an array: join it yourself, "

@@ -457,3 +457,57 @@ def test_every_entry_point_returns_writeable_arrays(dt):
     qc, kc = _RNG.standard_normal((2, 1, 2, 4)).astype(dt), _RNG.standard_normal((2, 5, 2, 4)).astype(dt)
     _own(flash_attn_with_kvcache(qc, kc, kc, return_softmax_lse=True), what="kvcache")
     _own(flash_attn_with_kvcache(qc, kc, kc, return_softmax_lse=True, num_splits=2), what="kvcache split")
+
+
+# ---------------------------------------------------------------- sdpa_forward_complex and precision
+
+
+def _mp_complex_attention(q, k, v, softcap=None, causal=False):
+    """Complex attention in 50-digit mpmath, plain loops: the exact value of the complex inputs' formula."""
+    import mpmath
+    ctx = mpmath.MPContext()
+    ctx.dps = 50
+    B, H, L, E = q.shape
+    S, Ev = k.shape[2], v.shape[3]
+    sc = ctx.mpf(float(1 / np.sqrt(E)))
+    out = np.empty((B, H, L, Ev), dtype=object)
+    for b, h, i in np.ndindex(B, H, L):
+        js = [j for j in range(S) if not causal or j <= i]
+        t = []
+        for j in js:
+            raw = sc * ctx.fsum(ctx.mpc(q[b, h, i, e].real, q[b, h, i, e].imag)
+                                * ctx.mpc(k[b, h, j, e].real, k[b, h, j, e].imag) for e in range(E))
+            t.append(softcap * ctx.tanh(raw / softcap) if softcap else raw)
+        m = max(x.real for x in t)
+        ex = [ctx.exp(x - m) for x in t]
+        tot = ctx.fsum(ex)
+        for e in range(Ev):
+            out[b, h, i, e] = ctx.fsum(ex[n] / tot * ctx.mpc(v[b, h, j, e].real, v[b, h, j, e].imag)
+                                       for n, j in enumerate(js))
+    return out
+
+
+@pytest.mark.parametrize("kind", ("plain", "dominant", "large", "softcap"))
+def test_complex_forward_refuses_reproducible_and_meets_its_measured_bound(kind):
+    """``precision="reproducible"`` is refused with its reason; the fast path's complex step stays within the
+    bound the refusal states (normwise, against mpmath), on both engines."""
+    pytest.importorskip("mpmath")
+    from tolerances import COMPLEX_FORWARD_NORMWISE, COMPLEX_STEP_NORMWISE
+    rng = np.random.default_rng(40)
+    q, k, v = rng.standard_normal((1, 2, 3, 4)), rng.standard_normal((1, 2, 5, 4)), rng.standard_normal((1, 2, 5, 3))
+    if kind == "dominant":
+        k[..., 1, :] = q[..., 0, :] * 10
+    elif kind == "large":
+        q = q * 30
+    h = 1e-30
+    qc, kc, vc = (x + 1j * h * rng.standard_normal(x.shape) for x in (q, k, v))
+    opts = dict(softcap=5.0) if kind == "softcap" else {}
+    with pytest.raises(ValueError, match="`precision` should be 'fast' for sdpa_forward_complex.*no complex exp"):
+        sdpa_ref.sdpa_forward_complex(qc, kc, vc, precision="reproducible", **opts)
+    exact = _mp_complex_attention(qc, kc, vc, softcap=opts.get("softcap"), causal=True)
+    re_ex = np.vectorize(lambda z: float(z.real))(exact)
+    im_ex = np.vectorize(lambda z: float(z.imag / h))(exact)
+    for kw in (dict(method="plain"), dict(method="tiled", block_size=2)):
+        got = sdpa_ref.sdpa_forward_complex(qc, kc, vc, is_causal=True, precision="fast", **kw, **opts)
+        assert np.max(np.abs(got.real - re_ex)) <= COMPLEX_FORWARD_NORMWISE * np.max(np.abs(re_ex))
+        assert np.max(np.abs(got.imag / h - im_ex)) <= COMPLEX_STEP_NORMWISE * np.max(np.abs(im_ex))
