@@ -86,11 +86,13 @@ __all__ = [
     "softcap_jvp",
     "softcap_sech2",
     "softcap_sech2_jvp",
+    "softcap_sech2_jvp_in",
     "softcap_vjp",
     "transform_scores",
     "transform_scores_in",
     "transform_scores_jvp",
     "transform_scores_slope_jvp",
+    "transform_scores_slope_jvp_in",
     "transform_scores_vjp",
     "transform_scores_vjp_jvp",
     "unbroadcast",
@@ -165,6 +167,9 @@ class ScoreStage:
         tangent of the chain's slope, ``pre^2 f''(t; c) dt`` with ``s = f'(t; c)``, ``dt`` the raw scores'
         tangent and ``pre`` the product of the slopes of the stages before it (None: it is the first).
         None: no second order through the stage (a ``ValueError`` there).
+    slope_jvp_in : callable, optional
+        The same over an arithmetic ``X``: ``slope_jvp_in(X, t, c, s, dt, at, pre)`` (values of ``X``); the
+        reproducible double backward runs it. None: not over an arithmetic (a ``ValueError`` there).
     terms : callable, optional
         Additive: ``terms(at, dtype) -> tuple of arrays or None``: the problem's term(s) on the block ``at``
         (a :class:`ScoreBlock`), None when the problem has none.
@@ -185,6 +190,7 @@ class ScoreStage:
     examples: tuple = ()
     slope: Optional[Callable] = None
     slope_jvp: Optional[Callable] = None
+    slope_jvp_in: Optional[Callable] = None
     terms: Optional[Callable] = None
     zero_masked_slope: bool = True
 
@@ -325,6 +331,14 @@ def softcap_sech2_jvp(t, cap, sech2, dt):
         return (t.dtype.type(-2) * th * sech2 * dt) / c
 
 
+def softcap_sech2_jvp_in(X, t, cap, sech2, dt):
+    r""":func:`softcap_sech2_jvp` over an arithmetic ``X``: :math:`-\tfrac{2}{c} \tanh(t / c)\,
+    \operatorname{sech}^2(t / c)\, \dot t`, ``tanh`` of ``t`` clamped as :func:`softcap_forward_in` clamps it
+    (``sech2`` is its slope there), the division by ``cap`` last."""
+    th = X.tanh(X.div(X.clamp(t, 1024.0 * cap), X.lift(cap)))
+    return X.div(X.mul_d(X.mul(X.mul(th, sech2), dt), -2.0), X.lift(cap))
+
+
 def softcap_forward_in(X, t, cap):
     """``(cap * tanh(t / cap), sech^2(t / cap))`` in the arithmetic ``X`` (``X.sech2``: without cancellation in
     double-double, ``1 - tanh^2`` in a low precision, as such a kernel computes it). Beyond ``|t| = 1024 cap``
@@ -355,6 +369,8 @@ SOFTCAP = ScoreStage(
     slope=lambda t, cap, at: softcap_sech2(t, cap),
     slope_jvp=lambda t, cap, s, dt, at, pre: (softcap_sech2_jvp(t, cap, s, dt) if pre is None
                                               else pre * pre * softcap_sech2_jvp(t, cap, s, dt)),
+    slope_jvp_in=lambda X, t, cap, s, dt, at, pre: (softcap_sech2_jvp_in(X, t, cap, s, dt) if pre is None else
+                                                    X.mul(X.mul(pre, pre), softcap_sech2_jvp_in(X, t, cap, s, dt))),
     zero_masked_slope=False,                      # finite wherever the raw score is: kept as computed
     doc=r"""
         softcap : float > 0
@@ -403,7 +419,8 @@ SCORE_MOD = ScoreStage(
             the scale and softcap, before the float mask, bias, ALiBi and the
             allowed set. A :class:`~sdpa_ref.ScoreMod` adds its derivative
             and captured tensors, whose gradients are ``grads.score_mod``.
-            Not with ``precision="reproducible"``.""")
+            With ``precision="reproducible"``: faithful to the exact
+            attention over the function's float64 values.""")
 
 
 # ------------------------------------------ additive terms: T = T + B (float mask, bias)
@@ -685,18 +702,24 @@ def _has_form_in(stage, X):
                          f"({type(X).__name__}): the score stage {stage.name!r} has no form over an arithmetic")
 
 
-def transform_scores_vjp(dT, sech2, out=None):
+def transform_scores_vjp(dT, sech2, out=None, X=None):
     """``dT`` (the gradient of the final scores) -> ``dTraw``: times the chain's slope when an element-wise stage
-    runs (``sech2``, from :func:`transform_scores`).
+    runs (``sech2``, from :func:`transform_scores`); over the arithmetic ``X`` when given (``out`` unused).
 
     The additive terms' gradient is ``dT`` itself (:func:`additive_vjp`);
     ALiBi and the -inf exclusions are constants.
     """
+    if X is not None:
+        return dT if sech2 is None else X.mul(dT, sech2)
     return dT if sech2 is None else softcap_vjp(sech2, dT, out=out)
 
 
-def transform_scores_jvp(dTraw, sech2, dB=None):
-    """``dTraw`` -> ``dT``: times the chain's slope, plus the additive terms' tangent (the bias's)."""
+def transform_scores_jvp(dTraw, sech2, dB=None, X=None):
+    """``dTraw`` -> ``dT``: times the chain's slope, plus the additive terms' tangent (the bias's, a float array);
+    over the arithmetic ``X`` when given."""
+    if X is not None:
+        dT = dTraw if sech2 is None else X.mul(dTraw, sech2)
+        return dT if dB is None else X.add_d(dT, dB)
     dT = dTraw if sech2 is None else softcap_jvp(sech2, dTraw)
     return additive_jvp(dT, dB)
 
@@ -740,8 +763,42 @@ def transform_scores_slope_jvp(prob, Traw, slope, dTraw, rows=None, cols=None, a
     return np.where(allowed, d, d.dtype.type(0))
 
 
-def transform_scores_vjp_jvp(dT, ddT, sech2, dsech2):
+def transform_scores_vjp_jvp(dT, ddT, sech2, dsech2, X=None):
     """The tangent of :func:`transform_scores_vjp`: ``ddT`` (the tangent of ``dT``) times the chain's slope, plus
     ``dT`` times the tangent of the slope (``dsech2``, :func:`transform_scores_slope_jvp`). The additive terms
-    are linear in the scores, so their second derivative is 0."""
+    are linear in the scores, so their second derivative is 0. Over the arithmetic ``X`` when given."""
+    if X is not None:
+        return ddT if sech2 is None else X.add(X.mul(ddT, sech2), X.mul(dT, dsech2))
     return ddT if sech2 is None else softcap_vjp(sech2, ddT) + dT * dsech2
+
+
+def transform_scores_slope_jvp_in(X, prob, Traw, slope, dTraw, lead=None, rows=None):
+    """:func:`transform_scores_slope_jvp` over an arithmetic ``X`` (values of ``X``; the block of
+    :func:`transform_scores_in`: ``lead``, ``rows``, every key): the same sum over the running element-wise stages,
+    each stage's input and slope from its ``forward_in`` and its term from its ``slope_jvp_in``; 0 where the
+    chain's ``slope`` is 0 on an excluded entry of a stage with ``zero_masked_slope`` (never read). None without a
+    slope."""
+    if slope is None:
+        return None
+    at, run = ScoreBlock(prob, lead, rows), _running(prob.options)
+    for st, _ in run:
+        if st.slope_jvp_in is None:
+            raise ValueError(f"`{st.option}` should not be given to a second-order call in this arithmetic "
+                             f"({type(X).__name__}): the score stage {st.name!r} has no slope tangent over an "
+                             "arithmetic (`slope_jvp_in`)")
+    if len(run) == 1:
+        st, c = run[0]
+        return st.slope_jvp_in(X, Traw, c, slope, dTraw, at, None)
+    u, ins, slopes = Traw, [], []
+    for st, c in run:                                       # each stage's input u_{k-1} and slope f_k'
+        ins.append(u)
+        u, s = st.forward_in(X, u, c, at)
+        slopes.append(s)
+    d = pre = None
+    for k, (st, c) in enumerate(run):
+        term = st.slope_jvp_in(X, ins[k], c, slopes[k], dTraw, at, pre)
+        for s in slopes[k + 1:]:
+            term = X.mul(term, s)
+        d = term if d is None else X.add(d, term)
+        pre = slopes[k] if pre is None else X.mul(pre, slopes[k])
+    return d
