@@ -18,22 +18,23 @@ import numpy as np
 
 from . import _validate as V
 from . import attention, poison
-from .engines import second
+from .engines import reproducible_second, second
 from ._threads import single_threaded_blas
-from .api import sdpa_forward
+from .api import PRECISIONS, sdpa_forward
 from .derivatives import cotangents, input_tangents, sdpa_backward, user_grads
 from .score_mod import as_score_mod
 
 __all__ = ["sdpa_backward_jvp", "sdpa_hvp"]
 
 #: Keywords of :func:`sdpa_forward` that choose a schedule second order does not have.
-_SCHEDULE = ("precision", "save_probs", "num_splits", "split_bounds")
+_SCHEDULE = ("save_probs", "num_splits", "split_bounds")
 #: The schedules of second order, by ``method=``.
 METHODS = ("plain", "tiled")
 
 
 def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, grad_lse=None,
-                      grad_lse_tangent=None, method=None, block_size=None, layout=None, **options):
+                      grad_lse_tangent=None, method=None, block_size=None, layout=None, precision="fast",
+                      **options):
     r"""The double backward: the gradients of attention and their tangent, ``(grads, grads_tangent)``.
 
     Parameters
@@ -65,12 +66,21 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
     layout : {"bhsd", "bshd"}, Packed or KVCache, optional
         As in :func:`sdpa_forward`; tangents and cotangents in the layout's
         shapes, results in it too.
+    precision : {"fast", "reproducible"}, optional
+        As in :func:`sdpa_forward`. ``"reproducible"`` (``method`` and
+        ``block_size`` then None): both results from the reproducible
+        engine, the tangent by
+        :func:`sdpa_ref.engines.reproducible_second.backward_jvp`, the plain
+        schedule's formulas in double-double with exact products, each
+        float64 result faithfully rounded (within one ulp of the exact
+        value, with SEMANTICS.md's cancellation exemption) and the same bits
+        under every thread count, BLAS and SIMD level.
     **options
         The keyword arguments of :func:`sdpa_forward` that say what is
         computed (masks, bias, softcap, ALiBi, sinks, dropout, ``qv``, the
         policy, a mask function or block mask, a score function with its
         ``grad`` or ``grad2`` and no captured tensor, ...). Not
-        ``precision``, ``num_splits``, ``split_bounds`` or ``save_probs``.
+        ``num_splits``, ``split_bounds`` or ``save_probs``.
 
     Returns
     -------
@@ -113,6 +123,11 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
         if name in options:
             raise TypeError(f"`{name}` should not be given: second order has the plain and tiled schedules in "
                             f"float64 or the inputs' dtype, but got {name}={options[name]!r}")
+    V.check_choice(precision, "precision", PRECISIONS)
+    exact = precision == "reproducible"
+    if exact and (method is not None or block_size is not None):
+        raise ValueError("`method` and `block_size` should be None with precision='reproducible' (it has its own "
+                         f"engine), but got method={method!r}, block_size={block_size!r}")
     method = method if method is not None else ("plain" if block_size is None else "tiled")
     V.check_choice(method, "method", METHODS)
     if method == "plain" and block_size is not None:
@@ -121,8 +136,9 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
     if mod is not None and mod.params:
         raise ValueError("`score_mod` should capture no tensor for second order (the tangent of their gradient is "
                          f"not computed), but captures {len(mod.params)}")
-    _, res = sdpa_forward(*primals, method=method, layout=layout, save_probs=True,
-                          **dict(options, **({} if block_size is None else {"block_size": block_size})))
+    schedule = {"precision": precision} if exact else {"method": method, **({} if block_size is None else
+                                                                             {"block_size": block_size})}
+    _, res = sdpa_forward(*primals, layout=layout, save_probs=True, **dict(options, **schedule))
     prob = res.problem
     grads = sdpa_backward(res, grad_out, grad_lse=grad_lse)
     dO, do_bad, dlse, dl_bad = cotangents(res, grad_out, grad_lse)
@@ -135,15 +151,20 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
     (dq, dk, dv, db, ds), (bq, bk, bv, bb, bs), dv_full = input_tangents(res, tangents)
     with single_threaded_blas():
         args = (prob, res.forward, dO, dlse, dq, dk, dv, db, ds, ddO, ddlse)
-        gt = attention.backward_jvp(*args) if method == "plain" else second.backward_jvp(
-            *args, block_size=res.block_size)
+        if exact:
+            gt = reproducible_second.backward_jvp(*args, absorbed=res.absorbed)
+        elif method == "plain":
+            gt = attention.backward_jvp(*args)
+        else:
+            gt = second.backward_jvp(*args, block_size=res.block_size)
         jb = poison.jvp_taint(prob, res.taint, (dq, dk, dv, db), (bq, bk, bv, bb), dv_full, ds, bs)
         rows_bad, lse_bad = _union(do_bad, ddo_bad, jb), _union(dl_bad, ddl_bad)
         bad = poison.backward_taint(prob, res.taint, dO, rows_bad, dlse if dlse is not None else ddlse, lse_bad)
     return grads, user_grads(res, gt, bad)
 
 
-def sdpa_hvp(primals, tangents, grad_out, *, grad_lse=None, method=None, block_size=None, layout=None, **options):
+def sdpa_hvp(primals, tangents, grad_out, *, grad_lse=None, method=None, block_size=None, layout=None,
+             precision="fast", **options):
     r"""The Hessian-vector product of the loss :math:`\langle dO, O\rangle + \langle dlse, \mathrm{LSE}\rangle`
     along ``tangents``: :func:`sdpa_backward_jvp` with the cotangents held fixed (its ``grads_tangent``).
 
@@ -165,7 +186,7 @@ def sdpa_hvp(primals, tangents, grad_out, *, grad_lse=None, method=None, block_s
             raise TypeError(f"`{name}` should not be given to sdpa_hvp (its cotangents are held fixed; the "
                             "double backward with their tangents is sdpa_backward_jvp), but got it")
     return sdpa_backward_jvp(primals, tangents, grad_out, grad_lse=grad_lse, method=method, block_size=block_size,
-                             layout=layout, **options)[1]
+                             layout=layout, precision=precision, **options)[1]
 
 
 def _union(*bads):

@@ -1,0 +1,111 @@
+r"""``precision="reproducible"``'s double backward: the plain engine's second order, rounded once.
+
+:func:`backward_jvp` is :func:`sdpa_ref.attention.backward_jvp` (each line of the backward differentiated by
+the product rule) evaluated in the problem's arithmetic (:func:`sdpa_ref.exact.arith.for_problem`): in float64,
+double-double with every matrix product formed exactly by the Ozaki scheme, each result rounded to float64 once,
+at the end, as the first-order reproducible engine (:mod:`sdpa_ref.engines.reproducible`) does. The formulas
+are the stages' own, run over the arithmetic, not copied:
+
+* the softmax's second order, every row sum pivoted at the row's largest probability (the extra logits, sinks,
+  included): :func:`sdpa_ref.normalize.vjp_jvp_scores` over ``X``;
+* the score chain's tangent, slope and the slope's tangent (softcap's
+  :math:`-\tfrac{2}{c}\tanh\,\operatorname{sech}^2`): :func:`sdpa_ref.transforms.transform_scores_jvp`,
+  :func:`~sdpa_ref.transforms.transform_scores_slope_jvp_in`, :func:`~sdpa_ref.transforms.transform_scores_vjp_jvp`;
+* dropout's :math:`Z / (1 - p)`: :func:`sdpa_ref.transforms.dropout_in`; the policy's constant rows:
+  :func:`sdpa_ref.policy.constant_rows`; every sum to a broadcast input's shape:
+  :func:`sdpa_ref.broadcast.unbroadcast` in the arithmetic's fixed order; MLA's ``qv``: the joined gradients'
+  tangents split in the arithmetic (:meth:`sdpa_ref.absorbed.Absorbed.split`) before the one rounding.
+
+The forward's full-precision ``P``, ``P_drop``, softcap's :math:`\operatorname{sech}^2` and the extra columns'
+probability are its residuals' (``Forward.extra``). Every step is an IEEE operation element by element, a
+fixed-order sum or an exact product, so the bits do not depend on the thread count, the BLAS or the SIMD level,
+and every float64 result is within one ulp of the exact value of the formula on the given inputs, with the
+first order's exemption: a value that is itself the result of a cancellation of more than about ``2**45``
+(SEMANTICS.md, "Reproducible precision").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..broadcast import unbroadcast
+from ..exact.arith import for_problem
+from ..normalize import extra_shape, vjp_jvp_scores
+from ..policy import constant_rows, counts
+from ..transforms import dropout_in, transform_scores_jvp, transform_scores_slope_jvp_in, transform_scores_vjp, \
+    transform_scores_vjp_jvp
+from .contract import Forward, Grads
+from .reproducible import _fold, _fold_q, _full, _grouped, _kv, _quiet, _round, _t
+
+__all__ = ["backward_jvp"]
+
+
+@_quiet
+def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, dbias=None, dextra=None, ddO=None,
+                 ddlse=None, *, arith=None, absorbed=None) -> Grads:
+    """The tangent of the reproducible backward, with :func:`sdpa_ref.attention.backward_jvp`'s arguments (the
+    forward of :func:`sdpa_ref.engines.reproducible.forward`, tangents in the core's layouts, None zero), every
+    gradient's tangent rounded once. ``arith``: the arithmetic (default: the problem's); ``absorbed``: MLA's
+    ``qv`` joined (:class:`sdpa_ref.absorbed.Absorbed`), whose split then rides in ``Grads.absorbed``."""
+    X = arith or for_problem(prob)
+    o, full, keep, p = prob.options, prob.full_scores, prob.keep, prob.options.dropout_p
+    P, Pd, sd, pe = (fwd.extra[n] for n in ("P", "Pd", "sech2", "p_extra"))
+    cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))
+
+    def const(x):                                                   # the policy's constant rows: no derivative
+        return x if cr is None or x is None else X.where(cr, X.const(0.0), x)
+
+    def zeros():
+        return X.lift(np.zeros(full))
+
+    dOg, vT = _grouped(dO, prob), _t(_kv(prob.v))
+    # the backward's own line that the tangent reads: dP = (dO V^T) Z / (1 - p)
+    dP = dropout_in(X, _full(X.matmul(dOg, vT), prob), keep, p)
+    # the forward's tangent: Traw' = s (dQ K^T + Q dK^T), T' = Traw' sech^2 + dB
+    traw_t = _sum(X, None if dq is None else X.matmul(dq, _t(_kv(prob.k))),
+                  None if dk is None else X.matmul(prob.q, _t(_kv(dk))))
+    traw_t = zeros() if traw_t is None else _full(X.mul_d(traw_t, prob.scale), prob)
+    t_t = transform_scores_jvp(traw_t, sd, dbias, X=X)
+    # dP' = (ddO V^T + dO dV^T) Z / (1 - p)
+    ddP = _sum(X, None if ddO is None else X.matmul(_grouped(ddO, prob), vT),
+               None if dv is None else X.matmul(dOg, _t(_kv(dv))))
+    ddP = zeros() if ddP is None else dropout_in(X, _full(ddP, prob), keep, p)
+    # the softmax's second order, every row sum pivoted (normalize.vjp_jvp_scores, over X)
+    dT, Pt, ddT, ext = vjp_jvp_scores(P, dP, t_t, ddP, pe, dextra, dlse, ddlse, X=X)
+    dT, Pt, ddT = const(dT), const(Pt), const(ddT)
+    ddx = None if ext is None else const(ext[2])
+    # dV = P_drop^T dO  =>  dV' = P_drop'^T dO + P_drop^T ddO, the GQA group folded into the contraction
+    dv_t = _sum(X, X.matmul(_t(_fold(_grouped(dropout_in(X, Pt, keep, p), prob))), _fold(dOg)),
+                None if ddO is None else X.matmul(_t(_fold(_grouped(Pd, prob))), _fold(_grouped(ddO, prob))))
+    dmask = None if prob.mask_float is None else _round(X, unbroadcast(ddT, prob.shapes["attn_mask"], X))
+    dbias_t = None if prob.bias is None else _round(X, unbroadcast(ddT, prob.shapes["bias"], X))
+    # dTraw = dT sech^2  =>  dTraw' = dT' sech^2 + dT (sech^2)'
+    dsd = None
+    if sd is not None:
+        Traw = _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale), prob)     # the forward's, bit for bit
+        dsd = transform_scores_slope_jvp_in(X, prob, Traw, sd, traw_t)
+    dTraw = transform_scores_vjp(dT, sd, X=X)
+    ddTraw = transform_scores_vjp_jvp(dT, ddT, sd, dsd, X=X)
+    # dQ = s dTraw K, dK = s dTraw^T Q  =>  dQ' = s (dTraw' K + dTraw K'), dK' = s (dTraw'^T Q + dTraw^T Q')
+    dTg, ddTg = _grouped(dTraw, prob), _grouped(ddTraw, prob)
+    dq_t = _sum(X, X.matmul(ddTg, _kv(prob.k)), None if dk is None else X.matmul(dTg, _kv(dk)))
+    dq_t = _full(X.mul_d(dq_t, prob.scale), prob)
+    dk_t = _sum(X, X.matmul(_t(_fold(ddTg)), _fold_q(prob)),
+                None if dq is None else X.matmul(_t(_fold(dTg)),
+                                                 _fold(np.broadcast_to(dq, prob.batch + dq.shape[-4:]))))
+    dk_t = X.mul_d(dk_t, prob.scale)
+    dextra_t = None
+    if ddx is not None:                                             # summed over the rows, then to (..., Hq)
+        dextra_t = _round(X, unbroadcast(X.sum(X.at(ddx, (Ellipsis, 0)), axis=-1), extra_shape(prob), X))
+    dq_t, dk_t, dv_t = (unbroadcast(x, prob.shapes[n], X) for x, n in ((dq_t, "query"), (dk_t, "key"),
+                                                                         (dv_t, "value")))
+    split = None if absorbed is None else tuple(_round(X, x) for x in absorbed.split(dq_t, dk_t, dv_t, arith=X))
+    return Grads(dq=_round(X, dq_t), dk=_round(X, dk_t), dv=_round(X, dv_t), dmask=dmask, dbias=dbias_t,
+                 dextra=dextra_t, absorbed=split)
+
+
+def _sum(X, a, b):
+    """``a + b`` of two values of ``X``, either None (zero); None when both are."""
+    if a is None or b is None:
+        return b if a is None else a
+    return X.add(a, b)
