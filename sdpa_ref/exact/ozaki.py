@@ -134,17 +134,33 @@ def _line_max(x, axis):
     return np.max(np.abs(x), axis=axis, keepdims=True)
 
 
-def _products(a, b, n):
+def _products(a, b, n, rows=None, cols=None):
     """The dd sum of the products ``a[p] @ b[q]``, ``p + q < n``, smallest level first (a fixed order).
 
     A product of level ``l = p + q`` is below ``2**(-beta l)`` of ``|A||B|``: levels 3 and up are summed in
     float64 (their rounding is below ``2**(-53 - 3 beta)``), the rest into a dd.
+
+    A product is formed only on the rows of ``a[p]`` and the columns of ``b[q]`` that hold a nonzero entry
+    (:func:`_product`); a float64 operand's line is often cut in fewer slices than ``n`` (its 53 bits, and the
+    exponents it spans, fit in three), and what its zero slices would add is an exact ``+0``, which moves no
+    bit of the dd sum: a product's entry that is zero is ``+0`` (a GEMM's sum starts from ``+0``, and
+    ``x + (-x)`` is ``+0``), so the sum never holds ``-0``, and adding ``+0`` to a normalised dd gives it back.
+    ``rows`` and ``cols``: those lines (:func:`_nonzero`), found here when not given; :data:`_ALL` where a
+    slice holds a NaN or an infinity (whose product with a zero is NaN: every product is then formed in full).
     """
     acc = None
     lib = kernels()
+    rows = _nonzero([_line_max(x, -1) for x in a[:n]]) if rows is None else rows
+    cols = _nonzero([_line_max(x, -2) for x in b[:n]]) if cols is None else cols
+    if rows is _ALL or cols is _ALL:                       # a NaN or an infinity: every product is formed
+        rows, cols = [np.ones(x.shape[:-1], bool) for x in a[:n]], [np.ones(x.shape[-1:], bool) for x in b[:n]]
+    else:
+        rows, cols = [x[..., 0] for x in rows], [x[..., 0, :] for x in cols]
     for lev in range(n - 1, -1, -1):
         for p in range(lev + 1):
-            c = np.matmul(a[p], b[lev - p])                # exact (see the module docstring)
+            c = _product(a[p], b[lev - p], rows[p], cols[lev - p])     # exact (see the module docstring)
+            if c is None:                                  # exactly zero: it adds nothing
+                continue
             if acc is None:
                 acc = (c, np.zeros_like(c))
             elif lev >= 3:
@@ -153,7 +169,52 @@ def _products(a, b, n):
                 acc = dd_add_d_inplace(lib, acc, c)
             else:
                 acc = dd_add_d(acc, c)
+    if acc is None:                                        # every product is zero
+        z = np.zeros(np.broadcast_shapes(a[0].shape[:-2], b[0].shape[:-2]) + (a[0].shape[-2], b[0].shape[-1]))
+        return z, z.copy()
     return fast_two_sum(*acc)
+
+
+#: A slice's product is formed on its nonzero rows (columns) alone when at most this share of them is nonzero.
+_SPARSE_SHARE = 0.5
+
+
+#: What :func:`_nonzero` gives for slices that hold a NaN or an infinity: every line counts.
+_ALL = "all"
+
+
+def _nonzero(maxima):
+    """``[m != 0 for m in maxima]``, the lines of each slice that hold a nonzero entry, from their maxima of
+    ``|x|`` (keepdims); :data:`_ALL` when one is not finite."""
+    if not all(np.isfinite(m).all() for m in maxima):
+        return _ALL
+    return [m != 0 for m in maxima]
+
+
+def _product(A, B, ra, cb):
+    """``A @ B`` for the slices ``A`` ``(nb, M, K)`` and ``B`` ``(nb, K, N)`` whose nonzero rows and columns are
+    ``ra`` ``(nb, M)`` and ``cb`` ``(nb, N)`` (or without ``nb``); None where it is zero. With one batch entry, a
+    product whose nonzero rows or columns are few is formed on those alone and the rest is ``+0``: its entries
+    are exact sums, the same value in any GEMM, and a zero sum is ``+0`` in every one."""
+    if not ra.any() or not cb.any():
+        return None
+    if ra.size != A.shape[-2] or cb.size != B.shape[-1]:          # several batch entries
+        return np.matmul(A, B)
+    r, c = ra.reshape(-1), cb.reshape(-1)
+    r = np.flatnonzero(r) if r.sum() <= _SPARSE_SHARE * r.size else None
+    c = np.flatnonzero(c) if c.sum() <= _SPARSE_SHARE * c.size else None
+    if r is None and c is None:
+        return np.matmul(A, B)
+    A2, B2 = A.reshape(A.shape[-2:]), B.reshape(B.shape[-2:])
+    out = np.zeros(A2.shape[:1] + B2.shape[1:])
+    prod = np.matmul(A2 if r is None else A2[r], B2 if c is None else B2[:, c])
+    if r is None:
+        out[:, c] = prod
+    elif c is None:
+        out[r] = prod
+    else:
+        out[np.ix_(r, c)] = prod
+    return out.reshape(np.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + out.shape)
 
 
 #: Levels a ``final=True`` block tries first (10 of the products).
@@ -179,6 +240,11 @@ def _level_bound(ra, rb, ma, mb, sa, sb, K):
             if p + q >= t:
                 left = left + np.minimum(sa[p] * mb[q], ma[p] * sb[q])
     return left * (1 + 2.0 ** -20)
+
+
+def _at(cols, b, t):
+    """The first ``t`` of the column masks ``cols`` (or :data:`_ALL`) at the batch entries ``b``."""
+    return cols if cols is _ALL else [x[b] for x in cols[:t]]
 
 
 def matmul(A, B, bits=104, final=False, scale=None):
@@ -213,15 +279,18 @@ def matmul(A, B, bits=104, final=False, scale=None):
         return z, z.copy()
     rho, n = _rho(K), n_slices(K, bits)
     M, N = shape[-2], shape[-1]
-    sb, _, eb = _normalised_slices(B, -2, n, rho)
     t = QUICK_LEVELS
     quick = final and n > t
-    if quick:
-        mbq = [np.broadcast_to(_line_max(x, -2), shape[:-2] + (1, N)).reshape(-1, 1, N) for x in sb[:t]]
+    if quick:                                              # the first t slices, their remainder, then the rest
+        sb, rbq, eb = _normalised_slices(B, -2, t, rho)    # (cutting on from a remainder: the same slices)
+        sb = sb + _slices(rbq, -2, n - t, rho)[0]
         sbq = [np.broadcast_to(np.sum(np.abs(x), axis=-2, keepdims=True), shape[:-2] + (1, N)).reshape(-1, 1, N)
                for x in sb[:t]]                            # exact: K entries on one grid of few bits
-        _, rbq, _ = _normalised_slices(B, -2, t, rho)
         rbq = np.broadcast_to(_line_max(rbq[0], -2) + _line_max(rbq[1], -2), shape[:-2] + (1, N)).reshape(-1, 1, N)
+    else:
+        sb, _, eb = _normalised_slices(B, -2, n, rho)
+    mbs = [np.broadcast_to(_line_max(x, -2), shape[:-2] + (1, N)).reshape(-1, 1, N) for x in sb]
+    cols = _nonzero(mbs)                                   # the columns each slice of B holds
     sb = [np.broadcast_to(x, shape[:-2] + (K, N)).reshape(-1, K, N) for x in sb]
     eb = np.broadcast_to(eb, shape[:-2] + (1, N)).reshape(-1, 1, N)
     Ah, Al = (None if x is None else np.broadcast_to(x, shape[:-2] + (M, K)).reshape(-1, M, K) for x in A)
@@ -236,22 +305,25 @@ def matmul(A, B, bits=104, final=False, scale=None):
             lib = kernels()
             if lib is not None:                            # normalised, sliced, with maxima and sums, compiled
                 aq, (amax, asum), ra, ea = slice_rows(lib, a[0], a[1], t, rho, stats=True, normalise=True)
-            else:
+                rows = _ALL if not all(np.isfinite(x).all() for x in asum) else _nonzero(amax)   # (its maxima
+            else:                                                                    # skip a NaN; its sums not)
                 aq, raq, ea = _normalised_slices(a, -1, t, rho)
                 ra = _line_max(raq[0], -1) + _line_max(raq[1], -1)
                 amax = [_line_max(x, -1) for x in aq]
                 asum = [np.sum(np.abs(x), axis=-1, keepdims=True) for x in aq]   # exact, in any order
-            h, l = _products(aq, [x[b] for x in sb[:t]], t)
-            bound = _level_bound(ra, rbq[b], amax, [x[b] for x in mbq], asum, [x[b] for x in sbq], K)
+                rows = _nonzero(amax)
+            h, l = _products(aq, [x[b] for x in sb[:t]], t, rows, _at(cols, b, t))
+            bound = _level_bound(ra, rbq[b], amax, [x[b] for x in mbs[:t]], asum, [x[b] for x in sbq], K)
             redo = ~np.all(bound <= 2.0 ** -55 * np.abs(h), axis=-1)            # (batch entries, rows)
             for i in np.flatnonzero(redo.any(axis=-1)):     # those rows take every level (rows are independent)
                 r = np.flatnonzero(redo[i])
                 h[i, r], l[i, r] = _products(_normalised_slices((a[0][i, r], None if a[1] is None else a[1][i, r]),
                                                                 -1, n, rho)[0],
-                                             [x[b][i] for x in sb], n)
+                                             [x[b][i] for x in sb], n, None,
+                                             None if cols is _ALL else [x[b][i] for x in cols])
         else:
             aq, _, ea = _normalised_slices(a, -1, n, rho)
-            h, l = _products(aq, [x[b] for x in sb], n)
+            h, l = _products(aq, [x[b] for x in sb], n, None, _at(cols, b, n))
         if scale is not None:                              # scale * (A B), before the result leaves [1/2, K)
             lib = kernels()
             h, l = dd_mul_d_scalar(lib, (h, l), scale) if lib is not None else dd_mul_d((h, l), np.float64(scale))
