@@ -95,6 +95,7 @@ __all__ = [
     "transform_scores_slope_jvp_in",
     "transform_scores_vjp",
     "transform_scores_vjp_jvp",
+    "zero_masked_slope_in",
     "unbroadcast",
     "unregister_score_stage",
 ]
@@ -407,11 +408,19 @@ def _score_mod_slope_jvp(t, mod, s, dt, at, pre):
     return fpp * dt if pre is None else pre * pre * fpp * dt
 
 
+def _score_mod_slope_jvp_in(X, t, mod, s, dt, at, pre):
+    """``pre^2 fn''(t) dt`` over ``X``: the curvature the function reports on the scores' values
+    (``X.elementwise``: in double-double, on each score rounded to float64, its float64 value taken as exact)."""
+    idx = at.indices()
+    term = X.mul(X.elementwise(lambda u: score_mod_curvature(mod, u, idx), t), dt)
+    return term if pre is None else X.mul(X.mul(pre, pre), term)
+
+
 SCORE_MOD = ScoreStage(
     name="score_mod", elementwise=True, option="score_mod", check=lambda x, name: as_score_mod(x), judged=False,
     forward=_score_mod, forward_in=_score_mod_in,
     slope=lambda t, mod, at: score_mod_forward(mod, t, at.indices(), slope=True)[1],
-    slope_jvp=_score_mod_slope_jvp,
+    slope_jvp=_score_mod_slope_jvp, slope_jvp_in=_score_mod_slope_jvp_in,
     doc=r"""
         score_mod : callable or ScoreMod
             FlexAttention's score function ``fn(score, b, h, q_idx, kv_idx)``,
@@ -772,12 +781,12 @@ def transform_scores_vjp_jvp(dT, ddT, sech2, dsech2, X=None):
     return ddT if sech2 is None else softcap_vjp(sech2, ddT) + dT * dsech2
 
 
-def transform_scores_slope_jvp_in(X, prob, Traw, slope, dTraw, lead=None, rows=None):
+def transform_scores_slope_jvp_in(X, prob, Traw, slope, dTraw, lead=None, rows=None, allowed=None):
     """:func:`transform_scores_slope_jvp` over an arithmetic ``X`` (values of ``X``; the block of
     :func:`transform_scores_in`: ``lead``, ``rows``, every key): the same sum over the running element-wise stages,
-    each stage's input and slope from its ``forward_in`` and its term from its ``slope_jvp_in``; 0 where the
-    chain's ``slope`` is 0 on an excluded entry of a stage with ``zero_masked_slope`` (never read). None without a
-    slope."""
+    each stage's input and slope from its ``forward_in`` and its term from its ``slope_jvp_in``; 0 outside
+    ``allowed`` (the block's allowed set, or None) where a stage says so (``zero_masked_slope``: never read, and
+    a user's function need not be finite there). None without a slope."""
     if slope is None:
         return None
     at, run = ScoreBlock(prob, lead, rows), _running(prob.options)
@@ -788,17 +797,29 @@ def transform_scores_slope_jvp_in(X, prob, Traw, slope, dTraw, lead=None, rows=N
                              "arithmetic (`slope_jvp_in`)")
     if len(run) == 1:
         st, c = run[0]
-        return st.slope_jvp_in(X, Traw, c, slope, dTraw, at, None)
-    u, ins, slopes = Traw, [], []
-    for st, c in run:                                       # each stage's input u_{k-1} and slope f_k'
-        ins.append(u)
-        u, s = st.forward_in(X, u, c, at)
-        slopes.append(s)
-    d = pre = None
-    for k, (st, c) in enumerate(run):
-        term = st.slope_jvp_in(X, ins[k], c, slopes[k], dTraw, at, pre)
-        for s in slopes[k + 1:]:
-            term = X.mul(term, s)
-        d = term if d is None else X.add(d, term)
-        pre = slopes[k] if pre is None else X.mul(pre, slopes[k])
-    return d
+        d = st.slope_jvp_in(X, Traw, c, slope, dTraw, at, None)
+    else:
+        u, ins, slopes = Traw, [], []
+        for st, c in run:                                   # each stage's input u_{k-1} and slope f_k'
+            ins.append(u)
+            u, s = st.forward_in(X, u, c, at)
+            slopes.append(s)
+        d = pre = None
+        for k, (st, c) in enumerate(run):
+            term = st.slope_jvp_in(X, ins[k], c, slopes[k], dTraw, at, pre)
+            for s in slopes[k + 1:]:
+                term = X.mul(term, s)
+            d = term if d is None else X.add(d, term)
+            pre = slopes[k] if pre is None else X.mul(pre, slopes[k])
+    if allowed is None or not any(st.zero_masked_slope for st, _ in run):
+        return d
+    return X.where(allowed, d, X.const(0.0))
+
+
+def zero_masked_slope_in(X, prob, slope, allowed):
+    """The chain's ``slope`` (a value of ``X``, or None) 0 outside ``allowed`` (None: everywhere allowed) when a
+    running stage says so (``zero_masked_slope``), as :func:`transform_scores` makes it: never read there, and a
+    user's function need not be finite at an excluded score."""
+    if slope is None or allowed is None or not any(st.zero_masked_slope for st, _ in _running(prob.options)):
+        return slope
+    return X.where(allowed, slope, X.const(0.0))

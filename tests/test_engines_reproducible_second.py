@@ -6,7 +6,8 @@ The oracles share no formula with the package's second order: each is a plain lo
 differentiated along the tangents (inputs and cotangents together) by a central difference at a precision far
 above the step's, as in ``tests/test_engines_second.py`` (whose adversarial cases are reused: a dominant key with
 its runner-up at ``P = e^-40``, a dominant sink at ``p_sink = 1 - 5e-18``, scores of 1.7e10) plus softcap
-saturated at ``|Traw / cap| = 32`` (``sech^2 ~ 1e-27``), each with and without ``grad_lse`` and its tangent.
+saturated at ``|Traw / cap| = 32`` (``sech^2 ~ 1e-27``) and a score function exact in float64 on the case's
+scores (``s^2 / 8``, with its two derivatives), each with and without ``grad_lse`` and its tangent.
 """
 
 import math
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from sdpa_ref import sdpa_backward_jvp, sdpa_hvp
+from sdpa_ref import ScoreMod, sdpa_backward_jvp, sdpa_hvp
 
 from helpers import assert_close_normwise, assert_faithful
 from oracle import mp_shifted, oracle_attention
@@ -32,12 +33,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FIELDS = ("query", "key", "value", "sinks")
 #: The edge cases (``tests/test_engines_second.py``'s, and a saturated softcap). Not its scores of 6.7e299:
 #: beyond the double-double range (about ``2**995``), where precision="reproducible" raises instead.
-CASES = ("dominant_key", "dominant_sink", "huge_1e10_key", "huge_1e10_sink", "saturated_softcap")
+CASES = ("dominant_key", "dominant_sink", "huge_1e10_key", "huge_1e10_sink", "saturated_softcap", "score_mod")
+#: A score function exact in float64 on the cases' dyadic scores, with both derivatives: ``s^2 / 8``.
+SQUARE = ScoreMod(lambda s, b, h, i, j: s * s / 8, grad=lambda s, b, h, i, j: s / 4,
+                  grad2=lambda s, b, h, i, j: np.full_like(s, 0.25), name="square")
 
 
 def _edge_case(name, rng):
     """``(primals, options, tangents)`` of one head ``(1, L, E)``; ``saturated_softcap``: raw scores of +-32 and
     4, 0 under ``softcap=1`` (``tanh`` is 1 - 1e-28 there)."""
+    if name == "score_mod":
+        # raw scores (0, -6, 14, -2) and (-4, 12, -5, -3) become s^2 / 8: a dominant key at 24.5 and 18
+        q = np.array([[1.0, 0.0], [0.0, 1.0]])
+        k = np.array([[0.0, -4.0], [-6.0, 12.0], [14.0, -5.0], [-2.0, -3.0]])
+        tangents = (_dyadic(rng, 1, 2, 2), _dyadic(rng, 1, 4, 2), _dyadic(rng, 1, 4, 2), None, None)
+        return (q[None], k[None], _dyadic(rng, 1, 4, 2)), {"scale": 1.0, "score_mod": SQUARE}, tangents
     if name != "saturated_softcap":
         return _case(name, rng)
     q = np.array([[4.0, 0.0], [0.0, 4.0]])
@@ -46,9 +56,10 @@ def _edge_case(name, rng):
     return (q[None], k[None], _dyadic(rng, 1, 4, 2)), {"scale": 1.0, "softcap": 1.0}, tangents
 
 
-def _mp_backward(mp, q, k, v, sink, dO, lam, scale, cap):
+def _mp_backward(mp, q, k, v, sink, dO, lam, scale, cap, square=False):
     """The backward of one head, plainly, in mpmath (rows of mpf): ``(dq, dk, dv, dsink)``, ``dsink`` summed over
-    the rows; softcap ``cap`` (None: none) as ``cap tanh(Traw / cap)``, its slope ``1 - tanh^2``."""
+    the rows; softcap ``cap`` (None: none) as ``cap tanh(Traw / cap)``, its slope ``1 - tanh^2``; with ``square``
+    the score function ``s^2 / 8`` after it (its slope ``s / 4``)."""
     L, E, S, Ev = len(q), len(q[0]), len(k), len(v[0])
     dq = [[mp.mpf(0)] * E for _ in range(L)]
     dk = [[mp.mpf(0)] * E for _ in range(S)]
@@ -58,6 +69,9 @@ def _mp_backward(mp, q, k, v, sink, dO, lam, scale, cap):
         raw = [scale * mp.fsum(q[i][e] * k[j][e] for e in range(E)) for j in range(S)]
         th = [mp.tanh(r / cap) for r in raw] if cap is not None else None
         T = [cap * t for t in th] if cap is not None else raw
+        U = T
+        if square:
+            T = [u * u / 8 for u in U]
         m = max(T + ([] if sink is None else [sink]))
         w = [mp.exp(t - m) for t in T]
         ws = mp.mpf(0) if sink is None else mp.exp(sink - m)
@@ -68,7 +82,8 @@ def _mp_backward(mp, q, k, v, sink, dO, lam, scale, cap):
         li = 0 if lam is None else lam[i]
         for j in range(S):
             dT = P[j] * (dP[j] - D + li)                       # the softmax's VJP with the LSE's cotangent
-            dTraw = dT if cap is None else dT * (1 - th[j] ** 2)
+            dTraw = dT * U[j] / 4 if square else dT
+            dTraw = dTraw if cap is None else dTraw * (1 - th[j] ** 2)
             for e in range(Ev):
                 dv[j][e] += P[j] * dO[i][e]
             for e in range(E):
@@ -100,7 +115,8 @@ def _mp_second(primals, opts, tangents, dO, lam=None, ddO=None, dlam=None):
         s = None if sink is None else mp.mpf(float(sink[0])) + eps * mp.mpf(float(0 if dsink is None else dsink[0]))
         g = moved(dO[0], np.zeros_like(dO[0]) if ddO is None else ddO[0], eps)
         la = None if lam is None else moved(lam, np.zeros_like(lam) if dlam is None else dlam, eps)[0]
-        return _mp_backward(mp, q, k, v, s, g, la, mp.mpf(sc), None if cap is None else mp.mpf(cap))
+        return _mp_backward(mp, q, k, v, s, g, la, mp.mpf(sc), None if cap is None else mp.mpf(cap),
+                            square="score_mod" in opts)
 
     hi, lo = at(h), at(-h)
     out = {}
@@ -179,10 +195,12 @@ def _rich_problem(rng, **extra):
 
 
 @pytest.mark.parametrize("extra", [{}, {"fully_masked": "uniform", "is_causal": True, "window": (0, 0)},
-                                   {"attention_chunk": 2, "sink_token_length": 1}, {"alibi_slopes": np.array([0.5, 0.25, 0.125, 1.0])}])
+                                   {"attention_chunk": 2, "sink_token_length": 1}, {"score_mod": SQUARE},
+                                   {"alibi_slopes": np.array([0.5, 0.25, 0.125, 1.0])}])
 def test_agrees_with_the_plain_second_order_on_every_option(extra):
     """The reproducible double backward is the plain one's formulas: the same results to the plain schedule's own
-    rounding (``F64_GRAD``), the gradients (the first result) bit for bit the reproducible backward's."""
+    rounding (``F64_GRAD``), the gradients (the first result) bit for bit the reproducible backward's. With the
+    score function, softcap and it make a chain of two curved stages (the slope's tangent a sum of two terms)."""
     rng = np.random.default_rng(7)
     primals, opts, tangents, g = _rich_problem(rng)
     opts.update(extra)

@@ -185,3 +185,25 @@ def test_a_stage_without_a_form_over_an_arithmetic_is_refused_there():
             sdpa_forward(q, k, v, bare=0.1, precision="reproducible", **kw)
     finally:
         unregister_score_stage("bare")
+
+
+def test_softcap_slope_tangent_over_double_double_is_faithful():
+    """softcap_sech2_jvp_in in double-double, rounded once, is within one ulp of -2/c tanh(t/c) sech^2(t/c) dt in
+    mpmath, saturated (|t/c| up to 40, sech^2 ~ 1e-34) and beyond the clamp; the NumPy form agrees to rounding."""
+    mpmath = pytest.importorskip("mpmath")
+    from helpers import assert_faithful
+    from sdpa_ref.exact.arith import DoubleDouble
+    from sdpa_ref.transforms import softcap_sech2_jvp, softcap_sech2_jvp_in
+
+    X, cap = DoubleDouble(), 1.5
+    t = np.array([-60.0, -3.0, -0.25, 0.0, 1e-3, 2.0, 17.5, 4000.0])
+    dt = np.linspace(-2.0, 3.0, t.size)
+    sech2 = X.sech2(X.div(X.clamp(X.lift(t), 1024.0 * cap), X.lift(cap)), None)
+    ans = X.value(softcap_sech2_jvp_in(X, X.lift(t), cap, sech2, X.lift(dt)))
+    ctx = mpmath.MPContext()
+    ctx.dps = 60
+    truth = np.array([-2 / ctx.mpf(cap) * ctx.tanh(ctx.mpf(x) / cap) / ctx.cosh(ctx.mpf(x) / cap) ** 2 * ctx.mpf(d)
+                      for x, d in zip(t, dt)], dtype=object)
+    assert_faithful(ans, truth, "softcap slope tangent")
+    ref = softcap_sech2_jvp(t, cap, X.value(sech2), dt)
+    np.testing.assert_allclose(ans, ref, rtol=F64_SUMS, atol=0)

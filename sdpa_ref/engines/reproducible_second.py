@@ -33,7 +33,7 @@ from ..exact.arith import for_problem
 from ..normalize import extra_shape, vjp_jvp_scores
 from ..policy import constant_rows, counts
 from ..transforms import dropout_in, transform_scores_jvp, transform_scores_slope_jvp_in, transform_scores_vjp, \
-    transform_scores_vjp_jvp
+    transform_scores_vjp_jvp, zero_masked_slope_in
 from .contract import Forward, Grads
 from .reproducible import _fold, _fold_q, _full, _grouped, _kv, _quiet, _round, _t
 
@@ -50,6 +50,8 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
     X = arith or for_problem(prob)
     o, full, keep, p = prob.options, prob.full_scores, prob.keep, prob.options.dropout_p
     P, Pd, sd, pe = (fwd.extra[n] for n in ("P", "Pd", "sech2", "p_extra"))
+    allowed = prob.allowed()
+    sd = zero_masked_slope_in(X, prob, sd, allowed)                 # a score function's slope: 0 where excluded
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))
 
     def const(x):                                                   # the policy's constant rows: no derivative
@@ -83,7 +85,7 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
     dsd = None
     if sd is not None:
         Traw = _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale), prob)     # the forward's, bit for bit
-        dsd = transform_scores_slope_jvp_in(X, prob, Traw, sd, traw_t)
+        dsd = transform_scores_slope_jvp_in(X, prob, Traw, sd, traw_t, allowed=allowed)
     dTraw = transform_scores_vjp(dT, sd, X=X)
     ddTraw = transform_scores_vjp_jvp(dT, ddT, sd, dsd, X=X)
     # dQ = s dTraw K, dK = s dTraw^T Q  =>  dQ' = s (dTraw' K + dTraw K'), dK' = s (dTraw'^T Q + dTraw^T Q')
