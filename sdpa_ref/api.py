@@ -162,8 +162,9 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         (float64, float32 or float16), every operation is rounded to the
         inputs' dtype, in a fixed order (products and sums accumulated in
         float32, float64 for float64): an honest computation in that
-        precision, the same bits everywhere. Many times slower; ``method`` and ``block_size`` must be
-        None.
+        precision, the same bits everywhere. Many times slower; ``method`` must be None or ``"split"`` and
+        ``block_size`` None. Split-KV (``num_splits``, ``split_bounds``) is a schedule: it is validated, and
+        the results are the unsplit ones, bit for bit (the exact value, rounded once).
     layout : {"bhsd", "bshd"}, sdpa_ref.layouts.Packed or KVCache, optional
         ``"bshd"`` (:mod:`sdpa_ref.axes`): ``query``, ``key``, ``value`` (and
         ``qv``) are ``(..., L, H, E)``, FlashAttention's and JAX's order, and
@@ -225,13 +226,18 @@ def sdpa_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
 
 def split_kv_partials(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                       enable_gqa=False, *, num_splits=None, split_bounds=None, block_size=None, layout=None,
-                      **options):
+                      precision="fast", **options):
     r"""Each split's own result, as a split-KV kernel writes it before its combine: ``(out_parts, lse_parts)``.
 
     The arguments are :func:`sdpa_forward`'s; ``num_splits`` or ``split_bounds`` (one of them) cuts each
     sequence's keys into splits, and split ``i`` is the attention of every row to the keys of split ``i``
     alone, under every other option. :func:`sdpa_ref.merge_attention` of the parts gives the attention over
     all keys; ``method="split"`` computes exactly that (:mod:`sdpa_ref.engines.splitkv`).
+
+    ``precision="reproducible"`` (``block_size`` then None): each part is the reproducible engine on its
+    split's keys alone, faithfully rounded (within 1 ulp of that part's exact ``out_i`` and ``lse_i``) and the
+    same bits everywhere; :func:`sdpa_ref.merge_attention` with ``precision="reproducible"`` merges them
+    faithfully too.
 
     Returns
     -------
@@ -256,9 +262,14 @@ def split_kv_partials(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     prob, gathered, _ = _problem(query, key, value, opts, layout)
     if prob.dtype.kind == "c":
         raise TypeError("`query` should be real for split_kv_partials, but got a complex dtype")
+    V.check_choice(precision, "precision", PRECISIONS)
+    if precision == "reproducible" and block_size is not None:
+        raise ValueError("`block_size` should be None with precision='reproducible' (it has its own engine, whose "
+                         f"bits no schedule changes), but got {block_size!r}")
     b = splitkv.bounds(prob, num_splits, split_bounds)
     with single_threaded_blas():
-        outs, lses = splitkv.partials(prob, b, block_size="auto" if block_size is None else block_size)
+        outs, lses = splitkv.partials(prob, b, block_size="auto" if block_size is None else block_size,
+                                      precision=precision)
     res_out, res_lse = [], []
     for i in range(len(outs)):
         taint = poison.forward_taint(splitkv.split_problem(prob, b, i)[0])    # what this split reads
@@ -344,11 +355,12 @@ def _engine(method, block_size, prob, allowed, precision="fast", splits=(None, N
     V.check_choice(precision, "precision", PRECISIONS)
     split = any(x is not None for x in splits)
     if precision == "reproducible":
-        if method is not None or block_size is not None or split:
-            raise ValueError("`method`, `block_size`, `num_splits` and `split_bounds` should be None with "
+        if method not in (None, "split") or block_size is not None:
+            raise ValueError("`method` should be None or 'split' and `block_size` None with "
                              "precision='reproducible' (it has its own engine, whose bits no schedule changes), "
-                             f"but got method={method!r}, block_size={block_size!r}"
-                             + (", and splits" if split else ""))
+                             f"but got method={method!r}, block_size={block_size!r}")
+        if split or method == "split":                  # a schedule, validated; the exact value is unsplit
+            splitkv.bounds(prob, *splits)
         return Engine("reproducible")
     if method is None:
         method = "split" if split else "tiled" if block_size is not None else allowed[0]

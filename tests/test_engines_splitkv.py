@@ -3,7 +3,9 @@
 Each split's partial is checked against a loop oracle (the softmax of the split's allowed scores, written out
 per row), the merged schedule (``method="split"``) against the unsplit result on every option, forward,
 backward and JVP; the split-KV backward a kernel would write (the merge's VJP, then each split's attention
-backward with its LSE cotangent) against the unsplit gradients; poison and layouts; bad input.
+backward with its LSE cotangent) against the unsplit gradients; poison and layouts; bad input. Under
+precision="reproducible": the split results are the unsplit ones bit for bit, and each partial is faithful
+against 50-digit mpmath.
 """
 
 import numpy as np
@@ -216,7 +218,7 @@ def test_the_split_gradients_match_central_differences():
     (dict(split_bounds=[4]), "`split_bounds`"),
     (dict(split_bounds=np.zeros((3, 2), int)), "`split_bounds`"),
     (dict(num_splits=2, method="tiled"), "`num_splits` and `split_bounds` should be None"),
-    (dict(num_splits=2, precision="reproducible"), "precision='reproducible'"),
+    (dict(num_splits=2, block_size=2, precision="reproducible"), "precision='reproducible'"),
     (dict(method="split"), "`num_splits` or `split_bounds`"),
 ])
 def test_bad_splits_name_their_argument(kw, match):
@@ -478,3 +480,86 @@ def test_num_splits_errors_name_the_argument(kw, match, entry):
     x, y = np.zeros((1, 1, 3, 2)), np.zeros((1, 1, 4, 2))
     with pytest.raises((ValueError, TypeError), match=match):
         (sdpa_forward if entry == "forward" else split_kv_partials)(x, y, y, **kw)
+
+
+# ---------------------------------------------------------------- precision="reproducible": a schedule, and exact
+
+
+_REPRO_OPTIONS = [
+    {},
+    dict(is_causal=True, sinks=np.array([0.5, -np.inf, 3.0, -1.0])),
+    dict(enable_gqa=True, attn_mask=np.random.default_rng(5).random((6, 9)) < 0.6, kv_lengths=[9, 4],
+         fully_masked="zero", softcap=3.0),
+    dict(window=(2, 1), is_causal=True, causal_alignment="bottom_right", bias=np.linspace(-1, 1, 54).reshape(6, 9)),
+    dict(layout="bshd", dropout_p=0.25, rng=3, alibi_slopes=np.array([0.5, 0.25, 0.1, 0.05])),
+]
+
+
+@pytest.mark.parametrize("opts", _REPRO_OPTIONS)
+@pytest.mark.parametrize("splits", [dict(num_splits=3), dict(method="split", split_bounds=[0, 1, 1, 7, 9])])
+def test_reproducible_split_is_the_unsplit_result_bit_for_bit(opts, splits):
+    """Under precision="reproducible" a split is a schedule and the exact value has none: the output, the LSE,
+    every gradient (with the LSE's cotangent) and the JVP are the unsplit ones, bit for bit."""
+    rng = np.random.default_rng(11)
+    bshd = opts.get("layout") == "bshd"
+    Hkv = 2 if opts.get("enable_gqa") else 4
+    shape = lambda L, H, E: (2, L, H, E) if bshd else (2, H, L, E)
+    q, k, v = rng.uniform(-2, 2, shape(6, 4, 5)), rng.uniform(-2, 2, shape(9, Hkv, 5)), rng.uniform(-2, 2, shape(9, Hkv, 3))
+    base_out, base_res = sdpa_forward(q, k, v, precision="reproducible", **opts)
+    out, res = sdpa_forward(q, k, v, precision="reproducible", **opts, **splits)
+    assert res.method == "reproducible"
+    g, g_lse = rng.uniform(-1, 1, out.shape), rng.uniform(-1, 1, res.lse.shape)
+    pairs = [(out, base_out), (res.lse, base_res.lse)]
+    pairs += zip(sdpa_backward(res, g, grad_lse=g_lse), sdpa_backward(base_res, g, grad_lse=g_lse))
+    t = tuple(np.flip(x, axis=-1).copy() for x in (q, k, v))
+    pairs.append((sdpa_jvp((q, k, v), t, precision="reproducible", **opts, **splits)[1],
+                  sdpa_jvp((q, k, v), t, precision="reproducible", **opts)[1]))
+    for a, b in pairs:
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_reproducible_splits_are_validated_and_block_size_refused():
+    q, k, v = (np.ones((1, 1, 3, 2)) for _ in range(3))
+    with pytest.raises(ValueError, match="`num_splits` should be a positive int"):
+        sdpa_forward(q, k, v, precision="reproducible", num_splits=0)
+    with pytest.raises(ValueError, match="`split_bounds` should start at 0"):
+        sdpa_forward(q, k, v, precision="reproducible", split_bounds=[1, 3])
+    with pytest.raises(ValueError, match="`num_splits` or `split_bounds` should be given"):
+        sdpa_forward(q, k, v, precision="reproducible", method="split")
+    for kw in (dict(method="tiled"), dict(num_splits=2, block_size=2)):
+        with pytest.raises(ValueError, match="precision='reproducible'"):
+            sdpa_forward(q, k, v, precision="reproducible", **kw)
+    with pytest.raises(ValueError, match="`block_size` should be None with precision='reproducible'"):
+        split_kv_partials(q, k, v, num_splits=2, block_size=2, precision="reproducible")
+    with pytest.raises(ValueError, match="`precision` should be one of"):
+        split_kv_partials(q, k, v, num_splits=2, precision="exact")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_reproducible_partials_are_faithful_against_mpmath(is_causal):
+    """Each part of split_kv_partials(precision="reproducible") within 1 ulp of the attention of its split's keys
+    alone in 50-digit mpmath (the loop oracle with the split as a mask), with huge scores and a dominant key;
+    a split without a key is (0, -inf); each part is the reproducible engine on those keys, bit for bit."""
+    from helpers import assert_faithful
+    from oracle import oracle_attention
+    rng = np.random.default_rng(3)
+    q, k, v = rng.uniform(-2, 2, (1, 2, 4, 3)), rng.uniform(-2, 2, (1, 2, 7, 3)), rng.uniform(-2, 2, (1, 2, 7, 2))
+    q[0, 1] *= 1e6                                            # scores of ~1e12 on the second head
+    k[0, 0, 2] *= 30.0                                        # a key that dominates its split
+    bounds = np.array([0, 3, 3, 7])
+    outs, lses = split_kv_partials(q, k, v, split_bounds=bounds, is_causal=is_causal, precision="reproducible")
+    assert not np.any(outs[1]) and np.all(np.isneginf(lses[1]))          # the empty split
+    for i in range(3):
+        keys = (np.arange(7) >= bounds[i]) & (np.arange(7) < bounds[i + 1])
+        allowed = keys & (np.tril(np.ones((4, 7), bool)) if is_causal else True)
+        if not allowed.any():
+            continue
+        mask = np.broadcast_to(np.where(allowed, 0.0, -np.inf), (1, 2, 4, 7))
+        t_out, t_lse = oracle_attention(q, k, v, mask=mask, num="mp")[:2]
+        assert_faithful(outs[i], t_out, f"out part {i}")
+        assert_faithful(lses[i], t_lse, f"lse part {i}")
+        ref, ref_res = sdpa_forward(q, k, v, attn_mask=np.broadcast_to(allowed, (4, 7)), fully_masked="zero",
+                                    precision="reproducible")
+        assert outs[i].tobytes() == ref.tobytes() and lses[i].tobytes() == ref_res.lse.tobytes()

@@ -20,6 +20,10 @@ normaliser as it joins a row's in every engine. The result equals the unsplit on
 The backward and the JVP are the tiled engine's, which recompute each row's normaliser from the scores they
 recompute (a score recomputed in another block shape may be an ulp off the forward's).
 
+Under ``precision="reproducible"`` a split is a schedule and the exact value has none: the API runs the
+reproducible engine on the whole problem (the unsplit results, bit for bit, in every output and gradient), and
+:func:`partials` runs it on each split's own problem (each part faithfully rounded).
+
 ``bounds`` are per sequence: an int array broadcastable to ``(*batch, n + 1)``, ``0`` first, non-decreasing,
 the last at least the sequence's key count; split ``i`` holds the keys ``b_i <= j < b_{i+1}`` (its dense key
 positions: the logical ones of a layout's sequence). ``num_splits=n`` gives each sequence ``n`` splits of
@@ -36,7 +40,7 @@ import numpy as np
 from ..arith import NUMPY
 from ..lse import combine_in
 from ..normalize import keys_only
-from . import tiled
+from . import reproducible, tiled
 from .blocks import Blocks, check_block_size, ranges as _ranges
 from .contract import Forward
 
@@ -124,13 +128,19 @@ def _normalised(m, l, acc, empty):
     return out, lse[..., 0]
 
 
-def partials(prob, b, *, block_size="auto"):
+def partials(prob, b, *, block_size="auto", precision="fast"):
     """``(out_parts, lse_parts)``, ``(n, *batch, Hq, L, Ev)`` and ``(n, *batch, Hq, L)``: each split's own
     normalised output and log-sum-exp over its keys alone, what a split-KV kernel writes before its combine
-    (no sink, no policy: ``(0, -inf)`` where a split has no allowed key)."""
-    block = check_block_size(block_size, prob)
+    (no sink, no policy: ``(0, -inf)`` where a split has no allowed key). ``precision="reproducible"``: each
+    split is the reproducible engine on its own problem (:func:`split_problem`), so each part is faithfully
+    rounded and the same bits everywhere (``block_size`` is then not used)."""
     n = b.shape[-1] - 1
     lead = prob.batch + (prob.Hq, prob.L)
+    if precision == "reproducible":
+        fwds = [reproducible.forward(split_problem(prob, b, i)[0], save_probs=False) for i in range(n)]
+        return (np.stack([f.out for f in fwds]).reshape((n,) + lead + (prob.v.shape[-1],)),
+                np.stack([f.lse for f in fwds]).reshape((n,) + lead))
+    block = check_block_size(block_size, prob)
     outs = np.zeros((n,) + lead + (prob.v.shape[-1],), dtype=prob.dtype)
     lses = np.full((n,) + lead, -np.inf, dtype=prob.dtype.type(0).real.dtype)
     for i0, i1 in _ranges(prob.L, block):
