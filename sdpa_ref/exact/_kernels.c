@@ -44,6 +44,9 @@ static double abs_sum(const double *x, ptrdiff_t k)
 
 /* Rows gathered at once from a transposed layout (one cache line of each of their columns). */
 #define SLICE_GATHER 8
+/* Doubles between the scratch's rows beyond k: rows a multiple of 4 KiB apart (k = 1024) share their cache sets,
+ * which the transposed gather, writing SLICE_GATHER of them at once, thrashes (4x slower at k = 1024). */
+#define SLICE_PAD 8
 
 /* n slices of each row of (hi, lo), as ozaki._slices: slice p of row r goes to out[(p * rows + r) * k ...]
  * (contiguous); the remainder to (rem_hi, rem_lo) [rows x k, contiguous] when they are given. lo may be NULL
@@ -55,21 +58,22 @@ static double abs_sum(const double *x, ptrdiff_t k)
  * Optionally, per slice and row, the max and the sum of the absolute values (smax, ssum [n x rows]: the sum is
  * exact, its entries lie on one grid with few bits) and the remainder's max|hi| + max|lo| (rmax [rows]).
  * The element-wise steps and the reductions are separate loops (the first vectorises); every maximum and
- * slice sum is exact, so its order does not matter. scratch: 2 SLICE_GATHER k doubles. The inputs are not
- * written. */
+ * slice sum is exact, so its order does not matter. scratch: 2 SLICE_GATHER (k + SLICE_PAD) doubles. The
+ * inputs are not written. */
 void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t k, ptrdiff_t per, ptrdiff_t bs,
                      ptrdiff_t rs, ptrdiff_t cs, int n, int rho, double *out, double *rem_hi, double *rem_lo,
                      double *smax, double *ssum, double *rmax, int *eout, double *scratch)
 {
-    double *H = scratch, *L = scratch + SLICE_GATHER * k;
+    const ptrdiff_t pitch = k + SLICE_PAD;                   /* the scratch's rows: not a multiple of 4 KiB apart */
+    double *H = scratch, *L = scratch + SLICE_GATHER * pitch;
     for (ptrdiff_t r0 = 0; r0 < rows; r0 += SLICE_GATHER) {
         ptrdiff_t nr = rows - r0 < SLICE_GATHER ? rows - r0 : SLICE_GATHER;
         if (cs == 1) {                                       /* gather: contiguous rows, one by one */
             for (ptrdiff_t i = 0; i < nr; i++) {
                 ptrdiff_t at = ((r0 + i) / per) * bs + ((r0 + i) % per) * rs;
                 for (ptrdiff_t j = 0; j < k; j++) {
-                    H[i * k + j] = hi[at + j];
-                    L[i * k + j] = lo ? lo[at + j] : 0.0;
+                    H[i * pitch + j] = hi[at + j];
+                    L[i * pitch + j] = lo ? lo[at + j] : 0.0;
                 }
             }
         } else {                                             /* a transposed block: across the rows, j by j */
@@ -78,14 +82,14 @@ void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff
                 at[i] = ((r0 + i) / per) * bs + ((r0 + i) % per) * rs;
             for (ptrdiff_t j = 0; j < k; j++) {
                 for (ptrdiff_t i = 0; i < nr; i++) {
-                    H[i * k + j] = hi[at[i] + j * cs];
-                    L[i * k + j] = lo ? lo[at[i] + j * cs] : 0.0;
+                    H[i * pitch + j] = hi[at[i] + j * cs];
+                    L[i * pitch + j] = lo ? lo[at[i] + j * cs] : 0.0;
                 }
             }
         }
         for (ptrdiff_t i = 0; i < nr; i++) {
             ptrdiff_t r = r0 + i;
-            double *restrict h = H + i * k, *restrict l = L + i * k;
+            double *restrict h = H + i * pitch, *restrict l = L + i * pitch;
             double mx = abs_max(h, k);                       /* max |hi| of what is left, kept as we cut */
             if (eout) {                                      /* ozaki._normalise: the row's max into [1/2, 1) */
                 int e;

@@ -197,8 +197,11 @@ def _ptr(a):
     return a.ctypes.data
 
 
-#: Rows the slicing loop gathers at once (``SLICE_GATHER`` in ``_kernels.c``): its scratch is ``2 _GATHER k``.
+#: Rows the slicing loop gathers at once (``SLICE_GATHER`` in ``_kernels.c``); its scratch is
+#: ``2 _GATHER (k + _PAD)`` doubles.
 _GATHER = 8
+#: Doubles of padding after each of its rows (``SLICE_PAD``).
+_PAD = 8
 
 
 def _row_layout(hi, lo):
@@ -242,7 +245,7 @@ def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False):
     e = np.zeros(shape[:-1] + (1,), np.intc) if normalise else None
     if rows and k:
         p = [None if x is None else _ptr(x) for x in (rh, rl, smax, ssum, rmax, e)]
-        scratch = np.empty(2 * _GATHER * k)                # held here: the C code gets only its address
+        scratch = np.empty(2 * _GATHER * (k + _PAD))       # held here: the C code gets only its address
         lib.sdpa_slice_rows(_ptr(hi), None if lo is None else _ptr(lo), rows, k, per, bs, rs, cs, n, rho,
                             _ptr(out), *p, _ptr(scratch))
     elif not stats:
