@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sdpa_ref import ScoreMod, sdpa_backward_jvp, sdpa_hvp
 
@@ -31,9 +32,10 @@ mpmath = pytest.importorskip("mpmath")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIELDS = ("query", "key", "value", "sinks")
-#: The edge cases (``tests/test_engines_second.py``'s, and a saturated softcap). Not its scores of 6.7e299:
-#: beyond the double-double range (about ``2**995``), where precision="reproducible" raises instead.
-CASES = ("dominant_key", "dominant_sink", "huge_1e10_key", "huge_1e10_sink", "saturated_softcap", "score_mod")
+#: The edge cases (``tests/test_engines_second.py``'s, and a saturated softcap and a score function). With its
+#: scores of 6.7e299 and ``grad_lse``, ``dq'`` is 2e300, beyond the double-double range (about ``2**995``):
+#: precision="reproducible" raises there, as in first order, rather than return a NaN.
+CASES = ("dominant_key", "dominant_sink", "huge_1e10_key", "huge_1e10_sink", "huge_1e300", "saturated_softcap", "score_mod")
 #: A score function exact in float64 on the cases' dyadic scores, with both derivatives: ``s^2 / 8``.
 SQUARE = ScoreMod(lambda s, b, h, i, j: s * s / 8, grad=lambda s, b, h, i, j: s / 4,
                   grad2=lambda s, b, h, i, j: np.full_like(s, 0.25), name="square")
@@ -136,6 +138,11 @@ def test_edge_cases_faithful_against_mpmath(name, with_lse):
     primals, opts, tangents = _edge_case(name, rng)
     dO, ddO = _dyadic(rng, 1, 2, 2), _dyadic(rng, 1, 2, 2)
     lam, dlam = (_dyadic(rng, 1, 2), _dyadic(rng, 1, 2)) if with_lse else (None, None)
+    if name == "huge_1e300" and with_lse:                           # dq' of 2e300: beyond the double-double range
+        with pytest.raises(ValueError, match="cannot give a finite, faithfully rounded dq tangent"):
+            sdpa_backward_jvp(primals, tangents, dO, ddO, grad_lse=lam, grad_lse_tangent=dlam,
+                              precision="reproducible", **opts)
+        return
     grads, tan = sdpa_backward_jvp(primals, tangents, dO, ddO, grad_lse=lam, grad_lse_tangent=dlam,
                                    precision="reproducible", **opts)
     truth = _mp_second(primals, opts, tangents, dO, lam, ddO, dlam)
@@ -150,12 +157,7 @@ def _shift(ctx, h, a, t, sign):
     return mp_shifted(ctx, a, t, sign, h)
 
 
-@settings(max_examples=8, deadline=None)
-@given(variant_problem(max_len=3))
-def test_random_problems_with_every_option_faithful_against_mpmath(problem):
-    """GQA, causal in both alignments, a bool mask, a bias, windows, softcap, ALiBi, lengths, dropout and the
-    ``"zero"`` and ``"uniform"`` policies: the tangent of every gradient (the bias's too) within one ulp of the
-    central difference of the loop oracle's 50-digit backward (error O(h^2) = 1e-40)."""
+def _random_faithful(problem, with_sinks):
     q, k, v, opts, oracle = problem
     opts = differentiable(opts, float_mask=False)
     oracle["policy"] = opts["fully_masked"]
@@ -163,14 +165,24 @@ def test_random_problems_with_every_option_faithful_against_mpmath(problem):
         oracle["slopes"] = np.broadcast_to(oracle["slopes"], (q.shape[0], q.shape[1]))
     rng = np.random.default_rng(5)
     g, gt = (rng.standard_normal(q.shape[:-1] + (v.shape[-1],)) for _ in range(2))
-    tq, tk, tv = (rng.standard_normal(x.shape) for x in (q, k, v))
-    _, tan = sdpa_backward_jvp((q, k, v), (tq, tk, tv), g, gt, precision="reproducible", **opts)
+    t = {"query": rng.standard_normal(q.shape), "key": rng.standard_normal(k.shape),
+         "value": rng.standard_normal(v.shape)}
+    sinks = ts = None
+    if with_sinks:                                                  # one logit per (batch, head), a tangent too
+        sinks, ts = rng.standard_normal(q.shape[:2]) * 2, rng.standard_normal(q.shape[:2])
+        opts, t = dict(opts, sinks=sinks), dict(t, sinks=ts)
+    _, tan = sdpa_backward_jvp((q, k, v), t, g, gt, precision="reproducible", **opts)
     ctx = mpmath.MPContext()
     ctx.dps = 60
     h = ctx.mpf(10) ** -20
-    hi, lo = (oracle_attention(_shift(ctx, h, q, tq, s), _shift(ctx, h, k, tk, s), _shift(ctx, h, v, tv, s),
-                               grad_out=_shift(ctx, h, g, gt, s), num="mp", **oracle)[2] for s in (1, -1))
-    for f, a, b in zip(("query", "key", "value", "bias"), hi, lo):
+
+    def at(s):
+        sh = [_shift(ctx, h, x, t[n], s) for x, n in ((q, "query"), (k, "key"), (v, "value"))]
+        extra = {} if sinks is None else {"sinks": _shift(ctx, h, sinks, ts, s)}
+        return oracle_attention(*sh, grad_out=_shift(ctx, h, g, gt, s), num="mp", **oracle, **extra)[2]
+
+    hi, lo = at(1), at(-1)
+    for f, a, b in zip(("query", "key", "value", "bias", "sinks"), hi, lo):
         if f == "bias":
             if "bias" not in opts:
                 continue
@@ -179,6 +191,23 @@ def test_random_problems_with_every_option_faithful_against_mpmath(problem):
         for i, x in np.ndenumerate(a):
             truth[i] = (x - b[i]) / (2 * h)
         assert_faithful(getattr(tan, f), truth, f)
+
+
+@settings(max_examples=8, deadline=None)
+@given(variant_problem(max_len=3), st.booleans())
+def test_random_problems_with_every_option_faithful_against_mpmath(problem, with_sinks):
+    """GQA, causal in both alignments, a bool mask, a bias, windows, softcap, ALiBi, lengths, dropout, sinks and
+    the ``"zero"`` and ``"uniform"`` policies: the tangent of every gradient (the bias's and the sinks' too)
+    within one ulp of the central difference of the loop oracle's 50-digit backward (error O(h^2) = 1e-40)."""
+    _random_faithful(problem, with_sinks)
+
+
+@pytest.mark.long
+@settings(max_examples=150, deadline=None)
+@given(variant_problem(max_len=5), st.booleans())
+def test_random_problems_faithful_against_mpmath_long_sweep(problem, with_sinks):
+    """The same on more and larger problems."""
+    _random_faithful(problem, with_sinks)
 
 
 def _rich_problem(rng, **extra):

@@ -21,7 +21,8 @@ probability are its residuals' (``Forward.extra``). Every step is an IEEE operat
 fixed-order sum or an exact product, so the bits do not depend on the thread count, the BLAS or the SIMD level,
 and every float64 result is within one ulp of the exact value of the formula on the given inputs, with the
 first order's exemption: a value that is itself the result of a cancellation of more than about ``2**45``
-(SEMANTICS.md, "Reproducible precision").
+(SEMANTICS.md, "Reproducible precision"). Where an intermediate leaves the double-double range (about
+``2**995``) it raises the first order's ``ValueError`` rather than return a NaN that no input or policy asked for.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from ..policy import constant_rows, counts
 from ..transforms import dropout_in, transform_scores_jvp, transform_scores_slope_jvp_in, transform_scores_vjp, \
     transform_scores_vjp_jvp, zero_masked_slope_in
 from .contract import Forward, Grads
-from .reproducible import _fold, _fold_q, _full, _grouped, _kv, _quiet, _round, _t
+from .reproducible import _any_to, _fold, _fold_q, _full, _grouped, _kv, _nan_rows, _no_silent_nan, _quiet, \
+    _round, _t
 
 __all__ = ["backward_jvp"]
 
@@ -99,6 +101,14 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
     dextra_t = None
     if ddx is not None:                                             # summed over the rows, then to (..., Hq)
         dextra_t = _round(X, unbroadcast(X.sum(X.at(ddx, (Ellipsis, 0)), axis=-1), extra_shape(prob), X))
+    nan_rows = _nan_rows(prob, fwd.empty)                           # NaN by the "nan" policy, and nowhere else
+    heads = None if nan_rows is None else np.any(_grouped(nan_rows, prob), axis=(-3, -2))[..., None]
+    for x, ok, what in ((dq_t, nan_rows, "dq tangent"), (dk_t, heads, "dk tangent"), (dv_t, heads, "dv tangent"),
+                        (ddT, nan_rows, "attn_mask or bias gradient's tangent")):
+        _no_silent_nan(X, x, ok, what)
+    if dextra_t is not None:
+        _no_silent_nan(X, dextra_t, None if nan_rows is None else _any_to(np.any(nan_rows, axis=(-2, -1)),
+                                                                            extra_shape(prob)), "sinks tangent")
     dq_t, dk_t, dv_t = (unbroadcast(x, prob.shapes[n], X) for x, n in ((dq_t, "query"), (dk_t, "key"),
                                                                          (dv_t, "value")))
     split = None if absorbed is None else tuple(_round(X, x) for x in absorbed.split(dq_t, dk_t, dv_t, arith=X))
