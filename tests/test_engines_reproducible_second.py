@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdpa_ref import ScoreMod, sdpa_backward_jvp, sdpa_hvp
+from sdpa_ref import Packed, ScoreMod, sdpa_backward_jvp, sdpa_hvp
 
 from helpers import assert_close_normwise, assert_faithful
 from oracle import mp_shifted, oracle_attention
@@ -35,7 +35,8 @@ FIELDS = ("query", "key", "value", "sinks")
 #: The edge cases (``tests/test_engines_second.py``'s, and a saturated softcap and a score function). With its
 #: scores of 6.7e299 and ``grad_lse``, ``dq'`` is 2e300, beyond the double-double range (about ``2**995``):
 #: precision="reproducible" raises there, as in first order, rather than return a NaN.
-CASES = ("dominant_key", "dominant_sink", "huge_1e10_key", "huge_1e10_sink", "huge_1e300", "saturated_softcap", "score_mod")
+CASES = ("dominant_key", "dominant_sink", "huge_1e10_key", "huge_1e10_sink", "huge_1e300", "saturated_softcap",
+         "score_mod")
 #: A score function exact in float64 on the cases' dyadic scores, with both derivatives: ``s^2 / 8``.
 SQUARE = ScoreMod(lambda s, b, h, i, j: s * s / 8, grad=lambda s, b, h, i, j: s / 4,
                   grad2=lambda s, b, h, i, j: np.full_like(s, 0.25), name="square")
@@ -248,8 +249,8 @@ def test_agrees_with_the_plain_second_order_on_every_option(extra):
 
 
 def test_layouts_and_qv():
-    """``layout="bshd"`` is the bhsd result with two axes swapped, bit for bit; MLA's ``qv`` agrees with the plain
-    second order, its tangent of ``dqv`` too."""
+    """``layout="bshd"`` is the bhsd result with two axes swapped, bit for bit; packed sequences (with sinks) and
+    MLA's ``qv`` agree with the plain second order, the tangent of ``dqv`` too."""
     rng = np.random.default_rng(8)
     primals, opts, tangents, g = _rich_problem(rng)
     sw = lambda x: np.swapaxes(x, -2, -3)  # noqa: E731
@@ -261,6 +262,15 @@ def test_layouts_and_qv():
         assert np.array_equal(sw(getattr(got, f)), getattr(want, f)), f
     for f in ("bias", "sinks"):
         assert np.array_equal(getattr(got, f), getattr(want, f)), f
+    cu_q, cu_k = np.array([0, 2, 5]), np.array([0, 3, 7])           # packed sequences, as the plain schedule
+    pq, pk, pv = rng.standard_normal((5, 2, 3)), rng.standard_normal((7, 2, 3)), rng.standard_normal((7, 2, 2))
+    pt = {"query": rng.standard_normal(pq.shape), "key": rng.standard_normal(pk.shape)}
+    pg = rng.standard_normal((5, 2, 2))
+    kw = dict(layout=Packed(cu_q, cu_k), is_causal=True, causal_alignment="bottom_right", sinks=rng.uniform(-1, 1, 2))
+    ref = sdpa_hvp((pq, pk, pv), pt, pg, **kw)
+    ans = sdpa_hvp((pq, pk, pv), pt, pg, precision="reproducible", **kw)
+    for f in ("query", "key", "value", "sinks"):
+        assert_close_normwise(getattr(ref, f), getattr(ans, f), F64_GRAD)
     qv = rng.standard_normal((2, 4, 5, 4))
     t = {"query": tangents["query"], "value": tangents["value"], "qv": rng.standard_normal(qv.shape)}
     ref = sdpa_hvp(primals, t, g, qv=qv, softcap=2.0, enable_gqa=True)
