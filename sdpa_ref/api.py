@@ -269,7 +269,7 @@ def split_kv_partials(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     b = splitkv.bounds(prob, num_splits, split_bounds)
     with single_threaded_blas():
         outs, lses = splitkv.partials(prob, b, block_size="auto" if block_size is None else block_size,
-                                      precision=precision)
+                                      forward=reproducible.forward if precision == "reproducible" else None)
     res_out, res_lse = [], []
     for i in range(len(outs)):
         taint = poison.forward_taint(splitkv.split_problem(prob, b, i)[0])    # what this split reads

@@ -4,14 +4,15 @@ A stage written once over an arithmetic ``X`` (``X.add``, ``X.mul``, ``X.exp_min
 double-double or the honest low precision for ``precision="reproducible"`` (:mod:`sdpa_ref.exact.arith`) and,
 with :data:`NUMPY`, on the ndarrays of the ``"fast"``, ``"plain"`` and ``"tiled"`` engines: each operation is
 NumPy's own, a value is its array, and nothing is rounded twice. :func:`sdpa_ref.sinks.sink_softmax_vjp_in` and
-:func:`sdpa_ref.sinks.fold_sink_in` are such stages.
+:func:`sdpa_ref.sinks.fold_sink_in` are such stages, and :func:`combine_in` (the combine of normalisers) is
+kept here, below all of them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["NUMPY", "NUMPY2", "NumPyArith", "NumPyBase2"]
+__all__ = ["NUMPY", "NUMPY2", "NumPyArith", "NumPyBase2", "combine_in"]
 
 
 class NumPyArith:
@@ -79,3 +80,40 @@ class NumPyBase2(NumPyArith):
 #: The one instance (and its base-2 twin).
 NUMPY = NumPyArith()
 NUMPY2 = NumPyBase2()
+
+
+def combine_in(X, m_parts, s_parts, empty_parts):
+    r"""The row normalisers of disjoint sets of scores, combined, over an arithmetic ``X`` (:mod:`sdpa_ref.arith`).
+
+    A normaliser ``(m, s)`` stands for :math:`\sum_j e^{T_j} = s\, e^{m}` over its set: ``m`` the shift (0 on an
+    empty set, whose ``s`` is not read), ``s`` the sum of :math:`e^{T_j - m}`; ``s=None`` is 1 (a set of one
+    score, ``m`` itself: a sink's logit, or a normalised part's LSE). Given the parts as lists (each entry
+    ``(..., 1)`` or broadcastable), returns ``(m, s, alpha, empty)`` with
+
+    .. math:: m = \max_i m_i, \qquad \alpha_i = e^{m_i - m}, \qquad s = \sum_i \alpha_i s_i,
+
+    ``alpha_i`` exactly 1 for the part that holds the max (the first on a tie) and exactly 0 for an empty one
+    (so an empty part is the identity and is never read), the sum taken part by part in order, and ``empty``
+    the rows where every part is empty (``m`` is then 0 and ``s`` 0). NaN in an ``m_i`` gives NaN in ``s``.
+
+    It is the one combine of the softmax's normaliser: the tiled engine's online softmax merges each key
+    block's ``(m, s)`` into the running one with it (and scales its output accumulator by the ``alpha``), the
+    sink joins a row's as a part with ``s = 1`` and no value (:func:`sdpa_ref.sinks.fold_sink_in`), and the
+    split-KV merge combines the parts' LSEs with it (:func:`sdpa_ref.lse.combine_lse`, in double-double too).
+    It lives beside the NumPy arithmetic, below every stage that runs it, and :mod:`sdpa_ref.lse` gives it
+    under its own name too (``sdpa_ref.lse.combine_in``).
+    """
+    n = len(m_parts)
+    m, top, best_empty = m_parts[0], 0, empty_parts[0]
+    for i in range(1, n):                                   # the largest shift, the first on a tie
+        take = ~empty_parts[i] & (best_empty | (X.value(m_parts[i]) > X.value(m)))
+        m = X.where(take, m_parts[i], m)
+        top = np.where(take, i, top)
+        best_empty = best_empty & empty_parts[i]
+    alpha, s = [], None
+    for i in range(n):
+        a = X.where(empty_parts[i], X.const(0.0), X.where(top == i, X.const(1.0), X.exp_minus(m_parts[i], m)))
+        t = a if s_parts[i] is None else X.mul(X.where(empty_parts[i], X.const(0.0), s_parts[i]), a)
+        alpha.append(a)
+        s = t if s is None else X.add(s, t)
+    return m, s, alpha, best_empty

@@ -27,16 +27,26 @@ import numbers
 import numpy as np
 
 from . import _validate as V
-from .arith import NUMPY, NUMPY2
-from .pivot import pivoted_vjp
+from .arith import NUMPY, NUMPY2, combine_in
+from .exact import dd as D
+from .pivot import pivoted_vjp, softmax_vjp_in
 
-__all__ = ["LSE_BASES", "check_base", "check_empty", "combine_in", "combine_lse", "combine_lse_vjp", "convert_lse"]
+__all__ = ["LSE_BASES", "PRECISIONS", "ExactLSE", "arith_for", "check_base", "check_empty", "check_precision", "combine_in",
+           "combine_lse", "combine_lse_vjp", "combine_lse_vjp_in", "combined_in", "convert_lse"]
 
 #: The bases an LSE may be given in: ``"e"`` (natural, the package's) and ``2`` (FlashInfer's).
 LSE_BASES = ("e", 2)
+#: The precisions of the LSE functions and the merge, as of the attention calls: ``"fast"`` (float64 NumPy, a
+#: few ulps) and ``"reproducible"`` (double-double, faithfully rounded, the same bits everywhere).
+PRECISIONS = ("fast", "reproducible")
 
 _LOG2E = 1.4426950408889634            # log2(e), correctly rounded
 _LN2 = 0.6931471805599453              # ln(2), correctly rounded
+_LN2_DD = (np.float64(D._LN2[0]), np.float64(D._LN2[1]))           # ln 2 to 106 bits, a double-double
+_LOG2E_DD = D.dd_div(D.dd(np.float64(1.0)), _LN2_DD)              # log2(e) = 1 / ln 2, the same
+#: Below this an exponent's difference gives 0 (``e^-760`` and ``2^-1100`` are below the float64 range):
+#: clamped there, so that ``-inf - m`` and a difference beyond Dekker's range never reach ``exp``.
+_EXP_CLAMP = -2000.0
 
 
 def check_base(base, name="base"):
@@ -67,7 +77,7 @@ def _empty_value(empty, name="empty"):
     raise ValueError(f"`{name}` should be '-inf', '+inf' or a number (not NaN), but got {empty!r}")
 
 
-def convert_lse(lse, *, base="e", empty="-inf", from_base="e", from_empty="-inf"):
+def convert_lse(lse, *, base="e", empty="-inf", from_base="e", from_empty="-inf", precision="fast"):
     r"""An LSE in another convention: its base and the value on rows with no allowed key.
 
     Parameters
@@ -87,6 +97,11 @@ def convert_lse(lse, *, base="e", empty="-inf", from_base="e", from_empty="-inf"
         The convention of ``lse``, to map a kernel's LSE to the package's.
         Every entry equal to ``from_empty`` is an empty row (so a finite
         ``from_empty`` must be a value no other row takes).
+    precision : {"fast", "reproducible"}, optional
+        ``"fast"`` (default): when the base changes, the product by the float64 ``log2(e)`` or ``ln 2``
+        (within about 1.5 ulps). ``"reproducible"``: the product by the constant to 106 bits, formed exactly
+        and rounded once (within 1 ulp of the exact value, the same bits everywhere), as the attention calls'
+        ``precision``. Without a change of base both return the values themselves.
 
     Returns
     -------
@@ -102,50 +117,84 @@ def convert_lse(lse, *, base="e", empty="-inf", from_base="e", from_empty="-inf"
     """
     base, from_base = check_base(base, "base"), check_base(from_base, "from_base")
     to_e, from_e = _empty_value(empty, "empty"), _empty_value(from_empty, "from_empty")
+    exact = check_precision(precision) == "reproducible"
     x = V.as_float_array(lse, "lse")
     gone = x == x.dtype.type(from_e)
     y = x
-    if base != from_base:                                   # one rounding: lse_e * log2(e) or lse_2 * ln(2)
+    if base != from_base and exact:                         # x * c exactly to 106 bits, then one rounding
+        y = _times_constant(x, _LOG2E_DD if base == 2 else _LN2_DD).astype(x.dtype, copy=False)
+    elif base != from_base:                                 # one rounding: lse_e * log2(e) or lse_2 * ln(2)
         y = x * x.dtype.type(_LOG2E if base == 2 else _LN2)
     return np.where(gone, x.dtype.type(to_e), y)
 
 
-def combine_in(X, m_parts, s_parts, empty_parts):
-    r"""The row normalisers of disjoint sets of scores, combined, over an arithmetic ``X`` (:mod:`sdpa_ref.arith`).
-
-    A normaliser ``(m, s)`` stands for :math:`\sum_j e^{T_j} = s\, e^{m}` over its set: ``m`` the shift (0 on an
-    empty set, whose ``s`` is not read), ``s`` the sum of :math:`e^{T_j - m}`; ``s=None`` is 1 (a set of one
-    score, ``m`` itself: a sink's logit, or a normalised part's LSE). Given the parts as lists (each entry
-    ``(..., 1)`` or broadcastable), returns ``(m, s, alpha, empty)`` with
-
-    .. math:: m = \max_i m_i, \qquad \alpha_i = e^{m_i - m}, \qquad s = \sum_i \alpha_i s_i,
-
-    ``alpha_i`` exactly 1 for the part that holds the max (the first on a tie) and exactly 0 for an empty one
-    (so an empty part is the identity and is never read), the sum taken part by part in order, and ``empty``
-    the rows where every part is empty (``m`` is then 0 and ``s`` 0). NaN in an ``m_i`` gives NaN in ``s``.
-
-    It is the one combine of the softmax's normaliser: the tiled engine's online softmax merges each key
-    block's ``(m, s)`` into the running one with it (and scales its output accumulator by the ``alpha``), the
-    sink joins a row's as a part with ``s = 1`` and no value (:func:`sdpa_ref.sinks.fold_sink_in`), and the
-    split-KV merge combines the parts' LSEs with it (:func:`combine_lse`).
-    """
-    n = len(m_parts)
-    m, top, best_empty = m_parts[0], 0, empty_parts[0]
-    for i in range(1, n):                                   # the largest shift, the first on a tie
-        take = ~empty_parts[i] & (best_empty | (X.value(m_parts[i]) > X.value(m)))
-        m = X.where(take, m_parts[i], m)
-        top = np.where(take, i, top)
-        best_empty = best_empty & empty_parts[i]
-    alpha, s = [], None
-    for i in range(n):
-        a = X.where(empty_parts[i], X.const(0.0), X.where(top == i, X.const(1.0), X.exp_minus(m_parts[i], m)))
-        t = a if s_parts[i] is None else X.mul(X.where(empty_parts[i], X.const(0.0), s_parts[i]), a)
-        alpha.append(a)
-        s = t if s is None else X.add(s, t)
-    return m, s, alpha, best_empty
+def _times_constant(x, c):
+    """``x * c`` for float64-representable ``x`` and the double-double constant ``c``, rounded once to float64:
+    ``x c_hi`` exact (Dekker's product, scaled where ``x`` is huge), plus ``x c_lo``; ``+-inf`` where it
+    overflows, NaN for NaN, ``+-inf`` for ``+-inf``."""
+    x64 = np.asarray(x, np.float64)
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        f = np.where(np.abs(x64) > 2.0 ** 990, 2.0 ** -128, 1.0)           # Dekker's split overflows past 2**996
+        p, e = D.two_prod(x64 * f, c[0])
+        hi = D.fast_two_sum(p, e + x64 * f * c[1])[0] / f                   # exact scalings by powers of two
+        return np.where(np.isfinite(p), hi, p / f)
 
 
-def combine_lse(lse_parts, axis=0, base="e"):
+def check_precision(precision, name="precision"):
+    """``"fast"`` or ``"reproducible"``; anything else a ValueError naming ``name``."""
+    return V.check_choice(precision, name, PRECISIONS)
+
+
+class ExactLSE:
+    r"""The double-double arithmetic of the log-sum-exp combines and the merges (:mod:`sdpa_ref.exact.dd`), base e
+    or 2: the operations :func:`combine_in` and :func:`combined_in` take, in the interface of
+    :class:`sdpa_ref.exact.arith.DoubleDouble` (:func:`sdpa_ref.merge_attention` adds that class's others).
+
+    ``exp_minus(a, m)`` is :math:`e^{a - m}` (base 2: :math:`2^{a - m} = e^{(a - m) \ln 2}`, the product by the
+    double-double :math:`\ln 2`): the difference formed exactly (TwoSum), clamped below at ``_EXP_CLAMP``
+    (where the result is 0 in float64 either way), then ``dd_exp``; ``log`` is ``dd_log`` (base 2: divided by
+    the double-double :math:`\ln 2`). About ``2**-100`` relative in each, so every result rounded once from
+    them is within 1 ulp of the exact value, and is the same bits everywhere (IEEE ``+ - * /`` only)."""
+
+    def __init__(self, base):
+        self.base = base
+
+    @staticmethod
+    def const(x):
+        return D.dd(np.float64(x))
+
+    @staticmethod
+    def value(a):
+        return a[0]
+
+    @staticmethod
+    def lift(x):
+        return D.dd(np.asarray(x, dtype=np.float64))
+
+    where = staticmethod(D.dd_where)
+    add, div = staticmethod(D.dd_add), staticmethod(D.dd_div)
+
+    def exp_minus(self, a, m):
+        d = D.dd_sub(a, m)
+        low = d[0] < _EXP_CLAMP                              # NaN stays NaN
+        d = np.where(low, _EXP_CLAMP, d[0]), np.where(low, 0.0, d[1])
+        return D.dd_exp(d if self.base == "e" else D.dd_mul(d, _LN2_DD))
+
+    def log(self, a):
+        r = D.dd_log(a)
+        return r if self.base == "e" else D.dd_div(r, _LN2_DD)
+
+
+def arith_for(base, precision):
+    """``(X, log)``: the arithmetic of ``base`` (checked) and ``precision`` (checked), and its logarithm."""
+    base, precision = check_base(base), check_precision(precision)
+    if precision == "reproducible":
+        X = ExactLSE(base)
+        return X, X.log
+    return (NUMPY2, np.log2) if base == 2 else (NUMPY, np.log)
+
+
+def combine_lse(lse_parts, axis=0, base="e", precision="fast"):
     r"""Combine log-sum-exps: ``lse = log sum_i exp(l_i)`` and the weights ``w_i = exp(l_i - lse)``.
 
     ``lse_parts`` ``(..., P, ...)`` hold the log-sum-exps of disjoint sets of scores (the split-KV parts of
@@ -158,22 +207,41 @@ def combine_lse(lse_parts, axis=0, base="e"):
     (:math:`\log_2 \sum_i 2^{l_i}`, as FlashInfer returns them), with ``exp2``/``log2`` so no conversion
     rounds. No warnings.
 
+    ``precision="reproducible"`` evaluates the same steps (:func:`combine_in`) in double-double (``exp`` and
+    ``log`` of :mod:`sdpa_ref.exact.dd`; in base 2 through the double-double :math:`\ln 2`), rounded once:
+    ``lse`` and ``w`` within 1 ulp of the exact values, the same bits everywhere (rounded once more to the
+    input's dtype below float64).
+
     >>> lse, w = combine_lse(np.array([0.0, -np.inf, 0.0]))
     >>> float(lse), w.tolist()
     (0.6931471805599453, [0.5, 0.0, 0.5])
     """
     x = V.as_float_array(lse_parts, "lse_parts", min_ndim=1)
     axis = V.check_axis(axis, x.ndim)
-    X, log = (NUMPY2, np.log2) if check_base(base) == 2 else (NUMPY, np.log)
-    parts = [np.take(x, [i], axis=axis) for i in range(x.shape[axis])]
-    if not parts:                                            # no part: the empty sum
+    X, log = arith_for(base, precision)
+    if x.shape[axis] == 0:                                   # no part: the empty sum
         return np.full(x.shape[:axis] + x.shape[axis + 1:], -np.inf, x.dtype), x.copy()
+    dt = x.dtype
+    x = x.astype(np.float64) if isinstance(X, ExactLSE) else x
+    lse, w, _ = combined_in(X, log, [np.take(x, [i], axis=axis) for i in range(x.shape[axis])])
+    lse, w = np.squeeze(X.value(lse), axis=axis), np.concatenate([X.value(a) for a in w], axis=axis)
+    return lse.astype(dt, copy=False), w.astype(dt, copy=False)          # rounded once more below float64
+
+
+def combined_in(X, log, parts):
+    r"""``(lse, w, empty)`` of the log-sum-exps ``parts`` (a list of float arrays, each ``(..., 1, ...)``) over
+    the arithmetic ``X`` with its ``log``: :func:`combine_in` of the parts, :math:`\mathrm{lse} = \log s + m`
+    (``-inf`` on the rows where every part is empty, ``empty``) and :math:`w_i = \alpha_i / s` (exactly 0 where
+    :math:`\alpha_i` is: an empty part), as ``X``'s values. The one combine of :func:`combine_lse` and
+    :func:`sdpa_ref.merge_attention`, in float64 (``fast``) or double-double (``reproducible``)."""
+    zero = X.const(parts[0].dtype.type(0) if X is NUMPY or X is NUMPY2 else 0.0)
     empty = [p == -np.inf for p in parts]
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        m, s, alpha, none = combine_in(X, [np.where(e, x.dtype.type(0), p) for p, e in zip(parts, empty)],
-                                       [None] * len(parts), empty)
-        w = np.concatenate([np.where(a == 0, x.dtype.type(0), a / s) for a in alpha], axis=axis)
-        return np.squeeze(np.where(none, -np.inf, log(s) + m), axis=axis), w
+    lifted = [X.where(e, zero, X.lift(p)) for p, e in zip(parts, empty)]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
+        m, s, alpha, none = combine_in(X, lifted, [None] * len(parts), empty)
+        w = [X.where(X.value(a) == 0, zero, X.div(a, s)) for a in alpha]
+        lse = X.where(none, X.const(-np.inf), X.add(log(s), m))
+    return lse, w, none
 
 
 def combine_lse_vjp(w, g_w, g_lse, axis=0, base="e"):
@@ -188,3 +256,14 @@ def combine_lse_vjp(w, g_w, g_lse, axis=0, base="e"):
     c = _LN2 if check_base(base) == 2 else 1.0
     wa, ga, ax = V.pair_along_axis(w, g_w, axis, "w", "g_w")
     return c * pivoted_vjp(wa, ga, ax) + w * np.expand_dims(g_lse, axis)
+
+
+def combine_lse_vjp_in(X, w, g_w, g_lse, base="e"):
+    r""":func:`combine_lse_vjp` over the rows of an arithmetic ``X`` (the parts on the last axis of the
+    ``X`` values ``w`` and ``g_w``; ``g_lse`` a float array ``(..., 1)``): :math:`c\, w \odot (\bar w - \sum_i
+    w_i \bar w_i) + w\, \bar\lambda` by :func:`sdpa_ref.pivot.softmax_vjp_in` (the same pivot), with
+    :math:`c = \ln 2` the double-double one in base 2 under :class:`ExactLSE`."""
+    if check_base(base) == "e":
+        return softmax_vjp_in(X, w, g_w, g_lse)
+    c = X.mul(softmax_vjp_in(X, w, g_w), _LN2_DD) if isinstance(X, ExactLSE) else _LN2 * softmax_vjp_in(X, w, g_w)
+    return X.add(c, X.mul_d(w, g_lse))

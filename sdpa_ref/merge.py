@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from .arith import NUMPY, NUMPY2
+
 from ._validate import as_float_array
-from .lse import check_base, combine_lse, combine_lse_vjp
+from .exact.arith import DoubleDouble
+from .lse import ExactLSE, arith_for, check_base, combine_lse_vjp, combine_lse_vjp_in, combined_in
 from .rounding import round_to
 
 __all__ = ["merge_attention", "merge_attention_backward"]
 
 
-def merge_attention(out_parts, lse_parts, *, lse_base="e", axis=0):
+def merge_attention(out_parts, lse_parts, *, lse_base="e", axis=0, precision="fast"):
     r"""Merge partial attention results over disjoint sets of keys: ``(out, lse)`` of their union.
 
     Parameters
@@ -48,6 +51,12 @@ def merge_attention(out_parts, lse_parts, *, lse_base="e", axis=0):
         The axis of ``lse_parts`` that holds the parts, and the same axis of ``out_parts`` (which has one more
         axis at the end, ``Ev``); 0 by default, as above. Negative counts from the end of ``lse_parts``.
         FlashInfer's ``merge_states`` stacks them as ``(L, P, Hq, Ev)`` / ``(L, P, Hq)``: ``axis=1``.
+    precision : {"fast", "reproducible"}, optional
+        As the attention calls take it. ``"fast"`` (default): float64 NumPy, a few ulps. ``"reproducible"``:
+        the same steps in double-double (:mod:`sdpa_ref.exact.dd`), rounded once: ``out`` and ``lse`` within 1
+        ulp of the exact merge of the given parts (``SEMANTICS.md``, "Reproducible precision", for the one
+        exemption: an ``out`` entry whose terms cancel by more than about ``2**45``), the same bits on every
+        machine, thread count and SIMD level.
 
     Returns
     -------
@@ -103,15 +112,16 @@ def merge_attention(out_parts, lse_parts, *, lse_base="e", axis=0):
     >>> merge_attention(np.full((2, 1, 1), np.nan), np.full((2, 1), -np.inf))
     (array([[0.]]), array([-inf]))
     """
-    base = check_base(lse_base, "lse_base")
+    X, log = _arith(check_base(lse_base, "lse_base"), precision)
     o, lse_in, live, dtypes, _ = _parts(out_parts, lse_parts, axis)
-    lse, w = combine_lse(lse_in, axis=0, base=base)
-    with np.errstate(invalid="ignore", over="ignore"):
-        out = np.sum(w[..., None] * o, axis=0)                    # out = sum_i w_i out_i
-    return round_to(out, dtypes[0], copy=False), round_to(lse, dtypes[1], copy=False)
+    lse, w, _ = combined_in(X, log, list(lse_in[:, None, ..., None]))       # each part (1, ..., 1)
+    out = _merged_in(X, w, o)
+    return (round_to(X.value(out)[0], dtypes[0], copy=False),
+            round_to(X.value(lse)[0, ..., 0], dtypes[1], copy=False))
 
 
-def merge_attention_backward(out_parts, lse_parts, grad_out, grad_lse=None, *, lse_base="e", axis=0):
+def merge_attention_backward(out_parts, lse_parts, grad_out, grad_lse=None, *, lse_base="e", axis=0,
+                             precision="fast"):
     r"""The VJP of :func:`merge_attention`: ``(grad_out_parts, grad_lse_parts)``.
 
     Parameters
@@ -129,6 +139,11 @@ def merge_attention_backward(out_parts, lse_parts, grad_out, grad_lse=None, *, l
         As in :func:`merge_attention`.
     axis : int, optional
         As in :func:`merge_attention`; the gradients hold the parts on the same axis.
+    precision : {"fast", "reproducible"}, optional
+        As in :func:`merge_attention`: ``"reproducible"`` evaluates the steps below in double-double (the
+        inner products :math:`\langle g, o_i \rangle` of exact products, the pivoted VJP over the
+        double-double weights), each gradient rounded once: within 1 ulp of the exact VJP (a ``grad_lse_parts``
+        entry whose terms cancel by more than about ``2**45`` excepted), the same bits everywhere.
 
     Returns
     -------
@@ -168,22 +183,59 @@ def merge_attention_backward(out_parts, lse_parts, grad_out, grad_lse=None, *, l
     :math:`\bar\lambda` are unread. NaN in ``lse_parts`` makes its row's gradients NaN.
     """
     base = check_base(lse_base, "lse_base")
+    X, log = _arith(base, precision)
     o, lse_in, live, dtypes, axis = _parts(out_parts, lse_parts, axis)
     row = np.any(live, axis=0)                                    # rows with some key in some part
     g = _cotangent(grad_out, "grad_out", o.shape[1:], "merged `out`", row[..., None])
     g_lse = (np.zeros(row.shape) if grad_lse is None
              else _cotangent(grad_lse, "grad_lse", lse_in.shape[1:], "merged `lse`", row))
-    _, w = combine_lse(lse_in, axis=0, base=base)
-    with np.errstate(invalid="ignore", over="ignore"):
-        d_out = np.where(live[..., None], w[..., None] * g, 0.0)  # step 1: w_i g
-        g_w = np.where(live, np.sum(o * g, axis=-1), 0.0)         # <g, o_i>, the cotangent of w_i
-        d_lse = np.where(live, combine_lse_vjp(w, g_w, g_lse, axis=0, base=base), 0.0)   # steps 2-4
+    _, w, _ = combined_in(X, log, list(lse_in[:, None, ..., None]))          # each w_i (1, ..., 1)
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        if X is NUMPY or X is NUMPY2:
+            w = np.concatenate(w)
+            d_out = w * g                                         # step 1: w_i g
+            g_w = np.sum(o * g, axis=-1)                          # <g, o_i>, the cotangent of w_i
+            d_lse = combine_lse_vjp(w[..., 0], g_w, g_lse, axis=0, base=base)         # steps 2-4
+        else:                                                     # the same in double-double, rounded once
+            d_out = np.concatenate([X.value(X.mul_d(wi, g)) for wi in w])
+            g_w = [X.sum(X.exact_product(oi, g), axis=-1) for oi in o]
+            W = tuple(np.stack([wi[j][0, ..., 0] for wi in w], axis=-1) for j in (0, 1))
+            GW = tuple(np.stack([gi[j] for gi in g_w], axis=-1) for j in (0, 1))
+            d_lse = np.moveaxis(X.value(combine_lse_vjp_in(X, W, GW, g_lse[..., None], base)), -1, 0)
+        d_out = np.where(live[..., None], d_out, 0.0)
+        d_lse = np.where(live, d_lse, 0.0)
     if axis:                                                      # the parts back where they came from
         d_out, d_lse = np.moveaxis(d_out, 0, axis), np.moveaxis(d_lse, 0, axis)
     return round_to(d_out, dtypes[0], copy=False), round_to(d_lse, dtypes[1], copy=False)
 
 
 # ---------------------------------------------------------------- helpers
+
+
+class _ExactMerge(ExactLSE, DoubleDouble):
+    """:class:`sdpa_ref.lse.ExactLSE` (the combine's operations, its ``exp`` and ``log`` in either base) with the
+    rest of the double-double arithmetic (:class:`sdpa_ref.exact.arith.DoubleDouble`: products, exact dot
+    products, row sums, the pivoted VJP's row pass) for the merged outputs and the VJP."""
+
+
+def _arith(base, precision):
+    """``(X, log)`` of :func:`sdpa_ref.lse.arith_for`, the double-double one widened to :class:`_ExactMerge`."""
+    X, log = arith_for(base, precision)
+    if isinstance(X, ExactLSE):
+        X = _ExactMerge(X.base)
+        log = X.log
+    return X, log
+
+
+def _merged_in(X, w, o):
+    r""":math:`\sum_i w_i\, o_i` over the arithmetic ``X``, part by part in order (``w`` the list of ``X``
+    values ``(1, ..., 1)`` from :func:`sdpa_ref.lse.combined_in`, ``o`` the float64 parts on axis 0)."""
+    out = None
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        for wi, oi in zip(w, o):
+            t = X.mul_d(wi, oi[None])
+            out = t if out is None else X.add(out, t)
+    return out
 
 
 def _parts(out_parts, lse_parts, axis=0):

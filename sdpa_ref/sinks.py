@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .lse import combine_in
+from .arith import combine_in
 from .pivot import sink_grad_in, sink_softmax_vjp_in
 
 __all__ = ["fold_sink_in", "sink_grad_in", "sink_probs", "sink_probs_lse_in", "sink_softmax_vjp_in"]

@@ -1,6 +1,7 @@
 """The LSE in the kernels' conventions (base 2, empty rows) and the row statistics (cuDNN's max and sum-exp)."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -99,3 +100,48 @@ def test_residual_lse_as_takes_the_poisoned_rows_from_lse():
     assert np.isnan(res.lse_as(base=2)[0, 0, 0]) and np.isnan(res.row_max[0, 0, 0])
     assert np.isnan(res.row_sumexp[0, 0, 0])
     assert not np.isnan(res.lse_as(base=2)[1]).any()               # the other batch read no NaN
+
+
+# ---------------------------------------------------------------- precision="reproducible": faithful conversions
+
+
+def _near_powers_of_two(c):
+    """LSEs ``x`` of either sign whose ``x * c`` is within a few ulps of a power of two (where the ulp of the
+    result doubles), from 2**-30 to 2**1000, beside random ones of every size (both signs), 0, and a subnormal."""
+    k = 2.0 ** np.arange(-30, 1001, 7)
+    x = k / c
+    near = np.concatenate([x] + [np.nextafter(x, d) for d in (0, np.inf)] + [x * (1 + 2.0 ** -50)])
+    rand = RNG.uniform(-1, 1, 300) * 10.0 ** RNG.integers(-20, 300, 300)
+    return np.concatenate([near, -near, rand, [0.0, -0.0, 5e-310, -1e308, 1.2e308]])
+
+
+@pytest.mark.parametrize("to_base", [2, "e"])
+def test_reproducible_conversion_is_faithful_against_mpmath(to_base):
+    """``convert_lse(precision="reproducible")`` within 1 ulp of 50-digit mpmath in both directions, both signs,
+    near powers of two; the same convention mapping of empty rows and NaN as the fast conversion."""
+    import mpmath
+    from helpers import assert_faithful
+    ctx = mpmath.MPContext()
+    ctx.dps = 50
+    c = 1 / ctx.log(2) if to_base == 2 else ctx.log(2)
+    x = _near_powers_of_two(float(c))
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        got = convert_lse(x, base=to_base, from_base="e" if to_base == 2 else 2, precision="reproducible")
+    fin = np.abs(x * float(c)) < 1.79e308                         # the product overflows: +-inf, as IEEE says
+    truth = np.array([ctx.mpf(float(a)) * c for a in x[fin]], dtype=object)
+    assert_faithful(got[fin], truth, f"convert_lse to base {to_base}")
+    assert np.array_equal(got[~fin], np.sign(x[~fin]) * np.inf)
+    special = np.array([-np.inf, np.nan, 1.0])
+    for kw in ({}, {"empty": "+inf"}, {"empty": 3.5}):
+        a = convert_lse(special, base=2, precision="reproducible", **kw)
+        b = convert_lse(special, base=2, **kw)
+        assert np.array_equal(a[:2], b[:2], equal_nan=True)
+
+
+def test_reproducible_conversion_keeps_the_dtype_and_values_without_a_change_of_base():
+    x = RNG.standard_normal(50).astype(np.float32)
+    assert convert_lse(x, base=2, precision="reproducible").dtype == np.float32
+    assert np.array_equal(convert_lse(x, precision="reproducible"), x)
+    with pytest.raises(ValueError, match="`precision`"):
+        convert_lse(x, precision="exact")

@@ -3,11 +3,17 @@
 Four kinds of evidence: attention split over the keys and merged equals the unsplit call; an independent
 mpmath loop; central differences for the backward over the option grid (and a wrong VJP that they must
 catch); and the conventions -- empty parts are never read, only empty parts give (0, -inf), bad input is a
-clear error, no input is written into.
+clear error, no input is written into. precision="reproducible": the merge, its VJP and combine_lse within 1 ulp
+of 50-digit mpmath on adversarial parts (SEMANTICS.md's cancellation exemption), and the same bits under every
+thread and SIMD setting (tests/repro_merge_digest.py, tests/data/reproducible_merge_hashes.json).
 """
 
 import doctest
+import json
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import mpmath
@@ -21,7 +27,8 @@ import sdpa_ref.merge
 from sdpa_ref import causal_mask, merge_attention, merge_attention_backward, scaled_dot_product_attention
 from sdpa_ref.lse import combine_lse
 
-from tolerances import F64_AMPLIFIED, F64_SUMS, FD_LOOSE, FD_LOOSE_ATOL
+from helpers import assert_faithful
+from tolerances import DD_CANCEL_RATIO, DD_CANCELLED, F64_AMPLIFIED, F64_SUMS, FD_LOOSE, FD_LOOSE_ATOL
 
 FD_STEP = 1e-6
 LN2 = math.log(2.0)
@@ -494,3 +501,220 @@ def test_the_errors_report_the_shapes_given():
     lse[2, 1, 0] = np.inf
     with pytest.raises(ValueError, match=r"\+inf at index \(2, 1, 0\)"):
         merge_attention(np.zeros((3, 2, 4, 5)), lse, axis=1)
+
+
+# ------------------------------------------------------------ precision="reproducible": faithful against 50 digits
+
+
+def _exact_merge(out_parts, lse_parts, g, g_lse, base):
+    """The exact merge and its VJP of ``(P, R, Ev)`` parts by a loop over rows in 50-digit mpmath: ``(out, lse,
+    w, d_out, d_lse)`` as mpf object arrays, and the sums of the magnitudes of each result's terms (what SEMANTICS.md's
+    cancellation exemption compares with): ``(out, lse, d_lse)``."""
+    ctx = mpmath.MPContext()
+    ctx.dps = 50
+    P, R, Ev = out_parts.shape
+    b = ctx.mpf(2) if base == 2 else ctx.e
+    c = ctx.log(2) if base == 2 else ctx.mpf(1)
+    res = {n: np.empty(s, dtype=object) for n, s in (("out", (R, Ev)), ("lse", (R,)), ("w", (P, R)),
+                                                      ("d_out", (P, R, Ev)), ("d_lse", (P, R)))}
+    terms = {n: np.zeros(s) for n, s in (("out", (R, Ev)), ("lse", (R,)), ("d_lse", (P, R)))}
+    for r in range(R):
+        live = [i for i in range(P) if lse_parts[i, r] != -np.inf]
+        res["out"][r], res["lse"][r] = ctx.mpf(0), ctx.mpf("-inf")
+        res["w"][:, r], res["d_out"][:, r], res["d_lse"][:, r] = ctx.mpf(0), ctx.mpf(0), ctx.mpf(0)
+        if not live:
+            continue
+        ls = {i: ctx.mpf(float(lse_parts[i, r])) for i in live}
+        top = max(live, key=lambda i: ls[i])
+        m = ls[top]                                               # log1p: 1 + e^-720 needs more than 50 digits
+        lse = m + ctx.log1p(ctx.fsum(b ** (ls[i] - m) for i in live if i != top)) / ctx.log(b)
+        res["lse"][r], terms["lse"][r] = lse, float(abs(m) + abs(lse - m))
+        w = {i: b ** (ls[i] - lse) for i in live}
+        o = {i: [ctx.mpf(float(x)) for x in out_parts[i, r]] for i in live}
+        gg = [ctx.mpf(float(x)) for x in g[r]]
+        for e in range(Ev):
+            res["out"][r, e] = ctx.fsum(w[i] * o[i][e] for i in live)
+            terms["out"][r, e] = float(ctx.fsum(abs(w[i] * o[i][e]) for i in live))
+        gw = {i: ctx.fsum(gg[e] * o[i][e] for e in range(Ev)) for i in live}
+        gw_abs = {i: ctx.fsum(abs(gg[e] * o[i][e]) for e in range(Ev)) for i in live}
+        D = ctx.fsum(w[i] * gw[i] for i in live)
+        D_abs = ctx.fsum(w[i] * gw_abs[i] for i in live)
+        for i in live:
+            res["w"][i, r] = w[i]
+            res["d_out"][i, r] = [w[i] * x for x in gg]
+            res["d_lse"][i, r] = c * w[i] * (gw[i] - D) + w[i] * ctx.mpf(float(g_lse[r]))
+            terms["d_lse"][i, r] = float(c * w[i] * (gw_abs[i] + D_abs) + w[i] * abs(float(g_lse[r])))
+    return res, terms
+
+
+def _assert_faithful_or_cancelled(x, truth, terms, what):
+    """Faithful (:func:`helpers.assert_faithful`) wherever the result is no more than DD_CANCEL_RATIO times smaller
+    than its terms; elsewhere (SEMANTICS.md's exemption) within DD_CANCELLED of their magnitude. Returns how many
+    entries were exempt."""
+    x, t = np.asarray(x, np.float64).ravel(), truth.ravel()
+    terms = np.broadcast_to(terms, truth.shape).ravel()
+    exempt = np.array([not mpmath.isnan(v) and mpmath.isfinite(v) and terms[i] > DD_CANCEL_RATIO * abs(v)
+                       for i, v in enumerate(t)], dtype=bool)
+    assert_faithful(x[~exempt], t[~exempt], what)
+    for i in np.flatnonzero(exempt):
+        assert abs(mpmath.mpf(float(x[i])) - t[i]) <= DD_CANCELLED * terms[i], (what, i, x[i], t[i])
+    return int(exempt.sum())
+
+
+def _adversarial_cases():
+    """``{name: (out_parts (P, R, Ev), lse_parts (P, R))}``: the merges that break a float64 merge."""
+    rng = np.random.default_rng(43)
+    cases = {}
+    o, l = _inputs(5, P=4, shape=(7,), Ev=3, empty=0.3, all_empty_rows=1)
+    cases["random-with-empty-parts-and-an-empty-row"] = (o, l)
+    # outputs of opposite sign cancel, down to 1e-12 of their size (the exemption starts at 2**45 ~ 3.5e13)
+    d = np.array([1e-2, 1e-5, 1e-8, 1e-10, 1e-12, 3e-13])
+    o = np.stack([np.stack([1 + d, 0.75 - d], -1), np.stack([-np.ones_like(d), -0.75 * np.ones_like(d)], -1)])
+    cases["cancelling-equal-weights"] = (o, np.zeros((2, d.size)))
+    lse = np.array([[0.3] * d.size, [-0.2] * d.size])
+    o = np.stack([np.stack([np.full(d.size, 1.0), 0.5 + d], -1),
+                  np.stack([-np.exp(0.5) * (1 + d), np.full(d.size, -0.5 * np.exp(0.5))], -1)])
+    cases["cancelling-unequal-weights"] = (o, lse)
+    # a part dominating by e^40 (and 2^40), a tie, and huge log-sum-exps of either sign
+    o = rng.uniform(-1, 1, (3, 7, 2))
+    lse = np.array([[40.0, 0.0, 1e17, 1e300, -1e300, 700.0, 0.0],
+                    [0.0, 0.0, 1e17 + 16, 1e300 * (1 - 2e-16), -1e300 * (1 - 2e-16), -700.0, -700.0],
+                    [-np.inf, 40.0, 1e17 - 32, -np.inf, -np.inf, -1e308, -1070.0]])    # a merged lse of e^-700
+    cases["dominant-huge-and-far-apart"] = (o, lse)
+    # base-2 and natural results near powers of two: 3 parts at l, l, l + 1 give l + log2(4) = l + 2 in base 2
+    k = np.array([1.0, 2.0, 4.0, 1024.0, 2.0 ** 30, -8.0])
+    lse = np.stack([k - 2, k - 2, k - 1])
+    lse[:, 4] = np.nextafter(lse[:, 4], np.inf)                # an ulp past them
+    cases["near-powers-of-two"] = (rng.uniform(-1, 1, (3, k.size, 3)), lse)
+    # the merged lse cancels: m = -log(s) (its exact value is tiny beside m: the exemption's case)
+    lse = np.array([[-math.log(2.0), -1.0, -0.5]] * 2)          # 0 up to fl(ln 2)'s error in base e; 0 in base 2
+    cases["lse-near-zero"] = (rng.uniform(-1, 1, (2, 3, 2)), lse)
+    one = rng.uniform(-1, 1, (1, 3, 2))
+    cases["one-part"] = (one, np.array([[0.5, -np.inf, 1e300]]))
+    return cases
+
+
+@pytest.mark.parametrize("base", ["e", 2])
+@pytest.mark.parametrize("name", list(_adversarial_cases()))
+def test_reproducible_merge_is_faithful_against_mpmath(name, base):
+    """Every result of the reproducible merge, its VJP and combine_lse within 1 ulp of 50-digit mpmath: the
+    cancelling merges, a part ahead by e^40, ties, log-sum-exps of 1e17 and 1e300 of either sign, near powers of
+    two, one part, empty parts (NaN outputs, never read) and rows with none (exactly (0, -inf), zero gradients)."""
+    out_parts, lse_parts = _adversarial_cases()[name]
+    rng = np.random.default_rng(7)
+    g = rng.uniform(-1, 1, out_parts.shape[1:])
+    g_lse = rng.uniform(-1, 1, lse_parts.shape[1:])
+    truth, terms = _exact_merge(out_parts, lse_parts, g, g_lse, base)
+    with warnings.catch_warnings(), np.errstate(all="raise"):          # no floating-point warning
+        warnings.simplefilter("error")
+        out, lse = merge_attention(out_parts, lse_parts, lse_base=base, precision="reproducible")
+        d_out, d_lse = merge_attention_backward(out_parts, lse_parts, g, g_lse, lse_base=base,
+                                                precision="reproducible")
+        lse_c, w = combine_lse(lse_parts, base=base, precision="reproducible")
+    exempt = _assert_faithful_or_cancelled(out, truth["out"], terms["out"], "out")
+    exempt += _assert_faithful_or_cancelled(lse, truth["lse"], terms["lse"], "lse")
+    assert _same_bits(lse_c, lse)
+    assert_faithful(w, truth["w"], "w")
+    assert_faithful(d_out, truth["d_out"], "grad_out_parts")
+    exempt += _assert_faithful_or_cancelled(d_lse, truth["d_lse"], terms["d_lse"], "grad_lse_parts")
+    assert exempt == (1 if name == "lse-near-zero" else 0)        # the exemption is that case's alone
+    none = np.all(np.isneginf(lse_parts), axis=0)
+    assert not np.any(out[none]) and np.all(np.isneginf(lse[none]))
+    dead = np.isneginf(lse_parts)
+    assert not np.any(d_out[dead]) and not np.any(d_lse[dead])
+
+
+def test_the_fast_merge_is_not_faithful_where_the_reproducible_one_is(quiet):
+    """The reason for the option: on the cancelling merges the fast merge is many ulps off."""
+    out_parts, lse_parts = _adversarial_cases()["cancelling-unequal-weights"]
+    g, g_lse = np.ones(out_parts.shape[1:]), np.zeros(lse_parts.shape[1:])
+    truth = _exact_merge(out_parts, lse_parts, g, g_lse, "e")[0]["out"]
+    fast = merge_attention(out_parts, lse_parts)[0]
+    ulps = [abs(float((mpmath.mpf(float(a)) - t) / mpmath.mpf(float(np.spacing(float(t)))))) for a, t in
+            zip(fast.ravel(), truth.ravel())]
+    assert max(ulps) > 100
+
+
+@pytest.mark.parametrize("base", ["e", 2])
+def test_reproducible_backward_matches_central_differences(base, quiet):
+    out_parts, lse_parts = _inputs(21, P=3, shape=(2, 3), Ev=2)
+    rng = np.random.default_rng(1)
+    g, g_lse = rng.standard_normal(out_parts.shape[1:]), rng.standard_normal(lse_parts.shape[1:])
+    vjp = lambda *a, **kw: merge_attention_backward(*a, **kw, precision="reproducible")
+    errs = _fd_errors(vjp, out_parts, lse_parts, g, g_lse, base)
+    assert max(errs) <= FD_LOOSE_ATOL, errs
+
+
+@pytest.mark.parametrize("base", ["e", 2])
+def test_reproducible_merge_ignores_garbage_in_empty_parts_and_poisons_nan_rows(base, quiet):
+    out_parts, lse_parts = _inputs(17, P=4, shape=(2, 3), Ev=2, empty=0.4, all_empty_rows=2)
+    dead = np.isneginf(lse_parts)
+    clean = np.where(dead[..., None], 0.0, out_parts)
+    ref = merge_attention(clean, lse_parts, lse_base=base, precision="reproducible")
+    for junk in GARBAGE:
+        got = merge_attention(np.where(dead[..., None], junk, clean), lse_parts, lse_base=base,
+                              precision="reproducible")
+        assert all(_same_bits(a, b) for a, b in zip(got, ref)), junk
+    lse_nan = lse_parts.copy()
+    lse_nan[0, 1] = np.nan                                        # NaN where the fast merge has NaN
+    out, lse = merge_attention(clean, lse_nan, lse_base=base, precision="reproducible")
+    fast_out, fast_lse = merge_attention(clean, lse_nan, lse_base=base)
+    assert np.isnan(lse[1]).all() and np.array_equal(np.isnan(lse), np.isnan(fast_lse))
+    assert np.isnan(out).any() and np.array_equal(np.isnan(out), np.isnan(fast_out))
+
+
+def test_reproducible_precision_is_checked_and_keeps_dtypes_and_inputs(quiet):
+    out_parts, lse_parts = _inputs(3, P=3, shape=(2, 3), Ev=2)
+    o32, l32 = out_parts.astype(np.float32), lse_parts.astype(np.float32)
+    keep = o32.copy(), l32.copy()
+    out, lse = merge_attention(o32, l32, precision="reproducible")
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    assert _same_bits(o32, keep[0]) and _same_bits(l32, keep[1])
+    for f, args in ((merge_attention, (out_parts, lse_parts)),
+                    (merge_attention_backward, (out_parts, lse_parts, np.zeros(out_parts.shape[1:]))),
+                    (combine_lse, (lse_parts,))):
+        with pytest.raises(ValueError, match="`precision` should be one of 'fast', 'reproducible'"):
+            f(*args, precision="exact")
+
+
+def test_the_reproducible_merge_of_the_reproducible_partials_is_faithful_to_the_unsplit_attention():
+    """Both faithful: the merge of the split's faithful parts and the unsplit result agree to an ulp."""
+    rng = np.random.default_rng(4)
+    q, k, v = rng.uniform(-2, 2, (1, 2, 5, 4)), rng.uniform(-2, 2, (1, 2, 9, 4)), rng.uniform(-2, 2, (1, 2, 9, 3))
+    parts = sdpa_ref.split_kv_partials(q, k, v, num_splits=3, is_causal=True, precision="reproducible")
+    out, lse = merge_attention(*parts, precision="reproducible")
+    ref, ref_lse = scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True, precision="reproducible")
+    assert np.max(np.abs(out - ref) / np.spacing(np.abs(ref))) <= 2
+    assert np.max(np.abs(lse - ref_lse) / np.spacing(np.abs(ref_lse))) <= 2
+
+
+MERGE_HASHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "reproducible_merge_hashes.json")
+
+
+def test_reproducible_merges_lse_and_splits_are_the_committed_bits_under_every_setting():
+    """One hash per quantity (tests/repro_merge_digest.py: the merge and its VJP, combine_lse and convert_lse in
+    both bases, the split-KV partials, forward and backward) in process and under threads 1-3, OpenBLAS 1,
+    numpy's dispatch without AVX-512 and AVX2, and the NumPy loops in place of the compiled kernels. Regenerate
+    the file with ``python tests/repro_merge_digest.py --json`` only where the engine's own committed bits change."""
+    import importlib.util
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "repro_merge_digest.py")
+    with open(MERGE_HASHES) as f:
+        want = json.load(f)
+    spec = importlib.util.spec_from_file_location("repro_merge_digest", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.digests() == want
+    avx512 = "AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR X86_V4"
+    settings_ = [{"SDPA_REF_NUM_THREADS": "1", "SDPA_REF_NATIVE": "0", "NPY_DISABLE_CPU_FEATURES": avx512},
+                 {"SDPA_REF_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "1",
+                  "NPY_DISABLE_CPU_FEATURES": avx512 + " AVX2 FMA3 X86_V3"}]
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("SDPA_REF_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NPY_DISABLE_CPU_FEATURES", "SDPA_REF_NATIVE")}
+    for extra in settings_:
+        env = dict(base, **extra)
+        if subprocess.run([sys.executable, "-c", "import numpy"], env=env, capture_output=True).returncode:
+            env.pop("NPY_DISABLE_CPU_FEATURES")                  # numpy refuses to switch off a baseline feature
+        cp = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
+        assert cp.returncode == 0, cp.stderr[-2000:]
+        got = dict(line.split() for line in cp.stdout.strip().splitlines())
+        assert got == want, f"{extra}: " + ", ".join(n for n in want if got.get(n) != want[n])

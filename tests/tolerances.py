@@ -27,6 +27,10 @@ F64_SUB_ULP = 1e-16      # a closed form that is 0 (softmax's VJP of ones): 1 - 
 F64_ONE_ULP = 2.3e-16    # one correctly rounded division by a rounded constant (lse / log 2): <= u + u = EPS64,
                          # rounded up
 F64_TWO_ULP = 4.5e-16    # a conversion there and back: two F64_ONE_ULP steps
+DD_CANCEL_RATIO = 2.0 ** 45  # SEMANTICS.md's exemption from faithful rounding: a precision="reproducible" result
+                             # whose terms are more than this many times larger than itself (cancellation)
+DD_CANCELLED = 2.0 ** -90    # such a result's error relative to the sum of its terms' magnitudes: the double-double
+                             # arithmetic's ~2**-100 (exp, log, a few adds) with a factor of 1000 to spare
 F64_FEW_ULP = 1e-15      # ~4.5 EPS64: a closed form a handful of roundings away (a mean of <= 4 values, one exp
                          # or log, entropies of hand-picked rows, exact powers of two), or the same arithmetic on a
                          # batch sliced or broadcast differently (matmul may block a batch differently)

@@ -40,7 +40,7 @@ import numpy as np
 from ..arith import NUMPY
 from ..lse import combine_in
 from ..normalize import keys_only
-from . import reproducible, tiled
+from . import tiled
 from .blocks import Blocks, check_block_size, ranges as _ranges
 from .contract import Forward
 
@@ -128,16 +128,16 @@ def _normalised(m, l, acc, empty):
     return out, lse[..., 0]
 
 
-def partials(prob, b, *, block_size="auto", precision="fast"):
+def partials(prob, b, *, block_size="auto", forward=None):
     """``(out_parts, lse_parts)``, ``(n, *batch, Hq, L, Ev)`` and ``(n, *batch, Hq, L)``: each split's own
     normalised output and log-sum-exp over its keys alone, what a split-KV kernel writes before its combine
-    (no sink, no policy: ``(0, -inf)`` where a split has no allowed key). ``precision="reproducible"``: each
-    split is the reproducible engine on its own problem (:func:`split_problem`), so each part is faithfully
-    rounded and the same bits everywhere (``block_size`` is then not used)."""
+    (no sink, no policy: ``(0, -inf)`` where a split has no allowed key). ``forward``: another engine's forward
+    run on each split's own problem (:func:`split_problem`) instead of the tiled key pass -- the reproducible
+    engine's, so that each part is faithfully rounded and the same bits everywhere (``block_size`` unused)."""
     n = b.shape[-1] - 1
     lead = prob.batch + (prob.Hq, prob.L)
-    if precision == "reproducible":
-        fwds = [reproducible.forward(split_problem(prob, b, i)[0], save_probs=False) for i in range(n)]
+    if forward is not None:
+        fwds = [forward(split_problem(prob, b, i)[0], save_probs=False) for i in range(n)]
         return (np.stack([f.out for f in fwds]).reshape((n,) + lead + (prob.v.shape[-1],)),
                 np.stack([f.lse for f in fwds]).reshape((n,) + lead))
     block = check_block_size(block_size, prob)
