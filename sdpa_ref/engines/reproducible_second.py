@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..broadcast import unbroadcast
+from ..broadcast import block_of, unbroadcast
 from ..exact.arith import for_problem
 from ..normalize import extra_shape, vjp_jvp_scores
 from ..policy import constant_rows, counts
 from ..transforms import dropout_in, transform_scores_jvp, transform_scores_slope_jvp_in, transform_scores_vjp, \
     transform_scores_vjp_jvp, zero_masked_slope_in
 from .contract import Forward, Grads
-from .reproducible import _any_to, _fold, _fold_q, _full, _grouped, _kv, _nan_rows, _no_silent_nan, _quiet, \
+from .reproducible import _any_to, _by_rows, _fold, _fold_q, _full, _grouped, _kv, _nan_rows, _no_silent_nan, _quiet, \
     _round, _t
 
 __all__ = ["backward_jvp"]
@@ -50,46 +50,65 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
     gradient's tangent rounded once. ``arith``: the arithmetic (default: the problem's); ``absorbed``: MLA's
     ``qv`` joined (:class:`sdpa_ref.absorbed.Absorbed`), whose split then rides in ``Grads.absorbed``."""
     X = arith or for_problem(prob)
-    o, full, keep, p = prob.options, prob.full_scores, prob.keep, prob.options.dropout_p
+    o, full, nd, keep, p = prob.options, prob.full_scores, len(prob.full_scores), prob.keep, prob.options.dropout_p
     P, Pd, sd, pe = (fwd.extra[n] for n in ("P", "Pd", "sech2", "p_extra"))
     allowed = prob.allowed()
-    sd = zero_masked_slope_in(X, prob, sd, allowed)                 # a score function's slope: 0 where excluded
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))
-
-    def const(x):                                                   # the policy's constant rows: no derivative
-        return x if cr is None or x is None else X.where(cr, X.const(0.0), x)
-
-    def zeros():
-        return X.lift(np.zeros(full))
-
     dOg, vT = _grouped(dO, prob), _t(_kv(prob.v))
-    # the backward's own line that the tangent reads: dP = (dO V^T) Z / (1 - p)
-    dP = dropout_in(X, _full(X.matmul(dOg, vT), prob), keep, p)
-    # the forward's tangent: Traw' = s (dQ K^T + Q dK^T), T' = Traw' sech^2 + dB
-    traw_t = _sum(X, None if dq is None else X.matmul(dq, _t(_kv(prob.k))),
-                  None if dk is None else X.matmul(prob.q, _t(_kv(dk))))
-    traw_t = zeros() if traw_t is None else _full(X.mul_d(traw_t, prob.scale), prob)
-    t_t = transform_scores_jvp(traw_t, sd, dbias, X=X)
-    # dP' = (ddO V^T + dO dV^T) Z / (1 - p)
-    ddP = _sum(X, None if ddO is None else X.matmul(_grouped(ddO, prob), vT),
-               None if dv is None else X.matmul(dOg, _t(_kv(dv))))
-    ddP = zeros() if ddP is None else dropout_in(X, _full(ddP, prob), keep, p)
-    # the softmax's second order, every row sum pivoted (normalize.vjp_jvp_scores, over X)
-    dT, Pt, ddT, ext = vjp_jvp_scores(P, dP, t_t, ddP, pe, dextra, dlse, ddlse, X=X)
-    dT, Pt, ddT = const(dT), const(Pt), const(ddT)
-    ddx = None if ext is None else const(ext[2])
+    # the products the rows read: dO V^T (the backward's dP), Traw' = s (dQ K^T + Q dK^T), ddO V^T + dO dV^T
+    # (dP'), and the raw scores Traw where the chain has a slope (the forward's, bit for bit)
+    dPu = _full(X.matmul(dOg, vT), prob)
+    traw_t = _joined_product(X, (dq, prob.q), (prob.k, dk))        # [dQ | Q] [K | dK]^T: one exact sum
+    traw_t = None if traw_t is None else _full(X.mul_d(traw_t, prob.scale), prob)
+    ddPu = _sum(X, None if ddO is None else X.matmul(_grouped(ddO, prob), vT),
+                None if dv is None else X.matmul(dOg, _t(_kv(dv))))
+    ddPu = None if ddPu is None else _full(ddPu, prob)
+    Traw = None if sd is None else _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale), prob)
+    keep_ddT = prob.mask_float is not None or prob.bias is not None
+    ddT_all = X.empty(full) if keep_ddT else None
+    Pt_drop, dTraw, ddTraw = X.empty(full), X.empty(full), X.empty(full)
+    ddx = None if pe is None else X.empty(full[:-1] + (1,))
+
+    def rows(lead, r):
+        """One block of rows: every step between the products is row by row."""
+        ix = lead + (slice(*r),)
+
+        def blk(a):                                                 # a float array's block (None stays None)
+            return block_of(a, nd, lead, r)
+
+        def zeros():
+            return X.lift(np.zeros(X.value(X.at(P, ix)).shape))
+
+        kb = blk(keep)
+        s = None if sd is None else zero_masked_slope_in(X, prob, X.at(sd, ix), blk(allowed))   # 0 where excluded
+        # dP = (dO V^T) Z / (1 - p), T' = Traw' sech^2 + dB, dP' = (ddO V^T + dO dV^T) Z / (1 - p)
+        g = dropout_in(X, X.at(dPu, ix), kb, p)
+        tr = zeros() if traw_t is None else X.at(traw_t, ix)
+        t_t = transform_scores_jvp(tr, s, blk(dbias), X=X)
+        h = zeros() if ddPu is None else dropout_in(X, X.at(ddPu, ix), kb, p)
+        # the softmax's second order, every row sum pivoted (normalize.vjp_jvp_scores, over X)
+        dT, Pt, ddT, ext = vjp_jvp_scores(X.at(P, ix), g, t_t, h, None if pe is None else X.at(pe, ix),
+                                          blk(dextra), blk(dlse), blk(ddlse), X=X)
+        c = blk(cr)
+        if c is not None:                                           # the policy's constant rows: no derivative
+            dT, Pt, ddT = (X.where(c, X.const(0.0), x) for x in (dT, Pt, ddT))
+        if ext is not None:
+            X.put(ddx, ix, ext[2] if c is None else X.where(c, X.const(0.0), ext[2]))
+        if ddT_all is not None:
+            X.put(ddT_all, ix, ddT)
+        X.put(Pt_drop, ix, dropout_in(X, Pt, kb, p))
+        # dTraw = dT sech^2  =>  dTraw' = dT' sech^2 + dT (sech^2)'
+        ds = None if s is None else transform_scores_slope_jvp_in(X, prob, X.at(Traw, ix), s, tr, lead, r,
+                                                                  allowed=blk(allowed))
+        X.put(dTraw, ix, transform_scores_vjp(dT, s, X=X))
+        X.put(ddTraw, ix, transform_scores_vjp_jvp(dT, ddT, s, ds, X=X))
+
+    _by_rows(full, rows)
     # dV = P_drop^T dO  =>  dV' = P_drop'^T dO + P_drop^T ddO, the GQA group folded into the contraction
-    dv_t = _sum(X, X.matmul(_t(_fold(_grouped(dropout_in(X, Pt, keep, p), prob))), _fold(dOg)),
+    dv_t = _sum(X, X.matmul(_t(_fold(_grouped(Pt_drop, prob))), _fold(dOg)),
                 None if ddO is None else X.matmul(_t(_fold(_grouped(Pd, prob))), _fold(_grouped(ddO, prob))))
-    dmask = None if prob.mask_float is None else _round(X, unbroadcast(ddT, prob.shapes["attn_mask"], X))
-    dbias_t = None if prob.bias is None else _round(X, unbroadcast(ddT, prob.shapes["bias"], X))
-    # dTraw = dT sech^2  =>  dTraw' = dT' sech^2 + dT (sech^2)'
-    dsd = None
-    if sd is not None:
-        Traw = _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale), prob)     # the forward's, bit for bit
-        dsd = transform_scores_slope_jvp_in(X, prob, Traw, sd, traw_t, allowed=allowed)
-    dTraw = transform_scores_vjp(dT, sd, X=X)
-    ddTraw = transform_scores_vjp_jvp(dT, ddT, sd, dsd, X=X)
+    dmask = None if prob.mask_float is None else _round(X, unbroadcast(ddT_all, prob.shapes["attn_mask"], X))
+    dbias_t = None if prob.bias is None else _round(X, unbroadcast(ddT_all, prob.shapes["bias"], X))
     # dQ = s dTraw K, dK = s dTraw^T Q  =>  dQ' = s (dTraw' K + dTraw K'), dK' = s (dTraw'^T Q + dTraw^T Q')
     dTg, ddTg = _grouped(dTraw, prob), _grouped(ddTraw, prob)
     dq_t = _sum(X, X.matmul(ddTg, _kv(prob.k)), None if dk is None else X.matmul(dTg, _kv(dk)))
@@ -104,8 +123,9 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
     nan_rows = _nan_rows(prob, fwd.empty)                           # NaN by the "nan" policy, and nowhere else
     heads = None if nan_rows is None else np.any(_grouped(nan_rows, prob), axis=(-3, -2))[..., None]
     for x, ok, what in ((dq_t, nan_rows, "dq tangent"), (dk_t, heads, "dk tangent"), (dv_t, heads, "dv tangent"),
-                        (ddT, nan_rows, "attn_mask or bias gradient's tangent")):
-        _no_silent_nan(X, x, ok, what)
+                        (ddT_all, nan_rows, "attn_mask or bias gradient's tangent")):
+        if x is not None:
+            _no_silent_nan(X, x, ok, what)
     if dextra_t is not None:
         _no_silent_nan(X, dextra_t, None if nan_rows is None else _any_to(np.any(nan_rows, axis=(-2, -1)),
                                                                             extra_shape(prob)), "sinks tangent")
@@ -114,6 +134,18 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
     split = None if absorbed is None else tuple(_round(X, x) for x in absorbed.split(dq_t, dk_t, dv_t, arith=X))
     return Grads(dq=_round(X, dq_t), dk=_round(X, dk_t), dv=_round(X, dv_t), dmask=dmask, dbias=dbias_t,
                  dextra=dextra_t, absorbed=split)
+
+
+def _joined_product(X, lefts, rights):
+    """``sum_i lefts[i] @ rights[i]^T`` over the pairs with neither None, as one exact product of the pairs
+    joined along the contraction (``(..., Hkv, G, L, n)`` against ``(..., Hkv, S, n)``), rounded once; None when
+    no pair is whole."""
+    pairs = [(a, b) for a, b in zip(lefts, rights) if a is not None and b is not None]
+    if not pairs:
+        return None
+    ls = np.broadcast_arrays(*(a for a, _ in pairs))
+    rs = np.broadcast_arrays(*(b for _, b in pairs))
+    return X.matmul(np.concatenate(ls, axis=-1), _t(_kv(np.concatenate(rs, axis=-1))))
 
 
 def _sum(X, a, b):
