@@ -563,3 +563,18 @@ def test_reproducible_partials_are_faithful_against_mpmath(is_causal):
         ref, ref_res = sdpa_forward(q, k, v, attn_mask=np.broadcast_to(allowed, (4, 7)), fully_masked="zero",
                                     precision="reproducible")
         assert outs[i].tobytes() == ref.tobytes() and lses[i].tobytes() == ref_res.lse.tobytes()
+
+
+def test_reproducible_partials_are_poisoned_where_the_fast_ones_are():
+    """A NaN key poisons only the parts that read it, as in the fast partials; the other parts keep their bits
+    (those of the same problem without the NaN)."""
+    rng = np.random.default_rng(8)
+    q, k, v = rng.uniform(-2, 2, (1, 2, 3, 4)), rng.uniform(-2, 2, (1, 2, 8, 4)), rng.uniform(-2, 2, (1, 2, 8, 3))
+    bad = k.copy()
+    bad[0, 1, 6, 2] = np.nan
+    got = split_kv_partials(q, bad, v, num_splits=2, precision="reproducible")
+    fast = split_kv_partials(q, bad, v, num_splits=2)
+    clean = split_kv_partials(q, k, v, num_splits=2, precision="reproducible")
+    for a, f, c in zip(got, fast, clean):
+        assert np.array_equal(np.isnan(a), np.isnan(f)) and np.isnan(a).any()
+        assert a[~np.isnan(a)].tobytes() == c[~np.isnan(a)].tobytes()
