@@ -17,6 +17,13 @@ The arrays may be NumPy arrays (``ml_dtypes``' bfloat16 and float8 included) or 
 ``__array__`` (PyTorch, JAX, CuPy, MLX on the host); the framework is never imported. A tensor whose dtype NumPy
 lacks (PyTorch's bfloat16) is read through its ``float()`` and rounded back to ``ml_dtypes``' type, exactly.
 
+Out-of-bounds reads: hand the kernel guarded copies of its inputs (:func:`guarded`: the same values inside a larger
+buffer whose guard regions before, after and between rows hold NaN, or a huge finite value with
+``fill="huge"``; for PyTorch, ``torch.from_numpy(guarded(x))`` shares them) and pass the same NumPy arrays here.
+A result that fails on guarded inputs is then said to read outside them, and a guard region written to fails a
+``guard`` row, "writes outside its inputs". (The harness, :func:`sdpa_ref.check_implementation`, runs every
+kernel on guarded and plain inputs by itself and compares the two.)
+
 >>> import numpy as np, sdpa_ref.testing as t
 >>> rng = np.random.default_rng(0)
 >>> q, k, v = (rng.standard_normal((2, 8, 16)).astype(np.float32) for _ in range(3))
@@ -35,15 +42,17 @@ import numpy as np
 from .api import sdpa_forward
 from .derivatives import sdpa_backward
 from .harness.ensemble import honest_results, worst_errors
+from .harness.guards import GuardBroken, guard_fill, guard_intact, guarded
 from .harness.judge import _compare
 from .harness.merge_check import judge_merged
 from .harness.lowp import output_dtype, work_dtype
-from .harness.report import ConformanceReport
+from .harness.report import ConformanceReport, ConformanceRow
 from .harness.rules import RelativeRule, as_rule, lean, rms_error
 from .lse import check_base, convert_lse
 from .merge import merge_attention
 
-__all__ = ["assert_attention_close", "assert_merge_close", "check_attention_close", "check_merge_close"]
+__all__ = ["GuardBroken", "assert_attention_close", "assert_merge_close", "check_attention_close",
+           "check_merge_close", "guard_intact", "guarded"]
 
 _GRAD_NAMES = ("dq", "dk", "dv")
 
@@ -136,7 +145,27 @@ def check_attention_close(out, query, key, value, *, lse=None, grads=None, grad_
                           want or output_dtype(dt))
         row.exceeding = _exceeding(got[n], ref[n], row)
         rows.append(row)
+    rows.extend(_guards(dict(options, query=q, key=k, value=v), rows, dt))
     return ConformanceReport(rows, rule=rule.describe(), suite="your inputs")
+
+
+def _guards(inputs, rows, dt):
+    """What guarded inputs (:func:`guarded`) tell: a ``guard`` row where a guard region was written, and on each
+    failing row the note that its inputs were guarded, so that a result off by that much read outside them."""
+    fills = {n: guard_fill(a) for n, a in inputs.items() if isinstance(a, np.ndarray)}
+    fills = {n: f for n, f in fills.items() if f is not None}
+    if not fills:
+        return []
+    for row in rows:
+        if row.status != "pass":
+            row.note = "; ".join(x for x in (row.note, "reads outside its inputs, likely: they were guarded ("
+                                             + ", ".join(f"`{n}` by {f}" for n, f in fills.items())
+                                             + ") and a kernel that reads only its inputs never sees the guards")
+                                 if x)
+    broken = [n for n in fills if not guard_intact(inputs[n])]
+    if broken:
+        return [ConformanceRow("your inputs", dt.name, "guard", "FAIL", note=str(GuardBroken(broken)))]
+    return []
 
 
 def check_merge_close(out, lse, out_parts, lse_parts, *, lse_base="e", axis=0,

@@ -275,3 +275,33 @@ def test_a_merge_kernel_is_judged_on_its_own_parts(dt, base):
         t.check_merge_close(o, lse, out_p, lse_p, axis=4)
     with pytest.raises(ValueError, match="float64"):
         t.check_merge_close(o.astype(np.float64), lse, out_p.astype(np.float64), lse_p)
+
+
+def _past_the_end(q, k, v):
+    """A float32 kernel that reads one key (and value) row past the end of K and V."""
+    k1 = np.lib.stride_tricks.as_strided(k, k.shape[:-2] + (k.shape[-2] + 1, k.shape[-1]), k.strides)
+    v1 = np.lib.stride_tricks.as_strided(v, v.shape[:-2] + (v.shape[-2] + 1, v.shape[-1]), v.strides)
+    return honest(q, k1, v1)[0]
+
+
+@pytest.mark.parametrize("fill", ["nan", "huge"])
+def test_guarded_inputs_name_a_read_past_the_end(fill):
+    t = sdpa_ref.testing
+    q, k, v, _ = draw(np.float32)
+    qg, kg, vg = (t.guarded(x, fill) for x in (q, k, v))
+    assert_attention_close(honest(qg, kg, vg)[0], qg, kg, vg)          # an honest kernel never sees the guards
+    with pytest.raises(AssertionError, match=r"`out`.*reads outside its inputs, likely: they were guarded "
+                                             rf"\(`query` by {fill}"):
+        assert_attention_close(_past_the_end(qg, kg, vg), qg, kg, vg)
+
+
+def test_a_kernel_writing_into_a_guard_fails_a_guard_row():
+    t = sdpa_ref.testing
+    q, k, v, _ = draw(np.float32)
+    qg, kg, vg = (t.guarded(x) for x in (q, k, v))
+    out = honest(qg, kg, vg)[0]
+    np.lib.stride_tricks.as_strided(kg, kg.shape[:-2] + (kg.shape[-2] + 1, kg.shape[-1]), kg.strides)[0, 0, -1] = 0
+    report = check_attention_close(out, qg, kg, vg)
+    assert [r.quantity for r in report.rows] == ["out", "guard"] and report.rows[0].status == "pass"
+    assert "writes outside its inputs" in report.rows[1].note and "`key`" in report.rows[1].note
+    assert not report.ok
