@@ -176,6 +176,52 @@ def test_ozaki_products_are_exact_to_the_target_and_blind_to_the_blas_order():
     np.testing.assert_array_equal(lo, l2)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_ozaki_products_left_out_on_zero_slices_move_no_bit(monkeypatch, native):
+    """A product is formed only on the rows and columns of its slices that hold a nonzero entry (none where a
+    slice is zero): the bits are those of forming every product in full, for float64 lines that fit in fewer
+    slices than ``n`` (a few rows and columns that need more), dd operands, one and several batch entries, the
+    early stop and the scale; a NaN or an infinity still reaches its row and column through a zero slice."""
+    if not native:
+        monkeypatch.setenv("SDPA_REF_NATIVE", "0")
+    rng = np.random.default_rng(11)
+    A = rng.integers(-2 ** 20, 2 ** 20, (3, 60, 64)).astype(np.float64)    # one slice per row
+    A[0, 5, :3] = rng.standard_normal(3)                           # rows that need every slice
+    A[1, 17] = rng.standard_normal(64)
+    A[2, :, 0] = 2.0 ** -40 * rng.standard_normal(60)              # a second slice on every row
+    A[2, 9] = 0.0                                                   # a zero row
+    B = rng.standard_normal((3, 64, 50)) * 2.0 ** 30
+    B[..., :45] = np.rint(B[..., :45])                              # most columns in two slices
+    Ad = (A, rng.standard_normal(A.shape) * np.abs(A) * 2.0 ** -60)
+    Abig = rng.integers(-64, 64, (1, 40, 1024)).astype(np.float64)      # K = 1024
+    Bbig = rng.standard_normal((1, 1024, 24))
+    Bbig[..., 1:] = np.rint(Bbig[..., 1:] * 8)
+    bad = A.copy()
+    bad[1, 3, 7], bad[2, 4, 8] = np.nan, np.inf                     # through B's zero slices: NaN
+    few = np.zeros_like(B)
+    few[..., :10] = np.rint(B[..., :10])                            # most columns zero: NaN * 0 is NaN there
+
+    cases = [(A, B, {}), (A[:1], B[:1], {}), (A, B, dict(final=True)), (A[:1], B[:1], dict(scale=0.125)),
+             (Ad, B, {}), (B.swapaxes(-1, -2), A.swapaxes(-1, -2), dict(final=True)),
+             (Abig, Bbig, dict(final=True)), (Abig, Bbig, {}), (bad, np.rint(B), {}), (bad, few, {}),
+             (bad, np.zeros_like(B), dict(final=True)), (np.zeros((1, 4, 64)), B[:1], dict(final=True))]
+    with np.errstate(invalid="ignore"):                             # NaN and inf: on purpose
+        got = [ozaki.matmul(a, b, **kw) for a, b, kw in cases]
+    monkeypatch.setattr(ozaki, "_product", lambda A, B, ra, cb: np.matmul(A, B))   # every product, in full
+
+    def same(u, w):                                                 # the bits, signed zeros too; NaN as NaN
+        nan = np.isnan(u)
+        return np.array_equal(nan, np.isnan(w)) and np.array_equal(np.where(nan, 0.0, u).view(np.int64),
+                                                                   np.where(nan, 0.0, w).view(np.int64))
+
+    for (a, b, kw), (h, l) in zip(cases, got):
+        with np.errstate(invalid="ignore"):
+            h2, l2 = ozaki.matmul(a, b, **kw)
+        assert same(h, h2) and same(l, l2), kw
+    for h, _ in got[8:11]:
+        assert np.isnan(h[1, 3]).all() and np.isnan(h[2, 4]).all() and not np.isnan(h[0]).any()
+
+
 def test_a_wrong_rounding_is_caught():
     # the faithfulness check itself must fail for a result two ulps away
     t = np.array([mpmath.mpf(1) / 3], dtype=object)
