@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from sdpa_ref.harness.conformance import FixedRule, check_implementation
-from tolerances import F64_GRAD
+from tolerances import F32_SCHEDULES, F64_GRAD
 
 
 def _fail_set(rep):
@@ -88,3 +88,76 @@ def test_jax_float32_under_the_relative_rule(jax_float32_report):
     rep = jax_float32_report
     assert _fail_set(rep) <= {("large-logits-L16-S16", "out")}, str(rep)
     assert rep.counts["pass"] > 50
+
+
+def _quick(*names):
+    from sdpa_ref.harness.cases import get_suite
+
+    return [c for c in get_suite("quick") if c.name in names]
+
+
+def test_torch_no_available_kernel_is_a_skip_with_pytorchs_reasons():
+    pytest.importorskip("torch")
+    from sdpa_ref.adapters import torch_sdpa
+
+    fwd, bwd, _ = torch_sdpa(backend="flash")       # the CPU flash kernel needs E == Ev and 4-D inputs
+    rep = check_implementation(fwd, backward=bwd, dtypes="float32",
+                               cases=_quick("plain-L8-S8", "plain-Ev12-L6-S6", "plain-bcast-L4-S7"))
+    status = {r.case: r.status for r in rep.rows}
+    assert status["plain-L8-S8"] == "pass" and rep.counts["error"] == 0, str(rep)
+    notes = {r.case: r.note for r in rep.rows if r.status == "skip"}
+    assert "No available kernel" in notes["plain-Ev12-L6-S6"]
+    assert "Flash attention requires q,k,v to have the same last dimension" in notes["plain-Ev12-L6-S6"]
+    assert "requires query, key and value to be 4 dimensional" in notes["plain-bcast-L4-S7"]
+
+
+def test_torch_no_kernel_from_a_faked_backend_is_a_skip_and_other_errors_stay_errors(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    from sdpa_ref.adapters import torch_sdpa
+
+    def no_kernel(*args, **kwargs):
+        warnings.warn("Memory efficient kernel not used because: (Triggered internally at sdp_utils.cpp:1.)")
+        warnings.warn("Mem efficient attention requires a CUDA device (Triggered internally at sdp_utils.cpp:2.)")
+        raise RuntimeError("No available kernel.  Aborting execution.")
+
+    fwd, bwd, _ = torch_sdpa()
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_kernel)
+    rep = check_implementation(fwd, backward=bwd, dtypes="float32", cases=_quick("plain-L8-S8"))
+    assert [r.status for r in rep.rows] == ["skip"], str(rep)
+    assert rep.rows[0].note.endswith("No available kernel.  Aborting execution. Mem efficient attention requires a "
+                                     "CUDA device")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", broken)
+    rep = check_implementation(fwd, backward=bwd, dtypes="float32", cases=_quick("plain-L8-S8"))
+    assert [r.status for r in rep.rows] == ["error"], str(rep)
+
+
+def test_jax_skip_reasons_name_what_the_case_asks_for(jax_float32_report):
+    notes = {r.case: r.note for r in jax_float32_report.rows if r.status == "skip"}
+    assert "causal_alignment='bottom_right'" in notes["causal-bottom_right-L13-S7"]    # not the policy it implies
+    assert "Ev == E, but got Ev=12, E=8" in notes["plain-Ev12-L6-S6"]
+    assert "not fully_masked='zero'" in notes["masked-rows-L8-S8"]
+    assert {r.status for r in jax_float32_report.rows if r.case == "causal-bottom_right-L7-S13"} == {"skip"}
+
+
+def test_jax_takes_rank_2_inputs_as_one_head():
+    pytest.importorskip("jax")
+    import numpy as np
+
+    import sdpa_ref
+    from sdpa_ref.adapters import jax_dpa
+
+    fwd, bwd, _ = jax_dpa()
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal(s) for s in ((5, 4), (7, 4), (7, 4), (5, 4)))
+    out = fwd(q, k, v, is_causal=True)
+    np.testing.assert_allclose(out, sdpa_ref.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=F32_SCHEDULES,
+                               atol=F32_SCHEDULES)
+    ref = sdpa_ref.sdpa_backward(sdpa_ref.sdpa_forward(q, k, v, is_causal=True)[1], g)
+    for got, want in zip(bwd(g, q, k, v, is_causal=True), (ref.query, ref.key, ref.value)):
+        np.testing.assert_allclose(got, want, rtol=F32_SCHEDULES, atol=F32_SCHEDULES)

@@ -9,8 +9,10 @@ bool ``attn_mask`` and a float ``bias`` (together), ``is_causal``
 ``window`` (its ``local_window_size``, top-left), and
 ``fully_masked="jax"`` -- JAX's finite sentinel (``"uniform"`` is the same
 unless ``-inf`` floats empty a row).
-It has no dropout, softcap or ALiBi, no bottom-right alignment, and needs
-``Ev == E``; such cases raise ``NotImplementedError`` (reported as skipped).
+It has no dropout, softcap or ALiBi, no bottom-right alignment (with
+``L != S``), and needs ``Ev == E``; such cases raise ``NotImplementedError``
+(reported as skipped) with a reason naming what the case asks for. A rank-2
+``(L, E)`` input runs as one head.
 Float64 runs need ``jax.config.update("jax_enable_x64", True)``, which the
 adapter sets.
 """
@@ -45,15 +47,18 @@ def jax_dpa(implementation=None):
 
     def prepare(query, key, value, attn_mask=None, bias=None, is_causal=False, scale=None, enable_gqa=False,
                 q_lengths=None, kv_lengths=None, window=None, causal_alignment="top_left", fully_masked=None):
-        if fully_masked not in (None, "uniform", "jax"):
-            raise NotImplementedError(f"JAX gives fully masked rows the mean of V ('jax', 'uniform'), not "
-                                      f"{fully_masked!r}")
-        if causal_alignment != "top_left" and (is_causal or window is not None):
-            raise NotImplementedError("JAX aligns causal masks and windows top-left only")
+        # what the case asks that JAX cannot express, most specific first: the alignment and Ev before the
+        # fully-masked policy, which a bottom-right causal case with L > S asks for only because of its alignment
+        if causal_alignment != "top_left" and (is_causal or window is not None) \
+                and (query.shape[-2] != key.shape[-2] or q_lengths is not None or kv_lengths is not None):
+            raise NotImplementedError(f"jax.nn.dot_product_attention aligns is_causal and local_window_size "
+                                      f"top-left, not causal_alignment={causal_alignment!r}")
         if value.shape[-1] != query.shape[-1]:
-            raise NotImplementedError("JAX needs Ev == E")
-        if query.ndim < 3 or key.ndim < 3:
-            raise NotImplementedError("rank-2 inputs")
+            raise NotImplementedError(f"jax.nn.dot_product_attention takes a value of the key's shape, so Ev == E, "
+                                      f"but got Ev={value.shape[-1]}, E={query.shape[-1]}")
+        if fully_masked not in (None, "uniform", "jax"):
+            raise NotImplementedError(f"jax.nn.dot_product_attention masks with a finite sentinel, so a row with no "
+                                      f"allowed key averages V (fully_masked='jax'), not fully_masked={fully_masked!r}")
         L, S = query.shape[-2], key.shape[-2]
         batch = np.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
         n = int(np.prod(batch)) if batch else 1
@@ -86,11 +91,16 @@ def jax_dpa(implementation=None):
         return np.swapaxes(np.asarray(y), 1, 2).reshape(shape)
 
     def forward(query, key, value, **opts):
+        if query.ndim == 2:              # (L, E): one head, which JAX's (T, N, H) needs
+            return forward(query[None], key[None], value[None], **opts)[0]
         q, k, v, b, kw, shape_out, _, _ = prepare(query, key, value, **opts)
         out = jax.nn.dot_product_attention(q, k, v, bias=b, **kw)
         return from_btnh(out, shape_out)
 
     def backward(grad_out, query, key, value, **opts):
+        if query.ndim == 2:
+            grads = backward(grad_out[None], query[None], key[None], value[None], **opts)
+            return tuple(g[0] for g in grads[:3]) + tuple(grads[3:])
         q, k, v, b, kw, shape_out, batch, n = prepare(query, key, value, **opts)
         primals = (q, k, v) if b is None else (q, k, v, b)
 

@@ -7,7 +7,10 @@ causal through ``torch.nn.attention.bias.causal_lower_right``, ``scale``,
 ``enable_gqa``, and ``fully_masked="zero"`` (PyTorch >= 2.5). It has no
 softcap, windows, ALiBi, per-batch lengths or explicit dropout mask; a case
 needing a combination PyTorch refuses (a mask together with ``is_causal``)
-raises ``NotImplementedError``, which the harness reports as skipped.
+raises ``NotImplementedError``, which the harness reports as skipped. So does
+a backend chosen with ``backend=`` that has no kernel for a case (PyTorch's
+"No available kernel" or "No viable backend"): the skip's reason is PyTorch's
+message with the warnings it gave on why each kernel was not used.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ import numpy as np
 
 from ..options import OPTION_NAMES
 
-__all__ = ["torch_sdpa", "forward", "backward", "SUPPORTS"]
+__all__ = ["torch_sdpa", "forward", "backward", "SUPPORTS", "NO_KERNEL"]
+
+#: The starts of PyTorch's messages when the enabled backends have no kernel for the inputs.
+NO_KERNEL = ("No available kernel", "No viable backend")
 
 #: What PyTorch's SDPA can be asked for, among sdpa_ref's options (a new option is not supported until listed).
 SUPPORTS = frozenset(OPTION_NAMES) & {"attn_mask", "is_causal", "scale", "enable_gqa", "fully_masked", "bias",
@@ -103,16 +109,34 @@ def torch_sdpa(device="cpu", backend=None):
             kw["enable_gqa"] = True
         return q, k, v, b, kw
 
+    def sdpa(q, k, v, kw):
+        """PyTorch's SDPA under the chosen backend; its "no kernel" refusal is a skip with PyTorch's reasons."""
+        import warnings
+
+        with warnings.catch_warnings(record=True) as seen, ctx():
+            warnings.simplefilter("always", UserWarning)
+            try:
+                out = F.scaled_dot_product_attention(q, k, v, **kw)
+            except RuntimeError as exc:
+                if not any(s in str(exc) for s in NO_KERNEL):
+                    raise
+                why = [str(w.message).split(" (Triggered internally")[0] for w in seen]
+                why = [w for w in why if w and not w.endswith("because:")]    # the headers, without a reason
+                raise NotImplementedError(f"PyTorch {torch.__version__} (backend={backend!r}, device={device!r}): "
+                                          + " ".join([str(exc).strip()] + why)) from exc
+        for w in seen:                   # a call that ran: its warnings go on to the caller as they were
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return out
+
     def forward(query, key, value, **opts):
         q, k, v, _, kw = prepare(query, key, value, **opts)
-        with torch.no_grad(), ctx():
-            out = F.scaled_dot_product_attention(q, k, v, **kw)
+        with torch.no_grad():
+            out = sdpa(q, k, v, kw)
         return array(out)
 
     def backward(grad_out, query, key, value, **opts):
         q, k, v, b, kw = prepare(query, key, value, grad=True, **opts)
-        with ctx():
-            out = F.scaled_dot_product_attention(q, k, v, **kw)
+        out = sdpa(q, k, v, kw)
         out.backward(tensor(grad_out))
         grads = [q.grad, k.grad, v.grad] + ([b.grad] if b is not None else [])
         return tuple(array(g) for g in grads)
