@@ -1,13 +1,16 @@
 """Adapters that wrap other frameworks' attention for the conformance harness.
 
-Each is an optional import: ``import sdpa_ref`` never imports torch or jax.
-``torch_sdpa()`` and ``jax_dpa()`` each return ``(forward, backward,
-supports)`` for :func:`sdpa_ref.conformance.check_implementation`; their
+Each is an optional import: ``import sdpa_ref`` never imports a framework.
+``torch_sdpa()``, ``jax_dpa()``, ``keras_dpa()`` and ``tinygrad_sdpa()`` each
+return ``(forward, backward, supports)`` for
+:func:`sdpa_ref.conformance.check_implementation`, and ``onnx_attention()``
+``(forward, None, supports)`` (the ONNX operator has no gradient); their
 modules also expose ready-made ``forward`` / ``backward`` callables for
 ``sdpa-ref conform``, e.g. ``sdpa-ref conform sdpa_ref.adapters.pytorch:forward``.
+What a framework cannot do is a skip whose reason is the framework's own.
 """
 
-__all__ = ["torch_sdpa", "jax_dpa"]
+__all__ = ["torch_sdpa", "jax_dpa", "onnx_attention", "keras_dpa", "tinygrad_sdpa"]
 
 
 def torch_sdpa(device="cpu", backend=None):
@@ -22,3 +25,24 @@ def jax_dpa(implementation=None):
     from .jax_nn import jax_dpa as make
 
     return make(implementation=implementation)
+
+
+def onnx_attention(runtime="reference"):
+    """See :func:`sdpa_ref.adapters.onnx.onnx_attention`."""
+    from .onnx import onnx_attention as make
+
+    return make(runtime=runtime)
+
+
+def keras_dpa():
+    """See :func:`sdpa_ref.adapters.keras.keras_dpa`."""
+    from .keras import keras_dpa as make
+
+    return make()
+
+
+def tinygrad_sdpa(device=None):
+    """See :func:`sdpa_ref.adapters.tinygrad.tinygrad_sdpa`."""
+    from .tinygrad import tinygrad_sdpa as make
+
+    return make(device=device)
