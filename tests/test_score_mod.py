@@ -495,3 +495,31 @@ def test_reproducible_score_function_bits_under_every_thread_and_simd_setting():
         assert cp.returncode == 0, cp.stderr[-2000:]
         seen.add(cp.stdout.strip())
     assert len(seen) == 1, seen
+
+
+@pytest.mark.parametrize("mod", [ScoreMod(poly_fn, grad=poly_grad), poly_fn,
+                                 ScoreMod(relpos_fn, grad=ones, params=(TABLE,), params_vjp=relpos_vjp)],
+                         ids=["given slope", "complex step", "captured table"])
+def test_reproducible_score_function_never_reads_past_the_keys_lengths(mod):
+    """NaN and huge values in keys and values past ``kv_lengths`` give the clean run's bits, with no warning."""
+    import warnings
+    q, k, v = _inputs(25)
+    lengths = np.array([4, 6])
+    dirty_k, dirty_v = k.copy(), v.copy()
+    dirty_k[0, :, 4:] = np.nan
+    dirty_v[0, :, 4] = 1e308
+    dirty_v[0, :, 5] = np.inf
+    g = np.random.default_rng(26).standard_normal((B, HQ, L, EV))
+    t = tuple(np.random.default_rng(27).standard_normal(x.shape) for x in (q, k, v))
+    kw = dict(score_mod=mod, kv_lengths=lengths, enable_gqa=True, precision="reproducible")
+    runs = []
+    for kk, vv in ((k, v), (dirty_k, dirty_v)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out, res = sdpa_forward(q, kk, vv, **kw)
+            grads = sdpa_backward(res, g)
+            tan = sdpa_jvp((q, kk, vv), t, **kw)[1]
+        runs.append((out, res.lse, grads.query, grads.key[1], grads.value[1], grads.key[0, :, :4], tan)
+                    + tuple(getattr(grads, "score_mod", None) or ()))
+    for a, b in zip(*runs):
+        assert np.array_equal(a, b)
