@@ -82,9 +82,10 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
     Pd = X.empty(full) if prob.keep is not None else P
     sd = X.empty(full) if o.has_slope else None                         # sech^2(Traw / cap) (times fn')
     m, s_val = (np.empty(full[:-1] + (1,), X.dtype) for _ in range(2))
-    lse = X.empty(full[:-1] + (1,))
+    norm = X.empty(full[:-1] + (1,)), X.empty(full[:-1] + (1,))     # each row's (m, s): the LSE after the rows
     ext = extras(prob)                                               # the normaliser's extra logits (sinks)
-    lse_keys = None if ext is None else X.empty(full[:-1] + (1,))    # then the LSE over the keys alone
+    keys = None if ext is None else (X.empty(full[:-1] + (1,)), X.empty(full[:-1] + (1,)),    # then the keys'
+                                     np.empty(full[:-1] + (1,), dtype=bool))                  # own, for their LSE
     max_keys = None if ext is None else np.empty(full[:-1] + (1,), X.dtype)     # and their own max
     p_extra = None if ext is None else X.empty(full[:-1] + (1,))
     empty = np.empty(full[:-1] + (1,), dtype=bool)
@@ -106,7 +107,9 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
         sm = X.where(em, X.const(1.0), X.sum(e, keepdims=True))
         p = X.div(e, sm)
         if ext is not None:                                          # the normaliser closed by them
-            X.put(lse_keys, ix, lse_in(X, mx, sm, em))
+            X.put(keys[0], ix, mx)
+            X.put(keys[1], ix, sm)
+            keys[2][ix] = em
             max_keys[ix] = np.where(em, -np.inf, X.value(mx))
             mx, sm, fold, pe, em = close_in(X, mx, sm, em, block_of(ext, nd, lead, r))
             p = X.mul(p, fold)
@@ -118,9 +121,12 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
         if Pd is not P:
             X.put(Pd, ix, _dropout(X, p, block_of(prob.keep, nd, lead, r), o.dropout_p))
         m[ix], s_val[ix], empty[ix] = X.value(mx), np.where(em, 0, X.value(sm)), em
-        X.put(lse, ix, lse_in(X, mx, sm, em))
+        X.put(norm[0], ix, mx)
+        X.put(norm[1], ix, sm)
 
     _by_rows(full, rows)
+    lse = lse_in(X, *norm, empty)                                    # element-wise: the same bits as row by row,
+    lse_keys = None if keys is None else lse_in(X, *keys)            # in one pass rather than one per block
     O = _full(_times_values(X, prob, Pd, empty, prob.v, prob.v_full, final=True), prob)
     _no_silent_nan(X, O, _nan_rows(prob, empty), "out")
     _no_silent_nan(X, lse, None, "lse")
