@@ -327,11 +327,14 @@ def matmul(A, B, bits=104, final=False, scale=None):
         if scale is not None:                              # scale * (A B), before the result leaves [1/2, K)
             lib = kernels()
             h, l = dd_mul_d_scalar(lib, (h, l), scale) if lib is not None else dd_mul_d((h, l), np.float64(scale))
-        e = ea + eb[b]                                     # (rows, 1) + (1, N): undo the scalings, exactly
-        if e.min() >= -1022 and e.max() <= 1023:
-            f = pow2(e)
-            hi[b, m0:m0 + mb], lo[b, m0:m0 + mb] = h * f, l * f
+        ec = eb[b]                                         # (rows, 1) + (1, N): undo the scalings, exactly
+        lo_e, hi_e = (int(ea.min()), int(ec.min())), (int(ea.max()), int(ec.max()))
+        if min(lo_e) >= -1022 and max(hi_e) <= 1023 and sum(lo_e) >= -1022 and sum(hi_e) <= 1023:
+            f = pow2(ea) * pow2(ec)                        # 2**(ea + eb), exact: every exponent in range
+            np.multiply(h, f, out=hi[b, m0:m0 + mb])
+            np.multiply(l, f, out=lo[b, m0:m0 + mb])
         else:                                              # results near the ends of the range
+            e = ea + ec
             hi[b, m0:m0 + mb], lo[b, m0:m0 + mb] = np.ldexp(h, e), np.ldexp(l, e)
 
     nb = max(1, _BLOCK_ENTRIES // max(M * N, 1)) if mb >= M else 1      # small products: several per block
