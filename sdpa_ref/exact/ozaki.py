@@ -161,18 +161,43 @@ def _products(a, b, n, rows=None, cols=None):
             c = _product(a[p], b[lev - p], rows[p], cols[lev - p])     # exact (see the module docstring)
             if c is None:                                  # exactly zero: it adds nothing
                 continue
+            if isinstance(c, _Part):
+                if acc is not None:                        # added where it is formed: elsewhere it is +0
+                    flat = tuple(x.reshape(x.shape[-2:]) for x in acc)
+                    part = _accumulate(tuple(np.ascontiguousarray(x[c.ix]) for x in flat), c.prod, lev, lib)
+                    flat[0][c.ix], flat[1][c.ix] = part
+                    continue
+                c = c.full()
             if acc is None:
                 acc = (c, np.zeros_like(c))
-            elif lev >= 3:
-                np.add(acc[0], c, out=acc[0])
-            elif lib is not None:
-                acc = dd_add_d_inplace(lib, acc, c)
             else:
-                acc = dd_add_d(acc, c)
+                acc = _accumulate(acc, c, lev, lib)
     if acc is None:                                        # every product is zero
         z = np.zeros(np.broadcast_shapes(a[0].shape[:-2], b[0].shape[:-2]) + (a[0].shape[-2], b[0].shape[-1]))
         return z, z.copy()
     return fast_two_sum(*acc)
+
+
+def _accumulate(acc, c, lev, lib):
+    """The dd ``acc`` plus the product ``c`` of level ``lev``: in float64 from level 3 on, else into the dd (in
+    place where the compiled loop runs: ``acc`` is then a pair of C-contiguous arrays that we own)."""
+    if lev >= 3:
+        np.add(acc[0], c, out=acc[0])
+        return acc
+    return dd_add_d_inplace(lib, acc, c) if lib is not None else dd_add_d(acc, c)
+
+
+class _Part:
+    """A product formed on some rows or columns alone: ``prod`` at ``ix`` of the ``(M, N)`` result, ``+0``
+    elsewhere; ``shape`` the whole result's."""
+
+    def __init__(self, ix, prod, shape):
+        self.ix, self.prod, self.shape = ix, prod, shape
+
+    def full(self):
+        out = np.zeros(self.shape[-2:])
+        out[self.ix] = self.prod
+        return out.reshape(self.shape)
 
 
 #: A slice's product is formed on its nonzero rows (columns) alone when at most this share of them is nonzero.
@@ -194,8 +219,8 @@ def _nonzero(maxima):
 def _product(A, B, ra, cb):
     """``A @ B`` for the slices ``A`` ``(nb, M, K)`` and ``B`` ``(nb, K, N)`` whose nonzero rows and columns are
     ``ra`` ``(nb, M)`` and ``cb`` ``(nb, N)`` (or without ``nb``); None where it is zero. With one batch entry, a
-    product whose nonzero rows or columns are few is formed on those alone and the rest is ``+0``: its entries
-    are exact sums, the same value in any GEMM, and a zero sum is ``+0`` in every one."""
+    product whose nonzero rows or columns are few is formed on those alone (a :class:`_Part`; the rest is
+    ``+0``): its entries are exact sums, the same value in any GEMM, and a zero sum is ``+0`` in every one."""
     if not ra.any() or not cb.any():
         return None
     if ra.size != A.shape[-2] or cb.size != B.shape[-1]:          # several batch entries
@@ -206,15 +231,9 @@ def _product(A, B, ra, cb):
     if r is None and c is None:
         return np.matmul(A, B)
     A2, B2 = A.reshape(A.shape[-2:]), B.reshape(B.shape[-2:])
-    out = np.zeros(A2.shape[:1] + B2.shape[1:])
     prod = np.matmul(A2 if r is None else A2[r], B2 if c is None else B2[:, c])
-    if r is None:
-        out[:, c] = prod
-    elif c is None:
-        out[r] = prod
-    else:
-        out[np.ix_(r, c)] = prod
-    return out.reshape(np.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + out.shape)
+    ix = (slice(None), c) if r is None else r if c is None else np.ix_(r, c)
+    return _Part(ix, prod, np.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (A2.shape[0], B2.shape[1]))
 
 
 #: Levels a ``final=True`` block tries first (10 of the products).
