@@ -20,7 +20,10 @@ and machine**. The way there (Ozaki, Ogita, Oishi and Rump, 2012):
 3. The products ``A_p B_q`` with ``p + q <= n + 1`` (the others lie below
    the target accuracy) are added in a fixed order, smallest first, element
    by element: the small ones in float64, the three leading levels into a
-   double-double (:mod:`.dd`); the result is scaled back.
+   double-double (:mod:`.dd`); the result is scaled back. A product is
+   formed only on the rows and columns of its slices that hold a nonzero
+   entry (a float64 line often fits in fewer slices than ``n``): what is
+   left out is an exact ``+0``, which moves no bit of the sum.
 
 The inputs may be dd pairs (the slices are then cut from ``hi`` and ``lo``
 in turn, every remainder kept exactly by TwoSum). Inputs must be finite.
