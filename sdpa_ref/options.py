@@ -89,13 +89,14 @@ class AttentionOptions:
     q_lengths: Any = _opt(None, array=True)
     kv_lengths: Any = _opt(None, array=True)
     sinks: Any = _opt(None, array=True)
-    # the allowed sets kernels define beyond the classic ones (not yet in the harness's cases)
+    # the allowed sets kernels define beyond the classic ones (the first three not in the harness's vocabulary:
+    # gather_kv_indices comes with check_implementation's layout="gathered"; topk_length, q_offset are judged)
     sink_token_length: int = _opt(0, judged=False)
     attention_chunk: Optional[int] = _opt(None, judged=False)
     gather_kv_indices: Any = _opt(None, array=True, judged=False)
-    topk_length: Any = _opt(None, array=True, judged=False)   # FlashMLA: each row's count of gather_kv_indices
-    q_offset: Any = _opt(None, array=True, judged=False)      # per-sequence query position: off = q_offset[b]
-    alibi_mode: str = _opt("flash", judged=False)             # "flash" -m|i + off - j|, or cuDNN's m (j - i)
+    topk_length: Any = _opt(None, array=True)   # FlashMLA: each row's count of gather_kv_indices (layout="gathered")
+    q_offset: Any = _opt(None, array=True)      # per-sequence query position: off = q_offset[b]
+    alibi_mode: str = _opt("flash")             # "flash" -m|i + off - j|, or cuDNN's m (j - i)
     qv: Any = _opt(None, array=True, judged=False)          # MLA's absorbed second query (sdpa_ref.absorbed)
     # programmable attention (sdpa_ref.score_mod): FlexAttention's mask function (its score function is a stage)
     mask_mod: Any = _opt(None, judged=False)

@@ -58,3 +58,19 @@ if __name__ == "__main__":                                     # refresh the com
         json.dump(out, f, indent=1, sort_keys=True)
         f.write("\n")
     print(f"wrote {HASHES}", file=sys.stderr)
+
+
+def test_the_peers_arrays_in_a_case_file_and_what_they_need_beside_each_other():
+    """q_offset, FlashMLA's topk (with its gather indices) and cuDNN's ALiBi are a case file's too; topk without
+    gather, and q_offset beside causal_alignment, are errors naming the file and the case."""
+    from sdpa_ref.harness.casefile import CaseFileError, cases_from_definitions
+    (case,) = cases_from_definitions([{"name": "peers", "L": 6, "S": 9, "batch": [2], "arrays": ["gather", "topk",
+                                       "q_offset", "alibi"], "options": {"alibi_mode": "cudnn", "is_causal": True}}],
+                                     "peers.json")
+    assert case.option_names >= {"gather_kv_indices", "topk_length", "q_offset", "alibi_mode"}
+    inp = case.make_inputs()
+    assert inp["topk_length"].shape == (2, 1, 6) and inp["q_offset"].shape == (2,)
+    for d, says in (({"arrays": ["topk"]}, "'gather' beside 'topk'"),
+                    ({"arrays": ["q_offset"], "options": {"causal_alignment": "bottom_right"}}, "causal_alignment")):
+        with pytest.raises(CaseFileError, match=r"peers\.json, case 0 \('x'\): .*" + says):
+            cases_from_definitions([dict(d, name="x", L=4, S=5)], "peers.json")

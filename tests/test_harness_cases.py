@@ -245,3 +245,71 @@ def test_default_valued_options_are_not_required_and_requires_takes_functions():
     assert c.option_names == frozenset()
     assert CASES[2].option_names == {"enable_gqa", "mask_mod", "score_mod"}
     assert resolve_requires(None, {"mask_mod"}) == {"mask_mod"}
+
+
+# -- the peers' options of issue 42 in the full suite: q_offset, alibi_mode="cudnn", topk_length (gathered)
+
+PEER_OPTIONS = ("q_offset", "alibi_mode", "topk_length")
+PEER_CASES = [c for c in get_suite("full") if c.option_names & set(PEER_OPTIONS)]
+
+
+def _bshd(f):
+    """``f`` on (..., L, H, E) arrays with the kernels' (..., L, K) indices and (..., L) counts."""
+    def call(*arrays, gather_kv_indices=None, topk_length=None, **o):
+        if gather_kv_indices is not None:
+            o["gather_kv_indices"] = gather_kv_indices[..., None, :, :]
+        if topk_length is not None:
+            o["topk_length"] = topk_length[..., None, :]
+        res = f(*(np.swapaxes(x, -3, -2) for x in arrays), **o)
+        return np.swapaxes(res, -3, -2) if not isinstance(res, tuple) else tuple(np.swapaxes(x, -3, -2) for x in res)
+    return call
+
+
+def _ignoring(name, layout):
+    """The honest kernel with ``name`` dropped: it takes the keyword, and computes as if it were not given."""
+    def forward(query, key, value, **o):
+        o.pop(name, None)
+        return honest(query, key, value, **o)
+
+    def backward(grad_out, query, key, value, **o):
+        o.pop(name, None)
+        return honest_backward(grad_out, query, key, value, **o)
+    return (_bshd(forward), _bshd(backward)) if layout == "gathered" else (forward, backward)
+
+
+@pytest.mark.parametrize("layout", ["bhld", "gathered"])
+def test_the_full_suite_judges_q_offset_cudnn_alibi_and_topk_length(layout):
+    assert {c.name for c in PEER_CASES} >= {"q-offset-causal-top_left-L9-S14", "alibi-cudnn-L10-S12",
+                                              "gather-topk-L12-S20"}
+    assert not {c.name for c in PEER_CASES} & {c.name for c in get_suite("quick")}
+    fwd, bwd = (_bshd(honest), _bshd(honest_backward)) if layout == "gathered" else (honest, honest_backward)
+    rep = check_implementation(fwd, backward=bwd, cases=PEER_CASES, dtypes=("float32",), layout=layout)
+    assert rep.ok, str(rep)
+    skipped = {r.case for r in rep.rows if r.status == "skip"}
+    with_indices = {c.name for c in PEER_CASES if "gather" in c.arrays}
+    if layout == "bhld":                     # top-k indices: only a kernel judged with layout="gathered" takes them
+        assert skipped == with_indices and all(r.note == "needs gather_kv_indices" for r in rep.rows
+                                               if r.status == "skip")
+    else:
+        assert not skipped and rep.judged == len(PEER_CASES)
+    for name in PEER_OPTIONS:
+        using = {c.name + ("-gather" if layout == "gathered" and "gather" not in c.arrays else "")
+                 for c in PEER_CASES if name in c.option_names} - (skipped if layout == "bhld" else set())
+        if not using:
+            continue                         # topk_length in bhld: its cases are the gathered layout's
+        f, b = _ignoring(name, layout)
+        bad = check_implementation(f, backward=b, cases=PEER_CASES, dtypes=("float32",), layout=layout)
+        assert {r.case for r in bad.failures} == using, (name, layout, str(bad))
+
+
+def test_a_kernel_without_the_peers_keywords_is_skipped_on_their_cases():
+    def forward(query, key, value, is_causal=False, attn_mask=None, scale=None, enable_gqa=False, window=None,
+                alibi_slopes=None, q_lengths=None, kv_lengths=None, softcap=None):
+        return honest(query, key, value, is_causal=is_causal, attn_mask=attn_mask, scale=scale,
+                      enable_gqa=enable_gqa, window=window, alibi_slopes=alibi_slopes, q_lengths=q_lengths,
+                      kv_lengths=kv_lengths, softcap=softcap)
+    rep = check_implementation(forward, cases=PEER_CASES, dtypes=("float32",))
+    assert rep.verdict == "nothing judged"
+    notes = {r.case: r.note for r in rep.rows}
+    assert notes["alibi-cudnn-L10-S12"] == "needs alibi_mode"
+    assert "q_offset" in notes["q-offset-causal-top_left-L9-S14"]

@@ -39,6 +39,8 @@ class Implementation:
         opts = _copy_opts({k: v for k, v in inp.items() if k not in self.implied})
         if "gather_kv_indices" in opts:                    # the kernels' (..., L, K), shared by the heads
             opts["gather_kv_indices"] = np.ascontiguousarray(opts["gather_kv_indices"][..., 0, :, :], np.int32)
+        if "topk_length" in opts:                          # FlashMLA's counts, (..., L) as the indices
+            opts["topk_length"] = np.ascontiguousarray(opts["topk_length"][..., 0, :], np.int32)
         return {k: _guard(v, guard) for k, v in opts.items()}
 
     def _in(self, a, guard=None):

@@ -52,7 +52,10 @@ The fields of a case, with their defaults:
     ``zero_kv``, ``dropout`` (``dropout`` needs ``dropout_p`` and is the
     only way to ask for dropout: a kernel is judged on an explicit keep mask),
     ``sinks`` (one logit per query head, float32 below float64; the last
-    head has none when there are several).
+    head has none when there are several), ``gather`` (top-k indices, judged
+    with ``layout="gathered"``), ``topk`` (FlashMLA's ``topk_length``, with
+    ``gather``), ``q_offset`` (one query offset per sequence, with the
+    default ``causal_alignment``).
 
 A file holds at most :data:`MAX_CASES` cases, each at most
 :data:`MAX_SCORES` score entries (batch x Hq x L x S) and
@@ -245,8 +248,11 @@ def _one(d, where) -> Case:
                             "'options' and \"dropout\" in 'arrays', or neither")
     # the suite's order of arrays, so that the same definition gives the same case however it is written
     arrays = tuple(a for a in ARRAY_KINDS if a in arrays)
-    return Case(name=name, L=L, S=S, E=E, Ev=Ev, Hq=Hq, Hkv=Hkv, batch_q=bq, batch_kv=bkv, seed=seed,
-                options=tuple(sorted(opts.items())), arrays=arrays, logit_scale=float(ls))
+    try:                                         # what the arrays need beside each other (topk with gather, ...)
+        return Case(name=name, L=L, S=S, E=E, Ev=Ev, Hq=Hq, Hkv=Hkv, batch_q=bq, batch_kv=bkv, seed=seed,
+                    options=tuple(sorted(opts.items())), arrays=arrays, logit_scale=float(ls))
+    except ValueError as exc:
+        raise CaseFileError(f"{where}: {exc}") from None
 
 
 def _int(d, key, default, where, lo):

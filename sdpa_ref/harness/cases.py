@@ -43,7 +43,7 @@ __all__ = ["ARRAY_KINDS", "SUITE_VERSION", "SUITES", "Case", "get_suite", "grad_
 
 #: The array inputs a case can draw (see :class:`Case`), in the order case names list them.
 ARRAY_KINDS = ("mask", "masked_rows", "float_mask", "bias", "alibi", "lengths", "zero_kv", "dropout", "sinks",
-               "gather")
+               "gather", "topk", "q_offset")
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,12 @@ class Case:
     (``zero_kv``: the last batch entry has no key), ``dropout`` (an explicit
     keep mask), ``gather`` (top-k ``gather_kv_indices`` ``(batch, 1, L, K)``,
     ``K = ceil(S / 2)``, drawn from ``[-1, S)``: ``-1`` and repeats included;
-    :meth:`gathered`).
+    :meth:`gathered`), ``topk`` (FlashMLA's ``topk_length`` ``(batch, 1, L)``
+    from ``[0, K]``, 0 and K included: only with ``gather``), ``q_offset``
+    (one int per sequence, ``(batch)``, from ``[-L // 2, S)``: negative,
+    zero and past ``S - L`` included; not with ``causal_alignment``). A case
+    that names ``gather`` passes ``gather_kv_indices``, which only a kernel
+    judged with ``layout="gathered"`` takes (:attr:`option_names` names it).
     """
 
     name: str
@@ -87,6 +92,12 @@ class Case:
         bad = [k for k, _ in self.options if (k not in OPTION_NAMES or k in ARRAY_OPTIONS)
                and k not in FUNCTION_OPTIONS]
         bad += [a for a in self.arrays if a not in ARRAY_KINDS]
+        if "topk" in self.arrays and "gather" not in self.arrays:
+            raise ValueError("`Case` arrays should name 'gather' beside 'topk' (topk_length counts each row's "
+                             f"gather_kv_indices), but got {self.arrays}")
+        if "q_offset" in self.arrays and dict(self.options).get("causal_alignment", "top_left") != "top_left":
+            raise ValueError("`Case` should not set causal_alignment beside the 'q_offset' array (the offset replaces "
+                             f"the alignment), but got {dict(self.options)['causal_alignment']!r}")
         if bad:
             raise ValueError(f"`Case` should name scalar options of {OPTION_NAMES} and arrays of "
                              f"{ARRAY_KINDS}, but got {bad}")
@@ -167,7 +178,18 @@ class Case:
             out["sinks"] = s.astype(np.float64 if dt == np.float64 else np.float32)
         if "gather" in self.arrays:              # its own stream: the other arrays stay the case's
             g = np.random.default_rng([self.seed, self.L, self.S, self.E, 1])
-            out["gather_kv_indices"] = g.integers(-1, self.S, batch + (1, self.L, max(1, -(-self.S // 2))))
+            K = max(1, -(-self.S // 2))
+            out["gather_kv_indices"] = g.integers(-1, self.S, batch + (1, self.L, K))
+            if "topk" in self.arrays:            # drawn after the indices: a case without it keeps its own
+                t = g.integers(0, K + 1, batch + (1, self.L))
+                t[..., 0] = 0                    # a row that reads no index ...
+                t[..., -1] = K                   # ... and one that reads them all
+                out["topk_length"] = t
+        if "q_offset" in self.arrays:            # its own stream, as the indices
+            o = np.random.default_rng([self.seed, self.L, self.S, self.E, 2])
+            out["q_offset"] = o.integers(-(self.L // 2), self.S, batch).astype(np.int64)
+            if n > 1:
+                out["q_offset"].reshape(-1)[:2] = (-(self.L // 2), self.S - self.L)   # above and at bottom-right
         return out
 
     def gathered(self) -> "Case":
@@ -197,7 +219,7 @@ def _option_names(case: Case) -> frozenset:
     inp = case.make_inputs()
     return frozenset(k for k, v in inp.items()
                      if (k in OPTION_NAMES and (k in ARRAY_OPTIONS or getattr(defaults, k) != v))
-                     or (k in FUNCTION_OPTIONS and v is not None))
+                     or (k in FUNCTION_OPTIONS and v is not None) or k == "gather_kv_indices")
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,6 +269,8 @@ def _case(L, S, *, E=8, Ev=8, Hq=2, Hkv=2, batch_q=(2,), batch_kv=(2,), seed=0, 
         parts.append(f"scale{options['scale']:g}")
     if not is_default(options.get("fully_masked", DEFAULT)):
         parts.append(options["fully_masked"])
+    if options.get("alibi_mode", "flash") != "flash":
+        parts.append(options["alibi_mode"])
     if logit_scale != 1.0:
         parts.append("large-logits")
     if Ev != E:
@@ -349,8 +373,26 @@ def _full_extra() -> List[Case]:
         _case(17, 10, arrays=("alibi", "mask"), is_causal=True),
         _case(15, 15, Hq=4, Hkv=2, arrays=("masked_rows", "sinks"), is_causal=True),
         _case(9, 33, arrays=("bias", "lengths", "sinks"), softcap=5.0),
-    ]
+    ] + _issue_42()
     return extra
+
+
+def _issue_42() -> List[Case]:
+    """The peers' options beyond the classic ones: a per-sequence ``q_offset`` (with causal, with a window and
+    ALiBi, with lengths), cuDNN's signed ALiBi (``alibi_mode="cudnn"``: with no mask, and a two-sided window
+    bottom-right, where it and FlashAttention's differ by more than a row's constant; under causal the outputs
+    agree) and FlashMLA's ``topk_length`` with top-k indices (only ``layout="gathered"`` takes them)."""
+    br = "bottom_right"
+    return [
+        _case(9, 14, arrays=("q_offset",), is_causal=True),
+        _case(11, 11, Hq=4, Hkv=2, arrays=("alibi", "q_offset"), window=(3, 2)),
+        _case(10, 16, arrays=("lengths", "q_offset"), is_causal=True, softcap=4.0),
+        _case(10, 12, arrays=("alibi",), alibi_mode="cudnn"),
+        _case(12, 9, Hq=4, Hkv=2, arrays=("alibi", "lengths"), window=(4, 3), causal_alignment=br,
+              alibi_mode="cudnn"),
+        _case(12, 20, arrays=("gather", "topk")),
+        _case(14, 14, Hq=4, Hkv=2, arrays=("gather", "topk", "q_offset"), is_causal=True),
+    ]
 
 
 def grad_out_for(case: Case, shape, dtype):

@@ -245,7 +245,10 @@ def check_implementation(
         ``(..., L, H, E)`` arrays and ``gather_kv_indices=`` ``(..., L, K)``
         int32: each case with ``K = ceil(S / 2)`` indices per query row
         drawn from ``[-1, S)`` (``-1`` names no key, a repeat counts once),
-        shared by the heads; keys no index names must never be read.
+        shared by the heads; keys no index names must never be read. A
+        case with FlashMLA's ``topk_length`` (full suite) passes it as
+        ``(..., L)`` int32 to a kernel that supports it; a case with
+        top-k indices is skipped in every other layout.
     deterministic : bool
         Also run the forward (and the backward) a second time on the same
         inputs: other bits in any result fail the case (rows
@@ -371,6 +374,7 @@ def _run(cases, dtypes, fns, declared, supports, requires, layout, deterministic
     sup = sup | req | (frozenset({"q_lengths", "kv_lengths"}) if layout in STORAGE_LAYOUTS else frozenset())
     if layout == "gathered":                               # every case with its top-k key indices
         cases = [c.gathered() for c in cases]
+        sup = sup | {"gather_kv_indices"}                  # the layout's own: a case with them is skipped elsewhere
     rows: List[ConformanceRow] = []
     t0 = time.perf_counter()
     for i, case in enumerate(cases):
