@@ -156,10 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "manifest stores their definitions, so 'sdpa-ref verify' regenerates them anywhere")
     p.add_argument("--dtype", choices=TEST_DTYPES, default="float64",
                    help="dtype of the stored inputs (default: float64)")
-    p.add_argument("--layout", choices=("thd", "paged", "gathered"), default=None,
+    p.add_argument("--layout", choices=("thd", "paged", "thd_paged", "gathered"), default=None,
                    help="store the cases that have such a form as a varlen kernel (thd: packed rows with "
-                        "cu_seqlens_q/k) or a paged KV-cache kernel (paged: pages of 16 with cache_seqlens and "
-                        "block_table) takes them, results and gradients too (not with fp8); or every case with "
+                        "cu_seqlens_q/k), a paged KV-cache kernel (paged: pages of 16 with cache_seqlens and "
+                        "block_table) or packed queries against that cache (thd_paged: cu_seqlens_q with the "
+                        "pages) takes them, results and gradients too (not with fp8); or every case with "
                         "top-k gather_kv_indices for a sparse kernel (gathered); format 4")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table",
                    help="what to print: a summary (table), or every file with its sha256 and size (json, csv)")

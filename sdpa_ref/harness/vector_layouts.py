@@ -1,4 +1,5 @@
-"""Golden vectors as a varlen or paged kernel stores its sequences: ``sdpa-ref vectors DIR --layout thd|paged``.
+"""Golden vectors as a varlen or paged kernel stores its sequences: ``sdpa-ref vectors DIR --layout
+thd|paged|thd_paged``.
 
 A layout set (format ``"4"``: format ``"3"`` and these; its manifest says ``"layout"``) holds, per case that has
 a layout form (:func:`takes`), the arrays of :mod:`.storage` -- what :func:`~sdpa_ref.check_implementation` hands
@@ -14,6 +15,12 @@ a kernel with ``layout="thd"`` or ``"paged"`` -- and the reference in that layou
     ``block_table`` row (int32, ``(B, max_pages)``) names in a shuffled order, one page no table names, and
     ``cache_seqlens`` (int32, ``(B,)``) keys per sequence; ``out``, ``grad_out (B, L, Hq, Ev)``, ``lse
     (B, Hq, L)``, ``dq`` as ``query``, ``dk``, ``dv`` of the cache's shape (0 on slots no sequence uses).
+``"thd_paged"``
+    Packed queries against that cache (FlashAttention 3's ``flash_attn_with_kvcache`` with ``cu_seqlens_q``, 2's
+    varlen ``block_table``, FlashInfer's paged prefill): ``query``, ``out``, ``grad_out``, ``dq`` and ``lse`` as
+    in ``"thd"`` (with ``cu_seqlens_q``), ``key``, ``value``, ``dk``, ``dv``, ``cache_seqlens`` and
+    ``block_table`` as in ``"paged"``. A case's ``q_lengths`` are its sequences' query counts, so cases with them
+    have a form here, as in ``"thd"``.
 
 ``"gathered"``
     Every case of the suite with top-k ``gather_kv_indices`` (int64 ``(batch, 1, L, K)``, ``K = ceil(S / 2)``,
@@ -23,7 +30,8 @@ a kernel with ``layout="thd"`` or ``"paged"`` -- and the reference in that layou
 The reference is computed in the layout itself (``sdpa_forward(layout=...)``, ``precision="reproducible"``);
 it equals the dense reference's entries moved, bit for bit (tested). The ``honest_*`` errors are the dense
 case's: the layout moves entries, it changes no value. The sequences' lengths are the case's ``q_lengths`` and
-``kv_lengths`` (not stored again). The other arrays -- ``alibi_slopes``, ``sinks`` -- are as in a dense set.
+``kv_lengths`` (not stored again). The other arrays -- ``alibi_slopes``, ``sinks``, ``q_offset`` -- are as in a
+dense set.
 """
 
 from __future__ import annotations
@@ -44,11 +52,11 @@ __all__ = ["LAYOUT_FORMAT_VERSION", "VECTOR_LAYOUTS", "in_layout", "layout_array
 
 #: ``write_vectors(layout=)``: the dense layout (None), or one of these (``"gathered"``: every case with top-k
 #: ``gather_kv_indices``, :meth:`.cases.Case.gathered`, its arrays dense).
-VECTOR_LAYOUTS = ("thd", "paged", "gathered")
+VECTOR_LAYOUTS = ("thd", "paged", "thd_paged", "gathered")
 #: The format of a layout set: format "3" plus the layout's arrays and the manifest's ``"layout"``.
 LAYOUT_FORMAT_VERSION = "4"
 #: The array kinds a case may draw and keep a layout form: per head, or the lengths the layout takes over.
-_PER_SEQUENCE = frozenset({"lengths", "zero_kv", "sinks", "alibi"})
+_PER_SEQUENCE = frozenset({"lengths", "zero_kv", "sinks", "alibi", "q_offset"})
 
 
 def in_layout(cases, layout):
@@ -82,15 +90,18 @@ def layout_arrays(arrays: Dict[str, np.ndarray], layout: str) -> Dict[str, np.nd
         out.update(cu_seqlens_q=kw["cu_seqlens_q"], cu_seqlens_k=kw["cu_seqlens_k"])
         lay = Packed(kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["max_seqlen_q"], kw["max_seqlen_k"])
     else:
-        out.update(cache_seqlens=kw["cache_seqlens"], block_table=kw["block_table"])
-        lay = KVCache(cache_seqlens=kw["cache_seqlens"], block_table=kw["block_table"])
-    for name in ("alibi_slopes", "sinks"):
+        packed = {n: kw[n] for n in ("cu_seqlens_q", "max_seqlen_q") if n in kw}     # thd_paged
+        out.update({n: kw[n] for n in ("cu_seqlens_q", "cache_seqlens", "block_table") if n in kw})
+        lay = KVCache(cache_seqlens=kw["cache_seqlens"], block_table=kw["block_table"], **packed)
+    for name in ("alibi_slopes", "sinks", "q_offset"):
         if name in arrays:
             out[name] = arrays[name]
     out["options_json"] = arrays["options_json"]
     opts = json.loads(arrays["options_json"].tobytes().decode("utf-8"))
     opts = {n: (tuple(x) if isinstance(x, list) else x) for n, x in opts.items() if n != "arrays"}
     x = widen({n: out[n] for n in ("query", "key", "value", "alibi_slopes", "sinks") if n in out})   # float64
+    if "q_offset" in out:                                   # one int per sequence, as in the dense set
+        x["q_offset"] = out["q_offset"]
     o, res = sdpa_forward(x.pop("query"), x.pop("key"), x.pop("value"), layout=lay, precision="reproducible",
                           **opts, **x)
     g = st.out(arrays["grad_out"])

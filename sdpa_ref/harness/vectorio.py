@@ -131,8 +131,8 @@ def read_manifest(out_dir):
         raise ManifestError(f"{where}: 'dtype' should be one of {', '.join(TEST_DTYPES)}, but got "
                             f"{shown(repr(manifest.get('dtype')), 60)}")
     want_format = FORMAT_VERSION if "layout" not in manifest else "4"     # a layout set (vector_layouts.py)
-    if manifest.get("layout", "thd") not in ("thd", "paged", "gathered"):
-        raise ManifestError(f"{where}: 'layout' should be 'thd', 'paged' or 'gathered', but got "
+    if manifest.get("layout", "thd") not in ("thd", "paged", "thd_paged", "gathered"):
+        raise ManifestError(f"{where}: 'layout' should be 'thd', 'paged', 'thd_paged' or 'gathered', but got "
                             f"{shown(repr(manifest.get('layout')), 40)}")
     if manifest.get("suite_version") != SUITE_VERSION or manifest.get("format_version") != want_format:
         raise ManifestError(f"{where}: written for suite version {shown(repr(manifest.get('suite_version')), 40)} "

@@ -98,8 +98,8 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
                   progress: Optional[Callable[[int, int, str], None]] = None, cases=None, layout=None) -> dict:
     """Write ``<case>.npz`` files and ``manifest.json`` into ``out_dir``; return the manifest.
 
-    ``layout`` (``"thd"`` or ``"paged"``) writes the cases that have a form in that layout as a varlen or paged
-    kernel stores them, ``"gathered"`` every case with top-k key indices (:mod:`.vector_layouts`; format "4");
+    ``layout`` (``"thd"``, ``"paged"`` or ``"thd_paged"``) writes the cases that have a form in that layout as a
+    varlen or paged kernel (or one taking packed queries against a paged cache) stores them, ``"gathered"`` every case with top-k key indices (:mod:`.vector_layouts`; format "4");
     None (default) the dense set.
 
     ``cases`` (a case file's path, or a sequence of :class:`~.cases.Case`) replaces ``suite``: the set is then
@@ -118,7 +118,7 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
     dt = as_test_dtype(dtype, "dtype")                      # bfloat16 and fp8: ImportError without ml_dtypes
     if layout is not None and layout not in VECTOR_LAYOUTS:
         raise ValueError(f"`layout` should be None or one of {', '.join(VECTOR_LAYOUTS)}, but got {layout!r}")
-    if layout in ("thd", "paged") and dt.name in ("float8_e4m3fn", "float8_e5m2"):
+    if layout in ("thd", "paged", "thd_paged") and dt.name in ("float8_e4m3fn", "float8_e5m2"):
         raise ValueError(f"`dtype` should not be fp8 with `layout` (its per-(batch, kv-head) descales have no "
                          f"layout form), but got {dt.name}")
     custom = None
@@ -224,7 +224,7 @@ def _regenerated(case, dt, layout=None):
     arrays["options_json"] = np.frombuffer(json.dumps(opts, sort_keys=True).encode("utf-8"), dtype=np.uint8)
     exp = expected(arrays, opts, dt, case)
     arrays.update(exp)
-    if layout in ("thd", "paged"):                          # as a varlen or paged kernel stores them
+    if layout in ("thd", "paged", "thd_paged"):             # as a varlen or paged kernel stores them
         arrays = layout_arrays(arrays, layout)
     return {n: _bits(a) if n in IN_DTYPE else a for n, a in arrays.items()}
 
