@@ -99,7 +99,8 @@ def write_vectors(out_dir, suite: str = "quick", dtype: str = "float64",
     """Write ``<case>.npz`` files and ``manifest.json`` into ``out_dir``; return the manifest.
 
     ``layout`` (``"thd"``, ``"paged"`` or ``"thd_paged"``) writes the cases that have a form in that layout as a
-    varlen or paged kernel (or one taking packed queries against a paged cache) stores them, ``"gathered"`` every case with top-k key indices (:mod:`.vector_layouts`; format "4");
+    varlen or paged kernel (or one taking packed queries against a paged cache) stores them, ``"gathered"``
+    every case with top-k key indices (:mod:`.vector_layouts`; format "4");
     None (default) the dense set.
 
     ``cases`` (a case file's path, or a sequence of :class:`~.cases.Case`) replaces ``suite``: the set is then
