@@ -719,7 +719,7 @@ def bases(tmp_path_factory):
     root = tmp_path_factory.mktemp("vectors")
     out = {dt: write_base(root / dt, dt) for dt in dtypes}
     out["sinks-float32"] = write_sinks_base(root / "sinks", "float32")   # the full suite's cases with sinks
-    for layout in ("thd", "paged", "gathered"):                         # as varlen, paged, sparse kernels take them
+    for layout in ("thd", "paged", "thd_paged", "gathered"):            # as varlen, paged, sparse kernels take them
         out[f"{layout}-float32"] = write_layout_base(root / layout, "float32", layout)
     return out
 
@@ -813,10 +813,10 @@ def test_a_wrong_sink_kernel_fails(exes, bases, asan_client, n):
     assert all(re.search(rf"\b{SINK_BREAKS[n]} [0-9.e+inf]+ FAIL", ln) for ln in failed), failed
 
 
-@pytest.mark.parametrize("layout", ["thd", "paged"])
+@pytest.mark.parametrize("layout", ["thd", "paged", "thd_paged"])
 def test_a_layout_set_is_judged_where_the_layout_keeps_the_results(exes, bases, asan_client, layout):
-    """A packed or paged set (under the sanitizers): every case passes with out, lse, dq, dk and dv judged in
-    the layout; a kernel that reads each sequence's keys one off fails every case with more than one key."""
+    """A packed, paged, or packed-against-paged set (under the sanitizers): every case passes with out, lse, dq,
+    dk and dv judged in the layout; a kernel that reads each sequence's keys one off fails every case with more than one key."""
     base = bases[f"{layout}-float32"]
     cp = run(asan_client, base.path)
     assert contract_problem(cp) is None and cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
@@ -855,13 +855,17 @@ def test_a_gathered_set_keeps_only_the_keys_each_row_names(exes, bases, asan_cli
     (("paged", lambda a: a.__setitem__("cache_seqlens", a["cache_seqlens"] * 1000 + 1)), "width"),
     (("paged", lambda a: a.__setitem__("block_table", a["block_table"][:, None])), "integers of 2 dims"),
     (("paged", lambda a: a.__setitem__("q_lengths", np.ones(2, np.int64))), "should not be stored"),
+    (("thd_paged", lambda a: a.__setitem__("cu_seqlens_q", a["cu_seqlens_q"] * 1000)), "end within the rows"),
+    (("thd_paged", lambda a: a.__setitem__("block_table", a["block_table"][:1])), "sequences of cu_seqlens_q"),
+    (("thd_paged", lambda a: a.__setitem__("query", a["query"][None])), "query should have 3 dims"),
     (("float32", lambda a: a.__setitem__("block_table", np.zeros((2, 1), np.int32))), "only a set of a layout"),
     (("gathered", lambda a: a.__setitem__("gather_kv_indices", a["gather_kv_indices"].astype(np.float64))),
      "should be integers"),
     (("gathered", lambda a: a.__setitem__("gather_kv_indices", a["gather_kv_indices"][..., :1, :, :].repeat(3, 1))),
      "broadcasting"),
 ], ids=["cu-decreasing", "cu-not-from-0", "cu-past-rows", "page-outside", "seqlen-past-table", "table-rank",
-        "lengths-stored", "index-in-a-dense-set", "gather-float", "gather-heads"])
+        "lengths-stored", "packed-past-rows", "table-rows", "packed-query-rank", "index-in-a-dense-set",
+        "gather-float", "gather-heads"])
 def test_a_layout_file_with_bad_indices_is_one_line_and_exit_status_2(asan_client, bases, tmp_path, edit, says):
     which, change = edit
     base = bases[which if which == "float32" else f"{which}-float32"]

@@ -21,9 +21,10 @@
  *  5. prints one line per case (pass, FAIL or skip, with each quantity's error / allowed: a quantity passes
  *     at <= 1), then "N passed, M failed, K skipped" (cases).
  *
- * A set written with `sdpa-ref vectors DIR --layout thd|paged` (format 4) stores each case as a varlen or a
- * paged KV-cache kernel takes it; see "layouts" below: the client checks the index arrays against the
- * storage, gathers the sequences into the dense kernels and judges the results where the layout keeps them.
+ * A set written with `sdpa-ref vectors DIR --layout thd|paged|thd_paged` (format 4) stores each case as a
+ * varlen or a paged KV-cache kernel takes it (thd_paged: packed queries against the paged cache); see
+ * "layouts" below: the client checks the index arrays against the storage, gathers the sequences into the
+ * dense kernels and judges the results where the layout keeps them.
  * With `--layout gathered` every case has top-k gather_kv_indices (batch..., Hq or 1, L, K): a row keeps only
  * the keys its indices name (-1 and out-of-range name none, a repeat counts once), which score_row applies.
  *
@@ -381,7 +382,11 @@ static const Fmt *format_named(const char *s, size_t n)
 
 /* ------------------------------------------------------------------ the manifest */
 
-enum { LAYOUT_DENSE, LAYOUT_THD, LAYOUT_PAGED };
+enum { LAYOUT_DENSE, LAYOUT_THD, LAYOUT_PAGED, LAYOUT_THD_PAGED };
+
+/* whether a layout packs its queries (thd, thd_paged), and whether it pages its keys (paged, thd_paged) */
+#define PACKED_Q(kind) ((kind) == LAYOUT_THD || (kind) == LAYOUT_THD_PAGED)
+#define PAGED_KV(kind) ((kind) == LAYOUT_PAGED || (kind) == LAYOUT_THD_PAGED)
 
 typedef struct {
     const char *s;                              /* a case file's name, inside the manifest's text */
@@ -392,7 +397,7 @@ typedef struct {
     char *text;
     const Fmt *fmt, *ofmt;                      /* the vectors' dtype, the kernel's output dtype */
     double k_out, k_grad;                       /* 0 when absent */
-    int layout;                                 /* LAYOUT_DENSE, LAYOUT_THD or LAYOUT_PAGED ("layout") */
+    int layout;                                 /* LAYOUT_DENSE, _THD, _PAGED or _THD_PAGED ("layout") */
     Name *files;
     size_t nfiles;
 } Manifest;
@@ -427,9 +432,10 @@ static int parse_manifest(Manifest *m, size_t len)
             if (json_string(&j, &s, &n, NULL) != 0)
                 return -1;
             m->layout = is_key(s, n, "thd") ? LAYOUT_THD : is_key(s, n, "paged") ? LAYOUT_PAGED
+                      : is_key(s, n, "thd_paged") ? LAYOUT_THD_PAGED
                       : is_key(s, n, "gathered") ? LAYOUT_DENSE : -1;   /* gathered: dense, with the indices */
             if (m->layout < 0)
-                return bad("the layout should be \"thd\", \"paged\" or \"gathered\"");
+                return bad("the layout should be \"thd\", \"paged\", \"thd_paged\" or \"gathered\"");
         } else if (is_key(k, kn, "relative_rule")) {
             int f2 = 1, r2;
             if (json_open(&j, '{') != 0)
@@ -1581,10 +1587,11 @@ static int check_ref(const Arr *ref, const char *name, const Arr *like, const ch
 /* ------------------------------------------------------------------ layouts: sequences as a kernel stores them */
 
 /*
- * A set whose manifest says "layout": "thd" or "paged" (format 4; sdpa_ref/harness/vector_layouts.py) stores
- * each case as a varlen or a paged KV-cache kernel takes it: query, key, value and grad_out packed (T, H, F)
- * with cu_seqlens_q and cu_seqlens_k, or a query (B, L, Hq, E) against a cache (pages, page_size, Hkv, F) with
- * cache_seqlens and block_table; out, lse, dq, dk and dv are stored the same way (lse (Hq, T) or (B, Hq, L)).
+ * A set whose manifest says "layout": "thd", "paged" or "thd_paged" (format 4; sdpa_ref/harness/vector_layouts.py)
+ * stores each case as a varlen or a paged KV-cache kernel takes it: query, key, value and grad_out packed
+ * (T, H, F) with cu_seqlens_q and cu_seqlens_k, or a query (B, L, Hq, E) against a cache (pages, page_size, Hkv,
+ * F) with cache_seqlens and block_table, or (thd_paged) a packed query with cu_seqlens_q against that cache;
+ * out, lse, dq, dk and dv are stored the same way (lse (Hq, T) packed, (B, Hq, L) paged).
  * layout_to_dense() checks the storage against its index arrays and gathers it into the dense padded problem
  * -- (B, H, Lmax, F) with the sequences' lengths as q_lengths and kv_lengths -- that the kernels above compute;
  * to_storage() and lse_to_storage() put the results back where the layout keeps them, and they are judged there
@@ -1592,9 +1599,9 @@ static int check_ref(const Arr *ref, const char *name, const Arr *like, const ch
  * kernel replaces the three of them and the kernels together.
  */
 typedef struct {
-    int kind;                                   /* LAYOUT_DENSE (none), LAYOUT_THD or LAYOUT_PAGED */
+    int kind;                                   /* LAYOUT_DENSE (none), _THD, _PAGED or _THD_PAGED */
     size_t B, Lmax, Smax;                       /* sequences; the longest query and key run */
-    size_t T, Tk;                               /* thd: the rows of query and of key */
+    size_t T, Tk;                               /* packed: the rows of query (and, thd, of key) */
     size_t pages, psize, width;                 /* paged: the cache's pages, their size, the table's width */
     long long *cu_q, *cu_k, *seqlen, *table;    /* copies of the index arrays */
     long long *qlen, *kvlen;                    /* the dense problem's q_lengths and kv_lengths */
@@ -1650,10 +1657,10 @@ static size_t storage_at(const Layout *l, int keys, size_t b, size_t h, size_t i
         i++;
 #endif
     (void)n;
-    if (l->kind == LAYOUT_THD)
-        return (((size_t)(keys ? l->cu_k : l->cu_q)[b] + i) * H + h) * F + f;
     if (!keys)
-        return ((b * l->Lmax + i) * H + h) * F + f;
+        return ((PACKED_Q(l->kind) ? (size_t)l->cu_q[b] : b * l->Lmax) + i) * H * F + h * F + f;
+    if (l->kind == LAYOUT_THD)
+        return (((size_t)l->cu_k[b] + i) * H + h) * F + f;
     size_t page = (size_t)l->table[b * l->width + i / l->psize];
     return ((page * l->psize + i % l->psize) * H + h) * F + f;
 }
@@ -1687,7 +1694,7 @@ static void to_storage(const Layout *l, const double *d, int keys, size_t H, siz
                     st[storage_at(l, keys, b, h, i, f, H, F)] += d[((b * H + h) * n + i) * F + f];
 }
 
-/* the dense LSE (B, Hq, Lmax) into the layout's: (Hq, T) packed, (B, Hq, L) paged; -inf on unused rows */
+/* the dense LSE (B, Hq, Lmax) into the layout's: (Hq, T) packed queries, (B, Hq, L) else; -inf on unused rows */
 static void lse_to_storage(const Layout *l, const double *d, size_t H, double *st, size_t count)
 {
     for (size_t i = 0; i < count; i++)
@@ -1695,7 +1702,7 @@ static void lse_to_storage(const Layout *l, const double *d, size_t H, double *s
     for (size_t b = 0; b < l->B; b++)
         for (size_t h = 0; h < H; h++)
             for (size_t i = 0; i < (size_t)l->qlen[b]; i++)
-                st[l->kind == LAYOUT_THD ? h * l->T + (size_t)l->cu_q[b] + i : (b * H + h) * l->Lmax + i] =
+                st[PACKED_Q(l->kind) ? h * l->T + (size_t)l->cu_q[b] + i : (b * H + h) * l->Lmax + i] =
                     d[(b * H + h) * l->Lmax + i];
 }
 
@@ -1725,40 +1732,57 @@ static int layout_to_dense(Npz *z, int kind, Layout *l)
         return bad("q_lengths and kv_lengths should not be stored in a layout set (the layout holds the lengths)");
     if (z->n + 2 > MAX_ARRAYS)
         return bad("more than %d arrays", MAX_ARRAYS - 2);
-    int rank = kind == LAYOUT_THD ? 3 : 4;
-    if (q->ndim != rank || k->ndim != rank || v->ndim != rank)
-        return bad("query, key and value should have %d dims in a %s set", rank, kind == LAYOUT_THD ? "thd" : "paged");
-    size_t Hq = q->shape[rank - 2], E = q->shape[rank - 1], Hkv = k->shape[rank - 2], Ev = v->shape[rank - 1];
-    if (k->shape[rank - 1] != E || v->shape[rank - 2] != Hkv || v->shape[0] != k->shape[0] ||
-        (rank == 4 && v->shape[1] != k->shape[1]))
+    int rank = PACKED_Q(kind) ? 3 : 4, krank = PAGED_KV(kind) ? 4 : 3;      /* query's, and key's and value's */
+    static const char *const names[] = {"", "thd", "paged", "thd_paged"};
+    if (q->ndim != rank || k->ndim != krank || v->ndim != krank)
+        return bad("query should have %d dims and key and value %d in a %s set", rank, krank, names[kind]);
+    size_t Hq = q->shape[rank - 2], E = q->shape[rank - 1], Hkv = k->shape[krank - 2], Ev = v->shape[krank - 1];
+    if (k->shape[krank - 1] != E || v->shape[krank - 2] != Hkv || v->shape[0] != k->shape[0] ||
+        (krank == 4 && v->shape[1] != k->shape[1]))
         return bad("key and value should be stored alike, with the E of query");
-    if (kind == LAYOUT_THD) {
-        size_t n2[1];
-        if (layout_ints(z, "cu_seqlens_q", 1, &l->cu_q, sh) != 0 || layout_ints(z, "cu_seqlens_k", 1, &l->cu_k, n2) != 0)
+    if (PACKED_Q(kind)) {                       /* cu_seqlens_q: B + 1 offsets into query's rows */
+        if (layout_ints(z, "cu_seqlens_q", 1, &l->cu_q, sh) != 0)
             return -1;
-        if (sh[0] < 1 || n2[0] != sh[0])
-            return bad("cu_seqlens_q and cu_seqlens_k should hold B + 1 offsets each");
+        if (sh[0] < 1)
+            return bad("cu_seqlens_q should hold B + 1 offsets");
         l->B = sh[0] - 1;
         l->T = q->shape[0];
+        if (l->cu_q[0] != 0)
+            return bad("cu_seqlens_q should start at 0");
+        for (size_t b = 0; b < l->B; b++)
+            if (l->cu_q[b + 1] < l->cu_q[b])
+                return bad("cu_seqlens_q should not decrease");
+        if ((unsigned long long)l->cu_q[l->B] > l->T)
+            return bad("cu_seqlens_q should end within the rows of query");
+    }
+    if (kind == LAYOUT_THD) {
+        size_t n2[1];
+        if (layout_ints(z, "cu_seqlens_k", 1, &l->cu_k, n2) != 0)
+            return -1;
+        if (n2[0] != l->B + 1)
+            return bad("cu_seqlens_q and cu_seqlens_k should hold B + 1 offsets each");
         l->Tk = k->shape[0];
-        if (l->cu_q[0] != 0 || l->cu_k[0] != 0)
+        if (l->cu_k[0] != 0)
             return bad("cu_seqlens_q and cu_seqlens_k should start at 0");
         for (size_t b = 0; b < l->B; b++)
-            if (l->cu_q[b + 1] < l->cu_q[b] || l->cu_k[b + 1] < l->cu_k[b])
+            if (l->cu_k[b + 1] < l->cu_k[b])
                 return bad("cu_seqlens_q and cu_seqlens_k should not decrease");
-        if ((unsigned long long)l->cu_q[l->B] > l->T || (unsigned long long)l->cu_k[l->B] > l->Tk)
+        if ((unsigned long long)l->cu_k[l->B] > l->Tk)
             return bad("cu_seqlens_q and cu_seqlens_k should end within the rows of query and key");
     } else {
         size_t w[2];
         if (layout_ints(z, "cache_seqlens", 1, &l->seqlen, sh) != 0 || layout_ints(z, "block_table", 2, &l->table, w) != 0)
             return -1;
-        l->B = q->shape[0];
-        l->Lmax = q->shape[1];
+        if (!PACKED_Q(kind)) {
+            l->B = q->shape[0];
+            l->Lmax = q->shape[1];
+        }
         l->pages = k->shape[0];
         l->psize = k->shape[1];
         l->width = w[1];
         if (sh[0] != l->B || w[0] != l->B)
-            return bad("cache_seqlens (B,) and block_table (B, pages) should have the B=%zu rows of query", l->B);
+            return bad("cache_seqlens (B,) and block_table (B, pages) should have the B=%zu %s", l->B,
+                       PACKED_Q(kind) ? "sequences of cu_seqlens_q" : "rows of query");
         for (size_t b = 0; b < l->B; b++) {
             if (l->seqlen[b] < 0 || (l->psize && (unsigned long long)l->seqlen[b] > l->width * l->psize) ||
                 (!l->psize && l->seqlen[b] > 0))
@@ -1772,9 +1796,9 @@ static int layout_to_dense(Npz *z, int kind, Layout *l)
         (l->kvlen = xcalloc(l->B ? l->B : 1, sizeof(long long))) == NULL)
         return -1;
     for (size_t b = 0; b < l->B; b++) {
-        l->qlen[b] = kind == LAYOUT_THD ? l->cu_q[b + 1] - l->cu_q[b] : (long long)l->Lmax;
+        l->qlen[b] = PACKED_Q(kind) ? l->cu_q[b + 1] - l->cu_q[b] : (long long)l->Lmax;
         l->kvlen[b] = kind == LAYOUT_THD ? l->cu_k[b + 1] - l->cu_k[b] : l->seqlen[b];
-        if (kind == LAYOUT_THD && (size_t)l->qlen[b] > l->Lmax)
+        if (PACKED_Q(kind) && (size_t)l->qlen[b] > l->Lmax)
             l->Lmax = (size_t)l->qlen[b];
         if ((size_t)l->kvlen[b] > l->Smax)
             l->Smax = (size_t)l->kvlen[b];
@@ -1817,17 +1841,18 @@ static int layout_to_dense(Npz *z, int kind, Layout *l)
    lse (Hq, T) or (B, Hq, L), dk and dv as key and value */
 static int layout_refs_ok(const Layout *l, const Arr *out, const Arr *lse)
 {
-    int rank = l->sq.ndim, same = out->kind == 'f' && out->ndim == rank && out->shape[rank - 1] == l->sv.shape[rank - 1];
+    int rank = l->sq.ndim, same = out->kind == 'f' && out->ndim == rank &&
+                                  out->shape[rank - 1] == l->sv.shape[l->sv.ndim - 1];
     for (int d = 0; same && d < rank - 1; d++)
         same = out->shape[d] == l->sq.shape[d];
     if (!same)
         return bad("out should be floating, stored as query is with the last dim Ev of value");
     size_t Hq = l->sq.shape[rank - 2];
-    if (lse && (lse->kind != 'f' || (l->kind == LAYOUT_THD
+    if (lse && (lse->kind != 'f' || (PACKED_Q(l->kind)
                                      ? lse->ndim != 2 || lse->shape[0] != Hq || lse->shape[1] != l->T
                                      : lse->ndim != 3 || lse->shape[0] != l->B || lse->shape[1] != Hq ||
                                        lse->shape[2] != l->Lmax)))
-        return bad("lse should be floating, of the layout's shape %s", l->kind == LAYOUT_THD ? "(Hq, T)" : "(B, Hq, L)");
+        return bad("lse should be floating, of the layout's shape %s", PACKED_Q(l->kind) ? "(Hq, T)" : "(B, Hq, L)");
     return 0;
 }
 
