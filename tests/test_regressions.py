@@ -122,9 +122,15 @@ def _oracle_has_fully_masked_rows(case):
     kl = inp.get("kv_lengths")
     ql = None if ql is None else np.broadcast_to(ql, B).reshape(-1)
     kl = None if kl is None else np.broadcast_to(kl, B).reshape(-1)
+    qo = inp.get("q_offset")
+    qo = None if qo is None else np.broadcast_to(qo, B).reshape(-1)
+    Hq, L = q.shape[-3], q.shape[-2]
+    idx, top = inp.get("gather_kv_indices"), inp.get("topk_length")      # FlashMLA's rows: (B, Hq, L, K), (B, Hq, L)
+    idx = None if idx is None else np.broadcast_to(idx, B + (Hq, L, idx.shape[-1])).reshape((-1, Hq, L, idx.shape[-1]))
+    top = None if top is None else np.broadcast_to(top, B + (Hq, L)).reshape((-1, Hq, L))
     _, lse = oracle_attention(q, k, v, mask=mask, is_causal=inp.get("is_causal", False), policy="zero",
                               alignment=inp.get("causal_alignment", "top_left"), window=inp.get("window"),
-                              q_lengths=ql, kv_lengths=kl)[:2]
+                              q_lengths=ql, kv_lengths=kl, q_offset=qo, kv_indices=idx, topk_length=top)[:2]
     L = q.shape[-2]
     rows = np.isneginf(lse)
     if ql is not None:

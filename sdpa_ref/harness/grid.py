@@ -42,6 +42,8 @@ def _grid_case(shape, *, gqa=False, dropout=False, arrays=(), **options):
                      + ("-br" if br else ""))
     if br and not (options.get("is_causal") or options.get("window") is not None):
         parts.append("bottom_right")
+    if options.get("alibi_mode", "flash") != "flash":
+        parts.append(f"alibi_mode={options['alibi_mode']}")
     for k in _stage_options():
         if options.get(k) is not None:
             parts.append(f"{k}={options[k]:g}")
@@ -109,6 +111,17 @@ def gradcheck_grid(quick: bool = False) -> List[Case]:
                dict(shape="L>S", arrays=("lengths",), is_causal=True, causal_alignment=br)]
     for opts, policy, gd in itertools.product(emptied, _RULE_POLICIES, (False, True)):
         variants.append(_grid_case(gqa=gd, dropout=gd, fully_masked=policy, **dict(opts)))
+    # the peers' options of issue 42: a per-sequence query offset (rows above every key included) and cuDNN's
+    # signed ALiBi (without causal, where it differs from FlashAttention's). Not topk_length: the self-check
+    # broadcasts its inputs over a new leading axis, which top-k indices refuse (tests/test_masks.py holds
+    # topk_length to central differences)
+    peers = [dict(shape="L<S", arrays=("q_offset",), is_causal=True),
+             dict(shape="L>S", arrays=("q_offset",), is_causal=True),
+             dict(shape="bcast", arrays=("alibi", "q_offset"), window=(1, 1)),
+             dict(shape="L<S", arrays=("alibi",), alibi_mode="cudnn"),
+             dict(shape="L>S", arrays=("alibi", "lengths"), window=(2, 1), alibi_mode="cudnn")]
+    for opts, gd in zip(peers, itertools.cycle((False, True))):
+        variants.append(_grid_case(gqa=gd, dropout=gd, **opts))
     cases = core + masked + variants
     if quick:
         keep = []
