@@ -43,7 +43,7 @@ from .api import sdpa_forward
 from .derivatives import sdpa_backward
 from .harness.ensemble import honest_results, worst_errors
 from .harness.guards import GuardBroken, guard_fill, guard_intact, guarded
-from .harness.judge import _compare
+from .harness.judge import REFERENCE_PRECISION, _compare
 from .harness.merge_check import judge_merged
 from .harness.lowp import output_dtype, work_dtype
 from .harness.report import ConformanceReport, ConformanceRow
@@ -111,9 +111,9 @@ def check_attention_close(out, query, key, value, *, lse=None, grads=None, grad_
         else as_rule(rule)
     dt = np.dtype(q.dtype)
     got = {"out": out}
+    base = check_base(lse_base, "lse_base")
     if lse is not None:
-        check_base(lse_base, "lse_base")
-        got["lse"] = _natural_lse(_host(lse, "lse"), lse_base)
+        got["lse"] = _host(lse, "lse")
     if grads is not None:
         if grad_out is None:
             raise ValueError("`grad_out` should be the cotangent the gradients were computed for when `grads` is "
@@ -121,16 +121,18 @@ def check_attention_close(out, query, key, value, *, lse=None, grads=None, grad_
         got.update(_grads(grads, options.get("sinks") is not None))
     g = None if grad_out is None else _host(grad_out, "grad_out")
     wide = {n: _wide(x) for n, x in options.items()}
-    ref_out, res = sdpa_forward(*(np.asarray(x, np.float64) for x in (q, k, v)), precision="reproducible",
+    ref_out, res = sdpa_forward(*(np.asarray(x, np.float64) for x in (q, k, v)), precision=REFERENCE_PRECISION,
                                 layout=layout, **wide)
-    ref = {"out": ref_out, "lse": np.asarray(res.lse, np.float64)}
+    ref = {"out": ref_out}
+    if lse is not None:                                  # the exact LSE in the kernel's base, rounded once
+        ref["lse"] = convert_lse(res.lse, base=base, precision=REFERENCE_PRECISION)
     if grads is not None:
         gr = sdpa_backward(res, np.asarray(g, np.float64))
         ref.update(dq=gr.query, dk=gr.key, dv=gr.value, dsinks=gr.sinks)
     ref = {n: np.asarray(ref[n], np.float64) for n in got}
     members = None
     if isinstance(rule, RelativeRule):
-        members = _honest(q, k, v, g, dt, options, layout, res, ref)
+        members = _honest(q, k, v, g, dt, options, layout, res, ref, base)
     rows = []
     for n in got:
         want = work_dtype(dt) if n in ("lse", "dsinks") else None
@@ -189,8 +191,8 @@ def check_merge_close(out, lse, out_parts, lse_parts, *, lse_base="e", axis=0,
         The parts' axis of ``out_parts`` and ``lse_parts`` (:func:`sdpa_ref.merge_attention`'s).
     rule : {"relative", "fixed", "ulp"} or a rule object
         ``"relative"``: at most 3 times the error of the worse of two honest merges in the parts' work dtype
-        (:mod:`sdpa_ref.harness.merge_check`), plus the dtype's rounding. Not float64 parts under it: the
-        reference merges in float64, as such a kernel would, and could not judge it fairly.
+        (:mod:`sdpa_ref.harness.merge_check`), plus the dtype's rounding; the reference is the exact merge,
+        faithfully rounded, so float64 merges are judged too.
 
     Returns
     -------
@@ -202,16 +204,13 @@ def check_merge_close(out, lse, out_parts, lse_parts, *, lse_base="e", axis=0,
     base = check_base(lse_base, "lse_base")
     rule = as_rule(rule)
     dt = np.dtype(out_p.dtype)
-    if isinstance(rule, RelativeRule) and dt == np.float64:
-        raise ValueError("`out_parts` should be float32, float16 or bfloat16 under the relative rule (the "
-                         "reference merges in float64, as a float64 kernel would), but got float64: pass "
-                         "rule='ulp' or 'fixed'")
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool) or not -lse_p.ndim <= axis < lse_p.ndim:
         raise ValueError(f"`axis` should be an int in [-{lse_p.ndim}, {lse_p.ndim}) (the parts' axis of "
                          f"`lse_parts` {lse_p.shape}), but got {axis!r}")
     axis = axis % lse_p.ndim
     rows = judge_merged(out, lse, out_p, lse_p, dt, base, rule, axis=axis)
-    ref = merge_attention(out_p.astype(np.float64), lse_p.astype(np.float64), lse_base=base, axis=axis)
+    ref = merge_attention(out_p.astype(np.float64), lse_p.astype(np.float64), lse_base=base, axis=axis,
+                          precision=REFERENCE_PRECISION)
     for row, got, r in zip(rows, (out, lse), ref):
         row.exceeding = _exceeding(got, r, row)
     return ConformanceReport(rows, rule=rule.describe(), suite="your merge")
@@ -225,8 +224,9 @@ def assert_merge_close(out, lse, out_parts, lse_parts, **kwargs) -> None:
            "on your parts")
 
 
-def _honest(q, k, v, g, dt, options, layout, res, ref):
-    """The honest ensemble's results on the caller's inputs, in the caller's layout and shapes (float64)."""
+def _honest(q, k, v, g, dt, options, layout, res, ref, base):
+    """The honest ensemble's results on the caller's inputs, in the caller's layout and shapes (float64), the
+    LSE in ``base`` (converted, as a kernel would, in the work dtype)."""
     lay = res.layout
     dense = dict(options, query=q, key=k, value=v)
     if lay is not None:                                  # the members run the dense problem the layout gathers
@@ -243,6 +243,8 @@ def _honest(q, k, v, g, dt, options, layout, res, ref):
             back.update({d: (lambda x, name=name: lay.scatter_input(x, name))
                          for d, name in (("dq", "query"), ("dk", "key"), ("dv", "value"))})
             m = {n: back[n](x) if n in back else x for n, x in m.items()}
+        if "lse" in m and base != "e":
+            m["lse"] = convert_lse(m["lse"], base=base).astype(work_dtype(dt)).astype(np.float64)
         results.append({n: m[n] for n in ref if n in m})
     return results
 
@@ -324,13 +326,6 @@ def _grads(grads, sinks):
     if "dsinks" in items and not sinks:
         raise ValueError("`grads` should have no dsinks when no `sinks` are given, but got one")
     return {n: _host(x, f"grads[{n!r}]") for n, x in items.items()}
-
-
-def _natural_lse(lse, base):
-    """The LSE in base e, computed in float64 from the kernel's (in base ``base``), the kernel's dtype kept."""
-    if base in ("e", None):
-        return lse
-    return convert_lse(np.asarray(lse, np.float64), base="e", from_base=base).astype(lse.dtype)
 
 
 def _is_array(x):

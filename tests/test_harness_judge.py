@@ -202,3 +202,65 @@ def test_the_command_line_judges_the_lse_in_a_child_process(tmp_path):
                          "--lse-empty", "nan", "--cases", str(cases)], capture_output=True, text=True, env=env,
                         timeout=300)
     assert cp.returncode == 2 and "--lse-empty" in cp.stderr and "Traceback" not in cp.stderr
+
+
+def test_every_reference_the_harness_judges_by_is_faithful(monkeypatch):
+    """Nothing the harness or the testing call judges comes from a non-faithful reference: every call that makes
+    a reference (the forward and its gradients, the JVP, a score function's case, the LSE in the kernel's base, a
+    merge) asks for precision="reproducible"."""
+    import inspect
+
+    import sdpa_ref.harness.judge as judge
+    import sdpa_ref.harness.merge_check as merge_check
+    import sdpa_ref.testing as testing
+    from sdpa_ref import merge_attention, sdpa_jvp
+    from sdpa_ref.harness.cases import Case
+
+    calls = []
+
+    def spy(module, name, reference_callers=None):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            caller = inspect.stack()[1].function
+            if reference_callers is None or caller in reference_callers:
+                calls.append((module.__name__, name, caller, kwargs.get("precision", "fast")))
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapper)
+
+    spy(judge, "sdpa_forward")
+    spy(judge, "sdpa_jvp")
+    spy(judge, "convert_lse", {"judge_case"})              # the ensemble's own LSEs are converted as kernels do
+    spy(merge_check, "merge_attention")
+    spy(testing, "sdpa_forward")
+    spy(testing, "convert_lse", {"check_attention_close"})
+    spy(testing, "merge_attention")
+    judge._reference_quantities.cache_clear()
+    score = Case("softcap-fn", L=16, S=20, E=8, Ev=8,
+                 options=(("score_mod", lambda s, b, h, i, j: 3 * np.tanh(s / 3)),))
+
+    def forward(q, k, v, **o):
+        return sdpa_forward(q, k, v, upcast=False, **o)[0]
+
+    def jvp(primals, tangents, **o):
+        return sdpa_jvp(primals, tangents, upcast=False, **o)[1]
+
+    def with_lse(q, k, v, **o):
+        out, res = sdpa_forward(q, k, v, upcast=False, **o)
+        return out, (res.lse / np.log(2)).astype(np.float32)
+
+    cases = list(get_suite("quick"))[:6]
+    check_implementation(forward, jvp=jvp, cases=cases + [score], dtypes="float32", isolate=False)
+    check_implementation(with_lse, cases=cases[:3], dtypes="float32", lse=2, isolate=False)
+    merge_check.check_merge(lambda o, l: merge_attention(o, l), dtypes="float32")
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 8, 4)).astype(np.float32) for _ in range(3))
+    out, res = sdpa_forward(q, k, v)
+    testing.check_attention_close(out, q, k, v, lse=(res.lse / np.log(2)).astype(np.float32), lse_base=2)
+    testing.check_merge_close(out, res.lse, np.stack([out, out]), np.stack([res.lse, res.lse]))
+    made = {(m.rpartition(".")[2], n) for m, n, _, _ in calls}
+    assert {("judge", "sdpa_forward"), ("judge", "sdpa_jvp"), ("judge", "convert_lse"),
+            ("merge_check", "merge_attention"), ("testing", "sdpa_forward"), ("testing", "convert_lse"),
+            ("testing", "merge_attention")} <= made, made
+    assert all(p == "reproducible" for *_, p in calls), [c for c in calls if c[3] != "reproducible"]
+    assert judge.REFERENCE_PRECISION == "reproducible"

@@ -8,7 +8,7 @@ import pytest
 
 import sdpa_ref
 from sdpa_ref import merge_attention
-from sdpa_ref.harness.merge_check import MERGE_CASES, merge_inputs
+from sdpa_ref.harness.merge_check import MERGE_CASES, check_merge, merge_inputs
 
 DTYPES = ("float32", "float16")
 
@@ -102,7 +102,7 @@ def test_the_other_base_is_caught():
 
 
 @pytest.mark.parametrize("kw,err,match", [
-    (dict(dtypes="float64"), ValueError, "`dtypes`"),
+    (dict(dtypes="float8_e4m3fn"), ValueError, "`dtypes`"),
     (dict(lse_base=10), ValueError, "`lse_base`"),
     (dict(cases=[1]), TypeError, "`cases`"),
 ])
@@ -118,3 +118,11 @@ def test_a_merge_that_raises_fails_its_case_and_the_run_goes_on():
         raise RuntimeError("no")
     rep = sdpa_ref.check_merge(boom, dtypes=("float32",))
     assert not rep.ok and all(r.status == "error" and "RuntimeError" in r.note for r in rep.rows)
+
+
+def test_float64_merges_are_judged_against_the_exact_merge():
+    """The reference is the exact merge rounded once, so a float64 merge kernel is judged too: the package's own
+    fast merge passes, one off by a relative 1e-12 fails."""
+    assert check_merge(lambda o, l: merge_attention(o, l), dtypes="float64").ok
+    off = lambda o, l: (lambda out, lse: (out * (1 + 1e-12), lse))(*merge_attention(o, l))  # noqa: E731
+    assert not check_merge(off, dtypes="float64").ok

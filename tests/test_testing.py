@@ -273,8 +273,11 @@ def test_a_merge_kernel_is_judged_on_its_own_parts(dt, base):
         t.assert_merge_close(o, lse + np.float32(0.01), out_p, lse_p, lse_base=base, axis=1)
     with pytest.raises(ValueError, match="`axis` should be an int"):
         t.check_merge_close(o, lse, out_p, lse_p, axis=4)
-    with pytest.raises(ValueError, match="float64"):
-        t.check_merge_close(o.astype(np.float64), lse, out_p.astype(np.float64), lse_p)
+    o64, l64 = sdpa_ref.merge_attention(out_p.astype(np.float64), lse_p.astype(np.float64), lse_base=base, axis=1)
+    t.assert_merge_close(o64, l64, out_p.astype(np.float64), lse_p.astype(np.float64), lse_base=base, axis=1)
+    with pytest.raises(AssertionError, match="`out`"):                # float64: against the exact merge
+        t.assert_merge_close(o64 * (1 + 1e-12), l64, out_p.astype(np.float64), lse_p.astype(np.float64),
+                             lse_base=base, axis=1)
 
 
 def _past_the_end(q, k, v):
@@ -305,3 +308,88 @@ def test_a_kernel_writing_into_a_guard_fails_a_guard_row():
     assert [r.quantity for r in report.rows] == ["out", "guard"] and report.rows[0].status == "pass"
     assert "writes outside its inputs" in report.rows[1].note and "`key`" in report.rows[1].note
     assert not report.ok
+
+
+# -- the peers' options of issue 42: each reaches the reference and the honest ensemble, and is judged
+
+def peer_kernel(q, k, v, g, *, allowed=None, bias=None, work=np.float32):
+    """A float32 kernel written from a peer's formula: scores ``scale Q K^T + bias``, ``-inf`` where ``allowed``
+    is False; ``(out, lse, (dq, dk, dv))`` in the inputs' dtype (every row here has a key)."""
+    dt = q.dtype
+    q, k, v, g = (x.astype(work) for x in (q, k, v, g))
+    s = work(q.shape[-1] ** -0.5)
+    S = (q @ np.swapaxes(k, -1, -2)) * s
+    if bias is not None:
+        S = S + bias.astype(work)
+    if allowed is not None:
+        S = np.where(allowed, S, -np.inf)
+    m = S.max(-1, keepdims=True)
+    P = np.exp(S - m)
+    l = P.sum(-1, keepdims=True)
+    P = P / l
+    dP = g @ np.swapaxes(v, -1, -2)
+    dS = P * (dP - (P * dP).sum(-1, keepdims=True)) * s
+    grads = tuple(x.astype(dt) for x in (dS @ k, np.swapaxes(dS, -1, -2) @ q, np.swapaxes(P, -1, -2) @ g))
+    return (P @ v).astype(dt), (m + np.log(l))[..., 0], grads
+
+
+def _peer_inputs(L=24, S=32):
+    rng = np.random.default_rng(42)
+    q = rng.standard_normal((2, 3, L, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 3, S, 16)).astype(np.float32) for _ in range(2))
+    return q, k, v, rng.standard_normal((2, 3, L, 16)).astype(np.float32)
+
+
+def _judged(got, q, k, v, g, **options):
+    out, lse, grads = got
+    return check_attention_close(out, q, k, v, lse=lse, grads=grads, grad_out=g, **options)
+
+
+def test_q_offset_is_judged():
+    """Per-sequence query positions: row i of sequence b at i + q_offset[b] on the keys' axis (causal keeps
+    j <= i + q_offset[b]); a kernel that ignores the offset (top-left causal) fails on out."""
+    q, k, v, g = _peer_inputs()
+    off = np.array([3, 8])
+    i, j = np.arange(24)[:, None], np.arange(32)
+    honest_got = peer_kernel(q, k, v, g, allowed=(j <= i + off[:, None, None, None]))
+    rep = _judged(honest_got, q, k, v, g, is_causal=True, q_offset=off)
+    assert rep.ok and [r.quantity for r in rep.rows] == ["out", "lse", "dq", "dk", "dv"], str(rep)
+    ignored = peer_kernel(q, k, v, g, allowed=(j <= i))
+    rep = _judged(ignored, q, k, v, g, is_causal=True, q_offset=off)
+    assert not rep.ok and "out" in {r.quantity for r in rep.failures}
+
+
+def test_topk_length_with_gather_kv_indices_is_judged():
+    """FlashMLA's sparse attention: row i reads only its first topk_length[i] indices of gather_kv_indices
+    (prefill's (s_q,), here (L,)); a kernel reading every index fails."""
+    q, k, v, g = _peer_inputs()
+    rng = np.random.default_rng(7)
+    K = 12
+    idx = np.argsort(rng.random((2, 1, 24, 32)), axis=-1)[..., :K]          # distinct keys per row
+    n = rng.integers(1, K + 1, 24)
+    n[0], n[-1] = 1, K
+    def allowed(counts):
+        keep = np.arange(K) < counts[:, None]                               # (L, K): the indices read
+        a = np.zeros((2, 1, 24, 32), bool)
+        np.put_along_axis(a, idx, keep[None, None], axis=-1)
+        return a
+    rep = _judged(peer_kernel(q, k, v, g, allowed=allowed(n)), q, k, v, g, gather_kv_indices=idx, topk_length=n)
+    assert rep.ok and len(rep.rows) == 5, str(rep)
+    rep = _judged(peer_kernel(q, k, v, g, allowed=allowed(np.full(24, K))), q, k, v, g, gather_kv_indices=idx,
+                  topk_length=n)
+    assert not rep.ok and "out" in {r.quantity for r in rep.failures}
+
+
+def test_cudnn_alibi_is_judged():
+    """cuDNN's signed ALiBi, slope * (j - i) with no diagonal offset, without a mask (where FlashAttention's
+    -slope |i - j| differs by more than a row's constant); a kernel with FlashAttention's term fails."""
+    q, k, v, g = _peer_inputs()
+    slopes = np.array([0.5, 0.25, 0.125], np.float32)
+    d = (np.arange(32) - np.arange(24)[:, None]).astype(np.float32)         # j - i
+    cudnn = peer_kernel(q, k, v, g, bias=slopes[:, None, None] * d)
+    rep = _judged(cudnn, q, k, v, g, alibi_slopes=slopes, alibi_mode="cudnn")
+    assert rep.ok and len(rep.rows) == 5, str(rep)
+    flash = peer_kernel(q, k, v, g, bias=-slopes[:, None, None] * np.abs(d))
+    rep = _judged(flash, q, k, v, g, alibi_slopes=slopes, alibi_mode="cudnn")
+    assert not rep.ok and "out" in {r.quantity for r in rep.failures}
+    assert _judged(flash, q, k, v, g, alibi_slopes=slopes).ok                # the default is FlashAttention's

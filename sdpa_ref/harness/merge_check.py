@@ -14,9 +14,9 @@ allowed key on some rows (``lse = -inf``, its ``out`` filled with NaN, which mus
 dominating by ``e^40``, a single part, and many.
 
 The rule is the relative rule of :mod:`.conformance`: ``max|impl - ref64| <= 3 max|honest - ref64| + floor``,
-``ref64`` the merge in float64 of the same (rounded) parts and ``honest`` the worse of two honest merges in the
-work dtype (the weights normalised before the sum, or the parts folded in one after another with the rescale
-of an online softmax), computed by :class:`sdpa_ref.exact.arith.LowPrecision`: fixed-order IEEE operations,
+``ref64`` the exact merge of the same (rounded) parts, faithfully rounded to float64 (``precision="reproducible"``),
+and ``honest`` the worse of two honest merges in the work dtype (the weights normalised before the sum, or the
+parts folded in one after another with the rescale of an online softmax), computed by :class:`sdpa_ref.exact.arith.LowPrecision`: fixed-order IEEE operations,
 the same bits on every machine. Infinities (the LSE of an all-empty row) and NaN must be met exactly.
 """
 
@@ -34,7 +34,7 @@ from ..lse import check_base, convert_lse
 from ..merge import merge_attention
 from ..rounding import round_to
 from .cases import SUITE_VERSION
-from .judge import _compare
+from .judge import REFERENCE_PRECISION, _compare
 from .lowp import as_test_dtype, work_dtype
 from .report import ConformanceReport, ConformanceRow
 from .rules import RelativeRule
@@ -134,9 +134,9 @@ def check_merge(merge: Callable, *, dtypes="float32", lse_base="e", cases=None,
         the work dtype, in the same base; on rows whose parts are all empty ``(0, -inf)``. Raising
         ``NotImplementedError`` skips the case.
     dtypes : str, dtype or sequence of them
-        Test dtypes: float32, float16, bfloat16 (the ``lowp`` extra). Not float64: the reference merges in
-        float64, as a float64 kernel would, so there it would not be more accurate than what it judges
-        (the honest float64 merges agree with it to the bit, which leaves no allowance).
+        Test dtypes: float64, float32, float16, bfloat16 (the ``lowp`` extra). The reference is the exact
+        merge rounded once, so it is more accurate than a float64 kernel too, and the honest float64 merges
+        set the allowance there.
     lse_base : {"e", 2}
         The base of the LSEs in and out (2: FlashInfer).
     cases : sequence of MergeCase, optional
@@ -154,8 +154,8 @@ def check_merge(merge: Callable, *, dtypes="float32", lse_base="e", cases=None,
     base = check_base(lse_base, "lse_base")
     from .conformance import _as_dtypes
     dtypes = _as_dtypes(dtypes)
-    for dt in dtypes:                    # float64: the float64 reference would be no more accurate than the kernel
-        check_choice(dt, "dtypes", ("float32", "float16", "bfloat16"))
+    for dt in dtypes:
+        check_choice(dt, "dtypes", ("float64", "float32", "float16", "bfloat16"))
     cases = MERGE_CASES if cases is None else tuple(cases)
     if not cases or not all(isinstance(c, MergeCase) for c in cases):
         raise TypeError("`cases` should be a non-empty sequence of MergeCase")
@@ -191,7 +191,8 @@ def judge_merged(out, lse, out_parts, lse_parts, dt, base, rule, case="your inpu
     by ``rule``; under the relative rule, with the worse of the two honest merges of :func:`_honest` as the
     baseline."""
     out_p, lse_p = np.moveaxis(np.asarray(out_parts), axis, 0), np.moveaxis(np.asarray(lse_parts), axis, 0)
-    ref_out, ref_lse = merge_attention(out_p.astype(np.float64), lse_p.astype(np.float64), lse_base=base)
+    ref_out, ref_lse = merge_attention(out_p.astype(np.float64), lse_p.astype(np.float64), lse_base=base,
+                                       precision=REFERENCE_PRECISION)
     honest = _honest(out_p, lse_p, dt, base) if isinstance(rule, RelativeRule) else None
     rows = []
     for qty, val, ref, want in (("out", out, ref_out, np.dtype(dt)), ("lse", lse, ref_lse, work_dtype(dt))):
