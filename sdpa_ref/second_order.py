@@ -7,7 +7,8 @@ with ``create_graph=True`` computes, or JAX's ``jvp`` of a ``vjp``). With the co
 Hessian-vector product of the loss :math:`\langle dO, O\rangle + \langle dlse, \mathrm{LSE}\rangle`. The formulas
 are the plain engine's (:func:`sdpa_ref.attention.backward_jvp`): each line of the backward differentiated by
 the product rule, the softmax's step in :func:`sdpa_ref.normalize.vjp_jvp` and softcap's in
-:func:`sdpa_ref.transforms.softcap_sech2_jvp`; SEMANTICS.md derives them.
+:func:`sdpa_ref.transforms.softcap_sech2_jvp`; SEMANTICS.md derives them. With ``precision="reproducible"`` the
+same formulas run in double-double (:mod:`sdpa_ref.engines.reproducible_second`), faithfully rounded.
 """
 
 from __future__ import annotations

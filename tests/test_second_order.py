@@ -283,7 +283,8 @@ def test_poisoned_tangent_marks_at_least_what_reads_it():
 @pytest.mark.parametrize("bad, match", [
     (dict(method="fast"), "`method` should be one of"),
     (dict(method="plain", block_size=4), "`block_size` should be None with method='plain'"),
-    (dict(precision="reproducible"), "`precision` should not be given"),
+    (dict(precision="reproducible", method="tiled"), "`method` and `block_size` should be None with precision"),
+    (dict(precision="exact"), "`precision` should be one of"),
     (dict(num_splits=2), "`num_splits` should not be given"),
 ])
 def test_schedule_keywords_are_refused(bad, match):

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..broadcast import block_of, unbroadcast
 from ..exact.arith import for_problem
-from ..normalize import extra_shape, vjp_jvp_scores
+from ..normalize import EXTRA_NAME, extra_shape, vjp_jvp_scores
 from ..policy import constant_rows, counts
 from ..transforms import dropout_in, transform_scores_jvp, transform_scores_slope_jvp_in, transform_scores_vjp, \
     transform_scores_vjp_jvp, zero_masked_slope_in
@@ -128,7 +128,7 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
             _no_silent_nan(X, x, ok, what)
     if dextra_t is not None:
         _no_silent_nan(X, dextra_t, None if nan_rows is None else _any_to(np.any(nan_rows, axis=(-2, -1)),
-                                                                            extra_shape(prob)), "sinks tangent")
+                                                                            extra_shape(prob)), f"{EXTRA_NAME} tangent")
     dq_t, dk_t, dv_t = (unbroadcast(x, prob.shapes[n], X) for x, n in ((dq_t, "query"), (dk_t, "key"),
                                                                          (dv_t, "value")))
     split = None if absorbed is None else tuple(_round(X, x) for x in absorbed.split(dq_t, dk_t, dv_t, arith=X))
