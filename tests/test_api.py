@@ -255,10 +255,10 @@ def test_backward_jvp_and_hvp(layout, qv, sinks, score, grad_lse):
 def test_second_order_refuses_what_it_does_not_have():
     c = _case("packed", True, True, False)
     args = ((c["q"], c["k"], c["v"]), _tangents(c), c["g"])
-    with pytest.raises(TypeError, match="`precision` should not be given"):
-        sdpa_backward_jvp(*args, qv=c["qv"], precision="reproducible", **c["opts"])
-    with pytest.raises(TypeError, match="`precision` should not be given"):
-        sdpa_hvp(*args, qv=c["qv"], precision="fast", **c["opts"])
+    with pytest.raises(TypeError, match="`num_splits` should not be given"):
+        sdpa_backward_jvp(*args, qv=c["qv"], num_splits=2, **c["opts"])
+    with pytest.raises(ValueError, match="`method` and `block_size` should be None with precision='reproducible'"):
+        sdpa_hvp(*args, qv=c["qv"], precision="reproducible", method="plain", **c["opts"])
     captured = ScoreMod(lambda s, b, h, i, j, w: s * w[0], grad=lambda s, b, h, i, j, w: 0 * s + w[0],
                         params=(np.ones(1),))
     with pytest.raises(ValueError, match="`score_mod` should capture no tensor for second order"):
