@@ -16,8 +16,9 @@ dominating by ``e^40``, a single part, and many.
 The rule is the relative rule of :mod:`.conformance`: ``max|impl - ref64| <= 3 max|honest - ref64| + floor``,
 ``ref64`` the exact merge of the same (rounded) parts, faithfully rounded to float64 (``precision="reproducible"``),
 and ``honest`` the worse of two honest merges in the work dtype (the weights normalised before the sum, or the
-parts folded in one after another with the rescale of an online softmax), computed by :class:`sdpa_ref.exact.arith.LowPrecision`: fixed-order IEEE operations,
-the same bits on every machine. Infinities (the LSE of an all-empty row) and NaN must be met exactly.
+parts folded in one after another with the rescale of an online softmax), computed by
+:class:`sdpa_ref.exact.arith.LowPrecision`: fixed-order IEEE operations, the same bits on every machine.
+Infinities (the LSE of an all-empty row) and NaN must be met exactly.
 """
 
 from __future__ import annotations
