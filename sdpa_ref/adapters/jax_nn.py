@@ -29,8 +29,8 @@ __all__ = ["jax_dpa", "forward", "backward", "SUPPORTS"]
 
 #: What jax.nn.dot_product_attention can be asked for: the options of sdpa_ref but these, and no score stage's
 #: (softcap; a stage added later is not claimed).
-SUPPORTS = frozenset(OPTION_NAMES) - {"sinks", "alibi_slopes", "dropout_p", "dropout_mask"} \
-    - {st.option for st in SCORE_STAGES}
+SUPPORTS = frozenset(OPTION_NAMES) - {"sinks", "alibi_slopes", "alibi_mode", "dropout_p", "dropout_mask", "q_offset",
+                                      "topk_length"} - {st.option for st in SCORE_STAGES}
 
 
 def jax_dpa(implementation=None):

@@ -26,8 +26,8 @@ __all__ = ["keras_dpa", "forward", "backward", "SUPPORTS", "FULLY_MASKED"]
 
 #: What keras.ops.dot_product_attention can be asked for: sdpa_ref's options but these (an option added
 #: later is claimed until listed here).
-SUPPORTS = frozenset(OPTION_NAMES) - {"dropout_p", "dropout_mask", "window", "alibi_slopes", "q_lengths",
-                                      "kv_lengths", "sinks"}
+SUPPORTS = frozenset(OPTION_NAMES) & {"attn_mask", "bias", "causal_alignment", "enable_gqa", "fully_masked",
+                                      "is_causal", "scale", "softcap"}
 #: What a row with no allowed key gets on each backend the adapter differentiates through.
 FULLY_MASKED = {"jax": ("jax", "uniform"), "torch": ("zero",)}
 

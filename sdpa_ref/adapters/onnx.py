@@ -30,8 +30,8 @@ __all__ = ["onnx_attention", "forward", "forward_onnxruntime", "SUPPORTS", "OPSE
 
 #: What ONNX Attention (opset 23) can be asked for: sdpa_ref's options but these (an option added later is claimed
 #: until listed here).
-SUPPORTS = frozenset(OPTION_NAMES) - {"dropout_p", "dropout_mask", "window", "alibi_slopes", "q_lengths",
-                                      "kv_lengths", "sinks"}
+SUPPORTS = frozenset(OPTION_NAMES) & {"attn_mask", "bias", "causal_alignment", "enable_gqa", "fully_masked",
+                                      "is_causal", "scale", "softcap"}
 #: The opset of the ``Attention`` node the adapter builds.
 OPSET = 23
 #: The runtimes ``onnx_attention`` can run the node on.
