@@ -239,10 +239,11 @@ def test_honest_kernels_add_no_guard_row(layout):
     assert rep.ok and not _guard_rows(rep) and rep.meta["guards"] is True, rep
 
 
-def test_every_honest_specimen_passes_the_quick_suite_guarded():
-    for sp in HONEST:
-        rep = check_implementation(sp.forward, backward=sp.backward, dtypes=("float32", "bfloat16"))
-        assert rep.ok and not _guard_rows(rep), f"{sp.name}:\n{rep}"
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.long)])
+@pytest.mark.parametrize("sp", HONEST, ids=lambda sp: sp.name)
+def test_every_honest_specimen_passes_the_quick_suite_guarded(sp, dtype):
+    rep = check_implementation(sp.forward, backward=sp.backward, dtypes=dtype)
+    assert rep.ok and not _guard_rows(rep), f"{sp.name}:\n{rep}"
 
 
 def test_a_kernel_refusing_strided_inputs_gets_a_guard_skip():
