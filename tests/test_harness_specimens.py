@@ -34,9 +34,11 @@ def _judge(sp, dt, cases=None, suite="quick"):
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("sp", HONEST, ids=lambda s: s.name)
 def test_honest_kernels_pass_the_quick_suite(sp, dt):
+    """Guarded too (the default): an honest kernel reads only its inputs, so the guarded runs add no row."""
     rep = _judge(sp, dt)
     assert rep.ok, str(rep)
     assert rep.counts["pass"] > 0
+    assert rep.meta["guards"] is True and not [r for r in rep.rows if r.quantity == "guard"], str(rep)
 
 
 def _random_cases(n, seed=0):
