@@ -281,19 +281,29 @@ def lengths(x, name: str, limit: int, batch: tuple):
     None stays None. A ``numpy.ma`` array or a ragged list is refused here, in the house style."""
     if x is None:
         return None
-    arr = as_array(x, name, "an integer array of per-batch lengths")
+    return int_array(x, name, "per-batch lengths", batch, where=f"the batch shape {tuple(batch)}", noun="lengths",
+                     bounds=(0, limit), range_text=f"[0, {limit}]")
+
+
+def int_array(x, name: str, what: str, target: tuple, *, where: str, noun: str, bounds: tuple, range_text: str,
+              hint: str = "") -> np.ndarray:
+    """An integer array of ``what`` (lengths, offsets, counts) that broadcasts to ``target`` (``where`` names
+    it in the message, ``hint`` follows a wrong shape) with values in ``bounds`` (``range_text``), as int64; else
+    a `TypeError` (not an integer array: a float, a ``numpy.ma`` array, a ragged list) or `ValueError` naming
+    ``name``."""
+    arr = as_array(x, name, f"an integer array of {what}")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"`{name}` should be an integer array of per-batch lengths, but got dtype {arr.dtype}")
+        raise TypeError(f"`{name}` should be an integer array of {what}, but got dtype {arr.dtype}")
     try:
-        ok = np.broadcast_shapes(arr.shape, batch) == tuple(batch)
+        ok = np.broadcast_shapes(arr.shape, tuple(target)) == tuple(target)
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(f"`{name}` should have a shape that broadcasts to the batch shape {tuple(batch)}, "
-                         f"but got shape {arr.shape}")
-    if arr.size and (arr.min() < 0 or arr.max() > limit):
-        raise ValueError(f"`{name}` should hold lengths in [0, {limit}], but got values from "
-                         f"{arr.min()} to {arr.max()}")
+        raise ValueError(f"`{name}` should have a shape that broadcasts to {where}, but got shape {arr.shape}{hint}")
+    lo, hi = bounds
+    if arr.size and (arr.min() < lo or arr.max() > hi):
+        raise ValueError(f"`{name}` should hold {noun} in {range_text}, but got values from {arr.min()} to "
+                         f"{arr.max()}")
     return arr.astype(np.int64)
 
 

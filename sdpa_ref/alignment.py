@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _validate as V
+
 __all__ = ["ALIGNMENTS", "alignment_offset", "check_q_offset", "diagonal_offset"]
 
 #: Accepted values of ``causal_alignment``: where the diagonal of causal, the window and ALiBi sits.
@@ -48,26 +50,8 @@ def check_q_offset(q_offset, batch):
     """``q_offset`` (a per-sequence query offset, any int, broadcastable to ``batch``) as int64, or a
     `TypeError` / `ValueError` naming it. It replaces the alignment, so it goes with the default ``"top_left"``
     only (:meth:`sdpa_ref.options.AttentionOptions.from_kwargs` checks that)."""
-    if isinstance(q_offset, np.ma.MaskedArray):
-        raise TypeError("`q_offset` should be an integer array of per-sequence offsets, but got a numpy.ma array")
-    try:
-        x = np.asarray(q_offset)
-    except ValueError:                                       # ragged
-        raise TypeError(f"`q_offset` should be an integer array of per-sequence offsets, but got {q_offset!r}") \
-            from None
-    if x.dtype.kind not in "iu" or isinstance(q_offset, (bool, np.bool_)):
-        raise TypeError(f"`q_offset` should be an integer array of per-sequence offsets, but got dtype {x.dtype}")
-    try:
-        ok = np.broadcast_shapes(x.shape, tuple(batch)) == tuple(batch)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"`q_offset` should have a shape that broadcasts to the batch shape {tuple(batch)}, but got "
-                         f"shape {x.shape}")
-    if x.size and (x.min() < -2**62 or x.max() > 2**62):
-        raise ValueError(f"`q_offset` should hold offsets in [-2**62, 2**62], but got values from {x.min()} to "
-                         f"{x.max()}")
-    return x.astype(np.int64)
+    return V.int_array(q_offset, "q_offset", "per-sequence offsets", batch, where=f"the batch shape {tuple(batch)}",
+                       noun="offsets", bounds=(-2**62, 2**62), range_text="[-2**62, 2**62]")
 
 
 def _per_batch(x):

@@ -159,20 +159,10 @@ def topk_indices(kv_indices, topk_length, lead):
     >>> topk_indices(np.array([[3, 1, 2], [0, 2, 1]]), [1, 3], (2,)).tolist()
     [[3, -1, -1], [0, 2, 1]]
     """
-    n = V.as_array(topk_length, "topk_length", "an integer array of index counts")
-    if n.dtype.kind not in "iu":
-        raise TypeError(f"`topk_length` should be an integer array of index counts, but got dtype {n.dtype}")
-    try:
-        ok = np.broadcast_shapes(n.shape, tuple(lead)) == tuple(lead)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"`topk_length` should have a shape that broadcasts to (..., Hq, L) = {tuple(lead)}, but got "
-                         f"shape {n.shape}; FlashMLA's per-sequence (b,) is (b, 1, 1) here")
     K = kv_indices.shape[-1]
-    if n.size and (n.min() < 0 or n.max() > K):
-        raise ValueError(f"`topk_length` should hold counts in [0, K] = [0, {K}], but got values from {n.min()} to "
-                         f"{n.max()}")
+    n = V.int_array(topk_length, "topk_length", "index counts", lead, where=f"(..., Hq, L) = {tuple(lead)}",
+                    noun="counts", bounds=(0, K), range_text=f"[0, K] = [0, {K}]",
+                    hint="; FlashMLA's per-sequence (b,) is (b, 1, 1) here")
     keep = np.arange(K) < n.astype(np.int64)[..., None]
     return np.where(keep, kv_indices, np.int64(-1))
 

@@ -311,7 +311,7 @@ def test_topk_length_per_query_is_flashmla_prefills_reference():
     (dict(q_offset=np.array([1.0])), TypeError, "`q_offset` should be an integer array"),
     (dict(q_offset=np.array([1, 2, 3])), ValueError,
      r"`q_offset` should have a shape that broadcasts to the batch shape \(1,\), but got shape \(3,\)"),
-    (dict(q_offset=np.ma.array([1])), TypeError, "`q_offset` should be an integer array"),
+    (dict(q_offset=np.ma.array([1])), TypeError, "`q_offset` should be a plain array, but got a numpy.ma"),
 ])
 def test_bad_topk_length_and_q_offset_name_the_argument(kw, err, match):
     q, k, v = _qkv(13, L=3, S=4)
