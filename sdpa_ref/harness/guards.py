@@ -223,11 +223,13 @@ def _forget(key):
 
 
 def _finfo(dt):
-    if dt.kind in "fc":
-        return np.finfo(dt)
-    import ml_dtypes
+    # ml_dtypes' types by the module that defines them, not by ``dt.kind``: float8_e5m2 reports kind "f",
+    # and ``np.finfo`` refuses it under NumPy 1.x
+    if dt.type.__module__.split(".")[0] == "ml_dtypes":
+        import ml_dtypes
 
-    return ml_dtypes.finfo(dt)
+        return ml_dtypes.finfo(dt)
+    return np.finfo(dt)
 
 
 def _round_up(n, unit):
