@@ -8,6 +8,7 @@ behind it trusts its inputs.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import sys
 
@@ -80,13 +81,21 @@ def _known_name(dt):
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _accepted(dt, allow_bool, allow_complex):
+    """Whether :func:`check_dtype` takes ``dt``, once per dtype and flags (a dtype's name costs a few
+    microseconds a call)."""
+    want = (("bool",) if allow_bool else ()) + INPUT_DTYPES + (_COMPLEX_DTYPES if allow_complex else ())
+    return (allow_bool and dt == np.bool_) or _known_name(dt) in want
+
+
 def check_dtype(dt, name: str, *, allow_bool: bool = False, allow_complex: bool = False) -> None:
     """Raise the package's one `TypeError` unless ``dt`` is in :data:`INPUT_DTYPES` (or bool, or complex, when
     allowed); the message names the argument and, for the usual mistakes, says what to do."""
     dt = np.dtype(dt)
-    want = (("bool",) if allow_bool else ()) + INPUT_DTYPES + (_COMPLEX_DTYPES if allow_complex else ())
-    if (allow_bool and dt == np.bool_) or _known_name(dt) in want:
+    if _accepted(dt, allow_bool, allow_complex):
         return
+    want = (("bool",) if allow_bool else ()) + INPUT_DTYPES + (_COMPLEX_DTYPES if allow_complex else ())
     msg = f"`{name}` should have dtype {_listing(want)}, but got {dt.name}"
     if dt.name.startswith(("float8", "float6", "float4")):
         msg += ("; fp8 values mean something only with their scales: dequantize them first, "

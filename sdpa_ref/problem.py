@@ -143,10 +143,10 @@ class Problem:
         rt = np.dtype(ct.type(0).real.dtype)
         G = Hq // Hkv if Hkv else 1
         arrays = (q_lengths, kv_lengths, mask_bool, kv_indices, q_offset)
-        at = find_unread(full_scores, G, lambda rows: _allowed(opts, full_scores, arrays, rows), keep,
-                         {"q": qh.shape[:-1], "k": kh.shape[:-1], "v": vh.shape[:-1],
-                          "mask": None if mask_float is None else mask_float.shape,
-                          "bias": None if bias is None else bias.shape})
+        at = _unread(opts, full_scores, G, arrays, keep,
+                     {"q": qh.shape[:-1], "k": kh.shape[:-1], "v": vh.shape[:-1],
+                      "mask": None if mask_float is None else mask_float.shape,
+                      "bias": None if bias is None else bias.shape})
         own = {"q": _own(qh, ct, at.q, True), "k": _own(kh, ct, at.k, True),
                "mask": _own(mask_float, ct, at.mask, True), "bias": _own(bias, ct, at.bias, True),
                "alibi": _own(alibi, rt, writable=True)}
@@ -387,6 +387,37 @@ def _tiles(opts, full):
         return None
     validate(bm, full, None if bm.mask_mod is None else apply_mask_mod(bm.mask_mod, tuple(full)))
     return TileCounts()
+
+
+#: :func:`find_unread`'s records of problems whose allowed set is the scalar options' alone (no array, no mask
+#: function, no dropout), by those options and the shapes: a small call pays for its search once.
+_UNREAD_CACHE = {}
+_UNREAD_CACHE_SIZE = 256
+
+
+def _unread(opts, full, G, arrays, keep, shapes):
+    """:func:`find_unread` of a problem: from :data:`_UNREAD_CACHE` when only the scalar options (causal, window,
+    alignment, sink tokens, chunk) shape the allowed set, its arrays then read-only and shared."""
+    def search():
+        return find_unread(full, G, lambda rows: _allowed(opts, full, arrays, rows), keep, shapes)
+
+    if keep is not None or opts.mask_mod is not None or any(a is not None for a in arrays):
+        return search()
+    key = (tuple(full), G, opts.is_causal, opts.window, opts.causal_alignment, opts.sink_token_length,
+           opts.attention_chunk, tuple(sorted(shapes.items())))
+    try:
+        hit = _UNREAD_CACHE.get(key)
+    except TypeError:                                      # an unhashable option: no cache
+        return search()
+    if hit is None:
+        hit = search()
+        for a in hit:
+            if a is not None:
+                a.setflags(write=False)
+        if len(_UNREAD_CACHE) >= _UNREAD_CACHE_SIZE:
+            _UNREAD_CACHE.clear()
+        _UNREAD_CACHE[key] = hit
+    return hit
 
 
 def _allowed(opts, full, arrays, rows=None, cols=None):

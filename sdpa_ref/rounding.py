@@ -26,6 +26,8 @@ infinity (what ``ml_dtypes`` does); ``inf`` is NaN there too. NaN stays NaN,
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 __all__ = ["FORMATS", "is_rounded_here", "round_to"]
@@ -44,6 +46,12 @@ def is_rounded_here(dtype) -> bool:
         dt = np.dtype(dtype)
     except TypeError:
         return False
+    return _rounded_here(dt)
+
+
+@functools.lru_cache(maxsize=None)
+def _rounded_here(dt):
+    """:func:`is_rounded_here` of a dtype, once per dtype (``dtype.name`` costs a few microseconds a call)."""
     return dt.name in FORMATS and getattr(dt.type, "__module__", "").split(".")[0] == "ml_dtypes"
 
 

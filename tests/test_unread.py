@@ -196,3 +196,34 @@ def test_gradients_of_never_read_positions_are_exactly_zero():
         assert np.isfinite(out).all() and np.isfinite(gr.query).all()
         assert np.all(gr.key[:, :, 4:] == 0) and np.all(gr.value[:, :, 4:] == 0), how
         assert np.all(gr.query[:, :, 3:] == 0), how                     # the padded row
+
+
+@pytest.mark.parametrize("opts", [{"is_causal": True}, {"is_causal": True, "causal_alignment": "bottom_right"},
+                                  {"window": (1, 0)}, {"attention_chunk": 2}, {"sink_token_length": 1}, {}])
+def test_the_cached_record_is_the_search(opts):
+    """Problems whose allowed set is the scalar options' alone take their unread record from a cache: the same
+    record as a fresh search, read-only, and a problem with another shape or option gets its own."""
+    from sdpa_ref.options import AttentionOptions
+    from sdpa_ref.problem import Problem, _UNREAD_CACHE
+    from sdpa_ref.unread import find_unread
+    from sdpa_ref.masks import allowed_set
+
+    rng = np.random.default_rng(0)
+    for L, S in ((3, 5), (5, 3), (4, 4)):
+        q, k = rng.standard_normal((2, 2, L, 3)), rng.standard_normal((1, 2, S, 3))
+        v = rng.standard_normal((1, 2, S, 2))
+        o = AttentionOptions.from_kwargs(**opts)
+        _UNREAD_CACHE.clear()
+        first, again = Problem.build(q, k, v, o).unread, Problem.build(q, k, v, o).unread
+        full = (2, 2, L, S)
+        want = find_unread(full, 1, lambda rows: allowed_set(
+            L, S, is_causal=o.is_causal, window=o.window, alignment=o.causal_alignment, rows=rows,
+            sink_tokens=o.sink_token_length, chunk=o.attention_chunk, full=full), None,
+            {"q": (2, 2, L), "k": (1, 2, S), "v": (1, 2, S), "mask": None, "bias": None})
+        for a, b, c in zip(first._replace(q=None), again._replace(q=None), want._replace(q=None)):
+            assert (a is None) == (b is None) == (c is None)
+            if a is not None:
+                assert np.array_equal(a, c) and np.array_equal(b, c) and not a.flags.writeable
+        assert (first.q is None) == (want.q is None)
+        if want.q is not None:
+            assert np.array_equal(first.q.reshape(want.q.shape), want.q)
