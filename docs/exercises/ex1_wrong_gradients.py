@@ -2,16 +2,16 @@ r"""
 Exercises: find the wrong line
 ==============================
 
-Each backward on this page has exactly one mistake (in exercises 3 and 4,
-made on two lines). They are the
+Each backward on this page has exactly one wrong line. They are the
 mistakes the package's gradient checker is tested against
 (``tests/test_gradcheck.py``), and each is one that people really make
 when they derive softmax and attention by hand. For each: read the code,
-find the line, and say what it should be, before you read the solution
-below it. The solution explains the fix, and then you see
-:func:`sdpa_ref.check_vjp` (or :func:`sdpa_ref.check_jvp`) reject the wrong
-version and accept the fixed one; its report says which input's gradient
-is off, and where.
+find the line, and write what it should be. Then copy the function, fix
+the line, and run the checker call shown under it on your version:
+:func:`sdpa_ref.check_vjp` (or :func:`sdpa_ref.check_jvp`) prints ``ok``
+for a right answer, and otherwise which input's gradient is off, and
+where. The page shows its verdict on the code as given. A hint and the
+solution are folded under each exercise: open them after you tried.
 
 Every backward here has the checker's signature: ``vjp(g, *inputs)`` takes
 the cotangent ``g`` of the output (the gradient of the loss with respect
@@ -28,6 +28,12 @@ first, so that any disagreement below is the backward's fault:
 import numpy as np
 
 import sdpa_ref
+
+# sphinx_gallery_start_ignore
+import _exercise_solutions as solutions  # noqa: E402  (the folded solutions: docs/_exercise_solutions.py)
+
+EXERCISES = []                  # (name, check, wrong version, solution), run again by the test suite
+# sphinx_gallery_end_ignore
 
 
 def swap(a):
@@ -54,24 +60,6 @@ np.testing.assert_allclose(softmax_forward(X), sdpa_ref.softmax(X), rtol=1e-14)
 np.testing.assert_allclose(attention_forward(Q, K, V), sdpa_ref.scaled_dot_product_attention(Q, K, V), rtol=1e-13)
 
 
-def expect_caught(rep, blamed=None):
-    """The checker must reject the wrong backward (and, where given, blame exactly these inputs)."""
-    print("the wrong one:\n" + str(rep))
-    if rep.ok:
-        raise AssertionError("the gradient checker passed a wrong backward:\n" + str(rep))
-    if blamed is not None:
-        got = [row["arg"] for row in rep.per_arg if row["failed"]]
-        if got != blamed:
-            raise AssertionError(f"expected the checker to blame args {blamed}, it blamed {got}:\n{rep}")
-
-
-def expect_passed(rep):
-    """The checker must accept the fixed backward."""
-    print("the fixed one:\n" + str(rep))
-    if not rep.ok:
-        raise AssertionError("the fixed backward does not pass the gradient checker:\n" + str(rep))
-
-
 # %%
 # Exercise 1: the softmax's derivative
 # ------------------------------------
@@ -86,8 +74,28 @@ def softmax_vjp_1(g, x):
     return dx
 
 
+def check_1(vjp):
+    return sdpa_ref.check_vjp(softmax_forward, vjp, (X,))
+
+
+print(check_1(softmax_vjp_1))
+
+# sphinx_gallery_start_ignore
+solutions.exercise(EXERCISES, "1: the softmax's derivative", check_1, softmax_vjp_1, solutions.softmax_vjp_1,
+                   blamed=[0])
+rep_1 = check_1(softmax_vjp_1)
+if rep_1.per_arg[0]["failed"] != 3 * 5 * 4:
+    raise AssertionError(f"expected the 60 off-diagonal entries to fail, got {rep_1.per_arg[0]['failed']}")
+# sphinx_gallery_end_ignore
+
 # %%
 # Find the line, and what it should be.
+#
+# .. admonition:: Hint
+#    :class: dropdown
+#
+#    How many outputs does one input of the softmax move? Write
+#    :math:`\partial y_i / \partial x_j` for :math:`i \ne j`.
 #
 # .. admonition:: Solution
 #    :class: dropdown
@@ -104,33 +112,19 @@ def softmax_vjp_1(g, x):
 #    :math:`x_j` takes probability from every :math:`y_i`, the off-diagonal
 #    :math:`-y_i y_j`. The sigmoid has one output per input, so there its
 #    Jacobian *is* its diagonal; the softmax's is not. The VJP is
-#    :math:`J^\top g = y \odot (g - \langle y, g \rangle)`, one line:
+#    :math:`J^\top g = y \odot (g - \langle y, g \rangle)`:
 #
-#    .. code-block:: python
+#    .. literalinclude:: /_exercise_solutions.py
+#       :language: python
+#       :pyobject: softmax_vjp_1
 #
-#       dx = y * (g - np.sum(y * g, axis=-1, keepdims=True))
-#
-#    The report counts 60 wrong entries of the :math:`15 \times 15`
-#    Jacobian: exactly the off-diagonal entries of the three
-#    :math:`5 \times 5` row blocks (:math:`3 \times 20`). The diagonal is
-#    right, and entries across rows are 0 both ways. Its worst entry has
+#    The checker's report above counts 60 wrong entries of the
+#    :math:`15 \times 15` Jacobian: exactly the off-diagonal entries of the
+#    three :math:`5 \times 5` row blocks (:math:`3 \times 20`). The diagonal
+#    is right, and entries across rows are 0 both ways. Its worst entry has
 #    an ``output`` in the same row as, and another column than, its
 #    ``index``: an off-diagonal term.
-
-
-def softmax_vjp_1_fixed(g, x):
-    y = softmax_forward(x)
-    dx = y * (g - np.sum(y * g, axis=-1, keepdims=True))
-    return dx
-
-
-rep_1 = sdpa_ref.check_vjp(softmax_forward, softmax_vjp_1, (X,))
-expect_caught(rep_1, blamed=[0])
-if rep_1.per_arg[0]["failed"] != 3 * 5 * 4:
-    raise AssertionError(f"expected the 60 off-diagonal entries to fail, got {rep_1.per_arg[0]['failed']}")
-expect_passed(sdpa_ref.check_vjp(softmax_forward, softmax_vjp_1_fixed, (X,)))
-
-# %%
+#
 # Exercise 2: the Jacobian, half applied
 # --------------------------------------
 #
@@ -144,16 +138,34 @@ def softmax_vjp_2(g, x):
     return dx
 
 
+print(check_1(softmax_vjp_2))
+
+# sphinx_gallery_start_ignore
+solutions.exercise(EXERCISES, "2: the Jacobian, half applied", check_1, softmax_vjp_2, solutions.softmax_vjp_2,
+                   blamed=[0])
+g_rows = solutions.softmax_vjp_2(rng.standard_normal(X.shape), X).sum(axis=-1)
+np.testing.assert_allclose(g_rows, 0.0, atol=1e-15)
+# sphinx_gallery_end_ignore
+
 # %%
 # Find the line, and what it should be.
+#
+# .. admonition:: Hint
+#    :class: dropdown
+#
+#    Add the same constant to every logit of a row. What happens to the
+#    softmax, and so what must each row of ``dx`` sum to?
 #
 # .. admonition:: Solution
 #    :class: dropdown
 #
 #    ``dx = y * g`` applies :math:`\operatorname{diag}(y)` and forgets
 #    :math:`-y y^\top`: the term :math:`-y_i \sum_j y_j g_j`. The fix is the
-#    same line as in exercise 1,
-#    ``dx = y * (g - np.sum(y * g, axis=-1, keepdims=True))``.
+#    same line as in exercise 1:
+#
+#    .. literalinclude:: /_exercise_solutions.py
+#       :language: python
+#       :pyobject: softmax_vjp_2
 #
 #    One way to see that the missing term cannot be missing: adding a
 #    constant :math:`c` to every logit of a row does not change the softmax,
@@ -162,21 +174,7 @@ def softmax_vjp_2(g, x):
 #    :math:`\sum_i y_i (g_i - \langle y, g\rangle) = 0`; ``y * g`` does
 #    not. (The same fact is why a gradient check with an all-ones cotangent
 #    is weak: the right VJP of ones is exactly 0.)
-
-
-def softmax_vjp_2_fixed(g, x):
-    y = softmax_forward(x)
-    dx = y * (g - np.sum(y * g, axis=-1, keepdims=True))
-    return dx
-
-
-expect_caught(sdpa_ref.check_vjp(softmax_forward, softmax_vjp_2, (X,)), blamed=[0])
-expect_passed(sdpa_ref.check_vjp(softmax_forward, softmax_vjp_2_fixed, (X,)))
-g_rows = softmax_vjp_2_fixed(rng.standard_normal(X.shape), X).sum(axis=-1)
-print("row sums of the right gradient:", g_rows)
-np.testing.assert_allclose(g_rows, 0.0, atol=1e-15)
-
-# %%
+#
 # Exercise 3: attention's backward
 # --------------------------------
 #
@@ -191,17 +189,40 @@ def attention_vjp_3(g, q, k, v):
     dP = g @ swap(v)
     dS = P * (dP - np.sum(P * dP, axis=-1, keepdims=True))    # P = softmax(S)
     dq = dS @ k                                               # S = Q K^T / sqrt(d_k)
-    dk = swap(dS) @ q
+    dk = swap(dS) @ q / np.sqrt(d_k)
     return dq, dk, dv
 
 
+def check_3(vjp):
+    return sdpa_ref.check_vjp(attention_forward, vjp, (Q, K, V))
+
+
+print(check_3(attention_vjp_3))
+
+# sphinx_gallery_start_ignore
+solutions.exercise(EXERCISES, "3: attention's backward", check_3, attention_vjp_3, solutions.attention_vjp_3,
+                   blamed=[0])
+rep_3 = check_3(attention_vjp_3)
+np.testing.assert_allclose(rep_3.max_rel_error, 1 / 3, rtol=1e-6)
+dq_wrong, dq_right = (f(V[..., :3, :], Q, K, V)[0] for f in (attention_vjp_3, solutions.attention_vjp_3))
+np.testing.assert_allclose(dq_wrong, np.sqrt(Q.shape[-1]) * dq_right, rtol=1e-12)
+# sphinx_gallery_end_ignore
+
 # %%
-# Find the line (or lines), and what they should be.
+# Find the line, and what it should be.
+#
+# .. admonition:: Hint
+#    :class: dropdown
+#
+#    The report blames ``q`` alone (arg 0), and its ``max_rel`` is exactly
+#    :math:`1/3`: the checker's relative error is
+#    :math:`|a - n| / (|a| + |n|)`. Which factor :math:`c` gives
+#    :math:`(c - 1)/(c + 1) = 1/3`, and what is :math:`\sqrt{d_k}` here?
 #
 # .. admonition:: Solution
 #    :class: dropdown
 #
-#    ``dq = dS @ k`` and ``dk = swap(dS) @ q``: the scale is forgotten.
+#    ``dq = dS @ k``: the scale is forgotten (``dk``'s line has it).
 #    :math:`S = s\, Q K^\top` with :math:`s = 1/\sqrt{d_k}`, so
 #    :math:`\partial S_{ij} / \partial Q_{ie} = s K_{je}` and
 #
@@ -209,34 +230,16 @@ def attention_vjp_3(g, q, k, v):
 #
 #       dQ = s\, dS\, K, \qquad dK = s\, dS^\top Q .
 #
-#    The constant of the forward appears in the backward. The report blames
-#    ``q`` and ``k`` (args 0 and 1) and finds ``dv`` right: the mistake is
-#    in the step from :math:`dS` to the inputs of the scores. Every wrong
-#    entry is off by the same factor :math:`\sqrt{d_k} = 2`, which is why
-#    ``max_rel`` reads exactly 1/3: the checker's relative error is the
-#    symmetric :math:`|a - n| / (|a| + |n|)`, and
+#    The constant of the forward appears in the backward:
+#
+#    .. literalinclude:: /_exercise_solutions.py
+#       :language: python
+#       :pyobject: attention_vjp_3
+#
+#    Every wrong entry is off by the same factor :math:`\sqrt{d_k} = 2`,
+#    which is why ``max_rel`` reads exactly 1/3:
 #    :math:`(2 - 1) / (2 + 1) = 1/3`.
-
-
-def attention_vjp_3_fixed(g, q, k, v):
-    scale = 1.0 / np.sqrt(q.shape[-1])
-    P = softmax_forward(scale * (q @ swap(k)))
-    dv = swap(P) @ g
-    dP = g @ swap(v)
-    dS = P * (dP - np.sum(P * dP, axis=-1, keepdims=True))
-    dq = scale * (dS @ k)
-    dk = scale * (swap(dS) @ q)
-    return dq, dk, dv
-
-
-rep_3 = sdpa_ref.check_vjp(attention_forward, attention_vjp_3, (Q, K, V))
-expect_caught(rep_3, blamed=[0, 1])
-np.testing.assert_allclose(rep_3.max_rel_error, 1 / 3, rtol=1e-6)
-expect_passed(sdpa_ref.check_vjp(attention_forward, attention_vjp_3_fixed, (Q, K, V)))
-dq_wrong, dq_right = attention_vjp_3(V[..., :3, :], Q, K, V)[0], attention_vjp_3_fixed(V[..., :3, :], Q, K, V)[0]
-np.testing.assert_allclose(dq_wrong, np.sqrt(Q.shape[-1]) * dq_right, rtol=1e-12)
-
-# %%
+#
 # Exercise 4: the scale, again
 # ----------------------------
 #
@@ -250,41 +253,41 @@ def attention_vjp_4(g, q, k, v):
     dP = g @ swap(v)
     dS = P * (dP - np.sum(P * dP, axis=-1, keepdims=True))
     dq = dS @ k / d_k
-    dk = swap(dS) @ q / d_k
-    return dq, dk, dv
-
-
-# %%
-# Find the line (or lines), and what they should be.
-#
-# .. admonition:: Solution
-#    :class: dropdown
-#
-#    ``dq = dS @ k / d_k`` and ``dk = swap(dS) @ q / d_k`` divide by
-#    :math:`d_k`, while the forward divides by :math:`\sqrt{d_k}`. The
-#    backward's scale must be the forward's: ``/ np.sqrt(d_k)`` in both.
-#    Dividing the *scores* by :math:`d_k` is itself a known mistake (the
-#    scores' variance then falls like :math:`1/d_k` and the softmax goes
-#    flat); here the forward is right and the backward disagrees with it,
-#    which only a gradient check can notice: training would merely be a
-#    little slower. ``dq`` and ``dk`` are off by :math:`\sqrt{d_k}`.
-
-
-def attention_vjp_4_fixed(g, q, k, v):
-    d_k = q.shape[-1]
-    P = softmax_forward(q @ swap(k) / np.sqrt(d_k))
-    dv = swap(P) @ g
-    dP = g @ swap(v)
-    dS = P * (dP - np.sum(P * dP, axis=-1, keepdims=True))
-    dq = dS @ k / np.sqrt(d_k)
     dk = swap(dS) @ q / np.sqrt(d_k)
     return dq, dk, dv
 
 
-expect_caught(sdpa_ref.check_vjp(attention_forward, attention_vjp_4, (Q, K, V)), blamed=[0, 1])
-expect_passed(sdpa_ref.check_vjp(attention_forward, attention_vjp_4_fixed, (Q, K, V)))
+print(check_3(attention_vjp_4))
+
+# sphinx_gallery_start_ignore
+solutions.exercise(EXERCISES, "4: the scale, again", check_3, attention_vjp_4, solutions.attention_vjp_4, blamed=[0])
+# sphinx_gallery_end_ignore
 
 # %%
+# Find the line, and what it should be.
+#
+# .. admonition:: Hint
+#    :class: dropdown
+#
+#    Compare each constant of the backward with the forward's.
+#
+# .. admonition:: Solution
+#    :class: dropdown
+#
+#    ``dq = dS @ k / d_k`` divides by :math:`d_k`, while the forward
+#    divides by :math:`\sqrt{d_k}`. The backward's scale must be the
+#    forward's:
+#
+#    .. literalinclude:: /_exercise_solutions.py
+#       :language: python
+#       :pyobject: attention_vjp_4
+#
+#    Dividing the *scores* by :math:`d_k` is itself a known mistake (the
+#    scores' variance then falls like :math:`1/d_k` and the softmax goes
+#    flat); here the forward is right and the backward disagrees with it,
+#    which only a gradient check can notice: training would merely be a
+#    little slower. ``dq`` is off by :math:`\sqrt{d_k}`.
+#
 # Exercise 5: a transpose
 # -----------------------
 #
@@ -305,8 +308,24 @@ def attention_vjp_5(g, q, k, v):
     return dq, dk, dv
 
 
+def check_5(vjp):
+    return sdpa_ref.check_vjp(attention_forward, vjp, (Q5, K5, V5))
+
+
+print(check_5(attention_vjp_5))
+
+# sphinx_gallery_start_ignore
+solutions.exercise(EXERCISES, "5: a transpose", check_5, attention_vjp_5, solutions.attention_vjp_5, blamed=[1])
+# sphinx_gallery_end_ignore
+
 # %%
 # Find the line, and what it should be.
+#
+# .. admonition:: Hint
+#    :class: dropdown
+#
+#    Write :math:`dK_{je}` as a sum in index notation: which index of
+#    :math:`dS` does it run over?
 #
 # .. admonition:: Solution
 #    :class: dropdown
@@ -320,27 +339,16 @@ def attention_vjp_5(g, q, k, v):
 #       dK_{je} = s \sum_i dS_{ij}\, Q_{ie} = s\, (dS^\top Q)_{je}:
 #
 #    the sum runs over the *queries* :math:`i`, the first index of
-#    :math:`dS`, so it is :math:`dS^\top`, ``swap(dS) @ q``. With
-#    :math:`L \ne S` the wrong line would fail with a shape error; with
+#    :math:`dS`, so it is :math:`dS^\top`, ``swap(dS) @ q``:
+#
+#    .. literalinclude:: /_exercise_solutions.py
+#       :language: python
+#       :pyobject: attention_vjp_5
+#
+#    With :math:`L \ne S` the wrong line would fail with a shape error; with
 #    :math:`L = S` it runs and is silently wrong. Shapes are no proof; the
 #    index notation (and the checker, which blames ``k`` alone, arg 1) are.
-
-
-def attention_vjp_5_fixed(g, q, k, v):
-    scale = 1.0 / np.sqrt(q.shape[-1])
-    P = softmax_forward(scale * (q @ swap(k)))
-    dv = swap(P) @ g
-    dP = g @ swap(v)
-    dS = P * (dP - np.sum(P * dP, axis=-1, keepdims=True))
-    dq = scale * (dS @ k)
-    dk = scale * (swap(dS) @ q)
-    return dq, dk, dv
-
-
-expect_caught(sdpa_ref.check_vjp(attention_forward, attention_vjp_5, (Q5, K5, V5)), blamed=[1])
-expect_passed(sdpa_ref.check_vjp(attention_forward, attention_vjp_5_fixed, (Q5, K5, V5)))
-
-# %%
+#
 # Exercise 6: forward mode
 # ------------------------
 #
@@ -359,8 +367,23 @@ def attention_jvp_6(tangents, q, k, v):
     return dP @ v + P @ tv                                     # O = P V
 
 
+def check_6(jvp):
+    return sdpa_ref.check_jvp(attention_forward, jvp, (Q, K, V))
+
+
+print(check_6(attention_jvp_6))
+
+# sphinx_gallery_start_ignore
+solutions.exercise(EXERCISES, "6: forward mode", check_6, attention_jvp_6, solutions.attention_jvp_6, blamed=[1])
+# sphinx_gallery_end_ignore
+
 # %%
 # Find the line, and what it should be.
+#
+# .. admonition:: Hint
+#    :class: dropdown
+#
+#    Which tangent is unpacked and never used?
 #
 # .. admonition:: Solution
 #    :class: dropdown
@@ -370,27 +393,17 @@ def attention_jvp_6(tangents, q, k, v):
 #
 #    .. math::
 #
-#       \dot S = s\, (\dot Q K^\top + Q \dot K^\top),
+#       \dot S = s\, (\dot Q K^\top + Q \dot K^\top):
 #
-#    so the line is ``dS = scale * (tq @ swap(k) + q @ swap(tk))``. The
-#    key's tangent ``tk`` is unpacked and never used (a linter's "unused
-#    variable" would have hinted at it). :func:`sdpa_ref.check_jvp` pushes
-#    one one-hot tangent per input entry and blames arg 1, the keys, alone.
-
-
-def attention_jvp_6_fixed(tangents, q, k, v):
-    tq, tk, tv = tangents
-    scale = 1.0 / np.sqrt(q.shape[-1])
-    P = softmax_forward(scale * (q @ swap(k)))
-    dS = scale * (tq @ swap(k) + q @ swap(tk))
-    dP = P * (dS - np.sum(P * dS, axis=-1, keepdims=True))
-    return dP @ v + P @ tv
-
-
-expect_caught(sdpa_ref.check_jvp(attention_forward, attention_jvp_6, (Q, K, V)), blamed=[1])
-expect_passed(sdpa_ref.check_jvp(attention_forward, attention_jvp_6_fixed, (Q, K, V)))
-
-# %%
+#    .. literalinclude:: /_exercise_solutions.py
+#       :language: python
+#       :pyobject: attention_jvp_6
+#
+#    The key's tangent ``tk`` is unpacked and never used (a linter's
+#    "unused variable" would have hinted at it).
+#    :func:`sdpa_ref.check_jvp` pushes one one-hot tangent per input entry
+#    and blames arg 1, the keys, alone.
+#
 # What the checker did, and did not, need
 # ---------------------------------------
 #
@@ -401,4 +414,5 @@ expect_passed(sdpa_ref.check_jvp(attention_forward, attention_jvp_6_fixed, (Q, K
 # in float64, on small random inputs: the forward is the specification,
 # and the backward is held to it. The tutorial
 # :ref:`sphx_glr_auto_tutorials_tut4_transformer_gradcheck.py` does the
-# same for a whole Transformer, parameter by parameter.
+# same for a whole Transformer, parameter by parameter, and the next page
+# asks you to derive lines of your own.
