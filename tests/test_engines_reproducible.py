@@ -179,9 +179,10 @@ def test_ozaki_products_are_exact_to_the_target_and_blind_to_the_blas_order():
 @pytest.mark.parametrize("native", [True, False])
 def test_ozaki_products_left_out_on_zero_slices_move_no_bit(monkeypatch, native):
     """A product is formed only on the rows and columns of its slices that hold a nonzero entry (none where a
-    slice is zero): the bits are those of forming every product in full, for float64 lines that fit in fewer
-    slices than ``n`` (a few rows and columns that need more), dd operands, one and several batch entries, the
-    early stop and the scale; a NaN or an infinity still reaches its row and column through a zero slice."""
+    slice is zero), and contracted over the rows of ``B``'s slice that hold one where they are few: the bits
+    are those of forming every product in full, for float64 lines that fit in fewer slices than ``n`` (a few
+    rows and columns that need more), dd operands, one and several batch entries, the early stop and the
+    scale; a NaN or an infinity still reaches its row and column through a zero slice or a zero line."""
     if not native:
         monkeypatch.setenv("SDPA_REF_NATIVE", "0")
     rng = np.random.default_rng(11)
@@ -200,14 +201,21 @@ def test_ozaki_products_left_out_on_zero_slices_move_no_bit(monkeypatch, native)
     bad[1, 3, 7], bad[2, 4, 8] = np.nan, np.inf                     # through B's zero slices: NaN
     few = np.zeros_like(B)
     few[..., :10] = np.rint(B[..., :10])                            # most columns zero: NaN * 0 is NaN there
+    Bk = np.rint(rng.standard_normal((1, 1024, 24)) * 2.0 ** 10)    # later slices: a few rows of K alone
+    Bk[0, [3, 500, 901]] += rng.standard_normal((3, 24)) * 2.0 ** -30
+    Ak = rng.standard_normal((1, 40, 1024))
+    badk = Ak.copy()
+    badk[0, 7, 4] = np.nan                                          # a row of Bk's later slices that is zero
 
     cases = [(A, B, {}), (A[:1], B[:1], {}), (A, B, dict(final=True)), (A[:1], B[:1], dict(scale=0.125)),
              (Ad, B, {}), (B.swapaxes(-1, -2), A.swapaxes(-1, -2), dict(final=True)),
              (Abig, Bbig, dict(final=True)), (Abig, Bbig, {}), (bad, np.rint(B), {}), (bad, few, {}),
-             (bad, np.zeros_like(B), dict(final=True)), (np.zeros((1, 4, 64)), B[:1], dict(final=True))]
+             (bad, np.zeros_like(B), dict(final=True)), (np.zeros((1, 4, 64)), B[:1], dict(final=True)),
+             (Ak, Bk, {}), (Ak, Bk, dict(final=True)), ((Ak, Ak * 2.0 ** -60), Bk, dict(final=True)),
+             (np.concatenate([Ak, Ak]), np.concatenate([Bk, Bk]), {}), (badk, Bk, {}), (badk, Bk, dict(final=True))]
     with np.errstate(invalid="ignore"):                             # NaN and inf: on purpose
         got = [ozaki.matmul(a, b, **kw) for a, b, kw in cases]
-    monkeypatch.setattr(ozaki, "_product", lambda A, B, ra, cb: np.matmul(A, B))   # every product, in full
+    monkeypatch.setattr(ozaki, "_product", lambda A, B, ra, cb, kb=None: np.matmul(A, B))   # every one, in full
 
     def same(u, w):                                                 # the bits, signed zeros too; NaN as NaN
         nan = np.isnan(u)
@@ -220,6 +228,8 @@ def test_ozaki_products_left_out_on_zero_slices_move_no_bit(monkeypatch, native)
         assert same(h, h2) and same(l, l2), kw
     for h, _ in got[8:11]:
         assert np.isnan(h[1, 3]).all() and np.isnan(h[2, 4]).all() and not np.isnan(h[0]).any()
+    for h, _ in got[-2:]:
+        assert np.isnan(h[0, 7]).all() and np.isnan(h).sum() == h.shape[-1]
 
 
 def test_a_wrong_rounding_is_caught():

@@ -22,8 +22,11 @@ and machine**. The way there (Ozaki, Ogita, Oishi and Rump, 2012):
    by element: the small ones in float64, the three leading levels into a
    double-double (:mod:`.dd`); the result is scaled back. A product is
    formed only on the rows and columns of its slices that hold a nonzero
-   entry (a float64 line often fits in fewer slices than ``n``): what is
-   left out is an exact ``+0``, which moves no bit of the sum.
+   entry (a float64 line often fits in fewer slices than ``n``), and over
+   the contraction's lines of ``B``'s slice that hold one where those are
+   few (the last slice of a float64 column holds the last bits of a few
+   small entries): what is left out is an exact ``+0``, or a sum of zero
+   terms in a sum whose every partial sum is exact, which moves no bit.
 
 The inputs may be dd pairs (the slices are then cut from ``hi`` and ``lo``
 in turn, every remainder kept exactly by TwoSum). Inputs must be finite.
@@ -137,7 +140,7 @@ def _line_max(x, axis):
     return np.max(np.abs(x), axis=axis, keepdims=True)
 
 
-def _products(a, b, n, rows=None, cols=None):
+def _products(a, b, n, rows=None, cols=None, klines=None):
     """The dd sum of the products ``a[p] @ b[q]``, ``p + q < n``, smallest level first (a fixed order).
 
     A product of level ``l = p + q`` is below ``2**(-beta l)`` of ``|A||B|``: levels 3 and up are summed in
@@ -150,6 +153,10 @@ def _products(a, b, n, rows=None, cols=None):
     ``x + (-x)`` is ``+0``), so the sum never holds ``-0``, and adding ``+0`` to a normalised dd gives it back.
     ``rows`` and ``cols``: those lines (:func:`_nonzero`), found here when not given; :data:`_ALL` where a
     slice holds a NaN or an infinity (whose product with a zero is NaN: every product is then formed in full).
+    ``klines``: for each slice of ``b``, its rows (the contraction's lines) that hold a nonzero entry
+    (:func:`matmul` finds them once per slice), or None; a product is contracted over those alone where they are few (the last slice of
+    a float64 operand holds a few lines' last bits): the terms left out are products with zero, and every
+    partial sum is exact, so the sum is the same in any order and with or without them.
     """
     acc = None
     lib = kernels()
@@ -157,11 +164,13 @@ def _products(a, b, n, rows=None, cols=None):
     cols = _nonzero([_line_max(x, -2) for x in b[:n]]) if cols is None else cols
     if rows is _ALL or cols is _ALL:                       # a NaN or an infinity: every product is formed
         rows, cols = [np.ones(x.shape[:-1], bool) for x in a[:n]], [np.ones(x.shape[-1:], bool) for x in b[:n]]
+        klines = None                                      # (NaN times a zero line of b is NaN)
     else:
         rows, cols = [x[..., 0] for x in rows], [x[..., 0, :] for x in cols]
     for lev in range(n - 1, -1, -1):
         for p in range(lev + 1):
-            c = _product(a[p], b[lev - p], rows[p], cols[lev - p])     # exact (see the module docstring)
+            c = _product(a[p], b[lev - p], rows[p], cols[lev - p],     # exact (see the module docstring)
+                         None if klines is None else klines[lev - p])
             if c is None:                                  # exactly zero: it adds nothing
                 continue
             if isinstance(c, _Part):
@@ -219,11 +228,13 @@ def _nonzero(maxima):
     return [m != 0 for m in maxima]
 
 
-def _product(A, B, ra, cb):
+def _product(A, B, ra, cb, kb=None):
     """``A @ B`` for the slices ``A`` ``(nb, M, K)`` and ``B`` ``(nb, K, N)`` whose nonzero rows and columns are
     ``ra`` ``(nb, M)`` and ``cb`` ``(nb, N)`` (or without ``nb``); None where it is zero. With one batch entry, a
     product whose nonzero rows or columns are few is formed on those alone (a :class:`_Part`; the rest is
-    ``+0``): its entries are exact sums, the same value in any GEMM, and a zero sum is ``+0`` in every one."""
+    ``+0``): its entries are exact sums, the same value in any GEMM, and a zero sum is ``+0`` in every one.
+    ``kb`` (or None): ``B``'s rows that hold a nonzero entry, ``(nb, K)`` or ``(K,)``; with one batch entry and
+    few of them, the product is contracted over those alone (the same exact sums, less their zero terms)."""
     if not ra.any() or not cb.any():
         return None
     if ra.size != A.shape[-2] or cb.size != B.shape[-1]:          # several batch entries
@@ -231,12 +242,28 @@ def _product(A, B, ra, cb):
     r, c = ra.reshape(-1), cb.reshape(-1)
     r = np.flatnonzero(r) if r.sum() <= _SPARSE_SHARE * r.size else None
     c = np.flatnonzero(c) if c.sum() <= _SPARSE_SHARE * c.size else None
-    if r is None and c is None:
+    k = None
+    if kb is not None and kb.size == A.shape[-1]:
+        k = kb.reshape(-1)
+        k = np.flatnonzero(k) if k.sum() <= _SPARSE_SHARE * k.size else None
+        if k is not None and k.size == 0:
+            return None
+    M, N = A.shape[-2], B.shape[-1]
+    shape = np.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (M, N)
+    if r is None and c is None and k is None:
         return np.matmul(A, B)
     A2, B2 = A.reshape(A.shape[-2:]), B.reshape(B.shape[-2:])
-    prod = np.matmul(A2 if r is None else A2[r], B2 if c is None else B2[:, c])
+    if r is not None:
+        A2 = A2[r] if k is None else A2[np.ix_(r, k)]
+    elif k is not None:
+        A2 = A2[:, k]
+    if k is not None:
+        B2 = B2[k]
+    prod = np.matmul(A2, B2 if c is None else B2[:, c])
+    if r is None and c is None:
+        return prod.reshape(shape)
     ix = (slice(None), c) if r is None else r if c is None else np.ix_(r, c)
-    return _Part(ix, prod, np.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (A2.shape[0], B2.shape[1]))
+    return _Part(ix, prod, shape)
 
 
 #: Levels a ``final=True`` block tries first (10 of the products).
@@ -313,6 +340,7 @@ def matmul(A, B, bits=104, final=False, scale=None):
         sb, _, eb = _normalised_slices(B, -2, n, rho)
     mbs = [np.broadcast_to(_line_max(x, -2), shape[:-2] + (1, N)).reshape(-1, 1, N) for x in sb]
     cols = _nonzero(mbs)                                   # the columns each slice of B holds
+    kls = [np.broadcast_to(np.any(x != 0, axis=-1), shape[:-2] + (K,)).reshape(-1, K) for x in sb]   # its rows
     sb = [np.broadcast_to(x, shape[:-2] + (K, N)).reshape(-1, K, N) for x in sb]
     eb = np.broadcast_to(eb, shape[:-2] + (1, N)).reshape(-1, 1, N)
     Ah, Al = (None if x is None else np.broadcast_to(x, shape[:-2] + (M, K)).reshape(-1, M, K) for x in A)
@@ -334,7 +362,7 @@ def matmul(A, B, bits=104, final=False, scale=None):
                 amax = [_line_max(x, -1) for x in aq]
                 asum = [np.sum(np.abs(x), axis=-1, keepdims=True) for x in aq]   # exact, in any order
                 rows = _nonzero(amax)
-            h, l = _products(aq, [x[b] for x in sb[:t]], t, rows, _at(cols, b, t))
+            h, l = _products(aq, [x[b] for x in sb[:t]], t, rows, _at(cols, b, t), [x[b] for x in kls[:t]])
             bound = _level_bound(ra, rbq[b], amax, [x[b] for x in mbs[:t]], asum, [x[b] for x in sbq], K)
             redo = ~np.all(bound <= 2.0 ** -55 * np.abs(h), axis=-1)            # (batch entries, rows)
             for i in np.flatnonzero(redo.any(axis=-1)):     # those rows take every level (rows are independent)
@@ -342,10 +370,11 @@ def matmul(A, B, bits=104, final=False, scale=None):
                 h[i, r], l[i, r] = _products(_normalised_slices((a[0][i, r], None if a[1] is None else a[1][i, r]),
                                                                 -1, n, rho)[0],
                                              [x[b][i] for x in sb], n, None,
-                                             None if cols is _ALL else [x[b][i] for x in cols])
+                                             None if cols is _ALL else [x[b][i] for x in cols],
+                                             [x[b][i] for x in kls])
         else:
             aq, _, ea = _normalised_slices(a, -1, n, rho)
-            h, l = _products(aq, [x[b] for x in sb], n, None, _at(cols, b, n))
+            h, l = _products(aq, [x[b] for x in sb], n, None, _at(cols, b, n), [x[b] for x in kls])
         if scale is not None:                              # scale * (A B), before the result leaves [1/2, K)
             lib = kernels()
             h, l = dd_mul_d_scalar(lib, (h, l), scale) if lib is not None else dd_mul_d((h, l), np.float64(scale))
