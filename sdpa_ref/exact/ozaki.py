@@ -154,9 +154,9 @@ def _products(a, b, n, rows=None, cols=None, klines=None):
     ``rows`` and ``cols``: those lines (:func:`_nonzero`), found here when not given; :data:`_ALL` where a
     slice holds a NaN or an infinity (whose product with a zero is NaN: every product is then formed in full).
     ``klines``: for each slice of ``b``, its rows (the contraction's lines) that hold a nonzero entry
-    (:func:`matmul` finds them once per slice), or None; a product is contracted over those alone where they are few (the last slice of
-    a float64 operand holds a few lines' last bits): the terms left out are products with zero, and every
-    partial sum is exact, so the sum is the same in any order and with or without them.
+    (:func:`matmul` finds them once per slice), or None; a product is contracted over those alone where they
+    are few (the last slice of a float64 operand holds a few lines' last bits): the terms left out are
+    products with zero, and every partial sum is exact, so the sum is the same with or without them.
     """
     acc = None
     lib = kernels()
