@@ -85,6 +85,8 @@ class BlockMask:
         ``mask_mod(b, h, q_idx, kv_idx) -> bool``, evaluated on the partial
         tiles (None: they are wholly allowed).
 
+    Notes
+    -----
     ``B`` and ``H`` may be 1 (the same tiles for every batch entry or head).
     The tiles of rows past ``L`` or keys past ``S`` are cut short.
     """
