@@ -40,11 +40,12 @@ def claim(ok, text):
 rows = sweep((4, 16, 64, 256, 1024), seed=0)
 by = {(r.scale, r.d_k): r for r in rows}
 print(f"{'d_k':>5} | {'normalized entropy':^26} | {'|dL/dscores| per row':^26} | {'|dL/dq| per row':^26}")
-print(f"{'':>5} | {'none':>8}{'sqrt':>9}{'linear':>9} | {'none':>8}{'sqrt':>9}{'linear':>9} | {'none':>8}{'sqrt':>9}{'linear':>9}")
+print(f"{'':>5} | " + " | ".join([f"{'none':>8}{'sqrt':>9}{'linear':>9}"] * 3))
 for d in (4, 16, 64, 256, 1024):
     cells = []
     for key in ("normalized_entropy", "grad_norm_scores", "grad_norm_query"):
-        cells.append("".join(f"{getattr(by[(s, d)], key):>{8 if s == 'none' else 9}.3f}" for s in ("none", "sqrt", "linear")))
+        cells.append("".join(f"{getattr(by[(s, d)], key):>{8 if s == 'none' else 9}.3f}"
+                             for s in ("none", "sqrt", "linear")))
     print(f"{d:>5} | " + " | ".join(cells))
 
 print("\nclaims")
