@@ -32,7 +32,7 @@ def _plot_sweep(plt, rows, scales, path):
     labels = {"none": "no scaling (1)", "sqrt": "1/sqrt(d_k)", "linear": "1/d_k"}
     panels = [("normalized_entropy", "normalized entropy"), ("max_weight_mean", "mean top weight"),
               ("grad_norm_scores", "|dL/d scores| per row")]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4), constrained_layout=True)
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3.8), constrained_layout=True)   # at 940 px wide, text >= 10 px
     for ax, (key, title) in zip(axes, panels):
         for s in scales:
             pts = sorted((r.d_k, getattr(r, key), getattr(r, key + "_stderr")) for r in rows if r.scale == s)
@@ -41,7 +41,7 @@ def _plot_sweep(plt, rows, scales, path):
         ax.set_xscale("log", base=2)
         ticks = sorted({r.d_k for r in rows})
         ax.set_xticks(ticks)
-        ax.set_xticklabels([str(t) for t in ticks], fontsize=8)
+        ax.set_xticklabels([str(t) for t in ticks], fontsize=9)
         ax.minorticks_off()
         ax.set_xlabel("d_k")
         ax.set_title(title)
