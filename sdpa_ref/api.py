@@ -346,7 +346,9 @@ def _problem(query, key, value, opts, layout):
     if qv is not None:                                 # MLA's qv: [q | qv] against [k | v]
         absorbed = Absorbed(query, key, value, qv)
         query, key, opts = absorbed.q, absorbed.k, dataclasses.replace(opts, qv=None)
-    return Problem.build(query, key, value, opts), gathered, absorbed
+    # a layout's gathered arrays are fresh and read by nothing else: the problem takes them rather than copying them
+    adopt = gathered is not None and not isinstance(gathered, Swapped) and absorbed is None
+    return Problem.build(query, key, value, opts, adopt=adopt), gathered, absorbed
 
 
 def _engine(method, block_size, prob, allowed, precision="fast", splits=(None, None)):

@@ -100,7 +100,8 @@ class _Map:
     def gather(self, x, heads_axis):
         """Storage ``x`` (its leading axes flattened to the positions, then ``(H, F)``) into ``(B, H, n, F)``."""
         B = len(self.lengths)
-        out = np.zeros((B, x.shape[heads_axis], self.n, x.shape[-1]), x.dtype)
+        full = len(self.where) == B * self.n                    # every (b, i) in use once: nothing left to zero
+        out = (np.empty if full else np.zeros)((B, x.shape[heads_axis], self.n, x.shape[-1]), x.dtype)
         out[self.b, :, self.i] = x[self.where]                   # only the positions in use are read
         return out
 

@@ -75,8 +75,13 @@ class Problem:
     tile_counts: Optional[TileCounts] = None  # with a block mask: the tiles the tiled engine skipped and visited
 
     @classmethod
-    def build(cls, query, key, value, opts: AttentionOptions, *, complex_ok=False) -> "Problem":
-        """Check the arrays against each other and the options; every error names its argument."""
+    def build(cls, query, key, value, opts: AttentionOptions, *, complex_ok=False, adopt=False) -> "Problem":
+        """Check the arrays against each other and the options; every error names its argument.
+
+        ``adopt``: ``query``, ``key`` and ``value`` are fresh arrays of the caller's own that nothing else reads
+        (a layout's gathered copies), which the problem takes as its own copies where they are already in the
+        compute dtype, rather than copying them once more.
+        """
         q = V.as_float_array(query, "query", min_ndim=2, allow_complex=complex_ok)
         k = V.as_float_array(key, "key", min_ndim=2, allow_complex=complex_ok)
         v = V.as_float_array(value, "value", min_ndim=2, allow_complex=complex_ok)
@@ -147,7 +152,7 @@ class Problem:
                      {"q": qh.shape[:-1], "k": kh.shape[:-1], "v": vh.shape[:-1],
                       "mask": None if mask_float is None else mask_float.shape,
                       "bias": None if bias is None else bias.shape})
-        own = {"q": _own(qh, ct, at.q, True), "k": _own(kh, ct, at.k, True),
+        own = {"q": _own(qh, ct, at.q, True, adopt), "k": _own(kh, ct, at.k, True, adopt),
                "mask": _own(mask_float, ct, at.mask, True), "bias": _own(bias, ct, at.bias, True),
                "alibi": _own(alibi, rt, writable=True)}
         bad = {"q": scrub(own["q"], rows=True), "k": scrub(own["k"], rows=True),
@@ -159,7 +164,7 @@ class Problem:
             bad["v"] = scrub(v_full)
             own["v"] = v_full if at.v is None else _own(v_full, ct, at.v)
         else:
-            own["v"] = _own(vh, ct, at.v, True)
+            own["v"] = _own(vh, ct, at.v, True, adopt)
             bad["v"] = scrub(own["v"])
         poison = None
         if any(b is not None for b in bad.values()):
@@ -347,10 +352,12 @@ class Problem:
         return tuple(ts), tuple(bads), dv_full
 
 
-def _own(a, dtype=None, dead=None, writable=False):
+def _own(a, dtype=None, dead=None, writable=False, adopt=False):
     """The problem's own read-only copy of ``a`` (None stays None), 0 where ``dead`` is True.
 
     ``writable=True`` leaves it writable, for :func:`reads.scrub`; the caller then makes it read-only.
+    ``adopt=True``: ``a`` is a fresh array that nothing else reads (:meth:`Problem.build`'s ``adopt``), taken
+    itself when it owns its C-contiguous, writable data in ``dtype``.
 
     Nothing the caller does to the arrays it passed in can then change the
     residuals, and no engine can write into them. The cost is one copy of
@@ -364,8 +371,9 @@ def _own(a, dtype=None, dead=None, writable=False):
     """
     if a is None:
         return None
-    with np.errstate(invalid="ignore"):                    # a signalling NaN (random bits) casts quietly
-        a = np.array(a, dtype=dtype, copy=True)
+    if not (adopt and a.dtype == dtype and a.flags.owndata and a.flags.c_contiguous and a.flags.writeable):
+        with np.errstate(invalid="ignore"):                # a signalling NaN (random bits) casts quietly
+            a = np.array(a, dtype=dtype, copy=True)
     if dead is not None:                                   # what is stored there is never read: make it 0
         np.copyto(a, 0, where=dead)
     if not writable:
