@@ -135,6 +135,7 @@ def check(name, analytic, numeric, tol=TOL):
         raise AssertionError(f"{name}: relative error {err:.3e} > {tol:g}:\n{analytic}\nvs\n{numeric}")
 
 
+# sphinx_gallery_start_ignore
 FORWARD_SRC = inspect.getsource(sdpa_ref.core.attention_forward)
 BACKWARD_SRC = inspect.getsource(sdpa_ref.core.attention_backward)
 JVP_SRC = inspect.getsource(sdpa_ref.core.attention_jvp)
@@ -149,6 +150,7 @@ def cited(src, *texts):
 
 cited(FORWARD_SRC, 'with np.errstate(over="ignore", invalid="ignore"):', "T = s * (q @ np.swapaxes(k, -1, -2))",
       "T = np.where(A, T, -np.inf)", "P, _ = softmax_forward(T)", "O = P @ v")
+# sphinx_gallery_end_ignore
 
 
 # %%
@@ -206,8 +208,10 @@ check("dP = dO V^T", dP, num_grad(lambda P_: np.sum(dO * (P_ @ V)), P))
 # ``g`` is :math:`dO`, and ``swapaxes(-1, -2)`` is the transpose of the last
 # two axes, so that leading (batch, head) axes ride along.
 
+# sphinx_gallery_start_ignore
 cited(BACKWARD_SRC, "dv = P.swapaxes(-1, -2) @ g", "# dV = P^T dO", "dP = g @ v.swapaxes(-1, -2)",
       "# dP = dO V^T")
+# sphinx_gallery_end_ignore
 
 # %%
 # Step 2: :math:`P = \operatorname{softmax}_{\text{rows}}(T)` gives :math:`dT`
@@ -292,10 +296,12 @@ np.testing.assert_allclose(D_flash, D, rtol=1e-12, atol=1e-15)
 # changes nothing in exact arithmetic; it only makes the dominant term of the
 # sum exactly 0, which helps accuracy on peaked rows.
 
+# sphinx_gallery_start_ignore
 cited(BACKWARD_SRC, "dT = softmax_backward((P, -1), dP)", "# dT = P * (dP - D), D = rowsum(P * dP)",
       "inverts P = softmax_rows(T)")
 cited(inspect.getsource(sdpa_ref.core.softmax_backward), "D = np.sum(y * g, axis=axis, keepdims=True)",
       "return y * (g - D)")
+# sphinx_gallery_end_ignore
 np.testing.assert_allclose(sdpa_ref.core.softmax_backward((P, -1), dP), dT, rtol=1e-12, atol=1e-15)
 c = dP[np.arange(L), np.argmax(P, axis=1)][:, None]
 np.testing.assert_allclose(P * ((dP - c) - np.sum(P * (dP - c), axis=1, keepdims=True)), dT, rtol=1e-12, atol=1e-15)
@@ -344,7 +350,9 @@ check("dK = s dT^T Q", dK, num_grad(lambda K_: np.sum(dT * (scale * Q @ K_.T)), 
 # dT)^{\top}`, the same sums in another order, which OpenBLAS runs faster;
 # the last bits may differ, as they do between BLAS builds.)
 
+# sphinx_gallery_start_ignore
 cited(BACKWARD_SRC, "dq = s * (dT @ k)", "# dQ = s dT K", "dk = s * (dT.swapaxes(-1, -2) @ q)", "# dK = s dT^T Q")
+# sphinx_gallery_end_ignore
 
 # %%
 # The general form: what the extra factors are
@@ -524,8 +532,10 @@ np.testing.assert_allclose(lhs, rhs, rtol=1e-12)
 #    :start-at: dT = s * (dq @ k.swapaxes(-1, -2)
 #    :end-at: return dP @ v + P @ dv
 
+# sphinx_gallery_start_ignore
 cited(JVP_SRC, "dT = s * (dq @ k.swapaxes(-1, -2) + q @ dk.swapaxes(-1, -2))", "dP = softmax_jvp((P, -1), dT)",
       "return dP @ v + P @ dv")
+# sphinx_gallery_end_ignore
 
 # %%
 # Summary
