@@ -81,7 +81,7 @@ print("O =\n", np.array2string(O, precision=4))
 #
 # .. math::
 #
-#    \mathcal{L} = \sum_{l, j} dO_{lj}\, O_{lj} = \langle dO, O \rangle ,
+#    \mathcal{L} = \sum_{l, c} dO_{lc}\, O_{lc} = \langle dO, O \rangle ,
 #
 # with a random :math:`dO`: then :math:`\partial \mathcal{L} / \partial O =
 # dO` exactly, and the gradient of :math:`\mathcal{L}` with respect to an
@@ -157,19 +157,21 @@ cited(FORWARD_SRC, 'with np.errstate(over="ignore", invalid="ignore"):', "T = s 
 # Step 1: :math:`O = P V` gives :math:`dV` and :math:`dP`
 # --------------------------------------------------------
 #
-# In indices, :math:`O_{lj} = \sum_s P_{ls} V_{sj}`, so
-# :math:`\partial O_{lj} / \partial V_{sj'} = P_{ls}\, \delta_{jj'}` and
-# :math:`\partial O_{lj} / \partial P_{l's} = \delta_{ll'} V_{sj}`. Summing
-# over every output entry :math:`(l, j)` with the weights
-# :math:`dO_{lj}`:
+# In indices (:math:`l` a query row, :math:`j` a key, :math:`e` a column
+# of :math:`Q` and :math:`K`, :math:`c` a column of :math:`V`; the letter
+# :math:`s` is kept for the scale), :math:`O_{lc} = \sum_j P_{lj} V_{jc}`,
+# so :math:`\partial O_{lc} / \partial V_{jc'} = P_{lj}\, \delta_{cc'}` and
+# :math:`\partial O_{lc} / \partial P_{l'j} = \delta_{ll'} V_{jc}`. Summing
+# over every output entry :math:`(l, c)` with the weights
+# :math:`dO_{lc}`:
 #
 # .. math::
 #
-#    dV_{sj} = \frac{\partial \mathcal{L}}{\partial V_{sj}}
-#            = \sum_{l} dO_{lj}\, P_{ls} = (P^{\top} dO)_{sj},
+#    dV_{jc} = \frac{\partial \mathcal{L}}{\partial V_{jc}}
+#            = \sum_{l} dO_{lc}\, P_{lj} = (P^{\top} dO)_{jc},
 #    \qquad
-#    dP_{ls} = \frac{\partial \mathcal{L}}{\partial P_{ls}}
-#            = \sum_{j} dO_{lj}\, V_{sj} = (dO\, V^{\top})_{ls}.
+#    dP_{lj} = \frac{\partial \mathcal{L}}{\partial P_{lj}}
+#            = \sum_{c} dO_{lc}\, V_{jc} = (dO\, V^{\top})_{lj}.
 #
 # This is the rule for any product :math:`C = A B`: :math:`dA = dC\,
 # B^{\top}` and :math:`dB = A^{\top} dC`; the shapes confirm it
@@ -183,8 +185,8 @@ cited(FORWARD_SRC, 'with np.errstate(over="ignore", invalid="ignore"):', "T = s 
 # :math:`(\mathcal{L}(V + h\,\delta V) - \mathcal{L}(V - h\,\delta V)) / 2h`
 # against :math:`\langle dV, \delta V\rangle`, then every entry.
 
-dV = P.T @ dO                                # dV_sj = sum_l P_ls dO_lj
-dP = dO @ V.T                                # dP_ls = sum_j dO_lj V_sj
+dV = P.T @ dO                                # dV_jc = sum_l P_lj dO_lc
+dP = dO @ V.T                                # dP_lj = sum_c dO_lc V_jc
 
 dV_dir = rng.standard_normal(V.shape)
 directional = (np.sum(dO * (P @ (V + H * dV_dir))) - np.sum(dO * (P @ (V - H * dV_dir)))) / (2 * H)
@@ -222,17 +224,17 @@ cited(BACKWARD_SRC, "dv = P.swapaxes(-1, -2) @ g", "# dV = P^T dO", "dP = g @ v.
 #
 # .. math::
 #
-#    \frac{\partial P_{ls}}{\partial T_{l't}}
-#    = \delta_{ll'}\, P_{ls} (\delta_{st} - P_{lt}) .
+#    \frac{\partial P_{lj}}{\partial T_{l'k}}
+#    = \delta_{ll'}\, P_{lj} (\delta_{jk} - P_{lk}) .
 #
 # Hence
 #
 # .. math::
 #
-#    dT_{lt} = \sum_{l', s} dP_{l's} \frac{\partial P_{l's}}{\partial T_{lt}}
-#            = \sum_{s} dP_{ls}\, P_{ls} (\delta_{st} - P_{lt})
-#            = P_{lt} \big(dP_{lt} - D_l\big),
-#    \qquad D_l = \sum_s P_{ls}\, dP_{ls} ,
+#    dT_{lk} = \sum_{l', j} dP_{l'j} \frac{\partial P_{l'j}}{\partial T_{lk}}
+#            = \sum_{j} dP_{lj}\, P_{lj} (\delta_{jk} - P_{lk})
+#            = P_{lk} \big(dP_{lk} - D_l\big),
+#    \qquad D_l = \sum_j P_{lj}\, dP_{lj} ,
 #
 # that is :math:`dT = P \odot (dP - \operatorname{rowsum}(P \odot dP))`:
 # the softmax VJP :math:`p \odot (g - \langle g, p\rangle)`, row by row. The
@@ -240,7 +242,7 @@ cited(BACKWARD_SRC, "dv = P.swapaxes(-1, -2) @ g", "# dV = P^T dO", "dP = g @ v.
 # \operatorname{softmax}_{\text{rows}}(T)\rangle` with :math:`dP` held
 # fixed.
 
-D = np.sum(P * dP, axis=1, keepdims=True)    # D_l = sum_s P_ls dP_ls, (L, 1)
+D = np.sum(P * dP, axis=1, keepdims=True)    # D_l = sum_j P_lj dP_lj, (L, 1)
 dT = P * (dP - D)
 check("dT = P * (dP - rowsum(P * dP))", dT, num_grad(lambda T_: np.sum(dP * softmax_rows(T_)), T))
 
@@ -253,9 +255,9 @@ check("dT = P * (dP - rowsum(P * dP))", dT, num_grad(lambda T_: np.sum(dP * soft
 #
 # .. math::
 #
-#    D_l = \sum_s P_{ls} \sum_j dO_{lj} V_{sj}
-#        = \sum_j dO_{lj} \sum_s P_{ls} V_{sj}
-#        = \sum_j dO_{lj}\, O_{lj} ,
+#    D_l = \sum_j P_{lj} \sum_c dO_{lc} V_{jc}
+#        = \sum_c dO_{lc} \sum_j P_{lj} V_{jc}
+#        = \sum_c dO_{lc}\, O_{lc} ,
 #
 # the row sums of :math:`dO \odot O`, from two :math:`L \times E_v` arrays
 # that the backward has anyway. FlashAttention computes :math:`D` this way
@@ -311,26 +313,41 @@ np.testing.assert_allclose(sdpa_ref.softmax_vjp(P, dP), dT, rtol=1e-12, atol=1e-
 # Step 3: :math:`T = s\, Q K^{\top}` gives :math:`dQ` and :math:`dK`
 # -------------------------------------------------------------------
 #
-# :math:`T_{ls} = s \sum_e Q_{le} K_{se}`, so
-# :math:`\partial T_{l's} / \partial Q_{le} = s\, \delta_{ll'} K_{se}` and
-# :math:`\partial T_{ls'} / \partial K_{se} = s\, Q_{le}\, \delta_{ss'}`:
+# Step 2 handed us :math:`dT = \partial \mathcal{L} / \partial T`. The line
+# :math:`T = s\, Q K^{\top}` is two operations, the product
+# :math:`R = Q K^{\top}` (the raw scores) and the scaling :math:`T = s\, R`; walk them back
+# in that order. **The scale**: :math:`T_{lj} = s\, R_{lj}`, so
+# :math:`\partial T_{lj} / \partial R_{lj} = s` and
 #
 # .. math::
 #
-#    dQ_{le} = \sum_{s} dT_{ls}\, s\, K_{se} = s\, (dT\, K)_{le},
-#    \qquad
-#    dK_{se} = \sum_{l} dT_{ls}\, s\, Q_{le} = s\, (dT^{\top} Q)_{se}.
+#    dR_{lj} = s\, dT_{lj}, \qquad dR = s\, dT .
 #
-# The product rule again, for :math:`C = A B` with :math:`A = Q` and
-# :math:`B = K^{\top}`: :math:`dB = Q^{\top} dT`, and :math:`dK` is its
-# transpose. A forgotten transpose is caught by the shapes only when
-# :math:`L \ne S`; a forgotten scale keeps every shape and makes the
-# gradients :math:`\sqrt{E}` times too large: only a numeric check catches
-# either for sure. The check of this step alone differentiates
-# :math:`\langle dT, s\, Q K^{\top}\rangle` with :math:`dT` held fixed.
+# **The product**: :math:`R_{lj} = \sum_e Q_{le} K_{je}`, so
+# :math:`\partial R_{l'j} / \partial Q_{le} = \delta_{ll'} K_{je}` and
+# :math:`\partial R_{lj'} / \partial K_{je} = Q_{le}\, \delta_{jj'}`:
+#
+# .. math::
+#
+#    dQ_{le} = \sum_{j} dR_{lj}\, K_{je} = s\, (dT\, K)_{le},
+#    \qquad
+#    dK_{je} = \sum_{l} dR_{lj}\, Q_{le} = s\, (dT^{\top} Q)_{je}.
+#
+# This is the product rule of step 1 again, for :math:`C = A B` with
+# :math:`C = R`, :math:`A = Q` and :math:`B = K^{\top}`:
+# :math:`dA = dR\, B^{\top} = s\, dT\, K` and :math:`dB = A^{\top} dR = s\,
+# Q^{\top} dT`, and :math:`dK` is the transpose of :math:`dB`. The scale
+# rides along unchanged from :math:`dR` to both gradients. A forgotten
+# transpose is caught by the shapes only when :math:`L \ne S`; a forgotten
+# scale keeps every shape and makes the gradients :math:`\sqrt{E}` times
+# too large: only a numeric check catches either for sure. The checks of
+# this step alone differentiate :math:`\langle dT, s\, R\rangle` with
+# :math:`dT` held fixed, then :math:`\langle dT, s\, Q K^{\top}\rangle`.
 
-dQ = scale * dT @ K                          # dQ_le = s sum_s dT_ls K_se
-dK = scale * dT.T @ Q                        # dK_se = s sum_l dT_ls Q_le
+dR = scale * dT                              # dR_lj = s dT_lj
+dQ = dR @ K                                  # dQ_le = sum_j dR_lj K_je = s (dT K)_le
+dK = dR.T @ Q                                # dK_je = sum_l dR_lj Q_le = s (dT^T Q)_je
+check("dR = s dT", dR, num_grad(lambda R_: np.sum(dT * (scale * R_)), Q @ K.T))
 check("dQ = s dT K", dQ, num_grad(lambda Q_: np.sum(dT * (scale * Q_ @ K.T)), Q))
 check("dK = s dT^T Q", dK, num_grad(lambda K_: np.sum(dT * (scale * Q @ K_.T)), K))
 
@@ -474,8 +491,8 @@ if rep.ok:
 # .. math::
 #
 #    \delta T &= s\, (\delta Q\, K^{\top} + Q\, \delta K^{\top}), \\
-#    \delta P_{ls} &= \sum_t P_{ls} (\delta_{st} - P_{lt})\, \delta T_{lt}
-#                 = P_{ls} \big(\delta T_{ls} - \textstyle\sum_t P_{lt}\, \delta T_{lt}\big), \\
+#    \delta P_{lj} &= \sum_k P_{lj} (\delta_{jk} - P_{lk})\, \delta T_{lk}
+#                 = P_{lj} \big(\delta T_{lj} - \textstyle\sum_k P_{lk}\, \delta T_{lk}\big), \\
 #    \delta O &= \delta P\, V + P\, \delta V .
 #
 # The softmax line is the same map as in the backward, because the softmax
@@ -571,3 +588,9 @@ cited(JVP_SRC, "dT = s * (dq @ k.swapaxes(-1, -2) + q @ dk.swapaxes(-1, -2))", "
 #
 # Every step was checked alone by finite differences, then the whole chain,
 # and both modes against each other.
+#
+# The next page,
+# :ref:`sphx_glr_auto_tutorials_tut2b_worked_example.py`, runs the same
+# chain on two queries and three keys with every intermediate number
+# printed, to check on paper, and draws the computation graph with its
+# adjoints.
