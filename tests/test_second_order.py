@@ -427,3 +427,27 @@ def test_hvp_tangents_by_name_are_the_tuple_form(which, method):
     assert a._fields == b._fields
     for x, y in zip(a, b):
         assert (x is None and y is None) or np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("kw", [{"is_causal": True}, {"window": (3, 1)}, {},
+                                {"is_causal": True, "fully_masked": "nan", "causal_alignment": "bottom_right"}])
+@pytest.mark.parametrize("kv_batch", [2, 1])
+def test_the_plain_double_backward_cut_by_heads_has_the_bits_of_the_whole(monkeypatch, kw, kv_batch):
+    """The plain double backward runs its heads in chunks in the pool (sdpa_ref.second_order._plain_backward_jvp):
+    the same bits as on all heads at once, with GQA, keys broadcast over the batch and a cotangent tangent."""
+    import sdpa_ref.second_order as so
+
+    rng = np.random.default_rng(3)
+    q, g, dg, dq = (rng.standard_normal((2, 4, 5, 3)) for _ in range(4))
+    k, v, dk, dv = (rng.standard_normal((kv_batch, 2, 7, 3)) for _ in range(4))
+    call = ((q, k, v), (dq, dk, dv), g, dg)
+    cut = []
+    monkeypatch.setattr(so, "PARALLEL_ENTRIES", 1)
+    monkeypatch.setattr(so, "_head_chunks", lambda prob, f=so._head_chunks: cut.append(f(prob)) or cut[-1])
+    monkeypatch.setenv("SDPA_REF_NUM_THREADS", "2")
+    ans = sdpa_backward_jvp(*call, enable_gqa=True, **kw)
+    monkeypatch.setenv("SDPA_REF_NUM_THREADS", "1")
+    ref = sdpa_backward_jvp(*call, enable_gqa=True, **kw)
+    assert len(cut) == 1 and len(cut[0]) == 4                  # two batch entries, two kv heads each
+    for a, r in zip(ans[0] + ans[1], ref[0] + ref[1]):
+        assert (a is None and r is None) or np.array_equal(a, r, equal_nan=True)
