@@ -37,6 +37,9 @@ extensions = [
     "sphinx_gallery.gen_gallery",
     "sphinx-mathjax-offline",                # MathJax 3 copied into _static: math renders offline
     "sphinx_togglebutton",                   # the exercises' solutions fold (admonitions of class dropdown)
+    "sphinx_copybutton",                     # a copy button on every code block, prompts and outputs left out
+    "sphinx_codeautolink",                   # names in code examples (guides and gallery) link to their API pages
+    "sphinxcontrib.bibtex",                  # one bibliography (references.bib, the References page)
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
@@ -98,17 +101,49 @@ html_show_sourcelink = False
 html_copy_source = False
 intersphinx_mapping = {}                     # no inventory is fetched: the build needs no network
 
+# --- a reader moves freely: copy buttons, linked code, citations, [source] links
+copybutton_prompt_text = r">>> |\.\.\. |\$ "    # the prompts of Python sessions and shells are not copied
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = False    # a block with no prompt (most of them) is copied whole
+copybutton_exclude = ".linenos, .gp, .go"
+codeautolink_concat_default = True           # a gallery page's blocks are one script: names imported above resolve
+bibtex_bibfiles = ["references.bib"]
+bibtex_default_style = "plain"
+bibtex_reference_style = "author_year"       # (Vaswani et al., 2017, sec. 3.2.1)
+
 import _figures  # noqa: E402
+import _linkcode  # noqa: E402
+
+#: ``[source]`` beside every documented name. With a repository URL (setup.cfg's ``project_urls`` entry
+#: ``Source``, or the environment variable SDPA_REF_SOURCE_URL) it links to the object's lines in the repository
+#: (sphinx.ext.linkcode) at the commit the site was built from (``git rev-parse HEAD``), or at the version's tag
+#: ``v<version>`` outside a git checkout. With none, as in this repository today, the lines are shown in the site's
+#: own highlighted copy of the module (sphinx.ext.viewcode): the reader still lands on the object's lines.
+SOURCE_URL = _linkcode.repository_url()
+if SOURCE_URL:
+    extensions.append("sphinx.ext.linkcode")
+    linkcode_resolve = _linkcode.resolver(SOURCE_URL, _linkcode.source_ref(version))
+else:
+    extensions.append("sphinx.ext.viewcode")
 
 
 def _site_links(app, docname, source):
     """The guides link the contract as ``../SEMANTICS.md`` (right on a code host); on the site it is ``semantics``."""
-    if docname in ("architecture", "guide", "performance", "why-sqrt-dk"):
+    if docname in ("architecture", "guide", "performance", "why-sqrt-dk") or docname.startswith("guide-"):
         source[0] = source[0].replace("](../SEMANTICS.md", "](semantics.md")
+
+
+def _gallery_links_itself(app, doctree):
+    """A gallery page whose script ran has its names linked by sphinx-gallery (its ``.codeobj.json``, to the same
+    API pages); codeautolink, which cannot match code already linked, skips that page and links every other."""
+    if os.path.isfile(os.path.join(app.srcdir, app.env.docname + ".codeobj.json")):
+        from sphinx_codeautolink.extension.directive import SkipMarker
+        doctree.insert(0, SkipMarker("file"))
 
 
 def setup(app):
     app.startup_time = time.time()
+    app.connect("doctree-read", _gallery_links_itself, priority=400)     # before codeautolink reads the blocks
     app.connect("builder-inited", _figures.make_figures)
     app.connect("builder-inited", _figures.check_readme_figure, priority=900)   # after the gallery ran
     app.connect("source-read", _site_links)

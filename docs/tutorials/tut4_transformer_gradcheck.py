@@ -7,7 +7,7 @@ differences. This page puts them together into a small Transformer (the
 model of the copy-task example, shrunk), writes its whole backward by hand,
 and checks *the whole model's gradient* against central finite differences
 of the loss, parameter by parameter, as cs231n's notes on gradient checking
-(`Neural Networks Part 3 <https://cs231n.github.io/neural-networks-3/#gradcheck>`_)
+:cite:p:`karpathy2016cs231n`
 recommend: relative errors, float64, a sensible step, kinks detected, and a
 check after some training as well as at initialisation. Then it trains the
 model for a few hundred Adam steps on a copy task, and finally breaks one
