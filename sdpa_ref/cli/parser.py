@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write into (created if missing)")
     p.add_argument("--suite", choices=("quick", "full"), default="quick", help="case suite (default: quick)")
     p.add_argument("--cases", metavar="FILE", default=None,
-                   help="your own cases, a JSON or TOML case file, instead of --suite (see docs/guide.md); the "
+                   help="your own cases, a JSON or TOML case file, instead of --suite (see docs/guide-cases.md); the "
                         "manifest stores their definitions, so 'sdpa-ref verify' regenerates them anywhere")
     p.add_argument("--dtype", choices=TEST_DTYPES, default="float64",
                    help="dtype of the stored inputs (default: float64)")
@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="f(grad_out, query, key, value, **options) -> (dq, dk, dv[, dbias])")
     p.add_argument("--suite", choices=("quick", "full"), default="quick")
     p.add_argument("--cases", metavar="FILE", default=None,
-                   help="judge on your own cases, a JSON or TOML case file, instead of --suite (see docs/guide.md)")
+                   help="judge on your own cases, a JSON or TOML case file, instead of --suite "
+                        "(see docs/guide-cases.md)")
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=TEST_DTYPES,
                    help="test dtypes (default: float32)")
     p.add_argument("--rule", choices=("relative", "fixed", "ulp"), default="relative",

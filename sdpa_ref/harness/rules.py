@@ -44,7 +44,7 @@ class RelativeRule:
     (same formulas; after rounding to the dtype the BLAS's sums rarely
     differ), so there the calibration says little by itself: PyTorch's CPU
     kernels judged through the adapter are the independent check
-    (docs/guide.md).
+    (docs/guide-frameworks.md).
 
     **The lean.** The largest error cannot see a kernel that is one ulp off
     everywhere in the same direction: in bfloat16 that moves the worst
