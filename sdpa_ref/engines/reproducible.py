@@ -45,7 +45,7 @@ import functools
 
 import numpy as np
 
-from ..exact.arith import for_problem
+from ..exact.arith import DoubleDouble, for_problem
 from ..normalize import EXTRA_NAME, close_in, extra_shape, extras, lse_in, vjp_in
 from ..broadcast import block_of
 from ..policy import constant_rows, counts, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
@@ -78,7 +78,7 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
     X = arith or for_problem(prob)
     o, S, full, nd = prob.options, prob.S, prob.full_scores, len(prob.full_scores)
     Traw = _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale), prob)           # scale Q K^T, (..., Hq, L, S)
-    P = X.empty(full)
+    P = _reuse(X, Traw, full)                          # a block of P is written after its scores are read
     Pd = X.empty(full) if prob.keep is not None else P
     sd = X.empty(full) if o.has_slope else None                         # sech^2(Traw / cap) (times fn')
     m, s_val = (np.empty(full[:-1] + (1,), X.dtype) for _ in range(2))
@@ -159,7 +159,7 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None, absorbed=None) ->
     mod = o.score_mod if o.score_mod is not None and o.score_mod.params else None   # captured tensors
     keep_dT = prob.mask_float is not None or prob.bias is not None or mod is not None
     dT = X.empty(full) if keep_dT else None
-    dTraw = X.empty(full)
+    dTraw = _reuse(X, dP, full)                         # a block of dT is written after its dP is read
     pe = fwd.extra["p_extra"]
     dext = None if pe is None else X.empty(full[:-1] + (1,))
 
@@ -301,6 +301,18 @@ def _score_mod_grads(X, prob, mod, dT):
             t = st.forward_in(X, t, c, at)[0] if st.elementwise else st.forward_in(X, t, c, None)[0]
     g = _round(X, dT)
     return tuple(params_vjp(mod, g, np.broadcast_to(X.value(t), g.shape), indices(prob.full_scores)))
+
+
+def _reuse(X, a, shape):
+    """``a``'s storage for a new array of ``shape`` where ``a`` (a value of ``X``, no longer needed once its block
+    has been read) is a pair of writeable C-contiguous float64 arrays of that shape that no one else holds,
+    else :meth:`DoubleDouble.empty`: a fresh array of this size costs its page faults, about as much as a
+    pass over it. Only in :class:`sdpa_ref.exact.arith.DoubleDouble`."""
+    if type(X) is DoubleDouble and isinstance(a, tuple) and all(
+            isinstance(x, np.ndarray) and x.shape == tuple(shape) and x.dtype == np.float64 and x.flags.writeable
+            and x.flags.c_contiguous for x in a) and not np.may_share_memory(a[0], a[1]):
+        return a
+    return X.empty(shape)
 
 
 def _excluded(prob):
