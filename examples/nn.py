@@ -17,6 +17,14 @@ No object holds hidden state; the optimizer state is an explicit dict.
 Shapes: ``B`` batch, ``T`` positions, ``D`` model width, ``H`` heads,
 ``V`` vocabulary size; ``(..., D)`` means any leading dims.
 
+An ensemble of ``M`` independent models trains as one: give every parameter
+a leading axis ``M`` (a weight ``(M, D_in, D_out)``, a bias or a LayerNorm
+gain ``(M, D)``, an embedding table ``(M, V, D)``) and the inputs a leading
+axis ``M`` too; model ``m``'s outputs and gradients are those of its own
+parameters on its own inputs, and :func:`adam_update` with ``per_model=True``
+clips each model's gradient by its own norm. The copy task trains all its
+seeds this way, one batched model instead of one run per seed.
+
 The claim, checked when this file runs as a script: every backward here is
 its forward's vector-Jacobian product, against central finite differences in
 float64 (:func:`sdpa_ref.check_vjp`, the whole Jacobian). ``tests/test_examples_nn.py``
@@ -47,16 +55,35 @@ __all__ = [
 # ------------------------------------------------------------------ linear
 
 
+def _per_model(p, ndim):
+    """A parameter with a leading model axis, ``(M, *core)``, as ``(M, 1, ..., 1, *core)`` of ``ndim`` dims."""
+    return p.reshape(p.shape[:1] + (1,) * (ndim - p.ndim) + p.shape[1:])
+
+
+def _matmul(x, w):
+    """``x @ w``; with a model axis (``w`` of shape (M, D_in, D_out), ``x`` of (M, ..., D_in)) one product per model
+    over all of its rows, rather than one per leading index."""
+    if w.ndim == 2:
+        return x @ w
+    return (x.reshape(w.shape[0], -1, x.shape[-1]) @ w).reshape(x.shape[:-1] + w.shape[-1:])
+
+
+def _work(x, w):
+    """Multiply-adds of one product ``x @ w`` (of one model's, with a model axis: the BLAS runs them one by one)."""
+    return x.size * w.shape[-1] // (w.shape[0] if w.ndim == 3 else 1)
+
+
 def linear(x, w, b=None):
     r"""``y = x W + b``.  x : (..., D_in), w : (D_in, D_out), b : (D_out,).
 
+    With a model axis: x : (M, ..., D_in), w : (M, D_in, D_out), b : (M, D_out).
     A small product runs on one BLAS thread (``sdpa_ref._threads.SMALL_WORK``), as every layer here does: waking
     the BLAS's threads costs more than they save at these sizes.
     """
-    with threads_for(x.size * w.shape[-1]):
-        y = x @ w
+    with threads_for(_work(x, w)):
+        y = _matmul(x, w)
     if b is not None:
-        y = y + b
+        y = y + (b if w.ndim == 2 else _per_model(b, y.ndim))
     return y, (x, w, b is not None)
 
 
@@ -66,7 +93,14 @@ def linear_backward(cache, g):
     Returns ``(dx, dw, db)``; ``db`` is ``None`` without a bias.
     """
     x, w, has_b = cache
-    with threads_for(x.size * w.shape[-1]):
+    if w.ndim == 3:                                   # a model axis: each model's rows alone
+        M = w.shape[0]
+        x2, g2 = x.reshape(M, -1, x.shape[-1]), g.reshape(M, -1, g.shape[-1])
+        with threads_for(_work(x, w)):
+            dx = (g2 @ w.transpose(0, 2, 1)).reshape(x.shape)
+            dw = x2.transpose(0, 2, 1) @ g2
+        return dx, dw, (g2.sum(axis=1) if has_b else None)
+    with threads_for(_work(x, w)):
         dx = g @ w.T
         dw = x.reshape(-1, x.shape[-1]).T @ g.reshape(-1, g.shape[-1])
     db = g.reshape(-1, g.shape[-1]).sum(axis=0) if has_b else None
@@ -93,8 +127,10 @@ def relu_backward(mask, g):
 def layer_norm(x, gamma, beta, eps=1e-5):
     r"""Normalise the last axis: ``y = gamma * (x - mu) / sqrt(var + eps) + beta``.
 
-    x : (..., D); gamma, beta : (D,).
+    x : (..., D); gamma, beta : (D,), or (M, D) with a model axis (x : (M, ..., D)).
     """
+    if gamma.ndim == 2:
+        gamma, beta = _per_model(gamma, x.ndim), _per_model(beta, x.ndim)
     mu = x.mean(axis=-1, keepdims=True)
     xc = x - mu
     var = np.mean(xc * xc, axis=-1, keepdims=True)
@@ -121,7 +157,7 @@ def layer_norm_backward(cache, g):
     xhat, rstd, gamma = cache
     dxhat = g * gamma
     dx = rstd * (dxhat - dxhat.mean(-1, keepdims=True) - xhat * np.mean(dxhat * xhat, -1, keepdims=True))
-    lead = tuple(range(g.ndim - 1))
+    lead = tuple(range(1 if gamma.ndim > 1 else 0, g.ndim - 1))      # a model axis stays
     return dx, np.sum(g * xhat, axis=lead), np.sum(g, axis=lead)
 
 
@@ -129,19 +165,25 @@ def layer_norm_backward(cache, g):
 
 
 def embedding(ids, table):
-    """Rows of ``table`` (V, D) picked by integer ``ids`` (...) -> (..., D)."""
+    """Rows of ``table`` (V, D) picked by integer ``ids`` (...) -> (..., D).
+
+    With a model axis: ``table`` (M, V, D) and ``ids`` (M, ...), model ``m``'s ids picking rows of its own table.
+    """
     ids = np.asarray(ids)
     if ids.dtype.kind not in "iu":
         raise TypeError(f"`ids` should be an integer array, but got dtype {ids.dtype}")
+    if table.ndim == 3:                               # row m * V + id of the tables stacked
+        ids = _per_model(np.arange(table.shape[0]) * table.shape[1], ids.ndim) + ids
+        return table.reshape(-1, table.shape[-1])[ids], (ids, table.shape)
     return table[ids], (ids, table.shape)
 
 
 def embedding_backward(cache, g):
     """Scatter-add ``g`` (..., D) into a zero table: the gradient of :func:`embedding`."""
     ids, shape = cache
-    dtable = np.zeros(shape, dtype=g.dtype)
+    dtable = np.zeros((int(np.prod(shape[:-1])), shape[-1]), dtype=g.dtype)
     np.add.at(dtable, ids.reshape(-1), g.reshape(-1, shape[-1]))
-    return dtable
+    return dtable.reshape(shape)
 
 
 # ------------------------------------------------------- softmax cross-entropy
@@ -186,45 +228,51 @@ class _MHACache(NamedTuple):
 def multi_head_attention(x, wq, wk, wv, wo, n_heads, *, is_causal=True, scale=None, method=None):
     r"""Self-attention with ``n_heads`` heads through :func:`sdpa_ref.sdpa_forward`.
 
-    x : (B, T, D); wq, wk, wv, wo : (D, D). Head ``h`` uses columns
+    x : (B, T, D); wq, wk, wv, wo : (D, D), or with a model axis x : (M, B, T, D) and the weights (M, D, D), the
+    attention then taking (M, B) as its leading batch dims. Head ``h`` uses columns
     ``h*D/H : (h+1)*D/H`` of the projections, so ``d_k = D / H``. ``scale``
     is passed to attention (``None``: ``1/sqrt(d_k)``), and ``method`` picks its engine (``"plain"``: the
     teaching core, :mod:`sdpa_ref.attention`; the backward uses the same one).
     """
-    B, T, D = x.shape
+    *lead, T, D = x.shape
     if D % n_heads:
         raise ValueError(f"`n_heads` should divide the width D={D}, but got {n_heads}")
     dh = D // n_heads
 
-    def heads(y):       # (B, T, D) -> (B, H, T, dh)
-        return y.reshape(B, T, n_heads, dh).transpose(0, 2, 1, 3)
+    def heads(y):       # (..., T, D) -> (..., H, T, dh)
+        return np.swapaxes(y.reshape(*lead, T, n_heads, dh), -3, -2)
 
-    with threads_for(x.size * D):
-        q, k, v = heads(x @ wq), heads(x @ wk), heads(x @ wv)
+    with threads_for(_work(x, wq)):
+        q, k, v = heads(_matmul(x, wq)), heads(_matmul(x, wk)), heads(_matmul(x, wv))
         o, res = sdpa_forward(q, k, v, is_causal=is_causal, scale=scale, method=method)
-        merged = o.transpose(0, 2, 1, 3).reshape(B, T, D)
-        y = merged @ wo
+        merged = np.swapaxes(o, -3, -2).reshape(x.shape)
+        y = _matmul(merged, wo)
     return y, _MHACache(x, wq, wk, wv, wo, merged, res, n_heads)
 
 
 def multi_head_attention_backward(cache, g):
     """Gradients ``(dx, dwq, dwk, dwv, dwo)``; the attention core uses :func:`sdpa_backward`."""
     x, wq, wk, wv, wo, merged, res, H = cache
-    B, T, D = x.shape
+    *lead, T, D = x.shape
     dh = D // H
 
-    def unheads(y):     # (B, H, T, dh) -> (B, T, D)
-        return y.transpose(0, 2, 1, 3).reshape(B, T, D)
+    def unheads(y):     # (..., H, T, dh) -> (..., T, D)
+        return np.swapaxes(y, -3, -2).reshape(x.shape)
 
-    with threads_for(x.size * D):
-        dwo = merged.reshape(-1, D).T @ g.reshape(-1, D)
-        dmerged = g @ wo.T
-        do = dmerged.reshape(B, T, H, dh).transpose(0, 2, 1, 3)
+    def wT(w):          # W^T, per model with a model axis
+        return np.swapaxes(w, -1, -2)
+
+    # the weight gradients x^T g over all rows (of each model, with a model axis)
+    rows = (lambda y: y.reshape(-1, D)) if wq.ndim == 2 else (lambda y: y.reshape(wq.shape[0], -1, D))
+    with threads_for(_work(x, wq)):
+        dwo = wT(rows(merged)) @ rows(g)
+        dmerged = _matmul(g, wT(wo))
+        do = np.swapaxes(dmerged.reshape(*lead, T, H, dh), -3, -2)
         grads = sdpa_backward(res, do)
         dq, dk, dv = unheads(grads.query), unheads(grads.key), unheads(grads.value)
-        x2 = x.reshape(-1, D)
-        dx = dq @ wq.T + dk @ wk.T + dv @ wv.T
-        return (dx, x2.T @ dq.reshape(-1, D), x2.T @ dk.reshape(-1, D), x2.T @ dv.reshape(-1, D), dwo)
+        x2 = wT(rows(x))
+        dx = _matmul(dq, wT(wq)) + _matmul(dk, wT(wk)) + _matmul(dv, wT(wv))
+        return (dx, x2 @ rows(dq), x2 @ rows(dk), x2 @ rows(dv), dwo)
 
 
 # ------------------------------------------------------------------- adam
@@ -237,13 +285,20 @@ def adam_init(params: Dict[str, np.ndarray]) -> dict:
 
 
 def adam_update(params, grads, state, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                max_grad_norm: Optional[float] = None) -> Tuple[dict, dict]:
+                max_grad_norm: Optional[float] = None, per_model: bool = False) -> Tuple[dict, dict]:
     r"""One Adam step; returns new ``(params, state)`` and leaves the inputs untouched.
 
-    ``max_grad_norm`` clips the global gradient norm first, when given.
+    ``max_grad_norm`` clips the global gradient norm first, when given; with ``per_model`` every parameter has a
+    leading model axis and each model's gradient is clipped by its own norm (its update is the one it would get
+    alone).
     """
     b1, b2 = betas
-    if max_grad_norm is not None:
+    if max_grad_norm is not None and per_model:
+        M = next(iter(grads.values())).shape[0]
+        norm = np.sqrt(sum(np.sum((g * g).reshape(M, -1), axis=1) for g in grads.values()))
+        factor = np.where(norm > max_grad_norm, max_grad_norm / np.maximum(norm, max_grad_norm), 1.0)
+        grads = {k: g * _per_model(factor, g.ndim) for k, g in grads.items()}
+    elif max_grad_norm is not None:
         norm = np.sqrt(sum(float(np.sum(g * g)) for g in grads.values()))
         if norm > max_grad_norm:
             grads = {k: g * (max_grad_norm / norm) for k, g in grads.items()}

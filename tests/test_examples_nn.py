@@ -90,3 +90,45 @@ def test_adam_moves_against_the_gradient_and_does_not_mutate():
     assert st["t"] == 0 and st2["t"] == 1
     p3, _ = nn.adam_update(p, {"w": np.array([30.0, 40.0])}, st, lr=0.1, max_grad_norm=5.0)
     np.testing.assert_allclose(p3["w"], [0.9, -2.1], rtol=ADAM_EPS_TERM)
+
+
+def test_a_model_axis_gives_each_model_its_own_layers():
+    """With a leading model axis on the parameters and the inputs, model m's outputs and gradients are those of its
+    own parameters on its own inputs (a loop over the models is the oracle), and every backward is the forward's
+    VJP."""
+    M = 3
+    x = rng.standard_normal((M, 2, 3, 4))
+    w, b = rng.standard_normal((M, 4, 4)) * 0.5, rng.standard_normal((M, 4))
+    gm, bt = rng.standard_normal((M, 4)), rng.standard_normal((M, 4))
+    ws = [rng.standard_normal((M, 4, 4)) * 0.5 for _ in range(4)]
+    ids, table = rng.integers(0, 5, (M, 2, 3)), rng.standard_normal((M, 5, 4))
+    g = rng.standard_normal((M, 2, 3, 4))
+    layers = {
+        "linear": (lambda x, w, b: nn.linear(x, w, b), nn.linear_backward, (x, w, b)),
+        "layer_norm": (lambda x, gm, bt: nn.layer_norm(x, gm, bt), nn.layer_norm_backward, (x, gm, bt)),
+        "multi_head_attention": (lambda x, *ws: nn.multi_head_attention(x, *ws, 2),
+                                 nn.multi_head_attention_backward, (x, *ws)),
+    }
+    for name, (fwd, bwd, args) in layers.items():
+        y, cache = fwd(*args)
+        grads = bwd(cache, g)
+        for m in range(M):
+            ym, cm = fwd(*(a[m] for a in args))
+            np.testing.assert_allclose(y[m], ym, rtol=F64_SUMS, atol=F64_SUMS, err_msg=name)
+            for got, want in zip(grads, bwd(cm, g[m])):
+                np.testing.assert_allclose(got[m], want, rtol=F64_AMPLIFIED, atol=F64_AMPLIFIED, err_msg=name)
+        assert_vjp(lambda *a: fwd(*a)[0], lambda gg, *a: bwd(fwd(*a)[1], gg), args, rtol=FD)
+    y, cache = nn.embedding(ids, table)
+    dtable = nn.embedding_backward(cache, g)
+    for m in range(M):
+        np.testing.assert_array_equal(y[m], table[m][ids[m]])
+        np.testing.assert_array_equal(dtable[m], nn.embedding_backward(nn.embedding(ids[m], table[m])[1], g[m]))
+    # Adam with per_model: each model clipped by its own norm, as if it were stepped alone
+    params = {"w": w, "b": b}
+    grads = {"w": rng.standard_normal((M, 4, 4)) * np.array([0.01, 1, 10])[:, None, None], "b": b * 0}
+    new, _ = nn.adam_update(params, grads, nn.adam_init(params), max_grad_norm=1.0, per_model=True)
+    for m in range(M):
+        alone = {k: v[m] for k, v in params.items()}
+        want, _ = nn.adam_update(alone, {k: v[m] for k, v in grads.items()}, nn.adam_init(alone), max_grad_norm=1.0)
+        for k in params:
+            np.testing.assert_allclose(new[k][m], want[k], rtol=ADAM_EPS_TERM, atol=ADAM_EPS_TERM)
