@@ -442,3 +442,36 @@ def test_the_build_gives_the_library_in_use_byte_for_byte(tmp_path):
     assert new["built"] is True and new["flags"] == rec["flags"]
     assert so.read_bytes() == pathlib.Path(_native._LIBRARY).read_bytes()
 
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_the_row_passes_take_a_block_of_columns_in_place(dtype):
+    """The fast engine's block-skipping schedule hands the compiled row passes a block of columns of a wider
+    array (rows ``ld`` entries apart): the same bits as on a contiguous copy, and nothing outside the block
+    touched; :func:`_native.row_stride` says which arrays the passes take."""
+    import numpy as np
+    lib = _native.kernels()
+    if lib is None:
+        pytest.skip("no compiled kernels")
+    rng = np.random.default_rng(5)
+    big = rng.standard_normal((7, 40)).astype(dtype)
+    big[:, 10] = -np.inf
+    big[2, 8:29] = -np.inf                                  # a fully masked row of the block
+    before = big.copy()
+    block, copy = big[:, 8:29], np.ascontiguousarray(big[:, 8:29])
+    outs = [[np.empty((7, 1), dtype) for _ in range(3)] + [np.empty((7, 1), bool)] for _ in range(2)]
+    _native.fast_softmax_rows(lib, block, *outs[0])
+    _native.fast_softmax_rows(lib, copy, *outs[1])
+    np.testing.assert_array_equal(block, copy)
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(big[:, :8], before[:, :8])
+    np.testing.assert_array_equal(big[:, 29:], before[:, 29:])
+    d = rng.standard_normal((7, 40)).astype(dtype)
+    dcopy = np.ascontiguousarray(d[:, 8:29])
+    _native.fast_softmax_vjp_rows(lib, d[:, 8:29], block)
+    _native.fast_softmax_vjp_rows(lib, dcopy, copy)
+    np.testing.assert_array_equal(d[:, 8:29], dcopy)
+    assert _native.row_stride(big) == 40 and _native.row_stride(block) == 40 and _native.row_stride(copy) == 21
+    assert _native.row_stride(big.T) is None and _native.row_stride(big[:, ::2]) is None
+    assert _native.row_stride(big[:0]) == 40 and _native.row_stride(big[None]) is None

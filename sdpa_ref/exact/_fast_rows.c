@@ -91,28 +91,31 @@ int sdpa_fast_get_level(void)
 #define FX_DISPATCH(NAME, ...) NAME##_base(__VA_ARGS__)
 #endif
 
-/* softmax of each row of t [rows x n] in place, with the rows' max, sum, lse and emptiness (_fast_rows.h) */
-void sdpa_fast_softmax_rows(double *t, ptrdiff_t rows, ptrdiff_t n, double *m, double *s, double *lse,
+/* softmax of each row of t [rows x n, rows ld entries apart: a block of a wider array] in place, with the rows'
+ * max, sum, lse and emptiness (_fast_rows.h) */
+void sdpa_fast_softmax_rows(double *t, ptrdiff_t rows, ptrdiff_t n, ptrdiff_t ld, double *m, double *s, double *lse,
                             unsigned char *empty)
 {
-    FX_DISPATCH(softmax_rows_entry, t, rows, n, m, s, lse, empty);
+    FX_DISPATCH(softmax_rows_entry, t, rows, n, ld, m, s, lse, empty);
 }
 
-void sdpa_fast_softmax_rows_f32(float *t, ptrdiff_t rows, ptrdiff_t n, float *m, float *s, float *lse,
+void sdpa_fast_softmax_rows_f32(float *t, ptrdiff_t rows, ptrdiff_t n, ptrdiff_t ld, float *m, float *s, float *lse,
                                 unsigned char *empty)
 {
-    FX_DISPATCH(softmax_rows_f32_entry, t, rows, n, m, s, lse, empty);
+    FX_DISPATCH(softmax_rows_f32_entry, t, rows, n, ld, m, s, lse, empty);
 }
 
-/* the pivoted softmax VJP of each row of d [rows x n] in place, p the probabilities (_fast_rows.h) */
-void sdpa_fast_softmax_vjp_rows(double *d, const double *p, ptrdiff_t rows, ptrdiff_t n)
+/* the pivoted softmax VJP of each row of d [rows x n, rows ldd apart] in place, p the probabilities (rows ldp
+ * apart) (_fast_rows.h) */
+void sdpa_fast_softmax_vjp_rows(double *d, const double *p, ptrdiff_t rows, ptrdiff_t n, ptrdiff_t ldd, ptrdiff_t ldp)
 {
-    FX_DISPATCH(vjp_rows_entry, d, p, rows, n);
+    FX_DISPATCH(vjp_rows_entry, d, p, rows, n, ldd, ldp);
 }
 
-void sdpa_fast_softmax_vjp_rows_f32(float *d, const float *p, ptrdiff_t rows, ptrdiff_t n)
+void sdpa_fast_softmax_vjp_rows_f32(float *d, const float *p, ptrdiff_t rows, ptrdiff_t n, ptrdiff_t ldd,
+                                    ptrdiff_t ldp)
 {
-    FX_DISPATCH(vjp_rows_f32_entry, d, p, rows, n);
+    FX_DISPATCH(vjp_rows_f32_entry, d, p, rows, n, ldd, ldp);
 }
 
 /* exp of x[0:n] into out by the row passes' exp, float64 and float32 (for the tests) */

@@ -196,15 +196,15 @@ FX_INLINE T FX(rowmax##TS)(const T *x, ptrdiff_t n, int *nan_out)               
     return r;                                                                                                          \
 }                                                                                                                      \
                                                                                                                        \
-/* softmax of each row of t [rows x n] in place, with its max m, sum s and lse = m + log(s) per row, and               \
+/* softmax of each row of t [rows x n, rows ld apart] in place, with its max m, sum s and lse = m + log(s) per row,   \
  * empty = (every score is -inf): m is 0 there, s 0 and P 0/0 (NaN: the engine fills such rows). A row with a NaN    \
  * or +inf score is NaN (normalize.row_stats): P NaN where the score is not -inf and 0 where it is, s and lse NaN,  \
  * m the largest non-NaN score (0 where that is not finite), not empty */                                            \
-FX_INLINE void FX(softmax_rows##TS)(T *t, ptrdiff_t rows, ptrdiff_t n, T *m_out, T *s_out, T *lse_out,                 \
+FX_INLINE void FX(softmax_rows##TS)(T *t, ptrdiff_t rows, ptrdiff_t n, ptrdiff_t ld, T *m_out, T *s_out, T *lse_out,   \
                                     unsigned char *empty_out)                                                          \
 {                                                                                                                      \
     for (ptrdiff_t r = 0; r < rows; r++) {                                                                             \
-        T *x = t + r * n;                                                                                              \
+        T *x = t + r * ld;                                                                                             \
         int nan;                                                                                                       \
         T m = FX(rowmax##TS)(x, n, &nan);                                                                              \
         if (nan || m == INFINITY) {                                                                                    \
@@ -254,11 +254,11 @@ FX_INLINE void FX(softmax_rows##TS)(T *t, ptrdiff_t rows, ptrdiff_t n, T *m_out,
                                                                                                                        \
 /* the softmax VJP of each row in place, pivoted (softmax.row_pivot): d <- p * ((d - c) - sum(p * (d - c))),           \
  * c = d at the row's first largest p (NaN is never the largest; a NaN in p makes the row NaN whatever c is) */        \
-FX_INLINE void FX(softmax_vjp_rows##TS)(T *d, const T *p, ptrdiff_t rows, ptrdiff_t n)                                 \
+FX_INLINE void FX(softmax_vjp_rows##TS)(T *d, const T *p, ptrdiff_t rows, ptrdiff_t n, ptrdiff_t ldd, ptrdiff_t ldp)  \
 {                                                                                                                      \
     for (ptrdiff_t r = 0; r < rows; r++) {                                                                             \
-        T *g = d + r * n;                                                                                              \
-        const T *q = p + r * n;                                                                                        \
+        T *g = d + r * ldd;                                                                                            \
+        const T *q = p + r * ldp;                                                                                      \
         T top = FX(rowmax##TS)(q, n, NULL);                                                                            \
         ptrdiff_t at = 0;                                                                                              \
         while (at < n && !(q[at] == top))                                                                              \
@@ -303,14 +303,16 @@ FX_ROW_KERNELS(, double, FX_W, FX(vd), FX(vi), FX(load), FX(store), FX(splat), F
 FX_ROW_KERNELS(_f32, float, FX_WF, FX(vf), FX(vw), FX(loadf), FX(storef), FX(splatf), FX(self), FX(expf), FX(vmaxf))
 
 /* The entry points of this build: the kernels, not inlined into one another. */
-FX_ATTR static void FX(softmax_rows_entry)(double *t, ptrdiff_t rows, ptrdiff_t n, double *m, double *s, double *l,
-                                           unsigned char *e) { FX(softmax_rows)(t, rows, n, m, s, l, e); }
-FX_ATTR static void FX(softmax_rows_f32_entry)(float *t, ptrdiff_t rows, ptrdiff_t n, float *m, float *s, float *l,
-                                               unsigned char *e) { FX(softmax_rows_f32)(t, rows, n, m, s, l, e); }
-FX_ATTR static void FX(vjp_rows_entry)(double *d, const double *p, ptrdiff_t rows, ptrdiff_t n)
-    { FX(softmax_vjp_rows)(d, p, rows, n); }
-FX_ATTR static void FX(vjp_rows_f32_entry)(float *d, const float *p, ptrdiff_t rows, ptrdiff_t n)
-    { FX(softmax_vjp_rows_f32)(d, p, rows, n); }
+FX_ATTR static void FX(softmax_rows_entry)(double *t, ptrdiff_t rows, ptrdiff_t n, ptrdiff_t ld, double *m,
+                                           double *s, double *l, unsigned char *e)
+    { FX(softmax_rows)(t, rows, n, ld, m, s, l, e); }
+FX_ATTR static void FX(softmax_rows_f32_entry)(float *t, ptrdiff_t rows, ptrdiff_t n, ptrdiff_t ld, float *m,
+                                               float *s, float *l, unsigned char *e)
+    { FX(softmax_rows_f32)(t, rows, n, ld, m, s, l, e); }
+FX_ATTR static void FX(vjp_rows_entry)(double *d, const double *p, ptrdiff_t rows, ptrdiff_t n, ptrdiff_t ldd,
+                                       ptrdiff_t ldp) { FX(softmax_vjp_rows)(d, p, rows, n, ldd, ldp); }
+FX_ATTR static void FX(vjp_rows_f32_entry)(float *d, const float *p, ptrdiff_t rows, ptrdiff_t n, ptrdiff_t ldd,
+                                           ptrdiff_t ldp) { FX(softmax_vjp_rows_f32)(d, p, rows, n, ldd, ldp); }
 FX_ATTR static void FX(exp_entry)(const double *x, ptrdiff_t n, double *out)
 {
     ptrdiff_t j = 0;

@@ -109,7 +109,7 @@ def _declare(lib):
     lib.sdpa_dd_softmax_vjp_rows.argtypes = [dp, dp, dp, dp, n, n, dp, dp, dp]
     lib.sdpa_dd_softmax_vjp_rows.restype = None
     for name in ("sdpa_fast_softmax_rows", "sdpa_fast_softmax_rows_f32"):
-        getattr(lib, name).argtypes = [dp, n, n, dp, dp, dp, dp]
+        getattr(lib, name).argtypes = [dp, n, n, n, dp, dp, dp, dp]
         getattr(lib, name).restype = None
     for name in ("sdpa_fast_exp", "sdpa_fast_expf"):
         getattr(lib, name).argtypes = [dp, n, dp]
@@ -119,7 +119,7 @@ def _declare(lib):
     lib.sdpa_fast_get_level.argtypes = []
     lib.sdpa_fast_get_level.restype = ctypes.c_int
     for name in ("sdpa_fast_softmax_vjp_rows", "sdpa_fast_softmax_vjp_rows_f32"):
-        getattr(lib, name).argtypes = [dp, dp, n, n]
+        getattr(lib, name).argtypes = [dp, dp, n, n, n, n]
         getattr(lib, name).restype = None
 
 
@@ -335,18 +335,35 @@ def softmax_vjp_rows(lib, P, g):
 
 # ------------------------------------------------------------------ the fast path's fused row passes
 
+def row_stride(a):
+    """The entries between the rows of the 2-D ``a`` when the compiled row passes take it (each row contiguous,
+    the rows a non-negative whole number of entries apart: C-contiguous, or a block of columns of such an
+    array), else None."""
+    if a.ndim != 2:
+        return None
+    if a.size == 0:
+        return max(a.shape[1], 1)
+    if a.strides[1] != a.itemsize and a.shape[1] > 1:
+        return None
+    if a.shape[0] == 1:
+        return max(a.shape[1], 1)
+    ld, r = divmod(a.strides[0], a.itemsize)
+    return ld if r == 0 and ld >= a.shape[1] else None
+
+
 def fast_softmax_rows(lib, t, m, s, lse, empty):
-    """Softmax of each row of the C-contiguous ``t`` ``(rows, n)`` (float64 or float32) in place, with the rows'
-    max, sum, lse and emptiness written into the ``(rows, 1)`` arrays (``empty`` bool)."""
+    """Softmax of each row of ``t`` ``(rows, n)`` (float64 or float32; C-contiguous, or a block of columns of a
+    C-contiguous array: :func:`row_stride`) in place, with the rows' max, sum, lse and emptiness written into the
+    C-contiguous ``(rows, 1)`` arrays (``empty`` bool)."""
     fn = lib.sdpa_fast_softmax_rows if t.dtype == np.float64 else lib.sdpa_fast_softmax_rows_f32
-    fn(_ptr(t), t.shape[0], t.shape[1], _ptr(m), _ptr(s), _ptr(lse), _ptr(empty))
+    fn(_ptr(t), t.shape[0], t.shape[1], row_stride(t), _ptr(m), _ptr(s), _ptr(lse), _ptr(empty))
 
 
 def fast_softmax_vjp_rows(lib, d, p):
-    """``d <- p * ((d - c) - rowsum(p * (d - c)))``, ``c`` at each row's first largest ``p``, in place (C-contiguous
-    ``(rows, n)``, float64 or float32)."""
+    """``d <- p * ((d - c) - rowsum(p * (d - c)))``, ``c`` at each row's first largest ``p``, in place (``(rows,
+    n)``, float64 or float32, each C-contiguous or a block of columns of such an array: :func:`row_stride`)."""
     fn = lib.sdpa_fast_softmax_vjp_rows if d.dtype == np.float64 else lib.sdpa_fast_softmax_vjp_rows_f32
-    fn(_ptr(d), _ptr(p), d.shape[0], d.shape[1])
+    fn(_ptr(d), _ptr(p), d.shape[0], d.shape[1], row_stride(d), row_stride(p))
 
 
 def fast_exp(lib, x, out=None):
