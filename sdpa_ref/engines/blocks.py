@@ -12,6 +12,7 @@ the values, for the tiled forward, backward and JVP (:mod:`.tiled`).
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,8 +20,8 @@ from ..exact import _native
 from ..broadcast import block_of
 from ..transforms import score_mod_params_vjp, scores_forward, transform_scores
 
-__all__ = ["Blocks", "DEFAULT_BLOCK_BUDGET", "auto_block_size", "check_block_size", "exp_inplace", "lse_blocks",
-           "ranges"]
+__all__ = ["BlockSummary", "Blocks", "DEFAULT_BLOCK_BUDGET", "auto_block_size", "check_block_size", "exp_inplace",
+           "key_spans", "lse_blocks", "ranges", "rectangles", "span_rows"]
 
 #: Memory budget (bytes) for the block temporaries of ``block_size="auto"``.
 DEFAULT_BLOCK_BUDGET = 64 * 2**20
@@ -100,6 +101,115 @@ class Blocks:
     def grouped(self, x):
         """``(..., Hq, b, n)`` -> ``(..., Hkv, G, b, n)``."""
         return x.reshape(x.shape[:-3] + (self.p.Hkv, self.p.G) + x.shape[-2:])
+
+
+def span_rows(L):
+    """Query rows per block of the dense engine's block-skipping schedule (:func:`key_spans`): 64, or ``L / 32``
+    from ``L = 2048`` on (per causal row about half a block of masked keys is computed; fewer, larger blocks cost
+    less per block)."""
+    return max(64, L // 32)
+
+
+class BlockSummary(NamedTuple):
+    """Which keys each block of query rows attends (:func:`key_spans`)."""
+    spans: list           # (i0, i1, j0, j1) per block of rows: its keys' span, every allowed entry inside
+    rects: list           # the spans' cover by large rectangles (:func:`rectangles`)
+    full: np.ndarray      # (blocks, S) bool: the keys allowed in every row of the block, in every batch and head
+
+    def is_full(self, i0, i1, j0, j1):
+        """Whether every entry of the rectangle (made of whole blocks) is allowed: its scores need no mask."""
+        b = self.spans[0][1] - self.spans[0][0]
+        return bool(self.full[i0 // b:-(-i1 // b), j0:j1].all())
+
+
+def key_spans(allowed, L, S, b, align=8):
+    """The block summary of an allowed set: per block of ``b`` query rows, the keys ``[j0, j1)`` that hold every
+    allowed entry of its rows in any batch entry or head, as ``(i0, i1, j0, j1)``, their cover by rectangles and
+    the keys each block allows in all its rows (:class:`BlockSummary`); None when no block can skip a key (no
+    mask, or every block's span is every key).
+
+    ``allowed`` is the structural allowed set (:meth:`sdpa_ref.problem.Problem.allowed`), broadcastable to
+    ``(..., L, S)``, or None. ``j0`` is rounded down and ``j1`` up to a multiple of ``align`` (or ``S``): the
+    compiled row passes sum a row in eight lanes from its first entry (:func:`sdpa_ref.pivot.lane_rowsum`), so
+    a span that starts on a multiple of eight adds the same terms in the same lanes as the whole row, the
+    skipped ones being exact zeros. A block with no allowed entry keeps one aligned group of keys (the row
+    passes then see its rows as fully masked, as the whole rows would be). The spans depend on the shape and
+    the mask only, never on the thread count.
+    """
+    if allowed is None or L == 0 or S == 0:
+        return None
+    a = np.asarray(allowed)
+    lead = a.reshape((-1,) + a.shape[-2:]) if a.ndim > 2 else a.reshape((1,) * (3 - a.ndim) + a.shape)
+    some = np.broadcast_to(np.logical_or.reduce(lead, axis=0), (L, S))      # in any batch entry or head
+    every = np.broadcast_to(np.logical_and.reduce(lead, axis=0), (L, S))    # in all of them
+    starts = np.arange(0, L, b)
+    cols = _per_block(some, b, np.any)                      # per block: keys allowed in any of its rows
+    full = _per_block(every, b, np.all)                     # and in all of them
+    has = cols.any(axis=1)
+    first = np.where(has, cols.argmax(axis=1), 0)
+    last = np.where(has, S - cols[:, ::-1].argmax(axis=1), 1)
+    j0 = (first // align) * align
+    j1 = np.minimum(S, -(-last // align) * align)
+    if np.all(j0 == 0) and np.all(j1 == S):
+        return None
+    spans = [(int(i), min(L, int(i) + b), int(x0), int(x1)) for i, x0, x1 in zip(starts, j0, j1)]
+    return BlockSummary(spans, rectangles(spans, full), full)
+
+
+def _per_block(a, b, reduce):
+    """``reduce`` over each block of ``b`` rows of the 2-D ``a``: ``(blocks, S)``."""
+    L, whole = a.shape[0], a.shape[0] - a.shape[0] % b
+    parts = [reduce(a[:whole].reshape(whole // b, b, a.shape[1]), axis=1)] if whole else []
+    if whole < L:
+        parts.append(reduce(a[whole:], axis=0, keepdims=True))
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def rectangles(spans, full=None):
+    """A cover of the spans (:func:`key_spans`) by few, large rectangles ``(i0, i1, j0, j1)``, each entry of every
+    span in exactly one: the matrix products run on them (a causal set of ``L`` rows is about ``log2(L / b)``
+    levels of square-ish products instead of ``L / b`` thin ones).
+
+    The later half of a range of blocks takes the keys common to all its spans as one rectangle (with
+    ``full``, :class:`BlockSummary`'s, the longest run of those keys that its blocks allow in every row, when
+    that is at least half of them: a rectangle that needs no mask); what is left of its spans on either side,
+    and the earlier half, are covered the same way.
+    """
+    out = []
+
+    def cover(lo, hi, sp):
+        sp = [(i, a, b) for i, a, b in sp if b > a]
+        if not sp:
+            return
+        if len(sp) == 1 or hi - lo == 1:
+            out.extend((spans[i][0], spans[i][1], a, b) for i, a, b in sp)
+            return
+        mid = (lo + hi) // 2
+        late = [x for x in sp if x[0] >= mid]
+        cover(lo, mid, [x for x in sp if x[0] < mid])
+        if not late:
+            return
+        c0, c1 = max(a for _, a, _ in late), min(b for _, _, b in late)
+        if c1 <= c0 or late[-1][0] - late[0][0] + 1 != len(late):
+            for i, a, b in late:                                # nothing in common (or a gap): block by block
+                out.append((spans[i][0], spans[i][1], a, b))
+            return
+        if full is not None:                                    # prefer keys every row allows
+            ok = np.concatenate(([False], full[late[0][0]:late[-1][0] + 1, c0:c1].all(axis=0), [False]))
+            edges = np.flatnonzero(np.diff(ok.astype(np.int8)))
+            if len(edges):                                      # (the run's ends on multiples of 8, as the
+                runs = edges.reshape(-1, 2) + c0                # spans': products of whole vectors)
+                runs = np.stack([-(-runs[:, 0] // 8) * 8, np.where(runs[:, 1] == c1, c1, runs[:, 1] // 8 * 8)], 1)
+                width = runs[:, 1] - runs[:, 0]
+                r0, r1 = runs[np.flatnonzero(width == width.max())[0]]    # the longest, the first of equals
+                if 2 * (r1 - r0) >= c1 - c0:
+                    c0, c1 = int(r0), int(r1)
+        out.append((spans[late[0][0]][0], spans[late[-1][0]][1], c0, c1))
+        cover(mid, hi, [(i, a, c0) for i, a, _ in late])
+        cover(mid, hi, [(i, c1, b) for i, _, b in late])
+
+    cover(0, len(spans), [(i, sp[2], sp[3]) for i, sp in enumerate(spans)])
+    return out
 
 
 def ranges(n, b):
