@@ -35,6 +35,13 @@ is how:
   (:mod:`sdpa_ref._threads`). A single head or a small problem runs its row passes
   on row blocks in the pool.
 
+* with a structured mask (causal, windows, chunks, lengths, bool and block
+  masks, mask functions), only each block of query rows' span of allowed
+  keys is computed (:func:`.blocks.key_spans`): the products on a cover of
+  the spans by large rectangles, the row passes span by span on views (the
+  compiled passes take a row stride), ``P`` and ``dT`` 0 elsewhere; the
+  forward's summary travels in ``Forward.extra`` to the backward and JVP.
+
 Chunks are cut from the shape alone, and every row and every matrix product
 is computed the same way in any chunk, so the result is the same bytes for
 any thread count.
@@ -51,8 +58,8 @@ from ..normalize import close, extra_probs, extras, nan_row_probs, row_stats, vj
 from ..pivot import lane_rowsum, softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_jvp, scores_vjp, transform_scores, \
     transform_scores_jvp, transform_scores_vjp, transposed_product
-from .._threads import blas_is_held, num_threads, row_chunks, run_all
-from .blocks import Blocks
+from .._threads import MIN_PARALLEL, blas_is_held, num_threads, row_chunks, run_all
+from .blocks import BlockSummary, Blocks, key_spans, span_rows
 from .contract import Forward, Grads
 
 __all__ = ["forward", "backward", "jvp"]
@@ -61,6 +68,8 @@ __all__ = ["forward", "backward", "jvp"]
 _CHUNK_ENTRIES = 1 << 20
 #: Entries of a row block that one element-wise pass works on (4 MiB of float64).
 _CACHE_ENTRIES = 1 << 19
+#: The allowed set of a block that the summary says is wholly allowed (the mask's pass excludes nothing).
+_EVERY = np.ones((1, 1), dtype=bool)
 
 
 def forward(prob, *, save_probs=True) -> Forward:
@@ -70,14 +79,17 @@ def forward(prob, *, save_probs=True) -> Forward:
     GL, Ev = lay.grouped[-1], prob.v.shape[-1]
     ct = prob.dtype
     q = prob.q.reshape(prob.q.shape[:-4] + (prob.Hkv, GL, prob.q.shape[-1]))
-    T = np.empty(lead + (GL, S), dtype=ct)             # becomes P in place
-    O = np.empty(lead + (GL, Ev), dtype=ct)
+    allowed = prob.allowed()
+    summ = _spans(prob, allowed)                       # the query blocks' allowed key spans, or None
+    spans, rects = (None, None) if summ is None else summ[:2]
+    # becomes P in place; with spans, only they are written: 0 elsewhere, as a masked entry's P is
+    T = (np.empty if spans is None else np.zeros)(lead + (GL, S), dtype=ct)
+    O = (np.empty if spans is None else np.zeros)(lead + (GL, Ev), dtype=ct)
     lse = np.empty(lead + (GL, 1), dtype=ct)
     rowmax = np.empty(lead + (GL, 1), dtype=ct)
     rowsum = np.empty(lead + (GL, 1), dtype=ct)
     empty = np.empty(lead + (GL, 1), dtype=bool)
-    sech2 = None if not o.has_slope or not save_probs else np.empty_like(T)      # the chain's slope
-    allowed = prob.allowed()
+    sech2 = None if not o.has_slope or not save_probs else np.zeros_like(T)      # the chain's slope
     sub = max(1, _CACHE_ENTRIES // max(S, 1))          # rows per cache-sized block
     ext = lay.per_row(extras(prob))                    # the normaliser's extra logits (sinks), one per row
     lse_keys = None if ext is None else np.empty_like(lse)     # then the LSE over the keys alone
@@ -103,6 +115,34 @@ def forward(prob, *, save_probs=True) -> Forward:
                     tb[...] = nan_row_probs(tb, T0, nan)
                     s[nan], lb[nan] = np.nan, np.nan
 
+    def probs(Tc, r, ext_c, inner_parallel):
+        """Scores ``Tc`` -> P in place, with the row results ``r`` (lse, empty, rowmax, rowsum, lse_keys,
+        max_keys)."""
+        lse_c, empty_c, m_c, s_c, lk_c, mk_c = r
+        for rows in _matrices(Tc, lse_c, empty_c, m_c, s_c):
+            if inner_parallel and rows[0].size >= MIN_PARALLEL:
+                row_chunks(softmax_rows, *rows)
+            else:
+                softmax_rows(*rows)
+        if ext_c is not None:                             # the normaliser closed by its extra logits
+            e = empty_c.copy()
+            lk_c[...] = lse_c
+            m0, s0 = m_c.copy(), s_c.copy()
+            mk_c[...] = np.where(e, -np.inf, m0)
+            nrm = close(m0, s0, e, ext_c)
+            # where the extra logits leave the normaliser as it was (a -inf sink), the LSE is the keys' own bits:
+            # m + log(s) is taken once, by the row pass (NumPy's log and the C library's may differ in the last bit)
+            same = (nrm.m == m0) & (nrm.s == s0)
+            np.copyto(Tc, 0.0, where=e)
+            np.multiply(Tc, nrm.r, out=Tc)                 # the keys' P times r
+            m_c[...], s_c[...], empty_c[...] = nrm.m, nrm.s, nrm.empty
+            with np.errstate(divide="ignore"):
+                lse_c[...] = np.where(empty_c, -np.inf, np.where(same, lk_c, nrm.m + np.log(nrm.s)))
+
+    def results(idx):
+        return (lse[idx], empty[idx], rowmax[idx], rowsum[idx], None if ext is None else lse_keys[idx],
+                None if ext is None else max_keys[idx])
+
     def chunk(idx, inner_parallel):
         fidx = lay.full_index(idx)
         qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
@@ -111,29 +151,43 @@ def forward(prob, *, save_probs=True) -> Forward:
         transform_scores(prob, lay.full_view(Tc), lead=fidx,
                          sech2_out=None if sech2 is None else lay.full_view(sech2[idx]),
                          allowed=block_of(allowed, lay.nd_f, fidx))
-        rows = (_rows(Tc), _rows(lse[idx]), _rows(empty[idx]), _rows(rowmax[idx]), _rows(rowsum[idx]))
-        if inner_parallel:
-            row_chunks(softmax_rows, *rows)
-        else:
-            softmax_rows(*rows)
-        if ext is not None:                               # the normaliser closed by its extra logits
-            e = empty[idx].copy()
-            lse_keys[idx] = lse[idx]
-            m0, s0 = rowmax[idx], rowsum[idx]
-            max_keys[idx] = np.where(e, -np.inf, m0)
-            nrm = close(m0, s0, e, ext[idx])
-            # where the extra logits leave the normaliser as it was (a -inf sink), the LSE is the keys' own bits:
-            # m + log(s) is taken once, by the row pass (NumPy's log and the C library's may differ in the last bit)
-            same = (nrm.m == m0) & (nrm.s == s0)
-            np.copyto(Tc, 0.0, where=e)
-            np.multiply(Tc, nrm.r, out=Tc)                 # the keys' P times r
-            rowmax[idx], rowsum[idx], empty[idx] = nrm.m, nrm.s, nrm.empty
-            with np.errstate(divide="ignore"):
-                lse[idx] = np.where(empty[idx], -np.inf, np.where(same, lse_keys[idx], nrm.m + np.log(nrm.s)))
+        probs(Tc, results(idx), None if ext is None else ext[idx], inner_parallel)
         Pd = dropout_forward(lay.full_view(Tc), block_of(prob.keep, lay.nd_f, fidx), o.dropout_p)
         np.matmul(Pd.reshape(Tc.shape), v, out=O[idx])
 
-    _run(chunk, lay.chunks)
+    def chunk_spans(idx, inner_parallel):
+        # only the query blocks' key spans (:func:`key_spans`) are computed, every step on views of the chunk's
+        # arrays (the compiled row passes take a block of columns): the products on the spans' cover by large
+        # rectangles (:func:`rectangles`), the row passes span by span. The scale where the whole chunk's product
+        # puts it (:func:`transforms.scores_forward`), so that each score is rounded as there
+        qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
+        sc = qc.dtype.type(prob.scale)
+        with np.errstate(over="ignore", invalid="ignore"):
+            qs, ks = (sc * qc, k) if qc.shape[-2] <= S else (qc, sc * k)
+        Tc, Oc, sc2, res = T[idx], O[idx], None if sech2 is None else sech2[idx], results(idx)
+        for g, fidx in lay.groups(idx):
+            L0 = g * prob.L                                         # the group's rows of the grouped chunk:
+            for i0, i1, j0, j1 in rects:                            # (..., Hkv, n, w), the heads fidx
+                Tb = Tc[..., L0 + i0:L0 + i1, j0:j1]
+                with np.errstate(over="ignore", invalid="ignore"):
+                    np.matmul(qs[..., L0 + i0:L0 + i1, :], np.swapaxes(ks[..., j0:j1, :], -1, -2), out=Tb)
+                transform_scores(prob, Tb, (i0, i1), (j0, j1), lead=fidx,
+                                 sech2_out=None if sc2 is None else sc2[..., L0 + i0:L0 + i1, j0:j1],
+                                 allowed=_EVERY if summ.is_full(i0, i1, j0, j1) else
+                                 block_of(allowed, lay.nd_f, fidx, (i0, i1), (j0, j1)))
+            for i0, i1, j0, j1 in spans:
+                r = tuple(None if a is None else np.empty(Tc.shape[:-2] + (i1 - i0, 1), a.dtype) for a in res)
+                probs(Tc[..., L0 + i0:L0 + i1, j0:j1], r, None if ext is None else ext[idx][..., L0 + i0:L0 + i1, :],
+                      inner_parallel)
+                for dst, src in zip(res, r):
+                    if dst is not None:
+                        dst[..., L0 + i0:L0 + i1, :] = src
+            for i0, i1, j0, j1 in rects:                            # O = P_drop V, summed over the rectangles
+                Pd = dropout_forward(Tc[..., L0 + i0:L0 + i1, j0:j1],
+                                     block_of(prob.keep, lay.nd_f, fidx, (i0, i1), (j0, j1)), o.dropout_p)
+                Oc[..., L0 + i0:L0 + i1, :] += Pd @ v[..., j0:j1, :]
+
+    _run(chunk if spans is None else chunk_spans, lay.chunks)
     P = T.reshape(full)
     empty = empty.reshape(full[:-1] + (1,))
     padded = prob.padded_rows()
@@ -148,7 +202,7 @@ def forward(prob, *, save_probs=True) -> Forward:
     zr = zero_output_rows(empty, padded, o.fully_masked)
     if zr is not None:                                 # 0 by definition: no value is read
         O = np.where(zr, ct.type(0), O)
-    return Forward(out=O, lse=lse.reshape(full[:-1]), probs=P if save_probs else None,
+    return Forward(out=O, lse=lse.reshape(full[:-1]), probs=P if save_probs else None, extra=summ,
                    slope=None if sech2 is None else sech2.reshape(full), empty=empty,
                    rowmax=rowmax.reshape(full[:-1] + (1,)), rowsum=rowsum.reshape(full[:-1] + (1,)),
                    lse_keys=None if lse_keys is None else lse_keys.reshape(full[:-1]),
@@ -170,10 +224,12 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     # otherwise each chunk works in its own buffer, which the allocator reuses
     keep_dT = prob.mask_float is not None or prob.bias is not None or (o.score_mod is not None and
                                                                         bool(o.score_mod.params))
-    dT = np.empty(grouped + (S,), dtype=ct) if keep_dT else None
+    summ = fwd.extra if isinstance(fwd.extra, BlockSummary) else _spans(prob, prob.allowed())
+    spans, rects = (None, None) if summ is None else summ[:2]     # as the forward's: dT and P are 0 outside
+    dT = (np.empty if spans is None else np.zeros)(grouped + (S,), dtype=ct) if keep_dT else None
     dq = np.empty(grouped + (E,), dtype=ct)
-    dk = np.empty(lead + (S, E), dtype=ct)
-    dv = np.empty(lead + (S, Ev), dtype=ct)
+    dk = (np.empty if spans is None else np.zeros)(lead + (S, E), dtype=ct)     # the spans add into them
+    dv = (np.empty if spans is None else np.zeros)(lead + (S, Ev), dtype=ct)
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))   # their dT is 0, set not computed
     crg = None if cr is None else np.broadcast_to(cr, full[:-1] + (1,)).reshape(grouped + (1,))
     dlg = None if dlse is None else dlse.reshape(grouped + (1,))
@@ -187,35 +243,100 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
             return _native.fast_softmax_vjp_rows(_native.kernels(), d, p)
         softmax_vjp_rows(d, p, sub)
 
+    def grads(qc, k, v, Pc, dOc, dTc, keep, r, inner_parallel, fv=lay.full_view):
+        """One chunk's (or one span's) rows: ``dT`` into ``dTc``; returns ``(P_drop, dTraw)`` (``dTraw`` may be
+        ``dTc``); ``r`` its rows of ``(sech^2, pe, dlse, constant rows, dextra)``, ``fv`` the full-layout view."""
+        sd, pe_c, dl_c, cr_c, dext_c = r
+        Pd = Pc if keep is None else dropout_forward(fv(np.ascontiguousarray(Pc)), keep, o.dropout_p).reshape(Pc.shape)
+        np.matmul(dOc, np.swapaxes(v, -1, -2), out=dTc)                   # dP = dO V^T ...
+        if keep is not None:
+            dropout_forward(fv(dTc), keep, o.dropout_p, out=fv(dTc))      # ... * Z / (1-p)
+        if pe_c is not None:                                               # and the extra columns: dP = 0
+            dTc[...], dext_c[...] = vjp(Pc, dTc, pe_c, dl_c)
+        else:
+            for rows in _matrices(dTc, Pc):
+                if inner_parallel and rows[0].size >= MIN_PARALLEL:
+                    row_chunks(score_grad_rows, *rows)
+                else:
+                    score_grad_rows(*rows)                                 # dT = (dP - D) * P
+        if dl_c is not None and pe_c is None:                              # ... + P * dlse (softmax_lse_vjp)
+            dTc += Pc * dl_c
+        if cr_c is not None:
+            np.copyto(dTc, 0.0, where=cr_c)
+            if dext_c is not None:
+                np.copyto(dext_c, 0.0, where=cr_c)
+        return Pd, transform_scores_vjp(dTc, sd, out=None if keep_dT else dTc)
+
+    def score_grad(Pc, dTc, r, inner_parallel):
+        """dP -> dT in place on a span's rows (``r`` their ``(sech^2, pe, dlse, constant rows, dextra)``): the
+        softmax VJP, the LSE's and extra logits' terms, the constant rows, the chain's slope."""
+        sd, pe_c, dl_c, cr_c, dext_c = r
+        if pe_c is not None:                                               # and the extra columns: dP = 0
+            dTc[...], dext_c[...] = vjp(Pc, dTc, pe_c, dl_c)
+        else:
+            for rows in _matrices(dTc, Pc):
+                if inner_parallel and rows[0].size >= MIN_PARALLEL:
+                    row_chunks(score_grad_rows, *rows)
+                else:
+                    score_grad_rows(*rows)                                 # dT = (dP - D) * P
+        if dl_c is not None and pe_c is None:                              # ... + P * dlse (softmax_lse_vjp)
+            dTc += Pc * dl_c
+        if cr_c is not None:
+            np.copyto(dTc, 0.0, where=cr_c)
+            if dext_c is not None:
+                np.copyto(dext_c, 0.0, where=cr_c)
+        if sd is not None:
+            transform_scores_vjp(dTc, sd, out=dTc)
+
+    def rows_of(idx):
+        return tuple(None if a is None else a[idx] for a in (sdg, pe, dlg, crg, dext))
+
     def chunk(idx, inner_parallel):
         fidx = lay.full_index(idx)
         qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
         Pc, dOc = Pg[idx], dO[idx]
-        keep = block_of(prob.keep, lay.nd_f, fidx)
-        Pd = Pc if keep is None else dropout_forward(lay.full_view(np.ascontiguousarray(Pc)), keep,
-                                                     o.dropout_p).reshape(Pc.shape)
-        transposed_product(Pd, dOc, out=dv[idx])                          # dV = P_drop^T dO
         dTc = dT[idx] if keep_dT else np.empty(Pc.shape, dtype=ct)
-        np.matmul(dOc, np.swapaxes(v, -1, -2), out=dTc)                   # dP = dO V^T ...
-        if keep is not None:
-            dropout_forward(lay.full_view(dTc), keep, o.dropout_p, out=lay.full_view(dTc))   # ... * Z / (1-p)
-        rows = (_rows(dTc), _rows(Pc))
-        if pe is not None:                                                 # and the extra columns: dP = 0
-            dTc[...], dext[idx] = vjp(Pc, dTc, pe[idx], None if dlg is None else dlg[idx])
-        elif inner_parallel:
-            row_chunks(score_grad_rows, *rows)
-        else:
-            score_grad_rows(*rows)                                         # dT = (dP - D) * P
-        if dlg is not None and pe is None:                                 # ... + P * dlse (softmax_lse_vjp)
-            dTc += Pc * dlg[idx]
-        if crg is not None:
-            np.copyto(dTc, 0.0, where=crg[idx])
-            if dext is not None:
-                np.copyto(dext[idx], 0.0, where=crg[idx])
-        dTraw = transform_scores_vjp(dTc, None if sdg is None else sdg[idx], out=None if keep_dT else dTc)
+        Pd, dTraw = grads(qc, k, v, Pc, dOc, dTc, block_of(prob.keep, lay.nd_f, fidx), rows_of(idx), inner_parallel)
+        transposed_product(Pd, dOc, out=dv[idx])                          # dV = P_drop^T dO
         scores_vjp(dTraw, qc, k, prob.scale, dq_out=dq[idx], dk_out=dk[idx])
 
-    _run(chunk, lay.chunks)
+    def chunk_spans(idx, inner_parallel):
+        # the forward's spans: the products on their cover by rectangles, dT's row passes span by span, on views
+        # of the chunk's P, dO and dT; dq, dK and dV summed over the rectangles, then scaled
+        qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
+        Pc, dOc, dqc, dkc, dvc = Pg[idx], dO[idx], dq[idx], dk[idx], dv[idx]
+        dTc = dT[idx] if keep_dT else np.empty(Pc.shape, dtype=ct)
+        r_c = rows_of(idx)
+        dqc[...] = 0
+        for g, fidx in lay.groups(idx):
+            L0 = g * prob.L
+            for i0, i1, j0, j1 in rects:                            # dP = dO V^T Z / (1 - p)
+                dTb = dTc[..., L0 + i0:L0 + i1, j0:j1]
+                np.matmul(dOc[..., L0 + i0:L0 + i1, :], np.swapaxes(v[..., j0:j1, :], -1, -2), out=dTb)
+                keep = block_of(prob.keep, lay.nd_f, fidx, (i0, i1), (j0, j1))
+                if keep is not None:
+                    dropout_forward(dTb, keep, o.dropout_p, out=dTb)
+            for i0, i1, j0, j1 in spans:                            # dT, row by row
+                rows = slice(L0 + i0, L0 + i1)
+                r = tuple(None if a is None else a[..., rows, j0:j1] if n == 0 else a[..., rows, :]
+                          for n, a in enumerate(r_c))
+                score_grad(Pc[..., rows, j0:j1], dTc[..., rows, j0:j1], r, inner_parallel)
+            with np.errstate(over="ignore", invalid="ignore"):
+                for i0, i1, j0, j1 in rects:
+                    rows = slice(L0 + i0, L0 + i1)
+                    dTb, qb, dOb = dTc[..., rows, j0:j1], qc[..., rows, :], dOc[..., rows, :]
+                    Pd = dropout_forward(Pc[..., rows, j0:j1], block_of(prob.keep, lay.nd_f, fidx, (i0, i1), (j0, j1)),
+                                         o.dropout_p)
+                    # dV += P_drop^T dO and dK += dT^T Q as their transposes (short, wide products), dq += dT K
+                    dvc[..., j0:j1, :] += np.swapaxes(np.matmul(np.swapaxes(dOb, -1, -2), Pd), -1, -2)
+                    dkc[..., j0:j1, :] += np.swapaxes(np.matmul(np.swapaxes(qb, -1, -2), dTb), -1, -2)
+                    dqc[..., rows, :] += np.matmul(dTb, k[..., j0:j1, :])
+        sc = ct.type(prob.scale)
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.multiply(dqc, sc, out=dqc)
+            np.multiply(dkc, sc, out=dkc)
+
+    _run(chunk if spans is None else chunk_spans, lay.chunks)
     dT = None if dT is None else dT.reshape(full)
     return Grads(dq=dq.reshape(full[:-1] + (E,)), dk=dk, dv=dv,
                  dmask=None if prob.mask_float is None else additive_vjp(dT, prob.shapes["attn_mask"]),
@@ -283,7 +404,48 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
                                                          o.dropout_p).reshape(Pc.shape)
             out[idx] += Pd @ block_of(dv, lay.nd_g, idx)                    # + P_drop dV
 
-    _run(chunk, lay.chunks)
+    summ = fwd.extra if isinstance(fwd.extra, BlockSummary) else _spans(prob, prob.allowed())
+    spans, rects = (None, None) if summ is None else summ[:2]     # P is 0 outside the forward's spans
+
+    def chunk_spans(idx, inner_parallel):
+        # the forward's spans: the tangent scores and the products on their cover by rectangles, the row
+        # passes span by span, on views of one chunk-sized dP
+        qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
+        dqc, dkc, dvc = (block_of(a, lay.nd_g, idx) for a in (dqg, dk, dv))
+        Pc, outc = Pg[idx], out[idx]
+        dP = np.empty(Pc.shape, ct) if scored else None
+        for g, fidx in lay.groups(idx):
+            L0 = g * prob.L
+            for i0, i1, j0, j1 in (rects if scored else ()):     # dT = s (dQ K^T + Q dK^T) sech^2 + dB
+                rows = slice(L0 + i0, L0 + i1)
+                t = scores_jvp(qc[..., rows, :], k[..., j0:j1, :], None if dqc is None else dqc[..., rows, :],
+                               None if dkc is None else dkc[..., j0:j1, :], prob.scale)
+                db = block_of(dbias, lay.nd_f, fidx, (i0, i1), (j0, j1))
+                dP[..., rows, j0:j1] = transform_scores_jvp(0 if t is None else t,
+                                                            None if sdg is None else sdg[idx][..., rows, j0:j1], db)
+            for i0, i1, j0, j1 in (spans if scored else ()):      # P * ((dT - c) - D), in place
+                rows = slice(L0 + i0, L0 + i1)
+                Pb, dPb = Pc[..., rows, j0:j1], dP[..., rows, j0:j1]
+                if pe is not None:
+                    dPb[...] = vjp(Pb, dPb, pe[idx][..., rows, :],
+                                   d_extra=None if deg is None else deg[idx][..., rows, :])[0]
+                else:
+                    for mats in _matrices(dPb, Pb):
+                        if _fused(*mats):
+                            _native.fast_softmax_vjp_rows(_native.kernels(), *mats)
+                        else:
+                            softmax_vjp_rows(*mats, sub)
+                if crg is not None:
+                    np.copyto(dPb, 0.0, where=crg[idx][..., rows, :])
+            for i0, i1, j0, j1 in rects:                          # dO = dP Z / (1 - p) V + P_drop dV
+                rows = slice(L0 + i0, L0 + i1)
+                keep = block_of(prob.keep, lay.nd_f, fidx, (i0, i1), (j0, j1))
+                if scored:
+                    outc[..., rows, :] += dropout_forward(dP[..., rows, j0:j1], keep, o.dropout_p) @ v[..., j0:j1, :]
+                if dvc is not None:
+                    outc[..., rows, :] += dropout_forward(Pc[..., rows, j0:j1], keep, o.dropout_p) @ dvc[..., j0:j1, :]
+
+    _run(chunk if spans is None else chunk_spans, lay.chunks)
     if dv is not None:
         dvu = prob.averaged_values(fwd.empty, dv, dv_full)
         if dvu is not dv:                                  # "uniform": such a row averages every value's tangent
@@ -299,7 +461,8 @@ def _fused(*arrays):
     """Whether the compiled row passes (:mod:`sdpa_ref.exact._native`) take these arrays: the library is there and
     they are C-contiguous float64 or float32 of one dtype (bool flags aside)."""
     t = arrays[0]
-    return (t.dtype in (np.float64, np.float32) and all(a.flags.c_contiguous for a in arrays)
+    return (t.dtype in (np.float64, np.float32)
+            and all(a.flags.c_contiguous or a.shape[-1] > 1 and _native.row_stride(a) is not None for a in arrays)
             and all(a.dtype in (t.dtype, np.bool_) for a in arrays) and _native.kernels() is not None)
 
 
@@ -377,16 +540,51 @@ class _Layout:
         hq = h if h.start is None else slice(h.start * self.G, h.stop * self.G)
         return idx[:-1] + (hq,)
 
+    def groups(self, idx):
+        """``(g, lead)`` for each group ``g`` of a chunk ``idx``: ``lead`` the full-layout index of the group's
+        heads in the chunk (every ``G``-th head from ``g``), whose scores are the grouped chunk's rows
+        ``g L + [0, L)``."""
+        h = idx[-1]
+        h0, h1 = (h.start or 0) * self.G, (self.lead[-1] if h.stop is None else h.stop) * self.G
+        for g in range(self.G):
+            yield g, idx[:-1] + (slice(h0 + g, h1, self.G),)
+
     def per_row(self, x):
         """A per-head (or per-row) ``(..., Hq, 1 or L, 1)`` array (the extra logits) as one value per row in the
         grouped layout ``(*batch, Hkv, G*L, 1)``; None stays None."""
         return None if x is None else np.broadcast_to(x, self.full[:-1] + (1,)).reshape(self.grouped + (1,))
 
-    def full_view(self, a):
-        """The full-layout view ``(..., Hq, L, n)`` of a grouped-layout chunk ``(..., Hkv, G*L, n)``."""
-        r = a.reshape(a.shape[:-3] + (a.shape[-3] * self.G, self.full[-2], a.shape[-1]))
+    def full_view(self, a, rows=None):
+        """The full-layout view ``(..., Hq, L, n)`` of a grouped-layout chunk ``(..., Hkv, G*L, n)`` (``rows``
+        in place of ``L``: a block of each group's rows)."""
+        rows = self.full[-2] if rows is None else rows
+        r = a.reshape(a.shape[:-3] + (a.shape[-3] * self.G, rows, a.shape[-1]))
         assert r.size == 0 or np.may_share_memory(r, a), "a chunk must be a view of its buffer"
         return r
+
+
+def _spans(prob, allowed):
+    """:func:`.blocks.key_spans` of the problem's allowed set, in blocks of :func:`.blocks.span_rows` query rows,
+    or None (nothing to skip: every block runs over every key, as one product per head)."""
+    return key_spans(allowed, prob.L, prob.S, span_rows(prob.L))
+
+
+def _matrices(*arrays):
+    """The 2-D ``(rows, n)`` matrices the row passes run on: each array as one when it is one in memory (a
+    chunk), else one per leading index (a block's view: rows of a wider array, one matrix per head)."""
+    flat = [_flat_rows(a) for a in arrays]
+    if all(f is not None for f in flat):
+        return [tuple(flat)]
+    return [tuple(a[ix] for a in arrays) for ix in np.ndindex(*arrays[0].shape[:-2])]
+
+
+def _flat_rows(a):
+    """``a`` as a 2-D ``(rows, n)`` view when its rows are evenly spaced in memory, else None (never a copy)."""
+    shape = [(n, st) for n, st in zip(a.shape[:-1], a.strides[:-1]) if n != 1]
+    if any(shape[i][1] != shape[i + 1][1] * shape[i + 1][0] for i in range(len(shape) - 1)):
+        return None
+    rows = int(np.prod(a.shape[:-1]))
+    return np.lib.stride_tricks.as_strided(a, (rows, a.shape[-1]), (shape[-1][1] if shape else 0, a.strides[-1]))
 
 
 def _rows(a):
