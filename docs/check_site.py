@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -44,7 +45,7 @@ CHROMIUM_ARGS = [
     "--disable-client-side-phishing-detection", "--disable-breakpad", "--metrics-recording-only",
     "--disable-features=Translate,OptimizationHints,MediaRouter,AutofillServerCommunication",
     "--no-proxy-server", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-    "--window-size=1280,1024",
+    "--window-size=1280,800",
 ]
 
 #: Waits until MathJax 3 (if the page loads it) has typeset the page.
@@ -80,6 +81,102 @@ Promise.all(pending).then(() => done({
   }),
   ids: Array.from(document.querySelectorAll("[id], a[name]")).map((el) => el.id || el.getAttribute("name")),
 }));
+"""
+
+
+#: The page's layout and rendered text, measured in the main column (``article``, else ``main``, else the
+#: body). ``arguments[0]`` says which checks: "wide" (every element of the column stays inside it and nothing
+#: in it scrolls sideways) or "narrow" (equations, figures and tables only: code blocks may scroll).
+#: ``arguments[1]`` adds the text checks (raw LaTeX, reprs, backticks): they need no second width.
+JS_LAYOUT = """
+const done = arguments[arguments.length - 1], mode = arguments[0], withText = arguments[1];
+const col = document.querySelector("article") || document.querySelector("main, [role=main]") || document.body;
+const box = col.getBoundingClientRect(), slack = 1;
+const label = (el) => {
+  const name = typeof el.className === "string" ? el.className.trim() : "";
+  const cls = name ? "." + name.split(/\\s+/)[0] : "";
+  const math = el.closest(".math, mjx-container");
+  let what = el.tagName.toLowerCase() + cls;
+  if (math) {
+    let src = "";
+    try { for (const m of MathJax.startup.document.math) if (math.contains(m.typesetRoot) || m.typesetRoot.contains(el))
+      { src = m.math; break; } } catch (e) {}
+    what += " " + JSON.stringify((src || math.textContent).trim().slice(0, 50));
+  } else {
+    const t = (el.getAttribute("src") || el.textContent || "").trim().replace(/\\s+/g, " ");
+    what += " " + JSON.stringify(t.slice(0, 50));
+  }
+  return what;
+};
+const isCode = (el) => el.closest("pre, .highlight, div[class*=highlight-]") !== null;
+const kinds = "mjx-container, .math, img, svg, figure, table, canvas, video, iframe";
+const out = [];
+const scrolls = (el) => {
+  const ox = getComputedStyle(el).overflowX;
+  // scrolls, or is cut off, or (an equation, figure or table) spills its content over its own edge; an inline
+  // box (inline math: its hidden assistive MathML counts in its scrollWidth) only when it scrolls
+  const inline = getComputedStyle(el).display.startsWith("inline");
+  const hit = inline ? (ox === "auto" || ox === "scroll") : (ox !== "visible" || el.matches(kinds));
+  // MathJax's container: the typeset math's own width (its hidden assistive MathML can widen scrollWidth)
+  const math = el.tagName.toLowerCase() === "mjx-container" && el.querySelector(":scope > mjx-math");
+  const wide = math ? math.getBoundingClientRect().width : el.scrollWidth;
+  return hit && el.clientWidth > 0 && wide > el.clientWidth + slack;
+};
+const sticksOut = (el) => {
+  const r = el.getBoundingClientRect();
+  return r.width > 0 && (r.right > box.right + slack || r.left < box.left - slack);
+};
+function inside(el) { return el !== col && col.contains(el); }
+if (mode === "wide") {
+  const seen = new Set();
+  for (const el of col.querySelectorAll("*")) {
+    if (el.closest("mjx-container") && el.tagName.toLowerCase() !== "mjx-container") continue;
+    if (scrolls(el) || sticksOut(el)) {
+      // report the outermost culprit only
+      let p = el.parentElement, dup = false;
+      while (p && p !== col) { if (seen.has(p)) { dup = true; break; } p = p.parentElement; }
+      seen.add(el);
+      const width = scrolls(el) ? el.scrollWidth : el.getBoundingClientRect().width;
+      if (!dup) out.push(`${label(el)} is ${Math.round(width)} px wide in a column of ${Math.round(box.width)} px`);
+    }
+  }
+  if (out.length === 0 && col.scrollWidth > col.clientWidth + slack)   // e.g. a wide element cut off by nothing
+    out.push(`the main column is ${col.scrollWidth} px wide inside ${col.clientWidth} px`);
+} else {
+  const reported = new Set();
+  for (const el of col.querySelectorAll(kinds)) {
+    if (isCode(el)) continue;
+    let within = false;
+    for (let p = el.parentElement; p && p !== col && !within; p = p.parentElement) within = reported.has(p);
+    if (within) continue;
+    let bad = sticksOut(el) || scrolls(el);
+    for (let p = el.parentElement; !bad && p && p !== col; p = p.parentElement)
+      if (scrolls(p) && !isCode(p)) bad = true;
+    if (bad) {
+      reported.add(el);
+      const width = Math.max(el.getBoundingClientRect().width, el.scrollWidth);
+      out.push(`${label(el)} is ${Math.round(width)} px wide at ${window.innerWidth} px`);
+    }
+  }
+}
+const text = [];
+if (withText) {
+  const skip = "script, style, noscript, template, mjx-container, mjx-assistive-mml";
+  const prose = [], all = [];
+  const walk = document.createTreeWalker(col, NodeFilter.SHOW_TEXT);
+  for (let n = walk.nextNode(); n; n = walk.nextNode()) {
+    const el = n.parentElement;
+    if (!el || el.closest(skip)) continue;
+    all.push(n.nodeValue);
+    if (!el.closest("pre, code, kbd, samp, tt, .highlight, .sphx-glr-script-out, .math")) prose.push(n.nodeValue);
+  }
+  const attrs = Array.from(col.querySelectorAll("img[alt], [title], [aria-label]")).map(
+    (el) => [el.tagName.toLowerCase(),
+             el.getAttribute("alt") || el.getAttribute("title") || el.getAttribute("aria-label") || ""]);
+  done({layout: out, prose: prose.join(""), all: all.join(""), attrs: attrs});
+} else {
+  done({layout: out});
+}
 """
 
 
@@ -172,6 +269,7 @@ def check_page(driver, base, site_dir, page):
             "(function wait() { document.readyState === 'complete' ? done() : setTimeout(wait, 20); })();")
         mathjax = driver.execute_async_script(JS_WAIT_MATHJAX)
         data = driver.execute_async_script(JS_COLLECT)
+        problems += check_layout(driver)
     except WebDriverException as err:        # a page that never finishes loading or typesetting
         problems.append(f"page did not finish: {(err.msg or type(err).__name__).splitlines()[0]}")
         mathjax, data = "", {"math": [], "images": [], "links": [], "ids": []}
@@ -220,6 +318,65 @@ def check_page(driver, base, site_dir, page):
         "images": len(data["images"]), "images_ok": sum(i["ok"] for i in data["images"]),
         "internal_links": internal, "external_links": external, "problems": problems,
     }
+
+
+#: Raw TeX in rendered prose or in an image's alt text: a control word MathJax would have typeset, a ``\(``
+#: or ``\[`` delimiter, or a ``$...$`` span.
+RAW_LATEX = re.compile(r"\\(?:frac|sqrt|top|mathrm|mathbf|mathsf|operatorname|text|sum|prod|cdot|times|left|right|"
+                       r"begin|end|partial|alpha|beta|sigma|lambda|delta|exp|log|infty|le|ge|ne)(?![A-Za-z])"
+                       r"|\\[(\[]|\$[^$\s][^$\n]*\$")
+#: A Python repr shown to the reader: a matplotlib object or any ``<... object at 0x...>``.
+RAW_REPR = re.compile(r"<matplotlib[.\w]*[^<>\n]*>|<[^<>\n]* object at 0x[0-9a-fA-F]+")
+#: The narrow width: a phone (390 CSS px, as an iPhone 12 to 15).
+NARROW = (390, 844)
+
+
+def _excerpt(text, match, width=30):
+    start, end = max(match.start() - width, 0), min(match.end() + width, len(text))
+    return " ".join(text[start:end].split())
+
+
+def check_layout(driver):
+    """The current page's layout at the window's width and at a phone's, and what its text shows raw.
+
+    At the window's width (1280x800 in :data:`CHROMIUM_ARGS`) nothing in the
+    main column may stick out of it or scroll sideways, code blocks included.
+    At :data:`NARROW` width no equation, figure or table may (code blocks may
+    scroll there). In the column's prose (text outside code blocks and
+    program output) no raw TeX (:data:`RAW_LATEX`) or backtick may show; in
+    its whole text no repr (:data:`RAW_REPR`); in an image's alt text or an
+    element's title no raw TeX.
+
+    Parameters
+    ----------
+    driver : selenium.webdriver.Chrome
+        A browser with the page loaded and typeset.
+
+    Returns
+    -------
+    list of str
+        The problems found.
+    """
+    problems = []
+    wide = driver.execute_async_script(JS_LAYOUT, "wide", True)
+    problems += [f"overflows at {driver.execute_script('return window.innerWidth')} px: {p}" for p in wide["layout"]]
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": NARROW[0], "height": NARROW[1], "deviceScaleFactor": 1, "mobile": False})
+    try:
+        driver.execute_async_script(
+            "const done = arguments[0]; requestAnimationFrame(() => requestAnimationFrame(() => done()));")
+        problems += [f"overflows at {NARROW[0]} px: {p}" for p in
+                     driver.execute_async_script(JS_LAYOUT, "narrow", False)["layout"]]
+    finally:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    prose = wide["prose"]
+    problems += [f"raw TeX in the text: {_excerpt(prose, m)!r}" for m in RAW_LATEX.finditer(prose)][:5]
+    problems += [f"a repr in the text: {m.group()[:60]!r}" for m in RAW_REPR.finditer(wide["all"])][:5]
+    ticks = list(re.finditer("`+", prose))
+    problems += [f"a backtick in the text ({len(ticks)} runs of them): {_excerpt(prose, ticks[0])!r}"] if ticks else []
+    problems += [f"raw TeX in an {tag}'s alt or title: {text[:60]!r}" for tag, text in wide["attrs"]
+                 if RAW_LATEX.search(text)][:5]
+    return problems
 
 
 def check_site(site_dir, max_pages=None, progress=None, chromium=None, chromedriver=None):

@@ -137,3 +137,71 @@ def test_built_site():
     assert problems == [], "\n".join(problems[:50])
     assert len(report["pages"]) >= MIN_PAGES
     assert any(r["math_typeset"] > 0 for r in report["pages"]), "no page has typeset math"
+
+
+#: A main column of at most 600 px, as a theme's article; the planted faults sit in it.
+ARTICLE = '<article style="max-width: 600px; margin: 0 auto">{}</article>'
+WIDE_TEX = " + ".join(f"x_{{{i}}}" for i in range(60))        # about 1500 px of display math
+#: Each page with a layout or text fault, and what the checker must say (its only problems).
+LAYOUT_FAULTS = {
+    "wide_code.html": ("<pre style='overflow-x: auto'>" + "x = 1; " * 40 + "</pre>",
+                       ["overflows at 1280 px: pre"]),
+    "wide_img.html": ('<img src="pic.svg" alt="a figure" style="width: 900px">',
+                      ["overflows at 1280 px: img", "overflows at 390 px: img"]),
+    "narrow_table.html": ("<table><tr><td>" + "&nbsp;".join(["cell"] * 16) + "</td></tr></table>",
+                          ["overflows at 390 px: table"]),
+    "repr.html": ('<div class="sphx-glr-script-out"><pre>&lt;matplotlib.colorbar.Colorbar object at 0x7f1854d0ed10&gt;'
+                  "</pre></div>", ["a repr in the text: '<matplotlib.colorbar.Colorbar object at 0x7f1854d0ed10>'"]),
+    "object_repr.html": ("<p>&lt;sdpa_ref.BlockMask object at 0x7f00aa&gt;</p>", ["a repr in the text"]),
+    "raw_tex.html": (r"<p>the scale $1/\sqrt{d_k}$ of the scores</p>", ["raw TeX in the text"]),
+    "raw_tex_paren.html": (r"<p>the scores \(QK^T\)</p>", ["raw TeX in the text"]),
+    "raw_frac.html": (r"<p>take \frac{1}{2} of it</p>", ["raw TeX in the text"]),
+    "raw_alt.html": (r'<img src="pic.svg" alt="softmax$(QK^T/\sqrt{d_k})$">', ["raw TeX in an img's alt"]),
+    "backtick.html": ("<p>``B`` and ``H`` may be 1</p>", ["a backtick in the text"]),
+}
+#: What must pass: code that scrolls at 390 px (not at 1280), backticks, TeX and dollars in code and output.
+LAYOUT_CLEAN = ("<h1>Clean</h1><p>Text that wraps. " * 20 + "</p><pre style='overflow-x: auto'>" + "y = 2; " * 6
+                + "# `x` $a$ \\frac</pre><p>Inline <code>``B``</code> and <code>$HOME</code>.</p>"
+                '<div class="sphx-glr-script-out"><pre>cost: $5, \\(x\\)</pre></div>'
+                '<table><tr><td>a</td><td>b</td></tr></table><img src="pic.svg" alt="a plain figure">')
+
+
+@needs_browser
+def test_checker_layout_and_text(tmp_path, capsys):
+    """Over-wide equations, code, figures and tables, and raw TeX, reprs and backticks, are caught; clean passes."""
+    write(tmp_path, "pic.svg", SVG)
+    faults = dict(LAYOUT_FAULTS)
+    mj = mathjax_dir()
+    if mj is not None:
+        try:
+            os.symlink(mj, tmp_path / "mathjax")
+        except OSError:
+            shutil.copytree(mj, tmp_path / "mathjax")
+        faults["wide_math.html"] = ('<div class="math">\\[' + WIDE_TEX + "\\]</div>",
+                                    ["overflows at 1280 px: div.math", "overflows at 390 px: div.math"])
+        narrow_tex = " + ".join(f"x_{{{i}}}" for i in range(12))          # about 480 px: fits 600, not 390
+        faults["narrow_math.html"] = ('<div class="math">\\[' + narrow_tex + "\\]</div>",
+                                      ["overflows at 390 px: div.math"])
+    for page, (body, _) in faults.items():
+        write(tmp_path, page, HEAD.format(MATHJAX if "math" in page else "", ARTICLE.format(body)))
+    write(tmp_path, "index.html", HEAD.format(MATHJAX if mj else "", ARTICLE.format(
+        LAYOUT_CLEAN + (r'<div class="math">\[\frac{a}{b} + x^\top\]</div>' if mj else ""))))
+
+    assert check_site.main([str(tmp_path), "--json"]) == 1
+    pages = {r["page"]: r for r in json.loads(capsys.readouterr().out)["pages"]}
+    assert pages["index.html"]["problems"] == []
+    for page, (_, expected) in faults.items():
+        problems = pages[page]["problems"]
+        assert len(problems) == len(expected), (page, problems)
+        for want, got in zip(expected, problems):
+            assert got.startswith(want), (page, problems)
+
+
+def test_plain_alt_text():
+    """The gallery's alt text: matplotlib's TeX made plain, so that the site check finds none raw."""
+    import _scraper
+
+    assert _scraper.plain_text(r"scaled: softmax$(QK^T/\sqrt{d_k})$") == "scaled: softmax(QK^T/sqrt(d_k))"
+    assert _scraper.plain_text(r"norm $\|dT_{i,:}\|$, $d_k$ = 128") == "norm |dT_i,:|, d_k = 128"
+    assert _scraper.plain_text("no math: 92% of rows") == "no math: 92% of rows"
+    assert not check_site.RAW_LATEX.search(_scraper.plain_text(r"$\mathrm{softmax}(x)\cdot y$"))
