@@ -45,7 +45,7 @@ extensions = [
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build", "**/GALLERY_HEADER.rst", "tutorials/*.py", "exercises/*.py", "README.md"]
-templates_path = []
+templates_path = ["_templates"]             # sidebar-site-nav.html: the whole site in the left sidebar
 nitpicky = False
 suppress_warnings = []
 
@@ -59,6 +59,7 @@ numpydoc_xref_param_type = False
 
 # --- the Markdown pages (SEMANTICS.md, docs/*.md)
 myst_enable_extensions = ["dollarmath"]
+myst_fence_as_directive = ["math"]          # SEMANTICS.md's ```math blocks: math here, as on a code host
 myst_heading_anchors = 3
 
 # --- the examples, tutorials and exercises: each runs at build time; an exception fails the build
@@ -71,7 +72,7 @@ sphinx_gallery_conf = {
     "ignore_pattern": r"(__init__|conftest)\.py$|[/\\]_[^/\\]*\.py$",
     "within_subsection_order": "FileNameSortKey",
     "reset_argv": "_figures.gallery_argv",
-    "image_scrapers": ("matplotlib",),
+    "image_scrapers": ("_scraper.matplotlib_plain_alt",),   # alt text without TeX
     "download_all_examples": False,
     "write_computation_times": False,        # those pages load jQuery and DataTables from the network
     "show_memory": False,
@@ -81,6 +82,7 @@ sphinx_gallery_conf = {
     "only_warn_on_example_error": False,
     "matplotlib_animations": False,
     "capture_repr": ("_repr_html_", "__repr__"),
+    "ignore_repr_types": r"matplotlib[.]",   # a script's last Colorbar or Text is no output for the reader
     "plot_gallery": "True",
 }
 
@@ -89,14 +91,21 @@ html_theme = "pydata_sphinx_theme"
 html_title = "sdpa_ref " + release
 html_theme_options = {
     "navigation_with_keys": False,
+    "navbar_center": [],                     # the site's parts are in the left sidebar, not a header that wraps
     "show_toc_level": 2,
     "header_links_before_dropdown": 6,
-    "secondary_sidebar_items": ["page-toc"],
+    "secondary_sidebar_items": [],           # the page's contents go under the site's, so the column is wide
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version"],
 }
 html_context = {"default_mode": "auto"}     # else the theme logs "invalid theme mode" on a first visit
-html_sidebars = {"**": ["sidebar-nav-bs"]}
+html_sidebars = {"**": ["sidebar-site-nav", "page-toc"]}
+html_static_path = ["_static"]               # the layout (sdpa_ref.css) and wide equations on a phone (sdpa_ref.js)
+html_css_files = ["sdpa_ref.css"]
+html_js_files = ["sdpa_ref.js"]
+maximum_signature_line_length = 88           # a longer signature puts one parameter per line: it fits the column
+# MathJax's \top is a hairline at 1x; K^\top is typeset as a sans-serif T, which reads at any size
+mathjax3_config = {"tex": {"macros": {"top": r"{\mathsf{T}}"}}}
 html_show_sourcelink = False
 html_copy_source = False
 intersphinx_mapping = {}                     # no inventory is fetched: the build needs no network
