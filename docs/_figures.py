@@ -2,23 +2,47 @@
 
 :func:`make_figures` runs at ``builder-inited`` and writes ``docs/_generated/``:
 ``diagnose.png`` and ``diagnose.txt`` (``sdpa-ref diagnose --plot``: the
-figure and the table). The examples' figures come from running the examples
+figure and the table), and ``bench_table.png`` and ``bench_table.txt`` (the
+speed table of ``benchmarks/bench_table.py``, drawn from the results file it
+wrote, :data:`BENCH_RESULTS`). The examples' figures come from running the examples
 in the gallery (:func:`gallery_argv` gives each its arguments, ``--plot``
 into ``_generated/`` among them), so a page that shows one shows what this
 build's run produced.
+
+The pages' text quotes this build's results through placeholders that
+:func:`fill_numbers` (``source-read``) formats: ``{{copy_task.KEY}}``,
+``{{saturation.KEY}}`` (the files the examples write with ``--results``) or
+``{{diagnose.SCALE.D_K.FIELD:SPEC}}`` (``diagnose.json``, the sweep's rows by
+scale and d_k): a dotted path into the results file of that name and an
+optional format spec. No figure a run measures is typed into a page
+(``tests/test_docs_sources_numbers.py``). A placeholder naming nothing fails
+the build; one whose results this build did not make (``SDPA_REF_DOCS_ONLY``
+left its example out) reads "(not computed in this build)".
 """
 
+import json
 import os
+import re
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GENERATED = os.path.join(HERE, "_generated")
 
 # the arguments each example runs with in the gallery (others: none)
 _ARGV = {
-    "copy_task.py": ["--seeds", "5", "--plot", os.path.join(GENERATED, "copy_task.png")],
-    "saturation_demo.py": ["--plot", os.path.join(GENERATED, "saturation.png")],
+    "copy_task.py": ["--plot", os.path.join(GENERATED, "copy_task.png"),
+                     "--results", os.path.join(GENERATED, "copy_task.json")],
+    "saturation_demo.py": ["--plot", os.path.join(GENERATED, "saturation.png"),
+                           "--results", os.path.join(GENERATED, "saturation.json")],
 }
+#: the placeholders' results files: ``{{NAME.…}}`` reads ``_generated/NAME.json``
+RESULTS = ("copy_task", "saturation", "diagnose")
+PLACEHOLDER = re.compile(r"\{\{([a-z_]+)\.([A-Za-z0-9_.]+?)(?::([^{}]*))?\}\}")
+NOT_COMPUTED = "(not computed in this build)"
 README_FIGURE = os.path.join(HERE, "images", "saturation.png")     # the README's picture, committed
+#: The speed table's results (``python benchmarks/bench_table.py --output docs/data/bench_table.json``, its date
+#: and machine inside), committed: the build draws ``_generated/bench_table.png`` from it and never runs the benchmark
+BENCH_RESULTS = os.path.join(HERE, "data", "bench_table.json")
+BENCH_FIGURE = "bench_table.png"
 
 
 def _digest(path):
@@ -52,7 +76,9 @@ def gallery_argv(gallery_conf, script_vars):
 
 
 def make_figures(app):
-    """Write the figures the Markdown pages show, from this build's runs."""
+    """Write the figures the Markdown pages show, from this build's runs; and connect :func:`fill_numbers`, which
+    formats the pages' numbers from this build's results (``conf.py`` connects this function only)."""
+    app.connect("source-read", fill_numbers)
     import contextlib
     import io
 
@@ -72,3 +98,78 @@ def make_figures(app):
         fh.write(table.getvalue())
     if rc != 0 or not os.path.exists(path):
         raise RuntimeError(f"sdpa-ref diagnose --plot failed (status {rc}): the page's figure is not made")
+    rows = io.StringIO()                 # the same sweep (same seed) as JSON, for the numbers the page quotes
+    with contextlib.redirect_stdout(rows), contextlib.redirect_stderr(io.StringIO()):
+        rc = sdpa_ref_main(["diagnose", "--d-k", "4", "16", "64", "256", "1024", "--format", "json"])
+    if rc != 0:
+        raise RuntimeError(f"sdpa-ref diagnose --format json failed (status {rc})")
+    by_scale = {}
+    for row in json.loads(rows.getvalue()):
+        by_scale.setdefault(row["scale"], {})[str(row["d_k"])] = row
+    with open(os.path.join(GENERATED, "diagnose.json"), "w") as fh:
+        json.dump(by_scale, fh, indent=1)
+    make_bench_figure()
+
+
+def _results(app, name):
+    """This build's results file ``_generated/NAME.json``, or None where this build did not write it."""
+    path = os.path.join(GENERATED, name + ".json")
+    if not os.path.exists(path) or os.path.getmtime(path) < getattr(app, "startup_time", 0):
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def format_placeholder(results, name, key, spec):
+    """The text of ``{{name.key:spec}}`` from ``results`` (the file's data): the value at the dotted ``key``,
+    formatted with ``spec``; a ValueError names a key that is not there."""
+    value = results
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(f"the placeholder {{{{{name}.{key}}}}} names nothing in _generated/{name}.json "
+                             f"(no {part!r})")
+        value = value[part]
+    return format(value, spec or "")
+
+
+def fill_numbers(app, docname, source):
+    """``source-read``: replace every placeholder of a page by its value from this build's results."""
+    if "{{" not in source[0]:
+        return
+    cache = {}
+
+    def one(m):
+        name, key, spec = m.groups()
+        if name not in RESULTS:
+            raise ValueError(f"{docname}: the placeholder {m.group(0)} names no results file ({', '.join(RESULTS)})")
+        if name not in cache:
+            cache[name] = _results(app, name)
+        if cache[name] is None:
+            return NOT_COMPUTED
+        return format_placeholder(cache[name], name, key, spec)
+
+    source[0] = PLACEHOLDER.sub(one, source[0])
+
+
+def bench_table():
+    """``benchmarks/bench_table.py`` as a module (the figure and the table are drawn by its own functions)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(HERE), "benchmarks", "bench_table.py")
+    spec = importlib.util.spec_from_file_location("bench_table", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def make_bench_figure(results=BENCH_RESULTS, out=GENERATED):
+    """Draw the speed table's figure and write its text table into ``out`` from the committed results file."""
+    import json
+
+    with open(results) as fh:
+        result = json.load(fh)
+    mod = bench_table()
+    os.makedirs(out, exist_ok=True)
+    mod.figure(result, os.path.join(out, BENCH_FIGURE))
+    with open(os.path.join(out, "bench_table.txt"), "w") as fh:
+        fh.write(mod.format_table(result) + "\n")

@@ -36,7 +36,8 @@ def test_the_only_committed_picture_is_the_readmes():
 
 def test_every_picture_a_page_shows_is_made_by_the_build_or_checked_by_it():
     figures = _figures()
-    made = {"diagnose.png"} | {pathlib.Path(a[a.index("--plot") + 1]).name for a in figures._ARGV.values()
+    made = {"diagnose.png", figures.BENCH_FIGURE} | {pathlib.Path(a[a.index("--plot") + 1]).name
+                                                     for a in figures._ARGV.values()
                                if "--plot" in a}
     pages = [p for p in list(DOCS.glob("*.md")) + list(DOCS.glob("*.rst"))] + [ROOT / "README.md"]
     seen = 0
@@ -76,3 +77,20 @@ def test_the_digest_tells_a_different_picture(tmp_path):
 def _env():
     import os
     return {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+
+
+def test_the_speed_tables_results_file_states_its_run_and_holds_every_case():
+    """The page's speed figure is drawn from the committed results of benchmarks/bench_table.py: the file says when
+    and where it was measured, holds every case and dtype, and its table is written as the build writes it (the
+    drawing itself is tested in test_benchmarks_bench_table.py)."""
+    import json
+
+    figures = _figures()
+    with open(figures.BENCH_RESULTS) as fh:
+        result = json.load(fh)
+    assert result["date"] and result["machine"] and result["versions"]["torch"]
+    mod = figures.bench_table()
+    assert {(c["case"], c["dtype"]) for c in result["cells"]} == {(c, d) for c in mod.CASES for d in mod.DTYPES}
+    assert result["overhead"] and result["second_order"]
+    text = mod.format_table(result)
+    assert result["date"] in text and result["machine"] in text
