@@ -136,8 +136,30 @@ def test_tiled_double_backward_equals_the_cores(case):
         np.testing.assert_allclose(yt, xt, rtol=F64_GRAD_LONG, atol=F64_GRAD_LONG)
 
 
-@pytest.mark.parametrize("name", ["sinks+causal+softcap+bias", "qv+causal-br+sinks", "uniform policy+sinks"])
+TILED_SPECIAL = ["sinks+causal+softcap+bias", "qv+causal-br+sinks", "uniform policy+sinks"]
+
+
+@pytest.mark.parametrize("name", TILED_SPECIAL)
 def test_tiled_double_backward_special_options(name):
+    """The bounded-memory schedule (blocks of 2 keys) gives the dense schedule's backward and double backward on
+    the special options, along random tangents of every input and both cotangents; the dense one is held to finite
+    differences, full Jacobian, by test_double_backward_special_options (the tiled one too, among the long
+    checks)."""
+    dense = Differentiable(SPECIAL[name](np.random.default_rng(7)), with_lse=True)
+    tiled = Differentiable(SPECIAL[name](np.random.default_rng(7)), with_lse=True)
+    tiled.kw.update(method="tiled", block_size=2)
+    xs_g = dense.args + [dense.cotangent()]
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        ts = [rng.standard_normal(np.shape(x)) for x in xs_g]
+        np.testing.assert_allclose(tiled.backward_jvp(ts, *xs_g), dense.backward_jvp(ts, *xs_g),
+                                   rtol=F64_GRAD_LONG, atol=F64_GRAD_LONG)
+    np.testing.assert_allclose(tiled.backward_fun(*xs_g), dense.backward_fun(*xs_g), rtol=F64_GRAD, atol=F64_GRAD)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("name", TILED_SPECIAL)
+def test_tiled_double_backward_special_options_by_finite_differences(name):
     d = Differentiable(SPECIAL[name](np.random.default_rng(7)), with_lse=True)
     d.kw.update(method="tiled", block_size=2)
     assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=FD_SECOND_ORDER)
@@ -368,9 +390,7 @@ def _gated_grad2(s, b, h, i, j):
     return 2 / np.cosh(s) ** 2 * (1 - s * np.tanh(s))
 
 
-@pytest.mark.parametrize("method", ["plain", "tiled"])
-@pytest.mark.parametrize("given", ["grad", "grad2"])
-def test_double_backward_through_a_score_function(method, given):
+def _score_function_problem(given, method):
     from sdpa_ref import ScoreMod
 
     mod = ScoreMod(_gated, grad=_gated_grad, grad2=_gated_grad2 if given == "grad2" else None)
@@ -378,7 +398,28 @@ def test_double_backward_through_a_score_function(method, given):
              bias=np.random.default_rng(22).standard_normal((4, 3, 5)))
     d = Differentiable(kw, with_lse=True)
     d.kw.update(method=method, **({"block_size": 2} if method == "tiled" else {}))
+    return d
+
+
+@pytest.mark.parametrize("method", ["plain", pytest.param("tiled", marks=pytest.mark.long)])
+@pytest.mark.parametrize("given", ["grad", "grad2"])
+def test_double_backward_through_a_score_function(method, given):
+    d = _score_function_problem(given, method)
     assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=FD_SECOND_ORDER)
+
+
+@pytest.mark.parametrize("given", ["grad", "grad2"])
+def test_tiled_double_backward_through_a_score_function_equals_the_plain(given):
+    """The tiled schedule's backward and double backward through a score function are the plain schedule's, which
+    the test above holds to finite differences (the tiled one too, among the long checks)."""
+    plain, tiled = _score_function_problem(given, "plain"), _score_function_problem(given, "tiled")
+    xs_g = plain.args + [plain.cotangent()]
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        ts = [rng.standard_normal(np.shape(x)) for x in xs_g]
+        np.testing.assert_allclose(tiled.backward_jvp(ts, *xs_g), plain.backward_jvp(ts, *xs_g),
+                                   rtol=F64_GRAD_LONG, atol=F64_GRAD_LONG)
+    np.testing.assert_allclose(tiled.backward_fun(*xs_g), plain.backward_fun(*xs_g), rtol=F64_GRAD, atol=F64_GRAD)
 
 
 def test_softcap_as_a_score_function_has_the_built_ins_second_order():
