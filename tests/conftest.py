@@ -23,6 +23,10 @@ LONG_CHECKS = os.environ.get("SDPA_REF_LONG_CHECKS") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
+    # the tests marked slow first: pytest-xdist hands the workers tests in this order, so the long ones start early
+    # and the short ones fill in at the end, rather than one long test keeping a core busy while the other idles
+    # (a stable sort: every worker collects the same order, as xdist requires)
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if LONG_CHECKS:
         return
     skip = pytest.mark.skip(reason="a longer check, run by .ci/run (SDPA_REF_LONG_CHECKS=1)")

@@ -316,6 +316,7 @@ def in_process_digest():
 
 
 @pytest.mark.parametrize("extra_env, args", _SETTINGS)
+@pytest.mark.slow
 def test_the_same_bits_under_every_thread_and_simd_setting(in_process_digest, extra_env, args):
     """The digest of ``tests/repro_second_digest.py`` (the double backward and the HVP of problems with every
     option, in float64 and the honest float32) in another process under other settings is the in-process one."""

@@ -27,6 +27,7 @@ RUNS = [
 
 @pytest.mark.skipif(not EXAMPLES.exists(), reason="examples not shipped beside the tests")
 @pytest.mark.parametrize("script,args", RUNS, ids=[r[0] for r in RUNS])
+@pytest.mark.slow
 def test_example_runs_and_its_claims_hold(script, args, tmp_path):
     extra = ["--csv", str(tmp_path / "h.csv")] if script == "copy_task.py" else []
     r = subprocess.run([sys.executable, str(EXAMPLES / script), *args, *extra],
@@ -38,6 +39,7 @@ def test_example_runs_and_its_claims_hold(script, args, tmp_path):
         assert {line.split(",")[0] for line in lines[1:]} == {"0", "1"}
 
 
+@pytest.mark.slow
 def test_copy_task_fails_when_the_claim_fails():
     # 2 steps cannot reach 95%: the example must say so with exit code 1
     r = subprocess.run([sys.executable, str(EXAMPLES / "copy_task.py"), "--seeds", "2", "--steps", "2",
@@ -77,6 +79,7 @@ def test_the_copy_task_checks_the_unscaled_claim(unscaled, passes):
 
 
 @pytest.mark.skipif(not EXAMPLES.exists(), reason="examples not shipped beside the tests")
+@pytest.mark.slow
 def test_the_copy_task_trains_the_same_on_the_teaching_core(tmp_path):
     """``--method plain`` runs the teaching core (sdpa_ref.attention): the same losses as the fast engine, to
     the rounding that the engines' different sum orders make over a few Adam steps."""

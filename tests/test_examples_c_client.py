@@ -749,6 +749,7 @@ def rewrite(folder, name, change):
 # ------------------------------------------------------------------ valid sets, and wrong answers
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.slow
 def test_the_client_judges_output_and_gradients_of_a_valid_set_under_the_sanitizers(exes, bases, asan_client, dtype):
     if dtype not in bases:
         pytest.skip("bfloat16 and fp8 vectors need ml_dtypes")

@@ -134,6 +134,7 @@ def test_the_relative_rules_allowance_is_never_below_the_floor():
 # ------------------------------------------------------------------ the correctly rounded kernel passes
 
 
+@pytest.mark.slow
 def test_the_correctly_rounded_kernel_conforms_on_the_quick_suite_at_float16():
     """By the floor alone (k = 0), which implies the default rule: the allowance and the lean's bound only grow
     with k."""

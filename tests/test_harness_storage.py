@@ -194,6 +194,7 @@ def sparse_jvp(primals, tangents, gather_kv_indices, **kw):
     return _t(out).astype(primals[0].dtype)
 
 
+@pytest.mark.slow
 def test_an_honest_sparse_kernel_conforms_in_the_gathered_layout_with_poison():
     rep = check_implementation(sparse, backward=sparse_bwd, jvp=sparse_jvp, layout="gathered", poison=True)
     assert rep.ok, str(rep)

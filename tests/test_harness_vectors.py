@@ -128,6 +128,7 @@ def test_cli_vectors_and_verify(tmp_path, capsys):
     assert "NOT VERIFIED" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_conform(capsys):
     assert main(["conform", "impls:ref_forward", "--backward", "impls:ref_backward", "--dtype", "float32",
                  "float16"]) == 0

@@ -472,6 +472,7 @@ print(h.hexdigest())
 """
 
 
+@pytest.mark.slow
 def test_reproducible_score_function_bits_under_every_thread_and_simd_setting():
     """A function whose own bits are the same everywhere (a polynomial, a table lookup): one hash of every
     result under thread counts 1 to 3, OpenBLAS at one thread, numpy without AVX-512 (and AVX2), and the NumPy
