@@ -37,8 +37,7 @@ def test_the_only_committed_picture_is_the_readmes():
 def test_every_picture_a_page_shows_is_made_by_the_build_or_checked_by_it():
     figures = _figures()
     made = {"diagnose.png", figures.BENCH_FIGURE} | {pathlib.Path(a[a.index("--plot") + 1]).name
-                                                     for a in figures._ARGV.values()
-                               if "--plot" in a}
+                                                     for a in figures._ARGV.values() if "--plot" in a}
     pages = [p for p in list(DOCS.glob("*.md")) + list(DOCS.glob("*.rst"))] + [ROOT / "README.md"]
     seen = 0
     for page in pages:
