@@ -6,8 +6,8 @@ Scaled dot-product attention computes
 :math:`\operatorname{softmax}(QK^T/\sqrt{d_k})\,V`. The classic explanation of
 the :math:`1/\sqrt{d_k}` comes as a handful of claims: the variance of
 :math:`q \cdot k` grows like :math:`d_k`; a worked example in which 45 and 2
-become 5.625 and 0.25; an unscaled softmax that is "almost always one-hot";
-gradients that "vanish". This page turns each claim into a figure computed
+become 5.625 and 0.25; an unscaled top weight that "is often > 0.9
+(saturated)"; gradients that "vanish". This page turns each claim into a figure computed
 while the site is built, checks it (a claim that stops holding fails the
 build), and says where the claim is weaker than it sounds.
 
@@ -267,10 +267,12 @@ check(lo > 0.99, "unscaled, even a typical pair is nearly one-hot (median top we
 # 3. Saturation at :math:`d_k = 128` with 50 keys
 # -----------------------------------------------
 #
-# The notes say that at :math:`d_k = 128` the unscaled softmax is "almost
-# always" nearly one-hot, and that after scaling the top weight is a modest
-# 0.05 to 0.2. Each draw below is one query and 50 fresh keys, all standard
-# normal; the histogram shows the top softmax weight, unscaled and scaled.
+# The notes' saturation demo (:math:`d_k = 128`, 50 keys) says, word for word:
+# "The unscaled top weight is often > 0.9 (saturated); the scaled top weight
+# is typically 0.05-0.2 (useful)." Each draw below is one query and 50 fresh
+# keys, all standard normal; the histogram shows the top softmax weight,
+# unscaled and scaled, and the lines printed under the code are the measured
+# share and median that the claim is held to.
 
 D_K_SAT, N_KEYS, N_SAT = 128, 50, 2000
 rng = np.random.default_rng(128)
@@ -290,8 +292,8 @@ print(f"  unscaled: top weight > 0.9 in {n_sat / N_SAT:.1%} (99.9% CI {sat_lo:.1
 print(f"  scaled:   median top weight {np.median(top_scaled):.3f} "
       f"(99.9% CI {med_lo:.3f}-{med_hi:.3f}); "
       f"{in_band:.1%} of draws inside 0.05-0.2")
-check(sat_lo > 0.5, "unscaled, a majority of rows put more than 0.9 on one key")
-check(sat_hi < 0.75, "... but not 'almost always': the share is below 75%")
+check(sat_lo > 0.5, "'often > 0.9': a majority of the unscaled rows put more than 0.9 on one key")
+check(sat_hi < 0.75, "... and 'often' is the word: not almost all of them (the share is below 75%)")
 check(0.05 < med_lo and med_hi < 0.2, "scaled, the median top weight lies inside 0.05-0.2")
 
 fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -307,7 +309,7 @@ ax.legend(loc="upper center")
 fig.tight_layout()
 
 # %%
-# .. admonition:: Caveat: a majority, not "almost always"
+# .. admonition:: Caveat: "often" means a majority, not almost all
 #
 #    A top weight above 0.9 needs the best key to beat the runner-up by at
 #    least :math:`\ln 9 \approx 2.2` (if :math:`p_1 > 0.9` then
@@ -315,8 +317,8 @@ fig.tight_layout()
 #    standard deviation :math:`\sqrt{128} \approx 11.3` the two largest are
 #    often closer than that, and then the row splits its weight however large
 #    the scores are. So the unscaled softmax is nearly one-hot in a majority of
-#    rows, visibly short of "almost always"; the histogram's unscaled mass
-#    below 0.9 is mostly those near ties.
+#    rows, as "often" says, and visibly short of almost all of them; the
+#    histogram's unscaled mass below 0.9 is mostly those near ties.
 
 top2 = np.sort(scores, axis=-1)[:, -2:]
 gap = top2[:, 1] - top2[:, 0]

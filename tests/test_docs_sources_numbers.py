@@ -1,0 +1,149 @@
+"""No number in the pages about the copy task and the lesson is typed by hand: the figures a run measures reach the
+text only through the build's placeholders (``{{NAME.KEY:SPEC}}``, formatted by ``docs/_figures.fill_numbers``
+from the results this build's runs write), and a figure typed into a page source is found here."""
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+EXAMPLES = ROOT / "examples"
+
+pytestmark = pytest.mark.skipif(not (DOCS / "conf.py").exists() or not EXAMPLES.exists(),
+                                reason="docs and examples not shipped beside the tests")
+
+#: The sources of the pages that state the copy task's and the lesson's figures (the pages' text: Markdown, and a
+#: gallery script's docstring and comment blocks).
+PAGES = ("docs/why-sqrt-dk.md", "docs/tutorials/tut5_why_sqrt_dk.py", "docs/tutorials/tut4_transformer_gradcheck.py",
+         "examples/copy_task.py", "examples/saturation_demo.py", "examples/scaling_arithmetic.py",
+         "examples/variance_growth.py", "examples/wrong_scaling.py", "README.md")
+
+#: Figures the pages once stated, typed, from one run each: the copy task over 10 seeds (95% at step 225, 3.0x;
+#: a later run 212.5 and 2.67x, 2.33 to 3.33; a loss of 0.1 nats at 237.5), the lesson's saturation demo (58.6%
+#: of rows above 0.9, median 0.111, 5-95% 0.069-0.222, 92% in the band) and the diagnose sweep the guide quotes.
+#: None may come back as typed text; this build's own results (when a build has run) and a fresh run of the
+#: saturation demo are added to them below.
+ONCE_TYPED = ("212.5", "2.67", "2.33", "3.33", "237.5", "3.0 times", "at step 225", "58.6%", "0.111", "0.069",
+              "0.222", "92%", "86%", "32.0", "0.031", "0.9999", "0.021", "0.064", "9.4", "0.024")
+
+
+def _figures_module():
+    sys.path.insert(0, str(DOCS))
+    try:
+        import _figures
+    finally:
+        sys.path.remove(str(DOCS))
+    return _figures
+
+
+def page_text(path, text=None):
+    """What a page source says in prose: Markdown without its fenced blocks, inline code and placeholders; a
+    script's docstring and comment lines (its code and output are computed)."""
+    text = path.read_text() if text is None else text
+    if path.suffix == ".py":
+        m = re.match(r'\s*r?"""(.*?)"""', text, re.S)
+        doc = m.group(1) if m else ""
+        comments = [line.strip()[1:] for line in text.splitlines() if line.strip().startswith("#")
+                    and "noqa" not in line]
+        text = doc + "\n" + "\n".join(comments)
+    else:
+        text = re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.S | re.M)
+        text = re.sub(r"`[^`\n]*`", "", text)
+    return re.sub(r"\{\{[^{}]*\}\}", "", text)
+
+
+def typed(text, figures):
+    """The figures found in ``text`` as typed text (not inside a longer number)."""
+    return sorted({f for f in figures if re.search(r"(?<![\d.])" + re.escape(f) + r"(?![\d])", text)})
+
+
+def results_figures():
+    """The figures of this tree's last build (``docs/_generated/*.json``), as the pages would print them."""
+    out = set()
+    gen = DOCS / "_generated"
+    sat, ct = gen / "saturation.json", gen / "copy_task.json"
+    if sat.exists():
+        out |= set(json.loads(sat.read_text())["text"].values())
+    if ct.exists():
+        for m in json.loads(ct.read_text())["measures"].values():
+            out |= {v for k, v in m["text"].items() if k in ("median", "finite_range") and "." in v}
+    return {f for f in out if re.search(r"\d\.\d|%", f)}       # a bare small step such as "75" is a parameter too
+
+
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory):
+    """Every figure to look for: the ones once typed, a fresh run of the saturation demo's, the last build's."""
+    path = tmp_path_factory.mktemp("sat") / "saturation.json"
+    r = subprocess.run([sys.executable, str(EXAMPLES / "saturation_demo.py"), "--results", str(path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    fresh = json.loads(path.read_text())["text"]
+    assert fresh["saturated"] == f"{json.loads(path.read_text())['values']['saturated']:.1%}"
+    return set(ONCE_TYPED) | set(fresh.values()) | results_figures()
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_figure_is_typed_into_a_page(page, figures):
+    path = ROOT / page
+    if not path.exists():
+        pytest.skip(f"{page} is not in this tree")
+    assert typed(page_text(path), figures) == [], f"{page} types a measured figure: format it from the results"
+
+
+def test_a_planted_figure_is_caught(figures):
+    """The check fails on a page source with a typed figure: the copy task's median ratio and the saturated share
+    written into why-sqrt-dk.md, and a figure typed into a tutorial's comment."""
+    md = DOCS / "why-sqrt-dk.md"
+    text = md.read_text() + "\nThe unscaled model needs 212.5 steps; 58.6% of unscaled rows exceed 0.9.\n"
+    assert typed(page_text(md, text), figures) == ["212.5", "58.6%"]
+    tut = DOCS / "tutorials" / "tut5_why_sqrt_dk.py"
+    text = tut.read_text() + "\n# The median top weight is 0.111 after scaling.\n"
+    assert typed(page_text(tut, text), figures) == ["0.111"]
+    # and not where it is computed: a placeholder, a code block, the code of a script
+    text = md.read_text() + "\n{{saturation.text.saturated}}\n```text\n58.6%\n```\n"
+    assert typed(page_text(md, text), figures) == []
+
+
+def test_the_copy_task_and_lesson_figures_come_from_placeholders():
+    """why-sqrt-dk.md states the copy task's distribution, the saturation demo's figures and the sweep's through
+    placeholders that name existing results, and quotes the lesson word for word."""
+    text = (DOCS / "why-sqrt-dk.md").read_text()
+    names = re.findall(r"\{\{([a-z_]+)\.", text)
+    figures = _figures_module()
+    assert set(names) == set(figures.RESULTS), names
+    for key in ("measures.unscaled_acc.text.median", "measures.ratio_acc.text.median", "text.saturated",
+                "text.scaled_median"):
+        assert key in text, key
+    flat = " ".join(text.split())
+    assert ('"The unscaled top weight is often > 0.9 (saturated); the scaled top weight is typically 0.05-0.2 '
+            '(useful)."') in flat
+    assert ('"Train a tiny Transformer (2 layers, d_model=64) on a copy task with and without the √d_k scaling. '
+            'Plot loss curves on the same axes. The unscaled version should plateau earlier or fail to learn '
+            'entirely. How much earlier?"') in flat
+    assert "almost always" not in flat
+
+
+def test_placeholders_are_formatted_from_the_results(tmp_path, monkeypatch):
+    figures = _figures_module()
+    monkeypatch.setattr(figures, "GENERATED", str(tmp_path))
+    (tmp_path / "saturation.json").write_text(json.dumps({"values": {"saturated": 0.5862}, "text": {"x": "58.6%"}}))
+
+    class App:
+        startup_time = 0.0
+
+    source = ["{{saturation.values.saturated:.1%}} and {{saturation.text.x}}; {{copy_task.settings.seeds}}"]
+    figures.fill_numbers(App(), "why-sqrt-dk", source)
+    assert source[0] == "58.6% and 58.6%; " + figures.NOT_COMPUTED      # copy_task.json: not made by this build
+    with pytest.raises(ValueError, match="no 'missing'"):
+        figures.fill_numbers(App(), "why-sqrt-dk", ["{{saturation.values.missing}}"])
+    with pytest.raises(ValueError, match="names no results file"):
+        figures.fill_numbers(App(), "why-sqrt-dk", ["{{nothing.x}}"])
+    App.startup_time = 2.0 ** 40                    # a file older than this build is not this build's result
+    source = ["{{saturation.text.x}}"]
+    figures.fill_numbers(App(), "why-sqrt-dk", source)
+    assert source == [figures.NOT_COMPUTED]
