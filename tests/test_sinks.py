@@ -153,11 +153,9 @@ def test_full_jacobian_on_a_dense_case(method, extra, save_probs):
     q, k, v, opts = dense_case(sinks=np.array([[0.5, -1.0, 4.0, 0.0], [1.5, 0.2, -0.3, 2.0]]))
     mask = opts["attn_mask"]
     out, res = sdpa_forward(q, k, v, **_engine(method), **extra, **opts)
-    f = lambda q, k, v, s, m, b: np.concatenate([                      # noqa: E731
-        sdpa_forward(q, k, v, **_engine(method), **extra, **dict(opts, sinks=s, attn_mask=m, bias=b))[0].ravel(),
-        np.where(np.isneginf(res.lse), 0.0,
-                 sdpa_forward(q, k, v, **_engine(method), **extra, **dict(opts, sinks=s, attn_mask=m, bias=b))[1].lse
-                 ).ravel()])
+    def f(q, k, v, s, m, b):                                            # one forward gives O and the LSE
+        o, r = sdpa_forward(q, k, v, **_engine(method), **extra, **dict(opts, sinks=s, attn_mask=m, bias=b))
+        return np.concatenate([o.ravel(), np.where(np.isneginf(res.lse), 0.0, r.lse).ravel()])
 
     def vjp(g, q, k, v, s, m, b):
         _, r = sdpa_forward(q, k, v, **_engine(method), save_probs=save_probs, **extra,
