@@ -645,3 +645,18 @@ def test_a_causal_call_computes_about_half_the_scores():
     g = rng.standard_normal(out_c.shape)
     for a, b in zip(sdpa_backward(res_m, g), sdpa_backward(res_c, g)):
         _close(a, b)
+
+
+def test_the_block_skipping_backward_keeps_dT_for_the_bias_under_softcap():
+    """With a bias (whose gradient is dT) and softcap (dTraw = dT sech^2), the spans' backward keeps dT and
+    dTraw apart: the bias's gradient is dT, not dTraw (a first version multiplied the kept dT in place)."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 2, 5, 3)) for _ in range(3))
+    k, v = (rng.standard_normal((1, 2, 9, 3)) for _ in range(2))
+    opts = dict(is_causal=True, bias=rng.standard_normal((1, 2, 5, 9)), softcap=2.0)
+    out_p, res_p = sdpa_forward(q, k, v, method="plain", **opts)
+    out_f, res_f = sdpa_forward(q, k, v, **opts)
+    assert res_f.forward.extra is not None                  # keys 8 of 9 and beyond are skipped
+    g = rng.standard_normal(out_p.shape)
+    for a, b in zip(sdpa_backward(res_p, g), sdpa_backward(res_f, g)):
+        _close(a, b)

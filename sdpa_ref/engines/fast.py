@@ -269,7 +269,7 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
 
     def score_grad(Pc, dTc, r, inner_parallel):
         """dP -> dT in place on a span's rows (``r`` their ``(sech^2, pe, dlse, constant rows, dextra)``): the
-        softmax VJP, the LSE's and extra logits' terms, the constant rows, the chain's slope."""
+        softmax VJP, the LSE's and extra logits' terms, the constant rows (the chain's slope is the caller's)."""
         sd, pe_c, dl_c, cr_c, dext_c = r
         if pe_c is not None:                                               # and the extra columns: dP = 0
             dTc[...], dext_c[...] = vjp(Pc, dTc, pe_c, dl_c)
@@ -285,8 +285,6 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
             np.copyto(dTc, 0.0, where=cr_c)
             if dext_c is not None:
                 np.copyto(dext_c, 0.0, where=cr_c)
-        if sd is not None:
-            transform_scores_vjp(dTc, sd, out=dTc)
 
     def rows_of(idx):
         return tuple(None if a is None else a[idx] for a in (sdg, pe, dlg, crg, dext))
@@ -306,6 +304,8 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
         qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
         Pc, dOc, dqc, dkc, dvc = Pg[idx], dO[idx], dq[idx], dk[idx], dv[idx]
         dTc = dT[idx] if keep_dT else np.empty(Pc.shape, dtype=ct)
+        # dTraw = dT times the chain's slope: in place, unless dT itself is kept (dB = dT)
+        dTr = np.empty(Pc.shape, dtype=ct) if keep_dT and sdg is not None else dTc
         r_c = rows_of(idx)
         dqc[...] = 0
         for g, fidx in lay.groups(idx):
@@ -321,10 +321,12 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
                 r = tuple(None if a is None else a[..., rows, j0:j1] if n == 0 else a[..., rows, :]
                           for n, a in enumerate(r_c))
                 score_grad(Pc[..., rows, j0:j1], dTc[..., rows, j0:j1], r, inner_parallel)
+                if r[0] is not None:
+                    transform_scores_vjp(dTc[..., rows, j0:j1], r[0], out=dTr[..., rows, j0:j1])
             with np.errstate(over="ignore", invalid="ignore"):
                 for i0, i1, j0, j1 in rects:
                     rows = slice(L0 + i0, L0 + i1)
-                    dTb, qb, dOb = dTc[..., rows, j0:j1], qc[..., rows, :], dOc[..., rows, :]
+                    dTb, qb, dOb = dTr[..., rows, j0:j1], qc[..., rows, :], dOc[..., rows, :]
                     Pd = dropout_forward(Pc[..., rows, j0:j1], block_of(prob.keep, lay.nd_f, fidx, (i0, i1), (j0, j1)),
                                          o.dropout_p)
                     # dV += P_drop^T dO and dK += dT^T Q as their transposes (short, wide products), dq += dT K
