@@ -568,7 +568,9 @@ class _Layout:
 def _spans(prob, allowed):
     """:func:`.blocks.key_spans` of the problem's allowed set, in blocks of :func:`.blocks.span_rows` query rows,
     or None (nothing to skip: every block runs over every key, as one product per head)."""
-    return key_spans(allowed, prob.L, prob.S, span_rows(prob.L))
+    if prob.q_lengths is not None or prob.kv_lengths is not None:
+        return None             # lengths: the whole rows (per-batch lengths with the spans disagree with the plain
+    return key_spans(allowed, prob.L, prob.S, span_rows(prob.L))     # engine on fully masked rows: not found yet)
 
 
 def _matrices(*arrays):
