@@ -335,20 +335,26 @@ def _with_probes(rep, probes, n_probes, what, example, where):
 
 def _vjp_projection(nd, vjp, xs, out, rtol, atol, seed, n_projections):
     rng = np.random.default_rng(seed)
-    ana, num = [], []
+    ana, num, terms = [], [], []
     for _ in range(int(n_projections)):
         g = rng.standard_normal(out.shape)
         us = _directions(xs, rng)
         grads = _as_grads(vjp(g, *[x.copy() for x in xs]), xs, "vjp")
         with np.errstate(invalid="ignore", over="ignore"):
             ana.append(sum(float(np.sum(gr * u)) for gr, u in zip(grads, us)))
-            num.append(float(np.sum(g * nd.directional(xs, us))))
+            gju = g * nd.directional(xs, us)
+            num.append(float(np.sum(gju)))
+            terms.append(float(np.sum(np.abs(gju))))
     a = np.array(ana).reshape(-1, 1)
     n = np.array(num).reshape(-1, 1)
+    # <g, J u> is a sum over the output: its central difference errs relative to the size of its terms,
+    # sum |g * J u|, not of a sum that cancels (so the size stands for |n| there, as for the probes)
+    terms = np.array(terms).reshape(-1, 1)
+    scale = np.where(np.isfinite(terms), np.maximum(np.abs(n), terms), np.abs(n))
     judged = np.isfinite(a) | np.isfinite(n)        # NaN against NaN proves nothing: the full check judges those
     meta = {"valid": [judged], "shapes": [(1,)]}
     rep = compare("check_vjp", _mode("projection", nd), [a], [n], rtol, atol, meta, (len(ana),), 1 + 3 * len(ana),
-                  require_finite=False)
+                  scales=[scale], require_finite=False)
     rep.per_arg = []
     rep.notes = [f"<J^T g, u> vs <g, J u> over {len(ana)} random projections (worst 'output' = projection number)"]
     return rep, int(np.count_nonzero(~judged))
