@@ -95,7 +95,7 @@ def make_figures(app):
         rc = sdpa_ref_main(["diagnose", "--d-k", "4", "16", "64", "256", "1024", "--plot", path])
     plt.close("all")
     with open(os.path.join(GENERATED, "diagnose.txt"), "w") as fh:
-        fh.write(table.getvalue())
+        fh.write(fold_table(table.getvalue(), keep=2))
     if rc != 0 or not os.path.exists(path):
         raise RuntimeError(f"sdpa-ref diagnose --plot failed (status {rc}): the page's figure is not made")
     rows = io.StringIO()                 # the same sweep (same seed) as JSON, for the numbers the page quotes
@@ -162,6 +162,47 @@ def bench_table():
     return mod
 
 
+#: The widest line a page's text block holds: the column fits 120 characters of code at 1280 px (the site check).
+TEXT_WIDTH = 100
+
+
+def fold_table(text, keep, width=TEXT_WIDTH):
+    """A command's aligned text table folded to ``width`` characters: its columns in groups, one block per
+    group, each block repeating the first ``keep`` (key) columns; the lines before the table (a line of
+    prose has no run of two spaces) wrapped. The values are the command's own strings, only moved."""
+    import re
+    import textwrap
+
+    lines = text.rstrip("\n").split("\n")
+    start = next((i for i, ln in enumerate(lines) if re.search(r"\S  +\S", ln) and not ln.startswith(" ")), len(lines))
+    head = [w for ln in lines[:start] for w in (textwrap.wrap(ln, width) or [""])]
+    rows = [re.split(r"\s{2,}", ln.strip()) if ln.strip() else None for ln in lines[start:]]
+    ncol = max((len(r) for r in rows if r), default=0)
+    if ncol == 0 or all(len(ln) <= width for ln in lines[start:]):
+        return "\n".join(head + lines[start:])
+    rows = [r if r is None or len(r) == ncol else None for r in rows]    # a rule line or a blank: a gap
+    cols = [[r[c] for r in rows if r] for c in range(ncol)]
+    widths = [max(len(x) for x in col) for col in cols]
+    groups, cur = [], []
+    for c in range(keep, ncol):
+        if cur and sum(widths[k] + 2 for k in list(range(keep)) + cur + [c]) > width:
+            groups.append(cur)
+            cur = []
+        cur.append(c)
+    groups.append(cur)
+    out = list(head)
+    for g in groups:
+        idx = list(range(keep)) + g
+        for r in rows:
+            if r is None:
+                if out and out[-1] != "":
+                    out.append("")
+                continue
+            out.append("  ".join(r[k].ljust(widths[k]) if k < keep else r[k].rjust(widths[k]) for k in idx).rstrip())
+        out.append("")
+    return "\n".join(out).rstrip("\n")
+
+
 def make_bench_figure(results=BENCH_RESULTS, out=GENERATED):
     """Draw the speed table's figure and write its text table into ``out`` from the committed results file."""
     import json
@@ -172,4 +213,4 @@ def make_bench_figure(results=BENCH_RESULTS, out=GENERATED):
     os.makedirs(out, exist_ok=True)
     mod.figure(result, os.path.join(out, BENCH_FIGURE))
     with open(os.path.join(out, "bench_table.txt"), "w") as fh:
-        fh.write(mod.format_table(result) + "\n")
+        fh.write(fold_table(mod.format_table(result), keep=3) + "\n")

@@ -150,8 +150,46 @@ def _gallery_links_itself(app, doctree):
         doctree.insert(0, SkipMarker("file"))
 
 
+def _viewcode_backlinks(app, exception):
+    """viewcode's ``[docs]`` links name an object by the module that defines it (``sdpa_ref.api.sdpa_forward``)
+    where the API page documents it by its public name (``sdpa_ref.sdpa_forward``): each such link is pointed at
+    the id on its page that ends in the same name, so it lands on the object, not at the page's top."""
+    import re
+
+    root = os.path.join(app.outdir, "_modules")
+    if exception is not None or not os.path.isdir(root):
+        return
+    link = re.compile(r'href="([^"#]+\.html)#([^"]+)"')
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+
+            def fix(m, folder=folder):
+                target = os.path.normpath(os.path.join(folder, m.group(1)))
+                if not os.path.isfile(target):
+                    return m.group(0)
+                with open(target, encoding="utf-8") as fh:
+                    ids = set(re.findall(r'id="([^"]+)"', fh.read()))
+                if m.group(2) in ids:
+                    return m.group(0)
+                parts = m.group(2).split(".")
+                for k in range(1, len(parts)):              # the longest dotted tail the page has: Class.method
+                    same = sorted(i for i in ids if i.endswith("." + ".".join(parts[k:])))
+                    if same:
+                        return f'href="{m.group(1)}#{same[0]}"'
+                return f'href="{m.group(1)}"'
+
+            new = link.sub(fix, text)
+            if new != text:
+                with open(path, "w", encoding="utf-8") as fh:
+                    fh.write(new)
+
+
 def setup(app):
     app.startup_time = time.time()
+    app.connect("build-finished", _viewcode_backlinks)
     app.connect("doctree-read", _gallery_links_itself, priority=400)     # before codeautolink reads the blocks
     app.connect("builder-inited", _figures.make_figures)
     app.connect("builder-inited", _figures.check_readme_figure, priority=900)   # after the gallery ran

@@ -31,8 +31,8 @@ from .arith import NUMPY, NUMPY2, combine_in
 from .exact import dd as D
 from .pivot import pivoted_vjp, softmax_vjp_in
 
-__all__ = ["LSE_BASES", "PRECISIONS", "ExactLSE", "arith_for", "check_base", "check_empty", "check_precision", "combine_in",
-           "combine_lse", "combine_lse_vjp", "combine_lse_vjp_in", "combined_in", "convert_lse"]
+__all__ = ["LSE_BASES", "PRECISIONS", "ExactLSE", "arith_for", "check_base", "check_empty", "check_precision",
+           "combine_in", "combine_lse", "combine_lse_vjp", "combine_lse_vjp_in", "combined_in", "convert_lse"]
 
 #: The bases an LSE may be given in: ``"e"`` (natural, the package's) and ``2`` (FlashInfer's).
 LSE_BASES = ("e", 2)

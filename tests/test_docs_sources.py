@@ -93,3 +93,26 @@ def test_the_speed_tables_results_file_states_its_run_and_holds_every_case():
     assert result["overhead"] and result["second_order"]
     text = mod.format_table(result)
     assert result["date"] in text and result["machine"] in text
+
+
+def test_a_wide_text_table_is_folded_to_the_pages_width_with_every_value_kept():
+    """The diagnose and speed tables are wider than a page's text block: folded into column groups, each line
+    fits, the key columns repeat in every group, and every value of the command's output is still there."""
+    fold = _figures().fold_table
+    header = "a run on some machine, with a long line of prose before the table that must wrap " * 2
+    cols = ["scale", "d_k"] + [f"quantity_{i}" for i in range(12)]
+    rows = [["none", str(d)] + [f"{d * 1.5 + i:.4f}" for i in range(12)] for d in (4, 16, 1024)]
+    widths = [max(len(r[c]) for r in [cols] + rows) for c in range(len(cols))]
+    line = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths))
+    text = "\n".join([header, line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows])
+    assert max(map(len, text.split("\n"))) > 150
+    folded = fold(text, keep=2, width=100)
+    lines = folded.split("\n")
+    assert max(map(len, lines)) <= 100
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("scale")]
+    assert len(starts) >= 2
+    for i in starts:                                        # every group starts with the key columns
+        assert [ln.split()[:2] for ln in lines[i + 2:i + 5]] == [["none", "4"], ["none", "16"], ["none", "1024"]]
+    values = {x for r in rows for x in r[2:]}
+    assert values == {w for ln in lines for w in ln.split()} & values
+    assert fold("a  b\n1  2", keep=1) == "a  b\n1  2"           # a table that fits is left as it is

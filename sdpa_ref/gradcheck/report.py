@@ -164,7 +164,8 @@ def compare(kind, mode, ana, num, rtol, atol, arg_index_shapes, out_shape, n_eva
                 worst = WorstEntry(
                     arg=k,
                     index=tuple(int(t) for t in np.unravel_index(i, arg_index_shapes["shapes"][k])),
-                    output_index=(tuple(int(t) for t in np.unravel_index(o, out_shape)) if out_shape is not None else None),
+                    output_index=(tuple(int(t) for t in np.unravel_index(o, out_shape))
+                                  if out_shape is not None else None),
                     analytic=float(a.flat[flat]), numeric=float(n.flat[flat]),
                     abs_error=float(abs_err.flat[flat]), rel_error=float(rel.flat[flat]),
                 )
