@@ -13,7 +13,8 @@ The pages' text quotes this build's results through placeholders that
 :func:`fill_numbers` (``source-read``) formats: ``{{copy_task.KEY}}``,
 ``{{saturation.KEY}}`` (the files the examples write with ``--results``) or
 ``{{diagnose.SCALE.D_K.FIELD:SPEC}}`` (``diagnose.json``, the sweep's rows by
-scale and d_k): a dotted path into the results file of that name and an
+scale and d_k) or ``{{suites.KEY}}`` (``suites.json``: the harness's suite version
+and case counts): a dotted path into the results file of that name and an
 optional format spec. No figure a run measures is typed into a page
 (``tests/test_docs_sources_numbers.py``). A placeholder naming nothing fails
 the build; one whose results this build did not make (``SDPA_REF_DOCS_ONLY``
@@ -35,7 +36,7 @@ _ARGV = {
                            "--results", os.path.join(GENERATED, "saturation.json")],
 }
 #: the placeholders' results files: ``{{NAME.…}}`` reads ``_generated/NAME.json``
-RESULTS = ("copy_task", "saturation", "diagnose")
+RESULTS = ("copy_task", "saturation", "diagnose", "suites")
 PLACEHOLDER = re.compile(r"\{\{([a-z_]+)\.([A-Za-z0-9_.]+?)(?::([^{}]*))?\}\}")
 NOT_COMPUTED = "(not computed in this build)"
 README_FIGURE = os.path.join(HERE, "images", "saturation.png")     # the README's picture, committed
@@ -108,7 +109,20 @@ def make_figures(app):
         by_scale.setdefault(row["scale"], {})[str(row["d_k"])] = row
     with open(os.path.join(GENERATED, "diagnose.json"), "w") as fh:
         json.dump(by_scale, fh, indent=1)
+    write_suites()
     make_bench_figure()
+
+
+def write_suites(out=GENERATED):
+    """``suites.json``: the harness's suite version and how many cases each suite holds, for the guide's text."""
+    from sdpa_ref import harness
+
+    quick, full = harness.get_suite("quick"), harness.get_suite("full")
+    counts = {"version": harness.SUITE_VERSION, "quick": len(quick), "full": len(full),
+              "quick_self": sum(c.name.startswith("self-") for c in quick)}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "suites.json"), "w") as fh:
+        json.dump(counts, fh, indent=1)
 
 
 def _results(app, name):
