@@ -593,12 +593,13 @@ def test_a_build_the_cpu_lacks_is_never_picked(simd_levels):
 @contextmanager
 def _span_rows(n):
     """The block-skipping schedule with blocks of ``n`` query rows, so that small problems skip keys."""
-    old = fast.span_rows
+    old, old_min = fast.span_rows, fast.SPAN_MIN_KEYS
     fast.span_rows = lambda L: n
+    fast.SPAN_MIN_KEYS = 0
     try:
         yield
     finally:
-        fast.span_rows = old
+        fast.span_rows, fast.SPAN_MIN_KEYS = old, old_min
 
 
 @given(variant_problem(max_len=6), st.integers(1, 3))
@@ -638,12 +639,15 @@ def test_a_causal_call_computes_about_half_the_scores():
     assert sum(not summ.is_full(*r) for r in summ.rects) == L // fast.span_rows(L)
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((1, 2, 300, 8)) for _ in range(3))
-    out_c, res_c = sdpa_forward(q, k, v, is_causal=True)
-    assert res_c.forward.extra is not None
+    assert sdpa_forward(q, k, v, is_causal=True)[1].forward.extra is None      # below SPAN_MIN_KEYS: whole rows
+    g = rng.standard_normal(q.shape)
+    with _span_rows(64):
+        out_c, res_c = sdpa_forward(q, k, v, is_causal=True)
+        assert res_c.forward.extra is not None
+        grads_c = sdpa_backward(res_c, g)
     out_m, res_m = sdpa_forward(q, k, v, attn_mask=np.tril(np.ones((300, 300), bool)), method="plain")
     _close(out_m, out_c)
-    g = rng.standard_normal(out_c.shape)
-    for a, b in zip(sdpa_backward(res_m, g), sdpa_backward(res_c, g)):
+    for a, b in zip(sdpa_backward(res_m, g), grads_c):
         _close(a, b)
 
 
@@ -655,8 +659,10 @@ def test_the_block_skipping_backward_keeps_dT_for_the_bias_under_softcap():
     k, v = (rng.standard_normal((1, 2, 9, 3)) for _ in range(2))
     opts = dict(is_causal=True, bias=rng.standard_normal((1, 2, 5, 9)), softcap=2.0)
     out_p, res_p = sdpa_forward(q, k, v, method="plain", **opts)
-    out_f, res_f = sdpa_forward(q, k, v, **opts)
-    assert res_f.forward.extra is not None                  # keys 8 of 9 and beyond are skipped
     g = rng.standard_normal(out_p.shape)
-    for a, b in zip(sdpa_backward(res_p, g), sdpa_backward(res_f, g)):
+    with _span_rows(64):
+        out_f, res_f = sdpa_forward(q, k, v, **opts)
+        assert res_f.forward.extra is not None              # keys 8 of 9 and beyond are skipped
+        grads_f = sdpa_backward(res_f, g)
+    for a, b in zip(sdpa_backward(res_p, g), grads_f):
         _close(a, b)
