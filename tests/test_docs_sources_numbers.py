@@ -1,6 +1,8 @@
-"""No number in the pages about the copy task and the lesson is typed by hand: the figures a run measures reach the
-text only through the build's placeholders (``{{NAME.KEY:SPEC}}``, formatted by ``docs/_figures.fill_numbers``
-from the results this build's runs write), and a figure typed into a page source is found here."""
+"""No number in the pages about the copy task and the lesson, and no measured figure in the guide, is typed by hand:
+the figures a run measures reach the text only through the build's placeholders (``{{NAME.KEY:SPEC}}``, formatted by
+``docs/_figures.fill_numbers`` from the results this build's runs write, or from the committed results files of
+``docs/data/`` that name the command, date and machine that made them), and a figure typed into a page source is
+found here."""
 
 import json
 import pathlib
@@ -115,7 +117,7 @@ def test_the_copy_task_and_lesson_figures_come_from_placeholders():
     text = (DOCS / "why-sqrt-dk.md").read_text()
     names = re.findall(r"\{\{([a-z_]+)\.", text)
     figures = _figures_module()
-    assert set(names) == set(figures.RESULTS) - {"suites"}, names
+    assert set(names) == set(figures.RESULTS) - {"suites"} - set(figures.COMMITTED), names
     for key in ("measures.unscaled_acc.text.median", "measures.ratio_acc.text.median", "text.saturated",
                 "text.scaled_median"):
         assert key in text, key
@@ -163,3 +165,84 @@ def test_the_guides_suite_counts_come_from_the_harness(tmp_path):
     assert got["version"] == harness.SUITE_VERSION
     assert (got["quick"], got["full"]) == (len(harness.get_suite("quick")), len(harness.get_suite("full")))
     assert 0 < got["quick_self"] < got["quick"]
+
+
+#: The guide's pages (each task's page and the index).
+GUIDE = sorted(p.relative_to(ROOT).as_posix() for p in DOCS.glob("guide*.md"))
+
+#: A measured figure as prose types it: a number followed by a unit of error, share, ratio or time (ulp, %, x,
+#: times, s, ms); not a shape such as "1 x 1".
+UNIT_FIGURE = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e-?\d+)?(?:\s*%|\s*(?:ulps?|times|ms|s|x|×)\b(?!\s*\d))")
+
+#: Figures with a unit that the guide may type because they are constants of the API or of its design, not
+#: measurements: (page, figure as matched) -> the reason.
+GUIDE_CONSTANTS = {
+    ("docs/guide-isolation.md", "600 s"): "isolate.DEFAULT_TIME_LIMIT, the default limit a case",
+    ("docs/guide-isolation.md", "120 s"): "isolate.LOAD_TIME_LIMIT, the least time loading the implementation gets",
+    ("docs/guide-judge.md", "5 s"): "the interval of the progress lines when stderr is piped (cli/output.py)",
+    ("docs/guide-rule.md", "32 ulp"): "how far the ensemble's least accurate exp is off, by design (ensemble.py)",
+    ("docs/guide-rule.md", "20 ulp"): "the specimen exp_u20's error, PyTorch CPU's exp_u20, by design (specimens.py)",
+    ("docs/guide-rule.md", "1%"): "the size of the scale-error mutant (MUTANTS in specimens.py)",
+}
+
+
+def unit_figures(text):
+    """The figures with a unit typed in a page's prose (``page_text``: no code, no placeholders), normalised to one
+    space between the number and its unit."""
+    return [re.sub(r"\s+", " ", m.group(0)) for m in UNIT_FIGURE.finditer(text)]
+
+
+def typed_guide_figures(page, text=None):
+    return sorted({f for f in unit_figures(page_text(ROOT / page, text)) if (page, f) not in GUIDE_CONSTANTS})
+
+
+@pytest.mark.parametrize("page", GUIDE)
+def test_no_measured_figure_is_typed_into_the_guide(page):
+    assert typed_guide_figures(page) == [], f"{page} types a measured figure: format it from a results file"
+
+
+def test_the_guides_allowed_constants_are_the_apis():
+    """Every allowed figure is still on its page (the list holds nothing stale), and the time limits are the
+    package's own constants."""
+    from sdpa_ref.harness import isolate
+
+    for page, figure in GUIDE_CONSTANTS:
+        assert figure in unit_figures(page_text(ROOT / page)), (page, figure)
+    assert f"{isolate.DEFAULT_TIME_LIMIT:g} s" == "600 s" and f"{isolate.LOAD_TIME_LIMIT:g} s" == "120 s"
+
+
+def test_a_planted_guide_figure_is_caught():
+    """A timing, an ulp count, a ratio and a share typed into a guide page are found; the same in a placeholder, a
+    code span or a code block, an allowed constant on its own page, or a shape, are not."""
+    page = "docs/guide-frameworks.md"
+    text = (ROOT / page).read_text() + ("\nThe suite took 0.72 s, 1.33 s isolated; P differs by 38 ulp; dv is 4.85x\n"
+                                        "the allowance, 1.24 times the honest error; 53.5% fail; 1%.\n")
+    assert typed_guide_figures(page, text) == ["0.72 s", "1%", "1.24 times", "1.33 s", "38 ulp", "4.85x", "53.5%"]
+    text = (ROOT / page).read_text() + ("\n{{frameworks.torch.exp_ulp:.1f}} ulp, `took 0.72 s`, sizes 1 x 1 to 8 x 8\n"
+                                        "```text\n38 ulp\n```\n")
+    assert typed_guide_figures(page, text) == []
+    rule = "docs/guide-rule.md"
+    assert typed_guide_figures(rule, (ROOT / rule).read_text() + "\na 1% scale error, off by 20 ulp\n") == []
+
+
+@pytest.mark.parametrize("name", ["frameworks", "rule"])
+def test_the_guides_committed_results_say_what_made_them(name):
+    """The committed results files name their date, machine and command (and why their values were carried, where
+    they were), every placeholder of the guide formats from them, and the pages that quote one state its date and
+    machine."""
+    figures = _figures_module()
+    data = json.loads(pathlib.Path(figures.COMMITTED[name]).read_text())
+    for key in ("date", "machine", "command", "note"):
+        assert isinstance(data.get(key), str) and data[key], key
+    pages = [p for p in GUIDE if "{{%s." % name in (ROOT / p).read_text()]
+    assert pages, name
+
+    class App:
+        startup_time = 0.0
+
+    for p in pages:
+        source = [(ROOT / p).read_text()]
+        figures.fill_numbers(App(), p, source)
+        assert "{{%s." % name not in source[0] and figures.NOT_COMPUTED not in source[0], p
+    assert any("{{%s.date}}" % name in (ROOT / p).read_text() and "{{%s.machine}}" % name in (ROOT / p).read_text()
+               for p in pages), name
