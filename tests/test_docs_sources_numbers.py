@@ -117,7 +117,7 @@ def test_the_copy_task_and_lesson_figures_come_from_placeholders():
     text = (DOCS / "why-sqrt-dk.md").read_text()
     names = re.findall(r"\{\{([a-z_]+)\.", text)
     figures = _figures_module()
-    assert set(names) == set(figures.RESULTS) - {"suites"} - set(figures.COMMITTED), names
+    assert set(names) == set(figures.RESULTS) - {"suites", "arithmetic"} - set(figures.COMMITTED), names
     for key in ("measures.unscaled_acc.text.median", "measures.ratio_acc.text.median", "text.saturated",
                 "text.scaled_median"):
         assert key in text, key
@@ -226,7 +226,7 @@ def test_a_planted_guide_figure_is_caught():
 
 
 @pytest.mark.parametrize("name", ["frameworks", "rule"])
-def test_the_guides_committed_results_say_what_made_them(name):
+def test_the_guides_committed_results_say_what_made_them(name, tmp_path, monkeypatch):
     """The committed results files name their date, machine and command (and why their values were carried, where
     they were), every placeholder of the guide formats from them, and the pages that quote one state its date and
     machine."""
@@ -236,6 +236,9 @@ def test_the_guides_committed_results_say_what_made_them(name):
         assert isinstance(data.get(key), str) and data[key], key
     pages = [p for p in GUIDE if "{{%s." % name in (ROOT / p).read_text()]
     assert pages, name
+    monkeypatch.setattr(figures, "GENERATED", str(tmp_path))       # the cheap results a build writes, made here
+    figures.write_suites(str(tmp_path))
+    figures.write_arithmetic(str(tmp_path))
 
     class App:
         startup_time = 0.0
@@ -246,3 +249,14 @@ def test_the_guides_committed_results_say_what_made_them(name):
         assert "{{%s." % name not in source[0] and figures.NOT_COMPUTED not in source[0], p
     assert any("{{%s.date}}" % name in (ROOT / p).read_text() and "{{%s.machine}}" % name in (ROOT / p).read_text()
                for p in pages), name
+
+
+def test_the_guides_float_facts_are_computed(tmp_path):
+    """guide-judge-more.md states half a float16 ulp through placeholders, and arithmetic.json holds NumPy's values
+    (0.004 at 10 and 0.016 near 50 as the page prints them)."""
+    text = (DOCS / "guide-judge-more.md").read_text()
+    assert "{{arithmetic.float16_half_ulp.at_10:.3f}}" in text and "{{arithmetic.float16_half_ulp.at_50:.3f}}" in text
+    figures = _figures_module()
+    figures.write_arithmetic(str(tmp_path))
+    got = json.loads((tmp_path / "arithmetic.json").read_text())["float16_half_ulp"]
+    assert (f"{got['at_10']:.3f}", f"{got['at_50']:.3f}") == ("0.004", "0.016")
