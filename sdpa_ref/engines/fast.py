@@ -243,48 +243,36 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
             return _native.fast_softmax_vjp_rows(_native.kernels(), d, p)
         softmax_vjp_rows(d, p, sub)
 
+    def score_grad(Pc, dTc, r, inner_parallel):
+        """dP -> dT in place on a chunk's or a span's rows (``r`` their ``(sech^2, pe, dlse, constant rows,
+        dextra)``): the softmax VJP, the LSE's and extra logits' terms, the constant rows (the chain's slope is the
+        caller's)."""
+        sd, pe_c, dl_c, cr_c, dext_c = r
+        if pe_c is not None:                                               # and the extra columns: dP = 0
+            dTc[...], dext_c[...] = vjp(Pc, dTc, pe_c, dl_c)
+        else:
+            for rows in _matrices(dTc, Pc):
+                if inner_parallel and rows[0].size >= MIN_PARALLEL:
+                    row_chunks(score_grad_rows, *rows)
+                else:
+                    score_grad_rows(*rows)                                 # dT = (dP - D) * P
+        if dl_c is not None and pe_c is None:                              # ... + P * dlse (softmax_lse_vjp)
+            dTc += Pc * dl_c
+        if cr_c is not None:
+            np.copyto(dTc, 0.0, where=cr_c)
+            if dext_c is not None:
+                np.copyto(dext_c, 0.0, where=cr_c)
+
     def grads(qc, k, v, Pc, dOc, dTc, keep, r, inner_parallel, fv=lay.full_view):
         """One chunk's (or one span's) rows: ``dT`` into ``dTc``; returns ``(P_drop, dTraw)`` (``dTraw`` may be
         ``dTc``); ``r`` its rows of ``(sech^2, pe, dlse, constant rows, dextra)``, ``fv`` the full-layout view."""
-        sd, pe_c, dl_c, cr_c, dext_c = r
+        sd = r[0]
         Pd = Pc if keep is None else dropout_forward(fv(np.ascontiguousarray(Pc)), keep, o.dropout_p).reshape(Pc.shape)
         np.matmul(dOc, np.swapaxes(v, -1, -2), out=dTc)                   # dP = dO V^T ...
         if keep is not None:
             dropout_forward(fv(dTc), keep, o.dropout_p, out=fv(dTc))      # ... * Z / (1-p)
-        if pe_c is not None:                                               # and the extra columns: dP = 0
-            dTc[...], dext_c[...] = vjp(Pc, dTc, pe_c, dl_c)
-        else:
-            for rows in _matrices(dTc, Pc):
-                if inner_parallel and rows[0].size >= MIN_PARALLEL:
-                    row_chunks(score_grad_rows, *rows)
-                else:
-                    score_grad_rows(*rows)                                 # dT = (dP - D) * P
-        if dl_c is not None and pe_c is None:                              # ... + P * dlse (softmax_lse_vjp)
-            dTc += Pc * dl_c
-        if cr_c is not None:
-            np.copyto(dTc, 0.0, where=cr_c)
-            if dext_c is not None:
-                np.copyto(dext_c, 0.0, where=cr_c)
+        score_grad(Pc, dTc, r, inner_parallel)
         return Pd, transform_scores_vjp(dTc, sd, out=None if keep_dT else dTc)
-
-    def score_grad(Pc, dTc, r, inner_parallel):
-        """dP -> dT in place on a span's rows (``r`` their ``(sech^2, pe, dlse, constant rows, dextra)``): the
-        softmax VJP, the LSE's and extra logits' terms, the constant rows (the chain's slope is the caller's)."""
-        sd, pe_c, dl_c, cr_c, dext_c = r
-        if pe_c is not None:                                               # and the extra columns: dP = 0
-            dTc[...], dext_c[...] = vjp(Pc, dTc, pe_c, dl_c)
-        else:
-            for rows in _matrices(dTc, Pc):
-                if inner_parallel and rows[0].size >= MIN_PARALLEL:
-                    row_chunks(score_grad_rows, *rows)
-                else:
-                    score_grad_rows(*rows)                                 # dT = (dP - D) * P
-        if dl_c is not None and pe_c is None:                              # ... + P * dlse (softmax_lse_vjp)
-            dTc += Pc * dl_c
-        if cr_c is not None:
-            np.copyto(dTc, 0.0, where=cr_c)
-            if dext_c is not None:
-                np.copyto(dext_c, 0.0, where=cr_c)
 
     def rows_of(idx):
         return tuple(None if a is None else a[idx] for a in (sdg, pe, dlg, crg, dext))
