@@ -357,7 +357,9 @@ def _own(a, dtype=None, dead=None, writable=False, adopt=False):
 
     ``writable=True`` leaves it writable, for :func:`reads.scrub`; the caller then makes it read-only.
     ``adopt=True``: ``a`` is a fresh array that nothing else reads (:meth:`Problem.build`'s ``adopt``), taken
-    itself when it owns its C-contiguous, writable data in ``dtype``.
+    itself when it is writable and in ``dtype``, whatever its strides (a layout's gathered keys are a view of
+    ``(B, S, H, E)``: the engines read any strides, and a transposing copy of a long cache would cost more than
+    the attention over it).
 
     Nothing the caller does to the arrays it passed in can then change the
     residuals, and no engine can write into them. The cost is one copy of
@@ -371,7 +373,7 @@ def _own(a, dtype=None, dead=None, writable=False, adopt=False):
     """
     if a is None:
         return None
-    if not (adopt and a.dtype == dtype and a.flags.owndata and a.flags.c_contiguous and a.flags.writeable):
+    if not (adopt and a.dtype == dtype and a.flags.writeable):
         with np.errstate(invalid="ignore"):                # a signalling NaN (random bits) casts quietly
             a = np.array(a, dtype=dtype, copy=True)
     if dead is not None:                                   # what is stored there is never read: make it 0
