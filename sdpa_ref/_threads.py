@@ -53,12 +53,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Optional
 
 import numpy as np
 
-__all__ = ["num_threads", "pool", "row_chunks", "run_all", "single_threaded_blas"]
+__all__ = ["num_threads", "ordered", "pool", "row_chunks", "run_all", "single_threaded_blas"]
 
 _POOL: Optional[ThreadPoolExecutor] = None
 _POOL_LOCK = threading.Lock()
@@ -89,20 +90,63 @@ def pool(n: int) -> ThreadPoolExecutor:
         return _POOL
 
 
+class _Worker(threading.local):
+    """Whether this thread is running a pool item (a pool item that waited on items of its own could wait on
+    itself once every worker does the same: those run inline)."""
+    inside = False
+
+
+_WORKER = _Worker()
+
+
+def _held(fn):
+    """``fn`` as a pool item: inside :func:`single_threaded_blas` (where the BLAS's count is per thread, this is
+    what holds that thread's GEMMs to one thread), the thread marked as a worker."""
+    def item(it):
+        _WORKER.inside = True
+        try:
+            with single_threaded_blas():
+                return fn(it)
+        finally:
+            _WORKER.inside = False
+    return item
+
+
 def run_all(fn, items):
-    """``fn(item)`` for every item in the pool; wait for all, then raise the first error.
-
-    Each item runs inside :func:`single_threaded_blas` on its pool thread (where the BLAS's count is per thread,
-    this is what holds that thread's GEMMs to one thread).
-    """
-    def held(it):
-        with single_threaded_blas():
-            return fn(it)
-
+    """``fn(item)`` for every item in the pool; wait for all, then raise the first error. Called from a pool item,
+    the items run inline, one after the other."""
+    if _WORKER.inside:
+        for it in items:
+            fn(it)
+        return
+    held = _held(fn)
     futs = [pool(num_threads()).submit(held, it) for it in items]
     wait(futs)
     for f in futs:
         f.result()
+
+
+def ordered(fn, items, ahead=None):
+    """``fn(item)`` for every item in the pool, yielding the results in the items' order; at most ``ahead``
+    (default: the threads) items run or wait to be taken at once, so that what their results hold stays bounded.
+    A caller that sums the results as they come sums them in one order, whatever the threads. On an error, the
+    items already started finish, then it is raised."""
+    if _WORKER.inside:
+        for it in items:
+            yield fn(it)
+        return
+    ahead = max(1, ahead or num_threads())
+    held = _held(fn)
+    p, futs = pool(num_threads()), deque()
+    try:
+        for it in items:
+            futs.append(p.submit(held, it))
+            if len(futs) >= ahead:
+                yield futs.popleft().result()
+        while futs:
+            yield futs.popleft().result()
+    finally:
+        wait(futs)
 
 
 def row_chunks(fn, *arrays):

@@ -362,7 +362,10 @@ _DOC_TAIL = r"""
     block_size : int or "auto", optional
         The tiled engine's block: ``block_size`` queries by ``block_size``
         keys, so that no ``L x S`` array is ever built; peak memory is
-        ``O((L + S)(E + Ev) + block_size^2)`` per head. ``"auto"`` (the
+        ``O((L + S)(E + Ev) + block_size S)`` per head and thread (the
+        backward keeps one block of rows against every key, so that it
+        recomputes the scores once; the blocks of rows run side by side in
+        the package's threads, with the same bits as one). ``"auto"`` (the
         default of ``method="tiled"``) picks a size from L, S and a 64 MiB
         budget. Giving it selects the tiled engine.
     num_splits : int >= 1, optional

@@ -343,9 +343,11 @@ def test_inputs_are_not_modified():
         np.testing.assert_array_equal(a, b)
 
 
-def test_tiled_double_backward_makes_no_l_by_s_array():
+def test_tiled_double_backward_makes_no_l_by_s_array(monkeypatch):
     import tracemalloc
 
+    # one thread: each thread holds one block of rows against every key (two threads, two such strips)
+    monkeypatch.setenv("SDPA_REF_NUM_THREADS", "1")
     rng = np.random.default_rng(12)
     q, k, v = (rng.standard_normal((1, 1, 512, 8)) for _ in range(3))
     g = rng.standard_normal(q.shape)

@@ -407,3 +407,35 @@ def test_a_fresh_process_gets_the_same_bits_under_any_openblas_num_threads(expec
 if __name__ == "__main__":
     main = digests()
     print(json.dumps({"main": main, "thread": _in_thread(digests)}))
+
+
+def test_ordered_yields_in_order_with_a_bounded_window_and_runs_nested_calls_inline(monkeypatch):
+    import threading
+    import time
+
+    from sdpa_ref._threads import ordered, run_all
+    monkeypatch.setenv("SDPA_REF_NUM_THREADS", "2")
+    live, most, lock = [0], [0], threading.Lock()
+
+    def fn(i):
+        with lock:
+            live[0] += 1
+            most[0] = max(most[0], live[0])
+        time.sleep(0.002 * (5 - i % 5))            # later items may finish first
+        inner = []
+        run_all(inner.append, range(3))             # from a pool item: inline, no wait on the pool itself
+        with lock:
+            live[0] -= 1
+        return i, inner
+
+    got = list(ordered(fn, range(12), ahead=3))
+    assert [i for i, _ in got] == list(range(12))
+    assert all(inner == [0, 1, 2] for _, inner in got)
+    assert most[0] <= 3
+
+    def bad(i):
+        if i == 4:
+            raise ValueError("item 4")
+        return i
+    with pytest.raises(ValueError, match="item 4"):
+        list(ordered(bad, range(8)))

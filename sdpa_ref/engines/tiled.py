@@ -35,7 +35,11 @@ applies to its parts and the normaliser's close (:func:`sdpa_ref.normalize.close
 the sinks) to a row: a key block is a split of the keys, merged as it is computed.
 
 Blocks that the allowed set excludes entirely are skipped in both passes.
-Peak memory is ``O((L + S) (E + Ev) + b^2)`` per head on top of the inputs.
+The blocks of rows run side by side in the package's pool (:func:`each_row_block`), what they add to shared
+results summed in the blocks' order, so the bits do not depend on the thread count. Peak memory is
+``O((L + S) (E + Ev) + b^2)`` per head and thread on top of the inputs in the forward, and
+``O((L + S) (E + Ev) + b S)`` in the backward and the JVP, whose first sweep keeps a block of rows' ``P`` and
+``dP`` against every key for the second (one recomputation of the scores, not two).
 Fully masked rows follow the same policies as the other engines (the uniform
 one in a second pass over the keys for the row blocks that have such rows).
 """
@@ -55,6 +59,7 @@ from ..transforms import dropout_forward, scores_jvp, scores_vjp, transform_scor
     unbroadcast
 from .blocks import Blocks, check_block_size, exp_inplace as _exp, ranges as _ranges
 from .contract import Forward, Grads
+from .._threads import blas_is_held, num_threads, ordered
 
 __all__ = ["Rows", "backward", "forward", "jvp", "key_pass"]
 
@@ -66,11 +71,35 @@ def forward(prob, *, save_probs=False, block_size="auto") -> Forward:
     one signature) asks: there is no ``L x S`` array to keep, and the backward recomputes ``P``."""
     block = check_block_size(block_size, prob)
     rows = Rows(prob)
-    for i0, i1 in _ranges(prob.L, block):
+
+    def one(i0, i1):
         m, l, acc, row_empty = key_pass(prob, rows.bl, i0, i1, (0, prob.S), block)
         with np.errstate(divide="ignore", invalid="ignore"):
             rows.close(i0, i1, m, l, acc / l, row_empty)
+
+    each_row_block(one, _ranges(prob.L, block))
     return rows.forward()
+
+
+def each_row_block(fn, blocks, add=None, parallel=True):
+    """``fn(i0, i1)`` for each block of rows ``(i0, i1)`` of ``blocks``; ``add(result)`` (if given) takes the
+    results in the blocks' order.
+
+    The blocks run side by side in the package's pool where there are several, more than one thread, the BLAS
+    held to one (as the fast engine's chunks) and ``parallel``; otherwise one after the other. A block's rows are
+    its own: ``fn`` writes only its rows of the results (the forward's ``O`` and ``lse``, ``dq``) and returns
+    what it adds to shared ones (``dk``, ``dv``), which ``add`` sums in the blocks' order
+    (:func:`sdpa_ref._threads.ordered`), as one thread would: the bits do not depend on the thread count, and at
+    most ``num_threads()`` blocks' temporaries and results live at once.
+    """
+    blocks = list(blocks)
+    if parallel and num_threads() > 1 and len(blocks) > 1 and blas_is_held():
+        results = ordered(lambda b: fn(*b), blocks)
+    else:
+        results = (fn(*b) for b in blocks)
+    for r in results:
+        if add is not None:
+            add(r)
 
 
 def key_pass(prob, bl, i0, i1, keys, block):
@@ -175,7 +204,10 @@ class _Sweeps:
     it recomputes (:func:`sdpa_ref.normalize.row_stats` per block, merged by :func:`sdpa_ref.lse.combine_in`,
     closed by :func:`sdpa_ref.normalize.close`); of the forward only ``fwd.empty`` is read. An extra logit of
     the normaliser (a sink) is one more column with probability ``ps`` and no value, whose ``g`` is ``g_extra``
-    (the backward: 0; the JVP: its tangent). With one key block the two sweeps share one recomputation.
+    (the backward: 0; the JVP: its tangent). The first sweep keeps each block's ``P`` and ``g`` (one block of rows
+    against every key: ``O(b S)`` per head, what the sweep's blocks hold together anyway), so the second sweep
+    recomputes nothing: the scores, their ``exp`` and ``g`` are formed once per block (a block of rows with a NaN
+    row, whose ``P`` is NaN on every key it reads, recomputes its blocks from the row's normaliser).
 
     ``g_block(j0, j1, P, keep, sech2)`` gives a fresh array ``g`` for one block.
     """
@@ -212,14 +244,15 @@ class _Sweeps:
         if self.ps is not None:                                     # the extra column: g_extra, its own pivot
             gs = np.zeros(self.ps.shape) if g_extra is None else np.broadcast_to(g_extra, self.ps.shape)
             parts.append((self.ps, gs, np.zeros(self.ps.shape), self.ps))
-        self.cached = None
+        self.cached = []
         for a, (_, _, _, (pm, c_b, s1, sp), kept) in zip(alpha, firsts):
             with np.errstate(invalid="ignore", over="ignore"):
                 w = np.where(self.em | (self.s != self.s), ct.type(1), a * r / l)   # (the policy's rows:
                 parts.append((pm * w.real, c_b, s1 * w, sp * w))  # their fill; a NaN row: NaN, as it is)
-            if len(self.jobs) == 1:
-                Pe, g, sech2, keep = kept
-                self.cached = np.multiply(Pe, w, out=Pe), g, sech2, keep
+            Pe, g, sech2, keep = kept                               # P = e^(T - m_b) w: the second sweep's
+            self.cached.append((np.multiply(Pe, w, out=Pe), g, sech2, keep))
+        if len(self.jobs) > 1 and np.any(self.s != self.s):        # a NaN row is NaN on every key it reads, in
+            self.cached = None                                      # every block: those are recomputed
         self.parts = parts
         self.c, self.D = combine_partials(parts) if parts else (None, None)
 
@@ -242,7 +275,7 @@ class _Sweeps:
         keep = self.bl.keep(i0, i1, j0, j1)
         g = self.g_block(j0, j1, Pe, keep, sech2)
         with np.errstate(invalid="ignore"):
-            part = block_partial(Pe, g)                             # g - c_b, in place
+            part = block_partial(Pe, g.copy())                      # g - c_b, in the copy (g is kept as it is)
         return m_b, l_b, e_b, part, (Pe, g, sech2, keep)
 
     def _recompute(self, j0, j1, skip, allowed):
@@ -260,17 +293,13 @@ class _Sweeps:
         return P, self.g_block(j0, j1, P, keep, sech2), sech2, keep
 
     def second(self, D):
-        """``(j0, j1, P, keep, sech2, t)`` per key block, ``t = P ((g - c) - D)`` (0 on the constant rows)."""
+        """``(j0, j1, P, keep, sech2, t)`` per key block, ``t = P ((g - c) - D)`` (0 on the constant rows), from the
+        blocks the first sweep kept (``g`` is overwritten by ``t``), or recomputed where a row is NaN."""
         ct = self.prob.dtype
-        for job in self.jobs:
-            if self.cached is not None:
-                P, g, sech2, keep = self.cached                     # g - c already ...
-                if self.ps is not None:                             # ... unless the extra column holds it
-                    np.add(g, self.parts[1][1] - self.c, out=g)
-            else:
-                P, g, sech2, keep = self._recompute(*job)
-                with np.errstate(invalid="ignore"):                 # an overflowed g (inf - inf) is NaN
-                    np.subtract(g, self.c, out=g)
+        for k, job in enumerate(self.jobs):
+            P, g, sech2, keep = self._recompute(*job) if self.cached is None else self.cached[k]
+            with np.errstate(invalid="ignore"):                     # an overflowed g (inf - inf) is NaN
+                np.subtract(g, self.c, out=g)
             np.subtract(g, D, out=g)
             t = nan_rows_vjp(np.multiply(P, g, out=g), P, D)       # a NaN row: 0 where P is 0
             if self.const is not None:
@@ -305,7 +334,9 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
     dmod = None
 
     def rows(i0, i1):
-        """One block of rows; its temporaries die with the call, before the next block makes its own."""
+        """One block of rows; its temporaries die with the call, before the next block makes its own. Its
+        ``dq`` rows and its rows of the extra logits' gradient are written here; what it adds to ``dk`` and
+        ``dv`` is returned, ``[(j0, j1, dk_J, dv_J)]``, for :func:`add` to add in the blocks' order."""
         nonlocal dmod
         dOg = bl.grouped(dO[..., i0:i1, :])
 
@@ -314,15 +345,16 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
             return dropout_forward(dP, keep, o.dropout_p)
 
         sw = _Sweeps(prob, bl, fwd, i0, i1, cb, dP_of)
+        adds = []
         if sw.c is None:
-            return
+            return adds
         D = sw.D if dlse is None else sw.D - dlse[..., i0:i1, :]    # + P * dlse, folded into D
         if sw.ps is not None:                                       # the extra logits: p ((0 - c) - D)
             ds = extra_grad_in(NUMPY, sw.ps, sw.c, D)
             dext[..., i0:i1] = (ds if sw.const is None else np.where(sw.const, ct.type(0), ds))[..., 0]
         for j0, j1, P, keep, sech2, dT in sw.second(D):             # dT = P * ((dP - c) - D)
             P_drop = dropout_forward(P, keep, o.dropout_p)
-            dv[..., j0:j1, :] += (np.swapaxes(bl.grouped(P_drop), -1, -2) @ dOg).sum(axis=-3)   # P_drop^T dO
+            dv_j = (np.swapaxes(bl.grouped(P_drop), -1, -2) @ dOg).sum(axis=-3)               # P_drop^T dO
             for acc in (dmask, dbias):
                 if acc is not None:                                  # dB = dT, summed to B's shape
                     view = block_of(acc, nd, None, (i0, i1), (j0, j1))
@@ -332,10 +364,17 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
             dq_i, dk_j = scores_vjp(bl.grouped(dTraw), prob.q[..., i0:i1, :], prob.k[..., None, j0:j1, :],
                                     prob.scale)
             dq[..., i0:i1, :] += dq_i.reshape(dq_i.shape[:-4] + (Hq,) + dq_i.shape[-2:])
-            dk[..., j0:j1, :] += dk_j.sum(axis=-3)
+            adds.append((j0, j1, dk_j.sum(axis=-3), dv_j))
+        return adds
 
-    for i0, i1 in _ranges(L, rb):
-        rows(i0, i1)
+    def add(adds):
+        for j0, j1, dk_j, dv_j in adds:
+            dv[..., j0:j1, :] += dv_j
+            dk[..., j0:j1, :] += dk_j
+
+    # the float mask's, the bias's and the score function's gradients are summed over the row blocks as they come
+    shared = dmask is not None or dbias is not None or (o.score_mod is not None and bool(o.score_mod.params))
+    each_row_block(rows, _ranges(L, rb), add, parallel=not shared)
     mod = o.score_mod
     if dmod is None and mod is not None and mod.params:            # no block visited: a zero gradient
         dmod = [np.zeros(p.shape) for p in mod.params]
@@ -375,11 +414,11 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
             return np.array(np.broadcast_to(transform_scores_jvp(t, sech2, db), P.shape))
         return g
 
-    for i0, i1 in _ranges(L, rb):
+    def rows(i0, i1):
         gs = None if dextra is None else np.broadcast_to(dextra, prob.full_scores[:-2] + (1, 1))
         sw = _Sweeps(prob, bl, fwd, i0, i1, cb, dT_of(i0, i1), g_extra=gs)
         if sw.c is None:
-            continue
+            return
         em = sw.em
         dvu = None if dv is None else prob.averaged_values(em, dv, dv_full, rows=(i0, i1))
         acc = np.zeros(dO[..., i0:i1, :].shape, dtype=prob.dtype)
@@ -393,4 +432,6 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
                     u = np.where(em, bl.times_v(P_drop, j0, j1, dvu), u)
                 acc += u
         dO[..., i0:i1, :] = acc
+
+    each_row_block(rows, _ranges(L, rb))
     return dO
