@@ -110,14 +110,14 @@ def lane_rowsum(x):
             + ((acc[:, 4] + acc[:, 5]) + (acc[:, 6] + acc[:, 7])))[:, None]
 
 
-def block_partial(P, g):
+def block_partial(P, g, inplace=True):
     """One key block of a row split into blocks: its own pivot ``c_b`` (``g`` at the block's first largest ``P``)
-    is subtracted from ``g`` in place, and ``(max P, c_b, rowsum(P (g - c_b)), rowsum(P))`` returned for
-    :func:`combine_partials`."""
+    is subtracted from ``g`` (in place, or with ``inplace=False`` into a temporary, ``g`` kept), and
+    ``(max P, c_b, rowsum(P (g - c_b)), rowsum(P))`` returned for :func:`combine_partials`."""
     idx = np.argmax(P.real, axis=-1, keepdims=True)
     c_b = np.take_along_axis(g, idx, axis=-1)
-    np.subtract(g, c_b, out=g)
-    return np.take_along_axis(P.real, idx, axis=-1), c_b, rowdot(P, g), rowdot(P, None)
+    gc = np.subtract(g, c_b, out=g if inplace else None)
+    return np.take_along_axis(P.real, idx, axis=-1), c_b, rowdot(P, gc), rowdot(P, None)
 
 
 def softmax_vjp_in(X, P, g, g_lse=None):

@@ -87,6 +87,9 @@ class Blocks:
     def mod_grads(self, dT, i0, i1, j0, j1, acc=None):
         """The score function's captured tensors' gradients from the block's ``dT``, added to ``acc`` (a list, or
         None: a new one); None without captured tensors."""
+        mod = self.p.options.score_mod
+        if mod is None or not mod.params:                # nothing captured: no raw scores to recompute
+            return acc
         return score_mod_params_vjp(self.p, dT, self.raw(i0, i1, j0, j1), (i0, i1), (j0, j1), acc)
 
     def keep(self, i0, i1, j0, j1):

@@ -275,7 +275,7 @@ class _Sweeps:
         keep = self.bl.keep(i0, i1, j0, j1)
         g = self.g_block(j0, j1, Pe, keep, sech2)
         with np.errstate(invalid="ignore"):
-            part = block_partial(Pe, g.copy())                      # g - c_b, in the copy (g is kept as it is)
+            part = block_partial(Pe, g, inplace=False)              # g - c_b in a temporary: g is kept
         return m_b, l_b, e_b, part, (Pe, g, sech2, keep)
 
     def _recompute(self, j0, j1, skip, allowed):
@@ -372,9 +372,10 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
             dv[..., j0:j1, :] += dv_j
             dk[..., j0:j1, :] += dk_j
 
-    # the float mask's, the bias's and the score function's gradients are summed over the row blocks as they come
+    # the float mask's, the bias's and the score function's gradients are summed over the row blocks as they come;
+    # the dense "lse" backward (a pair of blocks) is there to peak below the dense path: one block at a time
     shared = dmask is not None or dbias is not None or (o.score_mod is not None and bool(o.score_mod.params))
-    each_row_block(rows, _ranges(L, rb), add, parallel=not shared)
+    each_row_block(rows, _ranges(L, rb), add, parallel=not (shared or isinstance(block_size, tuple)))
     mod = o.score_mod
     if dmod is None and mod is not None and mod.params:            # no block visited: a zero gradient
         dmod = [np.zeros(p.shape) for p in mod.params]
