@@ -116,6 +116,14 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
     reads could reach (:func:`sdpa_ref.poison.backward_taint` with the tangents' poisoned output rows as
     poisoned cotangent rows): never fewer than the results that read it, possibly more.
     """
+    return _backward_jvp(primals, tangents, grad_out, grad_out_tangent, grad_lse, grad_lse_tangent, method,
+                         block_size, layout, precision, options, True)
+
+
+def _backward_jvp(primals, tangents, grad_out, grad_out_tangent, grad_lse, grad_lse_tangent, method, block_size,
+                  layout, precision, options, want_grads):
+    """:func:`sdpa_backward_jvp`; ``want_grads=False`` (:func:`sdpa_hvp`) skips the first-order gradients, which
+    the double backward does not read (it reads the forward's residuals and the cotangents): ``(None, tangent)``."""
     if not isinstance(primals, (tuple, list)) or len(primals) != 3:
         raise TypeError(f"`primals` should be a tuple (query, key, value), but got {V.describe(primals)}")
     if not isinstance(tangents, Mapping) and (not isinstance(tangents, (tuple, list)) or
@@ -143,7 +151,7 @@ def sdpa_backward_jvp(primals, tangents, grad_out, grad_out_tangent=None, *, gra
                                                                              {"block_size": block_size})}
     _, res = sdpa_forward(*primals, layout=layout, save_probs=True, **dict(options, **schedule))
     prob = res.problem
-    grads = sdpa_backward(res, grad_out, grad_lse=grad_lse)
+    grads = sdpa_backward(res, grad_out, grad_lse=grad_lse) if want_grads else None
     dO, do_bad, dlse, dl_bad = cotangents(res, grad_out, grad_lse)
     ddO, ddo_bad, ddlse, ddl_bad = None, None, None, None
     if grad_out_tangent is not None or grad_lse_tangent is not None:
@@ -188,8 +196,8 @@ def sdpa_hvp(primals, tangents, grad_out, *, grad_lse=None, method=None, block_s
         if name in options:
             raise TypeError(f"`{name}` should not be given to sdpa_hvp (its cotangents are held fixed; the "
                             "double backward with their tangents is sdpa_backward_jvp), but got it")
-    return sdpa_backward_jvp(primals, tangents, grad_out, grad_lse=grad_lse, method=method, block_size=block_size,
-                             layout=layout, precision=precision, **options)[1]
+    return _backward_jvp(primals, tangents, grad_out, None, grad_lse, None, method, block_size, layout, precision,
+                         options, False)[1]
 
 
 #: Score entries (all heads) from which the plain double backward runs its heads in the pool: below, the threads
