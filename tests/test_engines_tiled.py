@@ -1,5 +1,6 @@
 """The tiled path (FlashAttention's algorithm) equals the dense path, in bounded memory."""
 
+import itertools
 import tracemalloc
 
 import numpy as np
@@ -145,3 +146,26 @@ def test_tiled_blocks_of_rows_give_the_same_bits_on_any_number_of_threads(monkey
     for n in ("2", "3"):
         for a, b in zip(got["1"], got[n]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_block_of_rows_with_a_nan_row_recomputes_its_blocks_and_agrees_with_the_dense_path():
+    # the second sweep reuses the first sweep's P, except in a block of rows with a NaN row (its P is NaN on every
+    # key it reads, in every key block): those blocks are recomputed from the row's normaliser; both ways agree
+    # with the dense path on the other rows, and the NaN pattern is the dense one
+    rng = np.random.default_rng(9)
+    q, k, v, g = (rng.standard_normal((1, 2, 96, 8)) for _ in range(4))
+    q[0, 1, 5, 3] = np.nan                               # head 1, row 5: NaN scores in every key block it reads
+
+    def nan_one(score, b, h, i, j):                     # row 40: NaN on key 30 alone, in one of its key blocks
+        return np.where((i == 40) & (j == 30), np.nan, score)
+    for opts, mod in itertools.product(({"is_causal": True}, {"window": (30, 5)}, {"sinks": np.array([0.5, -1.0])}),
+                                       (None, nan_one)):
+        opts = dict(opts, score_mod=mod, **({"is_causal": True} if mod is not None and "window" not in opts else {}))
+        _, rd = sdpa_forward(q, k, v, **opts)
+        _, rt = sdpa_forward(q, k, v, block_size=32, **opts)
+        gd, gt = sdpa_backward(rd, g), sdpa_backward(rt, g)
+        for a, b in ((gd.query, gt.query), (gd.key, gt.key), (gd.value, gt.value)):
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+            ok = ~np.isnan(a)
+            assert ok.any()
+            _close(a[ok], b[ok])
