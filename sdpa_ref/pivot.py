@@ -110,13 +110,13 @@ def lane_rowsum(x):
             + ((acc[:, 4] + acc[:, 5]) + (acc[:, 6] + acc[:, 7])))[:, None]
 
 
-def block_partial(P, g, inplace=True):
+def block_partial(P, g):
     """One key block of a row split into blocks: its own pivot ``c_b`` (``g`` at the block's first largest ``P``)
-    is subtracted from ``g`` (in place, or with ``inplace=False`` into a temporary, ``g`` kept), and
-    ``(max P, c_b, rowsum(P (g - c_b)), rowsum(P))`` returned for :func:`combine_partials`."""
+    and ``(max P, c_b, rowsum(P (g - c_b)), rowsum(P))`` for :func:`combine_partials` (``g`` is not written:
+    the row's pivot is subtracted from it later, once)."""
     idx = np.argmax(P.real, axis=-1, keepdims=True)
     c_b = np.take_along_axis(g, idx, axis=-1)
-    gc = np.subtract(g, c_b, out=g if inplace else None)
+    gc = g - c_b
     return np.take_along_axis(P.real, idx, axis=-1), c_b, rowdot(P, gc), rowdot(P, None)
 
 

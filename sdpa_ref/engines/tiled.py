@@ -244,15 +244,15 @@ class _Sweeps:
         if self.ps is not None:                                     # the extra column: g_extra, its own pivot
             gs = np.zeros(self.ps.shape) if g_extra is None else np.broadcast_to(g_extra, self.ps.shape)
             parts.append((self.ps, gs, np.zeros(self.ps.shape), self.ps))
-        self.cached = []
+        # a NaN row is NaN on every key it reads, in every key block: with several, those are recomputed
+        self.cached = None if len(self.jobs) > 1 and np.any(self.s != self.s) else []
         for a, (_, _, _, (pm, c_b, s1, sp), kept) in zip(alpha, firsts):
             with np.errstate(invalid="ignore", over="ignore"):
                 w = np.where(self.em | (self.s != self.s), ct.type(1), a * r / l)   # (the policy's rows:
                 parts.append((pm * w.real, c_b, s1 * w, sp * w))  # their fill; a NaN row: NaN, as it is)
-            Pe, g, sech2, keep = kept                               # P = e^(T - m_b) w: the second sweep's
-            self.cached.append((np.multiply(Pe, w, out=Pe), g, sech2, keep))
-        if len(self.jobs) > 1 and np.any(self.s != self.s):        # a NaN row is NaN on every key it reads, in
-            self.cached = None                                      # every block: those are recomputed
+            if self.cached is not None:
+                Pe, g, sech2, keep = kept                           # P = e^(T - m_b) w: the second sweep's
+                self.cached.append((np.multiply(Pe, w, out=Pe), g, sech2, keep))
         self.parts = parts
         self.c, self.D = combine_partials(parts) if parts else (None, None)
 
@@ -275,7 +275,7 @@ class _Sweeps:
         keep = self.bl.keep(i0, i1, j0, j1)
         g = self.g_block(j0, j1, Pe, keep, sech2)
         with np.errstate(invalid="ignore"):
-            part = block_partial(Pe, g, inplace=False)              # g - c_b in a temporary: g is kept
+            part = block_partial(Pe, g)                             # (g itself is kept for the second sweep)
         return m_b, l_b, e_b, part, (Pe, g, sech2, keep)
 
     def _recompute(self, j0, j1, skip, allowed):
