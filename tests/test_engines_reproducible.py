@@ -371,6 +371,44 @@ def test_every_compiled_dd_kernel_gives_the_numpy_bits(monkeypatch):
             assert np.array_equal(np.asarray(u).view(np.int64), np.asarray(v).view(np.int64))
 
 
+def test_the_compiled_end_of_a_block_gives_the_numpy_bits():
+    """``_native.dd_finish`` (the end of a block of ``ozaki.matmul`` in one pass) against the NumPy steps it
+    replaces: ``fast_two_sum``, the dd product by the scale, the scalings put back, on sums near overflow, with
+    NaN and infinities, results that underflow into the subnormals and exponents at both ends of the range."""
+    from sdpa_ref.exact import _native, dd
+    lib = _native.kernels()
+    if lib is None:
+        pytest.skip(f"compiled kernels not in use ({_native.status()['reason']}): the NumPy loops run, and the "
+                    "hashes above hold them")
+    rng = np.random.default_rng(6)
+    nb, rows, n = 2, 9, 37
+    h = rng.standard_normal((nb, rows, n)) * np.exp(rng.standard_normal((nb, rows, 1)) * 5)
+    l = h * rng.standard_normal(h.shape) * 2.0 ** -50                 # not yet normalised: fast_two_sum moves bits
+    h[0, 0, :4] = [np.nan, np.inf, -np.inf, 0.0]
+    h[0, 1, :3] = [1.7e308, -1.7e308, 2.0 ** 996]                     # Dekker's split overflows past 2**996
+    h[1, 2, :2] = [5e-324, -2.0 ** -1070]
+    l[1, 3] = -h[1, 3]                                                # hi + lo cancel: +0 or -0 to keep
+    ea = rng.integers(-30, 30, (nb, rows, 1)).astype(np.intc)
+    eb = rng.integers(-30, 30, (nb, 1, n)).astype(np.intc)
+    ea[0, 4], eb[0, 0, 5], ea[1, 5], eb[1, 0, 6] = -1022, 0, 1023, -1022 - 1023 + 1023   # the range's ends
+    ea[1, 6] = -1000                                                  # 2**(ea + eb) subnormal products
+    h0, l0 = h.copy(), l.copy()
+    for normalise in (True, False):
+        for scale in (None, 0.125, 1 / 3, -7.5e-300):
+            out = (np.empty_like(h), np.empty_like(h))
+            with np.errstate(all="ignore"):
+                _native.dd_finish(lib, (h, l), ea, eb, out, normalise=normalise, scale=scale)
+                x = dd.fast_two_sum(h, l) if normalise else (h, l)
+                if scale is not None:
+                    x = dd.dd_mul_d(x, np.float64(scale))
+                f = dd.pow2(ea) * dd.pow2(eb)
+                want = x[0] * f, x[1] * f
+            for u, w in zip(out, want):
+                same = (u.view(np.int64) == w.view(np.int64)) | (np.isnan(u) & np.isnan(w))
+                assert same.all(), (normalise, scale, np.argwhere(~same)[:5])
+    assert np.array_equal(h.view(np.int64), h0.view(np.int64)) and np.array_equal(l.view(np.int64), l0.view(np.int64))
+
+
 def test_the_compiled_slicer_reads_every_layout_in_place_and_normalises_with_the_numpy_bits():
     """The Ozaki slicer reads rows in place (transposed, batched, broadcast, sliced views) and scales each row as
     ``_normalise`` does; slices, remainders, statistics and exponents are the NumPy definition's bits, rows whose

@@ -426,3 +426,35 @@ void sdpa_dd_softmax_vjp_rows(const double *p0, const double *p1, const double *
         }
     }
 }
+
+/* ------------------------------------------------------------ ozaki.matmul's last steps, in one pass */
+
+/* The end of a block of an exact product: the dd sum (hi, lo) [nb x rows x n] of its levels, normalised
+ * (fast_two_sum, when norm is set), times the float scale (dd.dd_mul_d, when has_scale is set), then times
+ * 2**(ea[i, r] + eb[i, j]) (the rows' and columns' scalings put back, ozaki.matmul: pow2(ea) * pow2(eb), a power
+ * of two, the caller has checked that every exponent and every sum of two lies in [-1022, 1023]), written to
+ * (o0, o1) [nb x rows x n, contiguous]. The operations of the NumPy steps it replaces, in their order. */
+void sdpa_dd_finish(const double *hi, const double *lo, ptrdiff_t nb, ptrdiff_t rows, ptrdiff_t n, int norm,
+                    int has_scale, double scale, const int *ea, const int *eb, double *o0, double *o1)
+{
+    for (ptrdiff_t i = 0; i < nb; i++) {
+        const int *ec = eb + i * n;
+        for (ptrdiff_t r = 0; r < rows; r++) {
+            ptrdiff_t at = (i * rows + r) * n;
+            double fa = k_pow2(ea[i * rows + r]);
+            for (ptrdiff_t j = 0; j < n; j++) {
+                double s = hi[at + j], e = lo[at + j];
+                if (norm)
+                    k_fast_two_sum(s, e, &s, &e);
+                if (has_scale) {
+                    double p, q;
+                    k_two_prod(s, scale, &p, &q);
+                    k_fast_two_sum(p, q + e * scale, &s, &e);
+                }
+                double f = fa * k_pow2(ec[j]);
+                o0[at + j] = s * f;
+                o1[at + j] = e * f;
+            }
+        }
+    }
+}

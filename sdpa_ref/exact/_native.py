@@ -104,6 +104,8 @@ def _declare(lib):
     lib.sdpa_dd_div_rows.restype = None
     lib.sdpa_dd_mul_d_scalar.argtypes = [dp, dp, ctypes.c_double, n, dp, dp]
     lib.sdpa_dd_mul_d_scalar.restype = None
+    lib.sdpa_dd_finish.argtypes = [dp, dp, n, n, n, ctypes.c_int, ctypes.c_int, ctypes.c_double, dp, dp, dp, dp]
+    lib.sdpa_dd_finish.restype = None
     lib.sdpa_dd_rowsum.argtypes = [dp, dp, n, n, dp, dp, dp]
     lib.sdpa_dd_rowsum.restype = None
     lib.sdpa_dd_softmax_vjp_rows.argtypes = [dp, dp, dp, dp, n, n, dp, dp, dp]
@@ -298,6 +300,22 @@ def dd_mul_d_scalar(lib, a, b):
     if o0.size:
         lib.sdpa_dd_mul_d_scalar(_ptr(a0), _ptr(a1), float(b), o0.size, _ptr(o0), _ptr(o1))
     return o0, o1
+
+
+def dd_finish(lib, acc, ea, eb, out, normalise=True, scale=None):
+    """The end of a block of :func:`.ozaki.matmul` in one pass, by the compiled loop: ``acc`` ``(nb, rows, n)``
+    (a dd sum of levels) normalised by :func:`.dd.fast_two_sum` (with ``normalise``), times the float ``scale``
+    (:func:`.dd.dd_mul_d`, when given), times ``2**(ea + eb)`` (``ea`` ``(nb, rows, 1)``, ``eb`` ``(nb, 1, n)``,
+    every exponent and every sum of two in ``[-1022, 1023]``: the caller checks), into ``out``, a pair of
+    C-contiguous ``(nb, rows, n)`` float64 arrays. The bits of those NumPy steps."""
+    h, l = (np.ascontiguousarray(x, dtype=np.float64) for x in acc)
+    nb, rows, n = h.shape
+    ea = np.ascontiguousarray(np.broadcast_to(ea, (nb, rows, 1)), dtype=np.intc)
+    eb = np.ascontiguousarray(np.broadcast_to(eb, (nb, 1, n)), dtype=np.intc)
+    if h.size:
+        lib.sdpa_dd_finish(_ptr(h), _ptr(l), nb, rows, n, int(bool(normalise)), int(scale is not None),
+                           0.0 if scale is None else float(scale), _ptr(ea), _ptr(eb), _ptr(out[0]), _ptr(out[1]))
+    return out
 
 
 def _rows_of(a, shape):

@@ -39,7 +39,7 @@ import math
 import numpy as np
 
 from .._threads import run_all
-from ._native import dd_add_d_inplace, dd_mul_d_scalar, kernels, slice_rows
+from ._native import dd_add_d_inplace, dd_finish, dd_mul_d_scalar, kernels, slice_rows
 from .dd import dd_add_d, dd_mul_d, fast_two_sum, pow2, two_sum
 
 __all__ = ["matmul", "n_slices"]
@@ -140,7 +140,7 @@ def _line_max(x, axis):
     return np.max(np.abs(x), axis=axis, keepdims=True)
 
 
-def _products(a, b, n, rows=None, cols=None, klines=None):
+def _products(a, b, n, rows=None, cols=None, klines=None, normalise=True):
     """The dd sum of the products ``a[p] @ b[q]``, ``p + q < n``, smallest level first (a fixed order).
 
     A product of level ``l = p + q`` is below ``2**(-beta l)`` of ``|A||B|``: levels 3 and up are summed in
@@ -151,22 +151,22 @@ def _products(a, b, n, rows=None, cols=None, klines=None):
     exponents it spans, fit in three), and what its zero slices would add is an exact ``+0``, which moves no
     bit of the dd sum: a product's entry that is zero is ``+0`` (a GEMM's sum starts from ``+0``, and
     ``x + (-x)`` is ``+0``), so the sum never holds ``-0``, and adding ``+0`` to a normalised dd gives it back.
-    ``rows`` and ``cols``: those lines (:func:`_nonzero`), found here when not given; :data:`_ALL` where a
-    slice holds a NaN or an infinity (whose product with a zero is NaN: every product is then formed in full).
-    ``klines``: for each slice of ``b``, its rows (the contraction's lines) that hold a nonzero entry
-    (:func:`matmul` finds them once per slice), or None; a product is contracted over those alone where they
-    are few (the last slice of a float64 operand holds a few lines' last bits): the terms left out are
-    products with zero, and every partial sum is exact, so the sum is the same with or without them.
+    ``rows`` and ``cols``: those lines, a :class:`_Lines` per slice (:func:`_lines_of`), found here when not
+    given; :data:`_ALL` where a slice holds a NaN or an infinity (whose product with a zero is NaN: every product
+    is then formed in full). ``klines``: for each slice of ``b``, its rows (the contraction's lines) that hold
+    a nonzero entry, a :class:`_Lines` each, or None; a product is contracted over those alone where they are
+    few (the last slice of a float64 operand holds a few lines' last bits): the terms left out are products
+    with zero, and every partial sum is exact, so the sum is the same with or without them.
+
+    ``normalise=False`` returns the sum as it stands, for :func:`.dd.fast_two_sum` to be taken by the caller
+    (the compiled end of a block, :func:`._native.dd_finish`, takes it in the same pass as the scalings).
     """
     acc = None
     lib = kernels()
-    rows = _nonzero([_line_max(x, -1) for x in a[:n]]) if rows is None else rows
-    cols = _nonzero([_line_max(x, -2) for x in b[:n]]) if cols is None else cols
+    rows = _lines_of(_nonzero([_line_max(x, -1) for x in a[:n]]), -1) if rows is None else rows
+    cols = _lines_of(_nonzero([_line_max(x, -2) for x in b[:n]]), -2) if cols is None else cols
     if rows is _ALL or cols is _ALL:                       # a NaN or an infinity: every product is formed
-        rows, cols = [np.ones(x.shape[:-1], bool) for x in a[:n]], [np.ones(x.shape[-1:], bool) for x in b[:n]]
-        klines = None                                      # (NaN times a zero line of b is NaN)
-    else:
-        rows, cols = [x[..., 0] for x in rows], [x[..., 0, :] for x in cols]
+        rows, cols, klines = [_EVERY] * n, [_EVERY] * n, None          # (NaN times a zero line of b is NaN)
     for lev in range(n - 1, -1, -1):
         for p in range(lev + 1):
             c = _product(a[p], b[lev - p], rows[p], cols[lev - p],     # exact (see the module docstring)
@@ -182,12 +182,14 @@ def _products(a, b, n, rows=None, cols=None, klines=None):
                 c = c.full()
             if acc is None:
                 acc = (c, np.zeros_like(c))
+            elif lev >= 3:
+                np.add(acc[0], c, out=acc[0])
             else:
-                acc = _accumulate(acc, c, lev, lib)
+                acc = dd_add_d_inplace(lib, acc, c) if lib is not None else dd_add_d(acc, c)
     if acc is None:                                        # every product is zero
         z = np.zeros(np.broadcast_shapes(a[0].shape[:-2], b[0].shape[:-2]) + (a[0].shape[-2], b[0].shape[-1]))
         return z, z.copy()
-    return fast_two_sum(*acc)
+    return fast_two_sum(*acc) if normalise else acc
 
 
 def _accumulate(acc, c, lev, lib):
@@ -228,30 +230,64 @@ def _nonzero(maxima):
     return [m != 0 for m in maxima]
 
 
+class _Lines:
+    """The lines (rows, columns or the contraction's) of one slice that hold a nonzero entry, as a product needs
+    them: ``any``, whether one does; ``one``, whether the slice has a single batch entry (with several, a
+    product is formed in full); ``idx``, with one batch entry, the indices of those lines where they are at
+    most :data:`_SPARSE_SHARE` of them, else None (every line is used). Found once per slice (per block of
+    rows, or per batch entry of ``B``), not once per product."""
+
+    __slots__ = ("any", "one", "idx")
+
+    def __init__(self, mask):
+        """``mask``: bool, ``(nb, lines)``."""
+        self.any = bool(mask.any())
+        self.one = mask.shape[0] == 1
+        self.idx = None
+        if self.one:
+            m = mask.reshape(-1)
+            if np.count_nonzero(m) <= _SPARSE_SHARE * m.size:
+                self.idx = np.flatnonzero(m)
+
+
+class _Every:
+    """Every line of a slice, as :class:`_Lines` has it (a NaN or an infinity: products formed in full)."""
+    any, one, idx = True, False, None
+
+
+_EVERY = _Every()
+
+
+def _lines_of(masks, axis):
+    """:class:`_Lines` for each mask of :func:`_nonzero` (keepdims, the lines along ``axis``), or :data:`_ALL`."""
+    if masks is _ALL:
+        return _ALL
+    out = []
+    for m in masks:
+        m = m[..., 0] if axis == -1 else m[..., 0, :]
+        out.append(_Lines(m.reshape((-1,) + m.shape[-1:]) if m.ndim != 1 else m.reshape(1, -1)))
+    return out
+
+
 def _product(A, B, ra, cb, kb=None):
     """``A @ B`` for the slices ``A`` ``(nb, M, K)`` and ``B`` ``(nb, K, N)`` whose nonzero rows and columns are
-    ``ra`` ``(nb, M)`` and ``cb`` ``(nb, N)`` (or without ``nb``); None where it is zero. With one batch entry, a
-    product whose nonzero rows or columns are few is formed on those alone (a :class:`_Part`; the rest is
-    ``+0``): its entries are exact sums, the same value in any GEMM, and a zero sum is ``+0`` in every one.
-    ``kb`` (or None): ``B``'s rows that hold a nonzero entry, ``(nb, K)`` or ``(K,)``; with one batch entry and
-    few of them, the product is contracted over those alone (the same exact sums, less their zero terms)."""
-    if not ra.any() or not cb.any():
+    ``ra`` and ``cb`` (:class:`_Lines`); None where it is zero. With one batch entry, a product whose nonzero
+    rows or columns are few is formed on those alone (a :class:`_Part`; the rest is ``+0``): its entries are
+    exact sums, the same value in any GEMM, and a zero sum is ``+0`` in every one. ``kb`` (or None): ``B``'s
+    rows that hold a nonzero entry; with one batch entry and few of them, the product is contracted over those
+    alone (the same exact sums, less their zero terms)."""
+    if not ra.any or not cb.any:
         return None
-    if ra.size != A.shape[-2] or cb.size != B.shape[-1]:          # several batch entries
+    if not (ra.one and cb.one):                            # several batch entries
         return np.matmul(A, B)
-    r, c = ra.reshape(-1), cb.reshape(-1)
-    r = np.flatnonzero(r) if r.sum() <= _SPARSE_SHARE * r.size else None
-    c = np.flatnonzero(c) if c.sum() <= _SPARSE_SHARE * c.size else None
-    k = None
-    if kb is not None and kb.size == A.shape[-1]:
-        k = kb.reshape(-1)
-        k = np.flatnonzero(k) if k.sum() <= _SPARSE_SHARE * k.size else None
-        if k is not None and k.size == 0:
-            return None
-    M, N = A.shape[-2], B.shape[-1]
-    shape = np.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (M, N)
+    r, c = ra.idx, cb.idx
+    k = kb.idx if kb is not None and kb.one else None
+    if k is not None and k.size == 0:
+        return None
     if r is None and c is None and k is None:
         return np.matmul(A, B)
+    M, N = A.shape[-2], B.shape[-1]
+    shape = np.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (M, N)
     A2, B2 = A.reshape(A.shape[-2:]), B.reshape(B.shape[-2:])
     if r is not None:
         A2 = A2[r] if k is None else A2[np.ix_(r, k)]
@@ -289,11 +325,6 @@ def _level_bound(ra, rb, ma, mb, sa, sb, K):
             if p + q >= t:
                 left = left + np.minimum(sa[p] * mb[q], ma[p] * sb[q])
     return left * (1 + 2.0 ** -20)
-
-
-def _at(cols, b, t):
-    """The first ``t`` of the column masks ``cols`` (or :data:`_ALL`) at the batch entries ``b``."""
-    return cols if cols is _ALL else [x[b] for x in cols[:t]]
 
 
 def matmul(A, B, bits=104, final=False, scale=None):
@@ -347,49 +378,71 @@ def matmul(A, B, bits=104, final=False, scale=None):
     hi = np.empty((sb[0].shape[0], M, N))
     lo = np.empty_like(hi)
     mb = max(8, _BLOCK_ENTRIES // max(N, K, 1))            # rows per block: its slices and sums stay in cache
+    nb = max(1, _BLOCK_ENTRIES // max(M * N, 1)) if mb >= M else 1      # small products: several per block
+    items = [(slice(b, b + nb), m0) for b in range(0, hi.shape[0], nb) for m0 in range(0, M, mb)]
+    lines = {}                                             # B's lines per batch range: found once, not per product
+    for b, _ in items:
+        if b.start not in lines:
+            lines[b.start] = (_ALL if cols is _ALL else [_Lines(x[b][:, 0, :]) for x in cols],
+                              [_Lines(x[b]) for x in kls])
+    lib = kernels()
+
+    def rows_of(amax, asum):
+        """A block's rows per slice (:class:`_Lines`), from its slices' maxima (which skip a NaN) and sums (which
+        do not)."""
+        return _ALL if not all(np.isfinite(x).all() for x in asum) else _lines_of(_nonzero(amax), -1)
 
     def block(item):
         b, m0 = item                                       # b: a range of batch entries
         a = (Ah[b, m0:m0 + mb], None if Al is None else Al[b, m0:m0 + mb])           # not yet normalised
+        bcols, bk = lines[b.start]
         if quick:
-            lib = kernels()
             if lib is not None:                            # normalised, sliced, with maxima and sums, compiled
                 aq, (amax, asum), ra, ea = slice_rows(lib, a[0], a[1], t, rho, stats=True, normalise=True)
-                rows = _ALL if not all(np.isfinite(x).all() for x in asum) else _nonzero(amax)   # (its maxima
-            else:                                                                    # skip a NaN; its sums not)
+            else:
                 aq, raq, ea = _normalised_slices(a, -1, t, rho)
                 ra = _line_max(raq[0], -1) + _line_max(raq[1], -1)
                 amax = [_line_max(x, -1) for x in aq]
                 asum = [np.sum(np.abs(x), axis=-1, keepdims=True) for x in aq]   # exact, in any order
-                rows = _nonzero(amax)
-            h, l = _products(aq, [x[b] for x in sb[:t]], t, rows, _at(cols, b, t), [x[b] for x in kls[:t]])
+            h, l = _products(aq, [x[b] for x in sb[:t]], t, rows_of(amax, asum), bcols if bcols is _ALL
+                             else bcols[:t], bk[:t])
             bound = _level_bound(ra, rbq[b], amax, [x[b] for x in mbs[:t]], asum, [x[b] for x in sbq], K)
             redo = ~np.all(bound <= 2.0 ** -55 * np.abs(h), axis=-1)            # (batch entries, rows)
             for i in np.flatnonzero(redo.any(axis=-1)):     # those rows take every level (rows are independent)
                 r = np.flatnonzero(redo[i])
+                bi = slice(b.start + i, b.start + i + 1)
                 h[i, r], l[i, r] = _products(_normalised_slices((a[0][i, r], None if a[1] is None else a[1][i, r]),
                                                                 -1, n, rho)[0],
-                                             [x[b][i] for x in sb], n, None,
-                                             None if cols is _ALL else [x[b][i] for x in cols],
-                                             [x[b][i] for x in kls])
+                                             [x[bi][0] for x in sb], n, None,
+                                             None if cols is _ALL else [_Lines(x[bi][:, 0, :]) for x in cols],
+                                             [_Lines(x[bi]) for x in kls])
+            acc = (h, l)
         else:
-            aq, _, ea = _normalised_slices(a, -1, n, rho)
-            h, l = _products(aq, [x[b] for x in sb], n, None, _at(cols, b, n), [x[b] for x in kls])
-        if scale is not None:                              # scale * (A B), before the result leaves [1/2, K)
-            lib = kernels()
-            h, l = dd_mul_d_scalar(lib, (h, l), scale) if lib is not None else dd_mul_d((h, l), np.float64(scale))
+            if lib is not None:
+                aq, (amax, asum), _, ea = slice_rows(lib, a[0], a[1], n, rho, stats=True, normalise=True)
+            else:
+                aq, _, ea = _normalised_slices(a, -1, n, rho)
+                amax = [_line_max(x, -1) for x in aq]
+                asum = amax                                # NumPy's maxima carry a NaN
+            acc = _products(aq, [x[b] for x in sb], n, rows_of(amax, asum), bcols, bk, normalise=False)
         ec = eb[b]                                         # (rows, 1) + (1, N): undo the scalings, exactly
         lo_e, hi_e = (int(ea.min()), int(ec.min())), (int(ea.max()), int(ec.max()))
-        if min(lo_e) >= -1022 and max(hi_e) <= 1023 and sum(lo_e) >= -1022 and sum(hi_e) <= 1023:
+        in_range = min(lo_e) >= -1022 and max(hi_e) <= 1023 and sum(lo_e) >= -1022 and sum(hi_e) <= 1023
+        out = (hi[b, m0:m0 + mb], lo[b, m0:m0 + mb])
+        if lib is not None and in_range and out[0].flags.c_contiguous:
+            dd_finish(lib, acc, ea, ec, out, normalise=not quick, scale=scale)   # one pass: the steps below
+            return
+        h, l = acc if quick else fast_two_sum(*acc)
+        if scale is not None:                              # scale * (A B), before the result leaves [1/2, K)
+            h, l = dd_mul_d_scalar(lib, (h, l), scale) if lib is not None else dd_mul_d((h, l), np.float64(scale))
+        if in_range:
             f = pow2(ea) * pow2(ec)                        # 2**(ea + eb), exact: every exponent in range
-            np.multiply(h, f, out=hi[b, m0:m0 + mb])
-            np.multiply(l, f, out=lo[b, m0:m0 + mb])
+            np.multiply(h, f, out=out[0])
+            np.multiply(l, f, out=out[1])
         else:                                              # results near the ends of the range
             e = ea + ec
-            hi[b, m0:m0 + mb], lo[b, m0:m0 + mb] = np.ldexp(h, e), np.ldexp(l, e)
+            out[0][...], out[1][...] = np.ldexp(h, e), np.ldexp(l, e)
 
-    nb = max(1, _BLOCK_ENTRIES // max(M * N, 1)) if mb >= M else 1      # small products: several per block
-    items = [(slice(b, b + nb), m0) for b in range(0, hi.shape[0], nb) for m0 in range(0, M, mb)]
     if len(items) > 1 and hi.size * K >= _PARALLEL_WORK:
         run_all(block, items)
     else:                                                  # small: the pool's hand-offs would cost more
