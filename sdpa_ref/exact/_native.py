@@ -226,12 +226,12 @@ def _row_layout(hi, lo):
     return hi, lo, per, bs // 8, (st[-2] // 8 if hi.ndim >= 2 else 0), st[-1] // 8
 
 
-def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False):
+def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False, remainder=True):
     """``(slices, (hi, lo))`` of :func:`.ozaki._slices` along the last axis, by the compiled loop, which reads
     the rows in place (a transposed block needs no copy); with ``stats=True`` ``(slices, (slice maxima, slice
     sums), remainder max|hi| + max|lo|)``, each ``(..., 1)``, and no remainder array. ``normalise=True`` scales
     each row first as :func:`.ozaki._normalise` does and appends its exponents ``e`` ``(..., 1)`` to the
-    result."""
+    result. ``remainder=False`` (without ``stats``): no remainder is formed, and None stands in for it."""
     shape = np.shape(hi)
     hi, lo, per, bs, rs, cs = _row_layout(hi, lo)
     k = shape[-1]
@@ -243,16 +243,16 @@ def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False):
         rh = rl = None
     else:
         smax = ssum = rmax = None
-        rh, rl = np.empty(shape), np.empty(shape)
+        rh, rl = (np.empty(shape), np.empty(shape)) if remainder else (None, None)
     e = np.zeros(shape[:-1] + (1,), np.intc) if normalise else None
     if rows and k:
         p = [None if x is None else _ptr(x) for x in (rh, rl, smax, ssum, rmax, e)]
         scratch = np.empty(2 * _GATHER * (k + _PAD))       # held here: the C code gets only its address
         lib.sdpa_slice_rows(_ptr(hi), None if lo is None else _ptr(lo), rows, k, per, bs, rs, cs, n, rho,
                             _ptr(out), *p, _ptr(scratch))
-    elif not stats:
+    elif not stats and remainder:
         rh, rl = np.array(hi, copy=True).reshape(shape), np.zeros(shape) if lo is None else np.array(lo).reshape(shape)
-    res = (list(out), (list(smax), list(ssum)), rmax) if stats else (list(out), (rh, rl))
+    res = (list(out), (list(smax), list(ssum)), rmax) if stats else (list(out), (rh, rl) if remainder else None)
     return res + (e,) if normalise else res
 
 

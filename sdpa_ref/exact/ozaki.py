@@ -101,18 +101,20 @@ def _slices(x, axis, n, rho):
     return _slices_numpy(x, axis, n, rho)
 
 
-def _normalised_slices(x, axis, n, rho):
+def _normalised_slices(x, axis, n, rho, remainder=True):
     """``(slices, remainder, e)``: :func:`_slices` of ``x`` normalised by :func:`_normalise` along ``axis``, and
-    its exponents; the compiled loop scales each line as it cuts it (no normalised copy is formed)."""
+    its exponents; the compiled loop scales each line as it cuts it (no normalised copy is formed), and forms no
+    remainder with ``remainder=False`` (None stands in for it)."""
     lib = kernels()
     hi, lo = x
     if lib is not None and hi.ndim >= 2:
         if axis == -1:
-            out, rem, e = slice_rows(lib, hi, lo, n, rho, normalise=True)
+            out, rem, e = slice_rows(lib, hi, lo, n, rho, normalise=True, remainder=remainder)
             return out, rem, e
-        out, (h, l), e = slice_rows(lib, np.swapaxes(hi, -1, -2), None if lo is None else np.swapaxes(lo, -1, -2),
-                                    n, rho, normalise=True)
-        return ([np.swapaxes(o, -1, -2) for o in out], (np.swapaxes(h, -1, -2), np.swapaxes(l, -1, -2)),
+        out, rem, e = slice_rows(lib, np.swapaxes(hi, -1, -2), None if lo is None else np.swapaxes(lo, -1, -2),
+                                 n, rho, normalise=True, remainder=remainder)
+        return ([np.swapaxes(o, -1, -2) for o in out],
+                None if rem is None else (np.swapaxes(rem[0], -1, -2), np.swapaxes(rem[1], -1, -2)),
                 np.swapaxes(e, -1, -2))
     x, e = _normalise(x, axis)
     out, rem = _slices_numpy(x, axis, n, rho)
@@ -363,12 +365,15 @@ def matmul(A, B, bits=104, final=False, scale=None):
     quick = final and n > t
     if quick:                                              # the first t slices, their remainder, then the rest
         sb, rbq, eb = _normalised_slices(B, -2, t, rho)    # (cutting on from a remainder: the same slices)
-        sb = sb + _slices(rbq, -2, n - t, rho)[0]
+        if rbq[0].any() or rbq[1].any():
+            sb = sb + _slices(rbq, -2, n - t, rho)[0]
+        else:                                              # (a float64 B often fits in t slices: the rest is +0,
+            sb = sb + [np.broadcast_to(0.0, sb[0].shape)] * (n - t)    # as its slices would be, and is not stored)
         sbq = [np.broadcast_to(np.sum(np.abs(x), axis=-2, keepdims=True), shape[:-2] + (1, N)).reshape(-1, 1, N)
                for x in sb[:t]]                            # exact: K entries on one grid of few bits
         rbq = np.broadcast_to(_line_max(rbq[0], -2) + _line_max(rbq[1], -2), shape[:-2] + (1, N)).reshape(-1, 1, N)
     else:
-        sb, _, eb = _normalised_slices(B, -2, n, rho)
+        sb, _, eb = _normalised_slices(B, -2, n, rho, remainder=False)
     mbs = [np.broadcast_to(_line_max(x, -2), shape[:-2] + (1, N)).reshape(-1, 1, N) for x in sb]
     cols = _nonzero(mbs)                                   # the columns each slice of B holds
     kls = [np.broadcast_to(np.any(x != 0, axis=-1), shape[:-2] + (K,)).reshape(-1, K) for x in sb]   # its rows
