@@ -3,6 +3,8 @@
  * with -ffp-contract=off and no fast-math: no FMA contraction, no reassociation. C99, libc and libm only. */
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <string.h>
 
 /* The largest |x[j]|, 0 <= j < k: four running maxima (a maximum is exact in any order). */
 static double abs_max(const double *x, ptrdiff_t k)
@@ -25,21 +27,75 @@ static double abs_max(const double *x, ptrdiff_t k)
     return m2 > m0 ? m2 : m0;
 }
 
-/* The sum of |x[j]| for x one slice of a row: exact in any order (its entries lie on one grid, with at most
- * 53 - rho bits each, and 2 rho >= 54 + log2 k), so four running sums give the bits of one. */
-static double abs_sum(const double *x, ptrdiff_t k)
+/* Four doubles side by side (GCC/Clang vector extensions; two SSE2 registers on the baseline x86-64 build). Only
+ * IEEE operations lane by lane, and maxima and exact sums, whose order does not matter: the bits of the scalar
+ * loops. */
+typedef double sl_vd __attribute__((vector_size(16)));
+typedef long long sl_vi __attribute__((vector_size(16)));
+
+static inline sl_vd sl_load(const double *p) { sl_vd v; memcpy(&v, p, sizeof v); return v; }
+static inline void sl_store(double *p, sl_vd v) { memcpy(p, &v, sizeof v); }
+static inline sl_vd sl_abs(sl_vd a) { return (sl_vd)((sl_vi)a & (sl_vi){INT64_MAX, INT64_MAX}); }
+/* a > m ? a : m lane by lane, as abs_max's scalar step (a NaN in a leaves m) */
+static inline sl_vd sl_max(sl_vd a, sl_vd m) { sl_vi k = a > m; return (sl_vd)(((sl_vi)a & k) | ((sl_vi)m & ~k)); }
+static inline double sl_hmax(sl_vd m) { return m[1] > m[0] ? m[1] : m[0]; }
+
+/* One slice of a row, as ozaki._slices_numpy: s = (h + sigma) - sigma, then (h, l) = two_sum(h - s, l) (or
+ * h - s for a float64 row, l NULL), in place; returns max |h| of what is left, and the slice's max |s| and
+ * exact sum of |s| in *smax, *ssum (the sum is exact: the entries lie on one grid with few bits). One pass. */
+static inline sl_vd slice_pair(double *restrict h, double *restrict l, double *restrict s, sl_vd sg, sl_vd *mh,
+                               sl_vd *ms)
 {
-    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    sl_vd hj = sl_load(h);
+    sl_vd sj = (hj + sg) - sg;
+    sl_vd a = hj - sj;
+    if (l) {
+        sl_vd b = sl_load(l);
+        sl_vd t = a + b;
+        sl_vd bb = t - a;
+        sl_store(l, (a - (t - bb)) + (b - bb));
+        a = t;
+    }
+    sl_store(s, sj);
+    sl_store(h, a);
+    sl_vd as = sl_abs(sj);
+    *mh = sl_max(sl_abs(a), *mh);
+    *ms = sl_max(as, *ms);
+    return as;
+}
+
+static double slice_step(double *restrict h, double *restrict l, double *restrict s, ptrdiff_t k, double sigma,
+                         double *smax, double *ssum)
+{
+    const sl_vd sg = {sigma, sigma};
+    sl_vd mh0 = {0, 0}, ms0 = mh0, ss0 = mh0, mh1 = mh0, ms1 = mh0, ss1 = mh0;   /* two chains of each */
     ptrdiff_t j = 0;
     for (; j + 4 <= k; j += 4) {
-        s0 += fabs(x[j]);
-        s1 += fabs(x[j + 1]);
-        s2 += fabs(x[j + 2]);
-        s3 += fabs(x[j + 3]);
+        ss0 = ss0 + slice_pair(h + j, l ? l + j : NULL, s + j, sg, &mh0, &ms0);
+        ss1 = ss1 + slice_pair(h + j + 2, l ? l + j + 2 : NULL, s + j + 2, sg, &mh1, &ms1);
     }
-    for (; j < k; j++)
-        s0 += fabs(x[j]);
-    return (s0 + s1) + (s2 + s3);
+    sl_vd mh = sl_max(mh1, mh0), ms = sl_max(ms1, ms0), ss = ss0 + ss1;
+    double mx = sl_hmax(mh), sm = sl_hmax(ms), su = ss[0] + ss[1];
+    for (; j < k; j++) {
+        double sj = (h[j] + sigma) - sigma;
+        double a = h[j] - sj;
+        if (l) {
+            double b = l[j];
+            double t = a + b;
+            double bb = t - a;
+            l[j] = (a - (t - bb)) + (b - bb);
+            a = t;
+        }
+        s[j] = sj;
+        h[j] = a;
+        double aa = fabs(a), as = fabs(sj);
+        mx = aa > mx ? aa : mx;
+        sm = as > sm ? as : sm;
+        su += as;
+    }
+    *smax = sm;
+    *ssum = su;
+    return mx;
 }
 
 /* Rows gathered at once from a transposed layout (one cache line of each of their columns). */
@@ -101,13 +157,14 @@ void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff
                         h[j] *= f;
                         l[j] *= f;
                     }
-                } else {
+                    mx *= f;                                 /* the max scales exactly (it lands in [1/2, 1)), */
+                } else {                                     /* and scaling is monotone: the new max */
                     for (ptrdiff_t j = 0; j < k; j++) {
                         h[j] = ldexp(h[j], -e);
                         l[j] = ldexp(l[j], -e);
                     }
+                    mx = abs_max(h, k);
                 }
-                mx = abs_max(h, k);
             }
             for (int p = 0; p < n; p++) {
                 int e;
@@ -117,28 +174,12 @@ void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff
                     ee = -1022;
                 const double sigma = ldexp(1.0, ee);
                 double *restrict s = out + ((ptrdiff_t)p * rows + r) * k;
-                if (lo) {
-                    for (ptrdiff_t j = 0; j < k; j++) {
-                        double sj = (h[j] + sigma) - sigma;
-                        double a = h[j] - sj, b = l[j];      /* two_sum(hi - s, lo) */
-                        double t = a + b;
-                        double bb = t - a;
-                        s[j] = sj;
-                        h[j] = t;
-                        l[j] = (a - (t - bb)) + (b - bb);
-                    }
-                } else {
-                    for (ptrdiff_t j = 0; j < k; j++) {
-                        double sj = (h[j] + sigma) - sigma;
-                        s[j] = sj;
-                        h[j] = h[j] - sj;
-                    }
-                }
-                mx = abs_max(h, k);
+                double sm, su;                               /* two_sum(hi - s, lo), or hi - s for a float64 row */
+                mx = slice_step(h, lo ? l : NULL, s, k, sigma, &sm, &su);
                 if (smax)
-                    smax[(ptrdiff_t)p * rows + r] = abs_max(s, k);
+                    smax[(ptrdiff_t)p * rows + r] = sm;
                 if (ssum)
-                    ssum[(ptrdiff_t)p * rows + r] = abs_sum(s, k);
+                    ssum[(ptrdiff_t)p * rows + r] = su;
             }
             if (rem_hi) {
                 for (ptrdiff_t j = 0; j < k; j++) {
