@@ -396,7 +396,28 @@ def machine():
             model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), model)
     except OSError:
         pass
-    return f"{model}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
+    return f"{model}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, {huge_pages()}"
+
+
+def huge_pages():
+    """Whether NumPy asks for transparent huge pages for its large arrays, and the kernel's setting: on a virtual
+    machine whose host backs memory on first touch, a huge-page fault can cost milliseconds, and the path that
+    allocates more pays more (``docs/performance.md``), so every ratio moves with it."""
+    try:
+        asks = bool(np._core.multiarray._get_madvise_hugepage())
+    except AttributeError:
+        try:
+            asks = bool(np.core.multiarray._get_madvise_hugepage())
+        except AttributeError:
+            asks = None
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as fh:
+            kernel = fh.read().strip()
+    except OSError:
+        kernel = "unknown"
+    numpy_says = {True: "NumPy asks for them", False: "NumPy does not ask (NUMPY_MADVISE_HUGEPAGE=0)",
+                  None: "NumPy's setting unknown"}[asks]
+    return f"huge pages: {numpy_says}; kernel {kernel}"
 
 
 def run(quick=False, rounds=None, threads=None, cases=CASES, dtypes=DTYPES, lengths=None, second_order=None,
