@@ -77,17 +77,8 @@ def forward(prob, *, save_probs=False, block_size="auto") -> Forward:
         with np.errstate(divide="ignore", invalid="ignore"):
             rows.close(i0, i1, m, l, acc / l, row_empty)
 
-    each_row_block(one, row_blocks(prob, block))
+    each_row_block(one, _ranges(prob.L, block))
     return rows.forward()
-
-
-def row_blocks(prob, block):
-    """The blocks of rows ``(i0, i1)`` in the order they are taken (and their sums added): under a causal mask the
-    last first, as its last rows attend the most keys, so that the threads, taking the blocks in turn, finish
-    together (with 2 threads and 3 blocks of 1, 2 and 3 units of work: 3 units of time rather than 4). The order
-    depends on the problem alone: the bits do not depend on the thread count."""
-    blocks = list(_ranges(prob.L, block))
-    return blocks[::-1] if prob.options.is_causal else blocks
 
 
 def each_row_block(fn, blocks, add=None, parallel=True):
@@ -386,7 +377,7 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, block_size="auto") -> Grads:
     # the float mask's, the bias's and the score function's gradients are summed over the row blocks as they come;
     # the dense "lse" backward (a pair of blocks) is there to peak below the dense path: one block at a time
     shared = dmask is not None or dbias is not None or (o.score_mod is not None and bool(o.score_mod.params))
-    each_row_block(rows, row_blocks(prob, rb), add, parallel=not (shared or isinstance(block_size, tuple)))
+    each_row_block(rows, _ranges(L, rb), add, parallel=not (shared or isinstance(block_size, tuple)))
     mod = o.score_mod
     if dmod is None and mod is not None and mod.params:            # no block visited: a zero gradient
         dmod = [np.zeros(p.shape) for p in mod.params]
@@ -445,5 +436,5 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
                 acc += u
         dO[..., i0:i1, :] = acc
 
-    each_row_block(rows, row_blocks(prob, rb))
+    each_row_block(rows, _ranges(L, rb))
     return dO
