@@ -1,6 +1,7 @@
 /* Element-wise kernels of the Ozaki products, the same IEEE-754 operations in the same order as the NumPy
  * code they replace (sdpa_ref/exact/ozaki.py, dd.py), so they give the same bits. Built at install (setup.py)
- * with -ffp-contract=off and no fast-math: no FMA contraction, no reassociation. C99, libc and libm only. */
+ * with -ffp-contract=off and no fast-math: no FMA contraction, no reassociation. C99 with GCC/Clang vector
+ * extensions (as _fast_rows.c), libc and libm only. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
