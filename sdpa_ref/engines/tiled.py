@@ -89,14 +89,12 @@ def each_row_block(fn, blocks, add=None, parallel=True):
     held to one (as the fast engine's chunks) and ``parallel``; otherwise one after the other. A block's rows are
     its own: ``fn`` writes only its rows of the results (the forward's ``O`` and ``lse``, ``dq``) and returns
     what it adds to shared ones (``dk``, ``dv``), which ``add`` sums in the blocks' order
-    (:func:`sdpa_ref._threads.ordered`), as one thread would: the bits do not depend on the thread count. At
-    most ``num_threads()`` blocks run at once (their temporaries), and as many more may have finished and wait
-    for the earlier ones to be added (their results: what they add to ``dk`` and ``dv``), so that a thread whose
-    block ends while an earlier, longer one still runs takes the next block rather than waiting.
+    (:func:`sdpa_ref._threads.ordered`), as one thread would: the bits do not depend on the thread count, and at
+    most ``num_threads()`` blocks' temporaries and results live at once.
     """
     blocks = list(blocks)
     if parallel and num_threads() > 1 and len(blocks) > 1 and blas_is_held():
-        results = ordered(lambda b: fn(*b), blocks, ahead=2 * num_threads())
+        results = ordered(lambda b: fn(*b), blocks)
     else:
         results = (fn(*b) for b in blocks)
     for r in results:
