@@ -184,10 +184,8 @@ def _products(a, b, n, rows=None, cols=None, klines=None, normalise=True):
                 c = c.full()
             if acc is None:
                 acc = (c, np.zeros_like(c))
-            elif lev >= 3:
-                np.add(acc[0], c, out=acc[0])
             else:
-                acc = dd_add_d_inplace(lib, acc, c) if lib is not None else dd_add_d(acc, c)
+                acc = _accumulate(acc, c, lev, lib)
     if acc is None:                                        # every product is zero
         z = np.zeros(np.broadcast_shapes(a[0].shape[:-2], b[0].shape[:-2]) + (a[0].shape[-2], b[0].shape[-1]))
         return z, z.copy()
