@@ -109,8 +109,8 @@ def reference_jvp(case: Case, dtype="float64", naive=False):
 def judge_case(case, dt, impl, rule, sup, timeout=None):
     """The report rows of ``impl`` (an :class:`Implementation`) on ``case`` at dtype ``dt``."""
     ref64 = reference_quantities(case, dt)     # float64 arithmetic on the test-dtype inputs, kept in float64
-    honest = ensemble_errors(case, dt, ref64) if isinstance(rule, RelativeRule) else None
-    leans = _honest_leans(case, dt, ref64) if honest is not None and rule.judge_lean else {}
+    honest = _baseline(case, dt) if isinstance(rule, RelativeRule) else None
+    leans = _baseline(case, dt, leans=True) if honest is not None and rule.judge_lean else {}
     want_jvp = impl.jvp is not None and not is_fp8(dt)      # fp8 kernels have no JVP (nor FlashAttention 3)
     if want_jvp:
         ref64["jvp"] = reference_jvp(case, dt)
@@ -348,6 +348,20 @@ _FILL_NAMES = {"nan": "NaN guards'", "huge": "huge guards'"}
 
 def _fill_text(fill, dtype):
     return f"{float(guard_value(dtype, fill)):g}" if fill == "huge" else "NaN"
+
+
+def _baseline(case, dt, leans=False):
+    """The honest ensemble's largest error per quantity against the reference (:func:`.ensemble.ensemble_errors`),
+    or with ``leans=True`` its largest lean (:func:`_honest_leans`): a fresh dict of what
+    :func:`_cached_baseline` keeps per case and dtype (both depend on nothing else, and each judge of another
+    implementation on the same case reads them again)."""
+    return dict(_cached_baseline(case, np.dtype(dt).name, leans))
+
+
+@functools.lru_cache(maxsize=2048)
+def _cached_baseline(case, dtype, leans):
+    ref64 = {n: a for n, a in _reference_quantities(case, dtype, False).items() if n != "lse"}
+    return _honest_leans(case, dtype, ref64) if leans else ensemble_errors(case, dtype, ref64)
 
 
 def _honest_leans(case, dt, ref64):
