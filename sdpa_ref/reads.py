@@ -96,8 +96,16 @@ def nan_where(x, bad):
     return x if bad is None else np.where(bad, x.dtype.type(np.nan), x)
 
 
+#: Entries up to which :func:`_all_finite` tests each one (a small bool temporary; a call's fixed cost is what
+#: counts there), and past which it sums them instead (no temporary; one pass).
+_SMALL = 1 << 16
+
+
 def _all_finite(a):
-    """Every entry finite: one reduction, no temporary (a sum of finite values that overflows is checked again)."""
+    """Every entry finite: one reduction, no temporary (a sum of finite values that overflows is checked again);
+    on small arrays the entries themselves, which costs a third of the sum's floating-point-state guard."""
+    if a.size <= _SMALL:
+        return bool(np.isfinite(a).all())
     with np.errstate(over="ignore", invalid="ignore"):
         if np.isfinite(np.sum(a)):
             return True

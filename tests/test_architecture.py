@@ -5,6 +5,7 @@ the old 420-line cap split modules by size, which issue 41 names as a defect of 
 """
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -82,7 +83,13 @@ def test_the_cycle_finder_finds_cycles_and_function_level_imports(tmp_path):
 
 def _code_without_docstrings(path):
     """The module's code, docstrings and comments left out."""
-    tree = ast.parse(path.read_text())
+    return _stripped(path.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _stripped(text):
+    """:func:`_code_without_docstrings` of a module's text (kept: each check of every module reads them all)."""
+    tree = ast.parse(text)
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and node.body \
                 and isinstance(node.body[0], ast.Expr) and isinstance(getattr(node.body[0], "value", None),

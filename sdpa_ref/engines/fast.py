@@ -49,6 +49,8 @@ any thread count.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..exact import _native
@@ -479,7 +481,7 @@ def _head_chunks(lead, unit, width=128):
     problem is below two chunks or there is one thread.
     """
     whole = [tuple(slice(None) for _ in lead)]
-    N = int(np.prod(lead))
+    N = math.prod(lead)
     target = _chunk_entries(width)
     if num_threads() == 1 or N < 2 or N * unit < 2 * target:
         return whole
@@ -582,13 +584,15 @@ def _matrices(*arrays):
 
 def _flat_rows(a):
     """``a`` as a 2-D ``(rows, n)`` view when its rows are evenly spaced in memory, else None (never a copy)."""
+    rows = math.prod(a.shape[:-1])
+    if a.flags.c_contiguous:
+        return a.reshape(rows, a.shape[-1])
     shape = [(n, st) for n, st in zip(a.shape[:-1], a.strides[:-1]) if n != 1]
     if any(shape[i][1] != shape[i + 1][1] * shape[i + 1][0] for i in range(len(shape) - 1)):
         return None
-    rows = int(np.prod(a.shape[:-1]))
     return np.lib.stride_tricks.as_strided(a, (rows, a.shape[-1]), (shape[-1][1] if shape else 0, a.strides[-1]))
 
 
 def _rows(a):
     """``a`` as a 2-D ``(rows, last)`` array (also when the last dim is 0)."""
-    return a.reshape(int(np.prod(a.shape[:-1])), a.shape[-1])
+    return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
