@@ -68,12 +68,12 @@ def build(out, flags, defines=()):
     return str(out), cp.stderr
 
 
-def run(exe, folder, *args, timeout=RUN_TIMEOUT):
+def run(exe, folder, *args, timeout=RUN_TIMEOUT, env=None):
     """``CompletedProcess`` (stdout and stderr as text), or None when it ran past ``timeout``; the sanitizers'
-    options are set (and ignored by a build without them)."""
+    options are set (and ignored by a build without them), and ``env``'s variables."""
     try:
         cp = subprocess.run([exe, *args, str(folder)], capture_output=True, timeout=timeout,
-                            env=dict(os.environ, **SAN_ENV))
+                            env=dict(os.environ, **SAN_ENV, **(env or {})))
     except subprocess.TimeoutExpired:
         return None
     cp.stdout = cp.stdout.decode("utf-8", "replace")
@@ -672,8 +672,10 @@ def exes(tmp_path_factory):
     jobs = {"asan": (SAN_FLAGS, ()), "plain": (WARN_FLAGS, ()),
             "no_backward": (["-std=c99", "-O0"], ["SDPA_CHECK_NO_BACKWARD"]),
             "no_lse": (["-std=c99", "-O0"], ["SDPA_CHECK_NO_LSE"])}
-    jobs.update({f"break{n}": (["-std=c99", "-O0"], [f"SDPA_CHECK_BREAK={n}"])
-                 for n in list(BREAKS) + list(SINK_BREAKS) + [LAYOUT_BREAK, GATHER_BREAK]})
+    # the wrong kernels: one build reads which from SDPA_CHECK_BREAK (-DSDPA_CHECK_BREAK_ENV), and the layout's
+    # is also built as the docs say, -DSDPA_CHECK_BREAK=9
+    jobs.update({"broken": (["-std=c99", "-O0"], ["SDPA_CHECK_BREAK_ENV"]),
+                 f"break{LAYOUT_BREAK}": (["-std=c99", "-O0"], [f"SDPA_CHECK_BREAK={LAYOUT_BREAK}"])})
 
     def one(name):
         try:
@@ -683,6 +685,11 @@ def exes(tmp_path_factory):
     pool = concurrent.futures.ThreadPoolExecutor(2)
     yield {name: pool.submit(one, name) for name in jobs}
     pool.shutdown()
+
+
+def _broken(exes, n):
+    """``(path, env)``: the build of the tests' wrong kernels and the environment that makes it wrong kernel n."""
+    return _exe(exes, "broken"), {"SDPA_CHECK_BREAK": str(n)}
 
 
 def _exe(exes, name):
@@ -807,7 +814,8 @@ def test_a_wrong_sink_kernel_fails(exes, bases, asan_client, n):
     cp = run(asan_client, base.path)
     assert contract_problem(cp) is None and cp.returncode == 0, cp.stdout[-2000:] + cp.stderr[-2000:]
     assert all("dsinks " in ln for ln in cp.stdout.splitlines()[:-1])
-    cp = run(_exe(exes, f"break{n}"), base.path)
+    exe, env = _broken(exes, n)
+    cp = run(exe, base.path, env=env)
     assert cp.returncode == 1, cp.stdout[-2000:]
     failed = [ln for ln in cp.stdout.splitlines() if ln.startswith("FAIL")]
     assert len(failed) == len(base.names)
@@ -825,8 +833,11 @@ def test_a_layout_set_is_judged_where_the_layout_keeps_the_results(exes, bases, 
     assert lines[-1] == f"{len(base.names)} passed, 0 failed, 0 skipped"
     for line in lines[:-1]:
         assert all(re.search(rf"\b{q} [0-9.e+-]+", line) for q in ("out", "lse", "dq", "dk", "dv")), line
-    cp = run(_exe(exes, f"break{LAYOUT_BREAK}"), base.path)
+    built = run(_exe(exes, f"break{LAYOUT_BREAK}"), base.path)        # -DSDPA_CHECK_BREAK=9, as the docs say
+    exe, env = _broken(exes, LAYOUT_BREAK)
+    cp = run(exe, base.path, env=env)
     assert cp.returncode == 1, cp.stdout[-2000:]
+    assert built.returncode == 1 and built.stdout == cp.stdout
     failed = {ln.split()[1].rstrip(":") for ln in cp.stdout.splitlines() if ln.startswith("FAIL")}
     several = {e["case"] for e in base.manifest["files"]
                if np.max(np.diff(vectors.read_npz(base.blob(e["file"]))["cu_seqlens_k"]) if layout == "thd"
@@ -841,7 +852,8 @@ def test_a_gathered_set_keeps_only_the_keys_each_row_names(exes, bases, asan_cli
     cp = run(asan_client, base.path)
     assert contract_problem(cp) is None and cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
     assert cp.stdout.splitlines()[-1] == f"{len(base.names)} passed, 0 failed, 0 skipped"
-    cp = run(_exe(exes, f"break{GATHER_BREAK}"), base.path)
+    exe, env = _broken(exes, GATHER_BREAK)
+    cp = run(exe, base.path, env=env)
     assert cp.returncode == 1, cp.stdout[-2000:]
     failed = {ln.split()[1].rstrip(":") for ln in cp.stdout.splitlines() if ln.startswith("FAIL")}
     assert len(failed) >= len(base.names) - 2, cp.stdout[-3000:]
@@ -881,11 +893,11 @@ def test_a_layout_file_with_bad_indices_is_one_line_and_exit_status_2(asan_clien
 
 @pytest.mark.parametrize("n", sorted(BREAKS), ids=BREAKS.get)
 def test_a_wrong_kernel_fails(exes, bases, tmp_path, n):
-    """Built with -DSDPA_CHECK_BREAK=n, the kernel's out or one gradient is 1% off: the client says FAIL, exit 1."""
-    exe, qty = _exe(exes, f"break{n}"), BREAKS[n]
+    """Wrong kernel n (SDPA_CHECK_BREAK=n): its out or one gradient is 1% off, and the client says FAIL, exit 1."""
+    (exe, env), qty = _broken(exes, n), BREAKS[n]
     for dt in ("float64", "float32"):
         base = small_set(bases[dt], tmp_path / dt)
-        cp = run(exe, base.path)
+        cp = run(exe, base.path, env=env)
         assert cp.returncode == 1, cp.stdout[-2000:]
         failed = [ln for ln in cp.stdout.splitlines() if ln.startswith("FAIL")]
         assert all(re.search(rf"\b{qty} [0-9.e+inf]+ FAIL", ln) for ln in failed)
