@@ -4,7 +4,8 @@ r"""The public forward entry points of attention; ``method=`` picks an engine (t
 Every call goes the same way down::
 
     validate    AttentionOptions.from_kwargs, Problem.build   (options.py, problem.py)
-    engine      plain (attention.py), fast or tiled (engines/) with the BLAS held to one thread
+    engine      plain (attention.py; heads.py runs its heads in the pool), fast or tiled (engines/),
+                the BLAS held to one thread
     return      results in the user's shapes and dtypes; residuals for the backward
 
 Shapes (the legend of the package docstring)::
@@ -25,7 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _validate as V
-from . import attention, poison
+from . import heads, poison
 from .engines import blocks, fast, reproducible, splitkv, tiled
 from ._threads import single_threaded_blas
 from .residuals import AttentionResiduals
@@ -50,7 +51,7 @@ __all__ = [
 
 #: The engines' modules, by the name ``method=`` takes (``precision="reproducible"``: the dense schedule in
 #: double-double or the honest low precision).
-ENGINES = {"fast": fast, "plain": attention, "tiled": tiled, "split": splitkv, "reproducible": reproducible}
+ENGINES = {"fast": fast, "plain": heads, "tiled": tiled, "split": splitkv, "reproducible": reproducible}
 
 
 class Engine(NamedTuple):

@@ -13,16 +13,15 @@ same formulas run in double-double (:mod:`sdpa_ref.engines.reproducible_second`)
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
 
 from . import _validate as V
-from . import attention, poison
+from . import heads, poison
 from .engines import reproducible_second, second
 from .engines.contract import Grads
-from ._threads import blas_is_held, num_threads, run_all, single_threaded_blas
+from ._threads import single_threaded_blas
 from .api import PRECISIONS, sdpa_forward
 from .derivatives import cotangents, input_tangents, sdpa_backward, user_grads
 from .score_mod import as_score_mod
@@ -165,7 +164,7 @@ def _backward_jvp(primals, tangents, grad_out, grad_out_tangent, grad_lse, grad_
         if exact:
             gt = reproducible_second.backward_jvp(*args, absorbed=res.absorbed)
         elif method == "plain":
-            gt = _plain_backward_jvp(*args)
+            gt = heads.backward_jvp(*args)
         else:
             gt = second.backward_jvp(*args, block_size=res.block_size)
         jb = poison.jvp_taint(prob, res.taint, (dq, dk, dv, db), (bq, bk, bv, bb), dv_full, ds, bs)
@@ -198,70 +197,6 @@ def sdpa_hvp(primals, tangents, grad_out, *, grad_lse=None, method=None, block_s
                             "double backward with their tangents is sdpa_backward_jvp), but got it")
     return _backward_jvp(primals, tangents, grad_out, None, grad_lse, None, method, block_size, layout, precision,
                          options, False)[1]
-
-
-#: Score entries (all heads) from which the plain double backward runs its heads in the pool: below, the threads
-#: cost more than they save.
-PARALLEL_ENTRIES = 1 << 16
-
-
-def _plain_backward_jvp(prob, fwd, dO, dlse, dq, dk, dv, db, ds, ddO, ddlse):
-    """:func:`sdpa_ref.attention.backward_jvp`, its heads cut into chunks of the leading ``(*batch, Hkv)`` index
-    that run side by side in the package's pool (:func:`_head_chunks`), each chunk the same formulas on its
-    heads alone: every product and row reduction is the one it is on all heads, so the bits do not depend on the
-    cut. Only problems whose every input is per head (no mask, bias, ALiBi, lengths, dropout, sinks, score or
-    mask function, top-k indices or offsets; no input that was not finite) are cut; the others run whole."""
-    args = (prob, fwd, dO, dlse, dq, dk, dv, db, ds, ddO, ddlse)
-    chunks = _head_chunks(prob) if _per_head(prob, fwd, db, ds) else None
-    if chunks is None:
-        return attention.backward_jvp(*args)
-    batch, Hq, Hkv, G, L, S = prob.batch, prob.Hq, prob.Hkv, prob.G, prob.L, prob.S
-    E, Ev = prob.q.shape[-1], prob.v.shape[-1]
-    out = Grads(dq=np.empty(batch + (Hq, L, E), prob.dtype), dk=np.empty(batch + (Hkv, S, E), prob.dtype),
-                dv=np.empty(batch + (Hkv, S, Ev), prob.dtype), dmask=None, dbias=None)
-    grouped, full = batch + (Hkv,), batch + (Hq,)
-
-    def cut(x, lead, idx, tail):                       # x's chunk: its leading dims broadcast to lead, then idx
-        return None if x is None else np.broadcast_to(x, lead + x.shape[x.ndim - tail:])[idx]
-
-    def work(idx):
-        h = idx[-1]
-        fidx = idx[:-1] + (slice(h.start * G, h.stop * G),)
-        sub = dataclasses.replace(prob, q=cut(prob.q, grouped, idx, 3), k=cut(prob.k, grouped, idx, 2),
-                                  v=cut(prob.v, grouped, idx, 2), unread=None,
-                                  full_scores=tuple(len(range(*i.indices(n))) for i, n in zip(fidx, full))
-                                  + (L, S))
-        f = fwd._replace(**{n: cut(x, full, fidx, x.ndim - len(full)) for n, x in fwd._asdict().items()
-                            if isinstance(x, np.ndarray)})
-        g = attention.backward_jvp(sub, f, cut(dO, full, fidx, 2), cut(dlse, full, fidx, 2),
-                                   cut(dq, grouped, idx, 3), cut(dk, grouped, idx, 2), cut(dv, grouped, idx, 2),
-                                   None, None, cut(ddO, full, fidx, 2), cut(ddlse, full, fidx, 2))
-        out.dq[fidx], out.dk[idx], out.dv[idx] = g.dq, g.dk, g.dv
-
-    run_all(work, chunks)
-    return out
-
-
-def _per_head(prob, fwd, dbias, dextra):
-    """Whether the plain double backward of ``prob`` may be cut by heads: every input per head, run in the pool."""
-    if num_threads() == 1 or not blas_is_held() or int(np.prod(prob.full_scores)) < PARALLEL_ENTRIES:
-        return False
-    o = prob.options
-    arrays = (prob.mask_bool, prob.mask_float, prob.bias, prob.alibi, prob.q_lengths, prob.kv_lengths, prob.keep,
-              prob.poison, prob.v_full, prob.excluded_counts, prob.sink, prob.kv_indices, prob.q_offset,
-              prob.tile_counts, o.mask_mod, dbias, dextra, fwd.extra, fwd.slope, fwd.lse_keys, fwd.rowmax_keys)
-    return all(x is None for x in arrays) and all(x is None for x in o.stages.values())
-
-
-def _head_chunks(prob):
-    """Rectangular chunks of the leading ``(*batch, Hkv)`` index (tuples of slices), about two per thread: single
-    batch entries, and kv heads in ranges (whole GQA groups). None when there would be one chunk."""
-    batch, Hkv = prob.batch, prob.Hkv
-    nb = int(np.prod(batch))
-    per = -(-Hkv // max(1, -(-2 * num_threads() // max(nb, 1))))      # kv heads per chunk
-    chunks = [tuple(slice(i, i + 1) for i in b) + (slice(h, min(h + per, Hkv)),)
-              for b in np.ndindex(*batch) for h in range(0, Hkv, per)]
-    return chunks if len(chunks) > 1 else None
 
 
 def _union(*bads):

@@ -476,21 +476,38 @@ def test_hvp_tangents_by_name_are_the_tuple_form(which, method):
                                 {"is_causal": True, "fully_masked": "nan", "causal_alignment": "bottom_right"}])
 @pytest.mark.parametrize("kv_batch", [2, 1])
 def test_the_plain_double_backward_cut_by_heads_has_the_bits_of_the_whole(monkeypatch, kw, kv_batch):
-    """The plain double backward runs its heads in chunks in the pool (sdpa_ref.second_order._plain_backward_jvp):
-    the same bits as on all heads at once, with GQA, keys broadcast over the batch and a cotangent tangent."""
-    import sdpa_ref.second_order as so
+    """The plain engine runs its heads in chunks in the pool (sdpa_ref.heads), its forward and its double
+    backward: the same bits as on all heads at once, with GQA, keys broadcast over the batch and a cotangent
+    tangent; and a wrong put-together (one chunk's result left out) is seen."""
+    import sdpa_ref.heads as heads
 
     rng = np.random.default_rng(3)
     q, g, dg, dq = (rng.standard_normal((2, 4, 5, 3)) for _ in range(4))
     k, v, dk, dv = (rng.standard_normal((kv_batch, 2, 7, 3)) for _ in range(4))
     call = ((q, k, v), (dq, dk, dv), g, dg)
     cut = []
-    monkeypatch.setattr(so, "PARALLEL_ENTRIES", 1)
-    monkeypatch.setattr(so, "_head_chunks", lambda prob, f=so._head_chunks: cut.append(f(prob)) or cut[-1])
+    monkeypatch.setattr(heads, "PARALLEL_ENTRIES", 1)
+    monkeypatch.setattr(heads, "head_chunks", lambda prob, f=heads.head_chunks: cut.append(f(prob)) or cut[-1])
+
+    def run():
+        fwd = sdpa_forward(q, k, v, method="plain", enable_gqa=True, **kw)
+        return fwd[:1] + tuple(fwd[1].forward), sdpa_backward_jvp(*call, enable_gqa=True, **kw)
     monkeypatch.setenv("SDPA_REF_NUM_THREADS", "2")
-    ans = sdpa_backward_jvp(*call, enable_gqa=True, **kw)
+    ans = run()
+    assert len(cut) == 3 and all(len(c) == 4 for c in cut)  # two batch entries, two kv heads each: both forwards
+    #                                                          (the double backward's own too) and its tangent
     monkeypatch.setenv("SDPA_REF_NUM_THREADS", "1")
-    ref = sdpa_backward_jvp(*call, enable_gqa=True, **kw)
-    assert len(cut) == 1 and len(cut[0]) == 4                  # two batch entries, two kv heads each
-    for a, r in zip(ans[0] + ans[1], ref[0] + ref[1]):
-        assert (a is None and r is None) or np.array_equal(a, r, equal_nan=True)
+    ref = run()
+    assert len(cut) == 3                                      # one thread: nothing cut
+    got, want = ans[0] + ans[1][0] + ans[1][1], ref[0] + ref[1][0] + ref[1][1]
+    assert len(got) == len(want)
+    for a, r in zip(got, want):
+        assert (a is None and r is None) or (a is not None and r is not None and np.array_equal(a, r, equal_nan=True))
+    monkeypatch.setenv("SDPA_REF_NUM_THREADS", "2")          # the check sees chunks put in each other's place
+
+    def shifted(prob, idx, real=heads._sub_problem, chunks=heads.head_chunks):
+        c = chunks(prob)
+        return real(prob, c[(c.index(idx) + 1) % len(c)])
+    monkeypatch.setattr(heads, "_sub_problem", shifted)
+    bad = run()
+    assert not np.array_equal(bad[0][0], ref[0][0]) and not np.array_equal(bad[1][1].query, ref[1][1].query)

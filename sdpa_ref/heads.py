@@ -1,0 +1,140 @@
+r"""The plain engine on the package's pool: its heads cut into chunks that run side by side.
+
+``method="plain"`` is :mod:`sdpa_ref.attention`, written as the derivation reads, on the whole problem at
+once. Here a problem whose every input is per head is cut into chunks of its leading ``(*batch, Hkv)`` index
+(whole GQA groups), and each chunk runs those same functions on its heads alone, in the pool
+(:func:`sdpa_ref._threads.run_all`): the forward and the double backward (:func:`sdpa_ref.second_order`'s
+plain schedule), the two that profiles showed on one core.
+
+Every product and row reduction on a chunk is the one it is on all heads (NumPy's matmul runs one GEMM per
+head; the softmax's reductions run along each row), so the bits do not depend on the cut or on the threads:
+``tests/test_second_order.py`` holds both to the whole problem's, bit for bit. A problem with an input that is
+not per head (a mask, bias, ALiBi, lengths, dropout, sinks, a score or mask function, softcap, top-k indices,
+offsets, an input that was not finite) runs whole, as does a small one (:data:`PARALLEL_ENTRIES`), and every
+problem when the pool has one thread or when the BLAS is not held to one (its own threads would then share the
+cores with the pool's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import attention
+from ._threads import blas_is_held, num_threads, run_all
+from .engines.contract import Forward, Grads
+
+__all__ = ["backward", "backward_jvp", "forward", "jvp"]
+
+#: Score entries (all heads) from which the plain engine runs its heads in the pool: below, the threads cost more
+#: than they save.
+PARALLEL_ENTRIES = 1 << 16
+
+
+def forward(prob, *, save_probs=True) -> Forward:
+    """:func:`sdpa_ref.attention.forward`, each chunk of heads (:func:`head_chunks`) in the pool when the
+    problem may be cut (:func:`per_head`): every array of the result is the chunks' results put in place."""
+    chunks = head_chunks(prob) if per_head(prob) else None
+    if chunks is None:
+        return attention.forward(prob, save_probs=save_probs)
+    parts = [None] * len(chunks)
+
+    def work(i):
+        parts[i] = attention.forward(_sub_problem(prob, chunks[i]), save_probs=save_probs)
+
+    run_all(work, range(len(chunks)))
+    lead = prob.batch + (prob.Hq,)
+
+    def whole(name):
+        first = getattr(parts[0], name)
+        if not isinstance(first, np.ndarray):
+            return first                                    # None: no chunk has it
+        out = np.empty(lead + first.shape[len(lead):], first.dtype)
+        for idx, part in zip(chunks, parts):
+            out[_full_index(prob, idx)] = getattr(part, name)
+        return out
+    return Forward(**{n: whole(n) for n in Forward._fields})
+
+
+def backward(prob, fwd, dO, dlse=None):
+    """:func:`sdpa_ref.attention.backward` (on the whole problem)."""
+    return attention.backward(prob, fwd, dO, dlse)
+
+
+def jvp(prob, fwd, dq=None, dk=None, dv=None, dbias=None, *, dv_full=None, dextra=None):
+    """:func:`sdpa_ref.attention.jvp` (on the whole problem)."""
+    return attention.jvp(prob, fwd, dq, dk, dv, dbias, dv_full=dv_full, dextra=dextra)
+
+
+def backward_jvp(prob, fwd, dO, dlse, dq, dk, dv, db, ds, ddO, ddlse) -> Grads:
+    """:func:`sdpa_ref.attention.backward_jvp`, each chunk of heads in the pool when the problem may be cut
+    (:func:`per_head`, which also asks that no bias or extra-logit tangent is given)."""
+    args = (prob, fwd, dO, dlse, dq, dk, dv, db, ds, ddO, ddlse)
+    chunks = head_chunks(prob) if per_head(prob, fwd, db, ds) else None
+    if chunks is None:
+        return attention.backward_jvp(*args)
+    batch, Hq, Hkv, G, L, S = prob.batch, prob.Hq, prob.Hkv, prob.G, prob.L, prob.S
+    E, Ev = prob.q.shape[-1], prob.v.shape[-1]
+    out = Grads(dq=np.empty(batch + (Hq, L, E), prob.dtype), dk=np.empty(batch + (Hkv, S, E), prob.dtype),
+                dv=np.empty(batch + (Hkv, S, Ev), prob.dtype), dmask=None, dbias=None)
+    grouped, full = batch + (Hkv,), batch + (Hq,)
+
+    def work(idx):
+        fidx = _full_index(prob, idx)
+        f = fwd._replace(**{n: _cut(x, full, fidx, x.ndim - len(full)) for n, x in fwd._asdict().items()
+                            if isinstance(x, np.ndarray)})
+        g = attention.backward_jvp(_sub_problem(prob, idx), f, _cut(dO, full, fidx, 2), _cut(dlse, full, fidx, 2),
+                                   _cut(dq, grouped, idx, 3), _cut(dk, grouped, idx, 2), _cut(dv, grouped, idx, 2),
+                                   None, None, _cut(ddO, full, fidx, 2), _cut(ddlse, full, fidx, 2))
+        out.dq[fidx], out.dk[idx], out.dv[idx] = g.dq, g.dk, g.dv
+
+    run_all(work, chunks)
+    return out
+
+
+def per_head(prob, fwd=None, dbias=None, dextra=None):
+    """Whether the plain engine may cut ``prob`` by heads and run them in the pool: large enough, more than one
+    thread with the BLAS held, every input per head (and, for the double backward, the forward ``fwd`` without
+    a slope or extra logits, and no bias or extra-logit tangent)."""
+    if num_threads() == 1 or not blas_is_held() or int(np.prod(prob.full_scores)) < PARALLEL_ENTRIES:
+        return False
+    o = prob.options
+    arrays = (prob.mask_bool, prob.mask_float, prob.bias, prob.alibi, prob.q_lengths, prob.kv_lengths, prob.keep,
+              prob.poison, prob.v_full, prob.excluded_counts, prob.sink, prob.kv_indices, prob.q_offset,
+              prob.tile_counts, o.mask_mod, dbias, dextra)
+    if fwd is not None:
+        arrays += (fwd.extra, fwd.slope, fwd.lse_keys, fwd.rowmax_keys)
+    return all(x is None for x in arrays) and all(x is None for x in o.stages.values())
+
+
+def head_chunks(prob):
+    """Rectangular chunks of the leading ``(*batch, Hkv)`` index (tuples of slices), about two per thread: single
+    batch entries, and kv heads in ranges (whole GQA groups). None when there would be one chunk."""
+    batch, Hkv = prob.batch, prob.Hkv
+    nb = int(np.prod(batch))
+    per = -(-Hkv // max(1, -(-2 * num_threads() // max(nb, 1))))      # kv heads per chunk
+    chunks = [tuple(slice(i, i + 1) for i in b) + (slice(h, min(h + per, Hkv)),)
+              for b in np.ndindex(*batch) for h in range(0, Hkv, per)]
+    return chunks if len(chunks) > 1 else None
+
+
+def _full_index(prob, idx):
+    """A chunk ``idx`` of the grouped ``(*batch, Hkv)`` index as one of the full ``(*batch, Hq)`` index."""
+    h = idx[-1]
+    return idx[:-1] + (slice(h.start * prob.G, h.stop * prob.G),)
+
+
+def _sub_problem(prob, idx):
+    """The problem on the heads of chunk ``idx`` alone (its inputs are views; nothing in it is unread)."""
+    grouped, full = prob.batch + (prob.Hkv,), prob.batch + (prob.Hq,)
+    fidx = _full_index(prob, idx)
+    return dataclasses.replace(prob, q=_cut(prob.q, grouped, idx, 3), k=_cut(prob.k, grouped, idx, 2),
+                               v=_cut(prob.v, grouped, idx, 2), unread=None,
+                               full_scores=tuple(len(range(*i.indices(n))) for i, n in zip(fidx, full))
+                               + (prob.L, prob.S))
+
+
+def _cut(x, lead, idx, tail):
+    """``x``'s chunk: its leading dims broadcast to ``lead``, then ``idx`` (None stays None)."""
+    return None if x is None else np.broadcast_to(x, lead + x.shape[x.ndim - tail:])[idx]
