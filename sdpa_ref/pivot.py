@@ -327,6 +327,8 @@ def tangent_probs(P, t, piv, X=NUMPY):
     :math:`J T'`) pivoted by :func:`combine_second`'s ``piv``; ``t`` the scores' tangent :math:`T'` (a value of
     ``X``, or a float array or 0 that it lifts). A NaN row (``piv.Dg`` NaN) as :func:`nan_rows_vjp` says: 0 where
     ``P`` is 0."""
+    if X is NUMPY:                                          # the same operations, in one buffer
+        return nan_rows_vjp(_into(np.multiply, _into(np.subtract, np.subtract(t, piv.tau), piv.Ct), P), P, piv.Dg)
     return _nan_rows_in(X, X.mul(P, X.sub(X.sub(_lift(X, t), piv.tau), piv.Ct)), P, piv.Dg)
 
 
@@ -348,10 +350,33 @@ def second_entries(P, Pt, g, h, piv, lam=0, lam_t=0, X=NUMPY):
     The extra column of the normaliser (a sink) is an entry with ``g = h = 0``: its gradient and the
     gradient's tangent. A NaN row (``piv.Dg`` NaN) as :func:`nan_rows_vjp` says: both 0 where ``P`` is 0, NaN on
     the keys the row reads (the first-order reads pattern, inside the second order's documented superset)."""
+    if X is NUMPY:
+        return _second_entries_numpy(P, Pt, g, h, piv, lam, lam_t)
     r = _plus(X, X.sub(X.sub(_lift(X, g), piv.a), piv.Dg), lam)
     dT_t = X.add(X.mul(P, _plus(X, X.sub(X.sub(_lift(X, h), piv.b), piv.Fh), lam_t)),
                  X.sub(X.mul(Pt, r), X.mul(P, piv.E)))
     return _nan_rows_in(X, X.mul(P, r), P, piv.Dg), _nan_rows_in(X, dT_t, P, piv.Dg)
+
+
+def _second_entries_numpy(P, Pt, g, h, piv, lam, lam_t):
+    """:func:`second_entries` on NumPy arrays: each line's operations in the same order, written into a few
+    buffers rather than a fresh array each (the same bits; on an ``L x S`` block, eight fewer temporaries)."""
+    r = _into(np.add, _into(np.subtract, np.subtract(g, piv.a), piv.Dg), lam)       # r = (g - a) - D + lam
+    t = _into(np.add, _into(np.subtract, np.subtract(h, piv.b), piv.Fh), lam_t)     # P ((dP' - b) - F + lam')
+    t = _into(np.multiply, t, P)
+    c = _into(np.subtract, Pt * r, P * piv.E)                                       # ... + (P' r - P E)
+    t = _into(np.add, t, c)
+    return nan_rows_vjp(_into(np.multiply, r, P), P, piv.Dg), nan_rows_vjp(t, P, piv.Dg)
+
+
+def _into(op, x, y):
+    """``op(x, y)`` for a fresh array ``x`` (no one else reads it), written into ``x`` where the result has its
+    shape and dtype (else a new array): the value is the same either way (``np.multiply``'s operands are taken
+    as ``(x, y)``; a product is the same in either order)."""
+    if isinstance(x, np.ndarray) and x.shape == np.broadcast_shapes(x.shape, np.shape(y)) \
+            and x.dtype == np.result_type(x, y):
+        return op(x, y, out=x)
+    return op(x, y)
 
 
 def _rowsum(X, a, b=None):
