@@ -328,7 +328,7 @@ def tangent_probs(P, t, piv, X=NUMPY):
     ``X``, or a float array or 0 that it lifts). A NaN row (``piv.Dg`` NaN) as :func:`nan_rows_vjp` says: 0 where
     ``P`` is 0."""
     if X is NUMPY:                                          # the same operations, in one buffer
-        return nan_rows_vjp(_into(np.multiply, _into(np.subtract, np.subtract(t, piv.tau), piv.Ct), P), P, piv.Dg)
+        return nan_rows_vjp(_scaled(P, _into(np.subtract, np.subtract(t, piv.tau), piv.Ct)), P, piv.Dg)
     return _nan_rows_in(X, X.mul(P, X.sub(X.sub(_lift(X, t), piv.tau), piv.Ct)), P, piv.Dg)
 
 
@@ -363,20 +363,28 @@ def _second_entries_numpy(P, Pt, g, h, piv, lam, lam_t):
     buffers rather than a fresh array each (the same bits; on an ``L x S`` block, eight fewer temporaries)."""
     r = _into(np.add, _into(np.subtract, np.subtract(g, piv.a), piv.Dg), lam)       # r = (g - a) - D + lam
     t = _into(np.add, _into(np.subtract, np.subtract(h, piv.b), piv.Fh), lam_t)     # P ((dP' - b) - F + lam')
-    t = _into(np.multiply, t, P)
+    t = _scaled(P, t)
     c = _into(np.subtract, Pt * r, P * piv.E)                                       # ... + (P' r - P E)
     t = _into(np.add, t, c)
-    return nan_rows_vjp(_into(np.multiply, r, P), P, piv.Dg), nan_rows_vjp(t, P, piv.Dg)
+    return nan_rows_vjp(_scaled(P, r), P, piv.Dg), nan_rows_vjp(t, P, piv.Dg)
+
+
+def _fits(x, y):
+    """Whether ``op(x, y)`` has the shape and dtype of the array ``x``, so that it can be written into it."""
+    return isinstance(x, np.ndarray) and x.shape == np.broadcast_shapes(x.shape, np.shape(y)) \
+        and x.dtype == np.result_type(x, y)
 
 
 def _into(op, x, y):
-    """``op(x, y)`` for a fresh array ``x`` (no one else reads it), written into ``x`` where the result has its
-    shape and dtype (else a new array): the value is the same either way (``np.multiply``'s operands are taken
-    as ``(x, y)``; a product is the same in either order)."""
-    if isinstance(x, np.ndarray) and x.shape == np.broadcast_shapes(x.shape, np.shape(y)) \
-            and x.dtype == np.result_type(x, y):
-        return op(x, y, out=x)
-    return op(x, y)
+    """``op(x, y)`` for a fresh array ``x`` (no one else reads it), written into ``x`` where it fits (else a new
+    array): the same value, each operand in its place."""
+    return op(x, y, out=x) if _fits(x, y) else op(x, y)
+
+
+def _scaled(P, x):
+    """``P * x`` for a fresh array ``x``, written into it where it fits (``P`` stays the first operand, as in
+    the arithmetic's ``mul(P, x)``: the same bits, a NaN's payload included)."""
+    return np.multiply(P, x, out=x) if _fits(x, P) else P * x
 
 
 def _rowsum(X, a, b=None):

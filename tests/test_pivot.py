@@ -206,3 +206,54 @@ def test_numpy_row_passes_are_the_compiled_ones():
                     assert np.array_equal(d_ans, d_ref), (level, dt, n)
     finally:
         _native.simd_level(lib, "best")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_buffered_softmax_second_order_is_the_plain_lines_bits(dtype):
+    """On NumPy arrays, ``tangent_probs`` and ``second_entries`` write into a few buffers
+    (``pivot._second_entries_numpy``); the plain lines they stand for, written here as their docstrings read,
+    give the same bits on adversarial rows (a NaN row, an overflowed cotangent, an infinite tangent of the
+    cotangent, a dominant key, a column of one entry with g = h = 0 as a sink's), NaN payloads and dtypes
+    included; and a buffer that takes a float64 sum into float32 is seen."""
+    from sdpa_ref import pivot
+
+    def tangent(P, t, piv):                                              # P' = P ((T' - tau) - (c - tau))
+        return pivot.nan_rows_vjp(P * ((t - piv.tau) - piv.Ct), P, piv.Dg)
+
+    def entries(P, Pt, g, h, piv, lam, lam_t):                          # dT = P r; dT' = P (...) + (P' r - P E)
+        r = ((g - piv.a) - piv.Dg) + lam
+        dT_t = P * (((h - piv.b) - piv.Fh) + lam_t) + (Pt * r - P * piv.E)
+        return pivot.nan_rows_vjp(P * r, P, piv.Dg), pivot.nan_rows_vjp(dT_t, P, piv.Dg)
+
+    rng = np.random.default_rng(4)
+    P = rng.dirichlet(np.ones(7), size=(2, 3, 5)).astype(dtype)
+    P[0, 0, 0] = [1, 0, 0, 0, 0, 0, 0]                                  # a dominant key
+    P[0, 1, 1] = [np.nan, 0, np.nan, np.nan, 0, np.nan, np.nan]         # a NaN row: 0 where it reads nothing
+    g, t, h = (rng.standard_normal(P.shape).astype(dtype) * 3 for _ in range(3))
+    g[1, 2, 3, 4] = np.finfo(dtype).max                                  # an overflowing cotangent
+    h[1, 0, 2, 1] = -np.inf
+    lam, lam_t = rng.standard_normal((2, 3, 5, 1)).astype(dtype), 0
+    z = np.zeros_like(P[..., :1])
+    with np.errstate(all="ignore"):
+        for args in ((P, g, t, h), (P[..., :1], 0, t[..., :1], 0)):      # the second: one column, g = h = 0
+            Pa, ga, ta, ha = args
+            piv = pivot.combine_second([pivot.second_partial(*(z if isinstance(a, int) else a for a in args))])
+            Pt = pivot.tangent_probs(Pa, ta, piv)
+            assert Pt.dtype == dtype and Pt.tobytes() == tangent(Pa, ta, piv).tobytes()
+            got = pivot.second_entries(Pa, Pt, ga, ha, piv, lam, lam_t)
+            for a, b in zip(got, entries(Pa, Pt, ga, ha, piv, lam, lam_t)):
+                assert a.dtype == b.dtype == dtype and a.tobytes() == b.tobytes()
+        piv = pivot.combine_second([pivot.second_partial(P, g, t, h)])
+        Pt = pivot.tangent_probs(P, t, piv)
+        lam64 = lam.astype(np.float64)                                   # a float64 lam: the sums widen
+        want = entries(P, Pt, g, h, piv, lam64, lam_t)
+        assert all(a.tobytes() == b.tobytes() for a, b in
+                   zip(pivot.second_entries(P, Pt, g, h, piv, lam64, lam_t), want))
+        real = pivot._fits                                               # a buffer that ignores the dtype
+        try:
+            pivot._fits = lambda x, y: isinstance(x, np.ndarray) and x.shape == np.broadcast_shapes(x.shape,
+                                                                                                      np.shape(y))
+            bad = pivot.second_entries(P, Pt, g, h, piv, lam64, lam_t)
+        finally:
+            pivot._fits = real
+    assert (bad[0].tobytes() != want[0].tobytes()) == (dtype == np.float32)
