@@ -3,7 +3,7 @@ r"""The plain engine on the package's pool: its heads cut into chunks that run s
 ``method="plain"`` is :mod:`sdpa_ref.attention`, written as the derivation reads, on the whole problem at
 once. Here a problem whose every input is per head is cut into chunks of its leading ``(*batch, Hkv)`` index
 (whole GQA groups), and each chunk runs those same functions on its heads alone, in the pool
-(:func:`sdpa_ref._threads.run_all`): the forward and the double backward (:func:`sdpa_ref.second_order`'s
+(:func:`sdpa_ref._threads.run_all`): the forward and the double backward (:mod:`sdpa_ref.second_order`'s
 plain schedule), the two that profiles showed on one core.
 
 Every product and row reduction on a chunk is the one it is on all heads (NumPy's matmul runs one GEMM per
