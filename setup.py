@@ -1,8 +1,8 @@
 """Build script: the metadata is in setup.cfg; this file adds the optional compiled kernels.
 
-``sdpa_ref/exact/_kernels.c`` and ``_fast_rows.c`` (which includes ``_fast_rows.h`` once per SIMD build) are
-compiled at install time into one plain shared library, ``sdpa_ref/exact/_compiled_kernels.so``, next to
-``_native.py``, which loads it with ctypes (it is not a Python extension module). The build is optional, as
+``sdpa_ref/exact/_kernels.c`` and ``_fast_rows.c`` (which include ``_kernels.h`` and ``_fast_rows.h`` once per
+SIMD build) are compiled at install time into one plain shared library, ``sdpa_ref/exact/_compiled_kernels.so``,
+next to ``_native.py``, which loads it with ctypes (it is not a Python extension module). The build is optional, as
 PyYAML's and MarkupSafe's speedups are: without a C compiler, or when the compiler fails, the install still
 succeeds, says so in a warning, and the package runs its NumPy code (the same bits for
 ``precision="reproducible"``). Either way ``_compiled_kernels.json`` records what happened; ``sdpa-ref info``
@@ -38,7 +38,7 @@ LIBRARY = "sdpa_ref.exact._compiled_kernels"
 #: The file next to the library that records how it was built, or why it was not.
 RECORD = "_compiled_kernels.json"
 SOURCES = ["sdpa_ref/exact/_kernels.c", "sdpa_ref/exact/_fast_rows.c"]
-HEADERS = ["sdpa_ref/exact/_fast_rows.h"]
+HEADERS = ["sdpa_ref/exact/_kernels.h", "sdpa_ref/exact/_fast_rows.h"]
 #: Exactly these, no more: the same bits on every build (the AVX2 variant needs no flag: a function attribute).
 FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
 LIBS = ["-lm"]

@@ -93,7 +93,8 @@ def test_agrees_with_the_teaching_core_on_every_option(problem):
 
 
 def test_results_are_the_committed_bits_under_every_setting():
-    """One hash per problem under threads 1-3, OpenBLAS 1/unset, its kernels, the SIMD levels, other block cuts.
+    """One hash per problem under threads 1-3, OpenBLAS 1/unset, its kernels, numpy's and our SIMD levels, other
+    block cuts.
 
     The in-process run (default threads, OpenBLAS's own kernel for this CPU) is the next test.
     """
@@ -104,16 +105,19 @@ def test_results_are_the_committed_bits_under_every_setting():
     # each run varies several settings at once (a run costs an interpreter start); with the in-process
     # run of the next test (the machine's default thread count and OpenBLAS kernel) they cover
     # SDPA_REF_NUM_THREADS 1 to 3 and the default, OPENBLAS_NUM_THREADS 1 and unset, three OpenBLAS kernels,
-    # numpy's dispatch with and without the AVX-512 and AVX2 targets, three cuts of the blocks, and the NumPy
-    # loops in place of the compiled kernels (SDPA_REF_NATIVE=0; the others use them where a compiler is)
+    # numpy's dispatch with and without the AVX-512 and AVX2 targets, three cuts of the blocks, the NumPy
+    # loops in place of the compiled kernels (SDPA_REF_NATIVE=0; the others use them where a compiler is) and
+    # every SIMD build of those (SDPA_REF_SIMD: AVX2, the baseline, and the CPU's best in process; a build the
+    # CPU lacks gives its best one)
     settings_ = [({"SDPA_REF_NUM_THREADS": "1", "OPENBLAS_CORETYPE": "Prescott", "SDPA_REF_NATIVE": "0",
                    "NPY_DISABLE_CPU_FEATURES": avx512}, ["--block-entries", "4096"]),
-                 ({"SDPA_REF_NUM_THREADS": "2"}, []),
+                 ({"SDPA_REF_NUM_THREADS": "2", "SDPA_REF_SIMD": "avx2"}, []),
                  ({"SDPA_REF_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "1", "OPENBLAS_CORETYPE": "Sandybridge",
-                   "NPY_DISABLE_CPU_FEATURES": avx512 + " AVX2 FMA3 X86_V3"}, ["--block-entries", "997"])]
+                   "NPY_DISABLE_CPU_FEATURES": avx512 + " AVX2 FMA3 X86_V3", "SDPA_REF_SIMD": "baseline"},
+                  ["--block-entries", "997"])]
     base = {k: v for k, v in os.environ.items()
             if k not in ("SDPA_REF_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "NPY_DISABLE_CPU_FEATURES",
-                         "SDPA_REF_NATIVE")}
+                         "SDPA_REF_NATIVE", "SDPA_REF_SIMD")}
     ran = 0
     for extra_env, args in settings_:
         env = dict(base, **extra_env)
@@ -312,7 +316,23 @@ def test_the_reproducible_backward_and_jvp_pass_finite_differences_with_every_op
     assert sdpa_ref.check_jvp(f, jvp, (q, k, v), mode="projection", n_projections=4).ok
 
 
-def test_the_compiled_kernels_give_the_numpy_loops_bits():
+@pytest.fixture(params=("baseline", "avx2", "avx512"))
+def simd(request):
+    """Each SIMD build of the compiled kernels in turn (``_kernels.h``, compiled once per build): the tests
+    below hold every build this CPU runs to the NumPy loops' bits; a build it lacks is skipped."""
+    from sdpa_ref.exact import _native
+    lib = _native.kernels()
+    if lib is None:
+        pytest.skip(f"compiled kernels not in use ({_native.status()['reason']}): the NumPy loops run, and the "
+                    "hashes above hold them")
+    if _native.simd_level(lib, request.param) != request.param:
+        _native.simd_level(lib, "best")
+        pytest.skip(f"this CPU does not run the {request.param} build")
+    yield request.param
+    _native.simd_level(lib, "best")
+
+
+def test_the_compiled_kernels_give_the_numpy_loops_bits(simd):
     from sdpa_ref.exact import _native, dd, ozaki
     lib = _native.kernels()
     if lib is None:
@@ -344,7 +364,7 @@ def test_the_compiled_kernels_give_the_numpy_loops_bits():
         assert np.array_equal(u.view(np.int64), w.view(np.int64))
 
 
-def test_every_compiled_dd_kernel_gives_the_numpy_bits(monkeypatch):
+def test_every_compiled_dd_kernel_gives_the_numpy_bits(monkeypatch, simd):
     from sdpa_ref.engines import reproducible
     from sdpa_ref.exact import _native
     from sdpa_ref.exact.arith import DoubleDouble
@@ -371,7 +391,7 @@ def test_every_compiled_dd_kernel_gives_the_numpy_bits(monkeypatch):
             assert np.array_equal(np.asarray(u).view(np.int64), np.asarray(v).view(np.int64))
 
 
-def test_the_compiled_end_of_a_block_gives_the_numpy_bits():
+def test_the_compiled_end_of_a_block_gives_the_numpy_bits(simd):
     """``_native.dd_finish`` (the end of a block of ``ozaki.matmul`` in one pass) against the NumPy steps it
     replaces: ``fast_two_sum``, the dd product by the scale, the scalings put back, on sums near overflow, with
     NaN and infinities, results that underflow into the subnormals and exponents at both ends of the range."""
@@ -409,7 +429,7 @@ def test_the_compiled_end_of_a_block_gives_the_numpy_bits():
     assert np.array_equal(h.view(np.int64), h0.view(np.int64)) and np.array_equal(l.view(np.int64), l0.view(np.int64))
 
 
-def test_the_compiled_slicer_reads_every_layout_in_place_and_normalises_with_the_numpy_bits():
+def test_the_compiled_slicer_reads_every_layout_in_place_and_normalises_with_the_numpy_bits(simd):
     """The Ozaki slicer reads rows in place (transposed, batched, broadcast, sliced views) and scales each row as
     ``_normalise`` does; slices, remainders, statistics and exponents are the NumPy definition's bits, rows whose
     scaling underflows (the ``ldexp`` branch) and zero rows included."""

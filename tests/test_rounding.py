@@ -207,7 +207,7 @@ def test_sdpa_ref_no_compile_builds_nothing_and_says_why(tmp_path):
     (tmp_path / "sdpa_ref" / "exact").mkdir(parents=True)
     for f in ("__init__.py", "_version.py"):                    # setup.cfg reads the version from _version.py
         shutil.copy(ROOT / "sdpa_ref" / f, tmp_path / "sdpa_ref" / f)
-    for f in ("_kernels.c", "_fast_rows.c", "_fast_rows.h"):
+    for f in ("_kernels.c", "_kernels.h", "_fast_rows.c", "_fast_rows.h"):
         shutil.copy(ROOT / "sdpa_ref" / "exact" / f, tmp_path / "sdpa_ref" / "exact" / f)
     (tmp_path / "sdpa_ref" / "exact" / "__init__.py").write_text("")
     run = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path,

@@ -1,109 +1,61 @@
-/* Element-wise kernels of the Ozaki products, the same IEEE-754 operations in the same order as the NumPy
- * code they replace (sdpa_ref/exact/ozaki.py, dd.py), so they give the same bits. Built at install (setup.py)
- * with -ffp-contract=off and no fast-math: no FMA contraction, no reassociation. C99 with GCC/Clang vector
- * extensions (as _fast_rows.c), libc and libm only. */
+/* The exact arithmetic's element-wise kernels (_kernels.h: the loops of sdpa_ref/exact/ozaki.py and dd.py, the
+ * same IEEE-754 operations in the same order as the NumPy code they replace, so they give the same bits), compiled
+ * for the baseline and, on x86-64, for AVX2 and AVX-512 through function attributes, as _fast_rows.c compiles the
+ * fast path's row passes: the build in use is theirs (sdpa_fast_set_level, SDPA_REF_SIMD), the widest the CPU
+ * runs by default. Every build gives the same bits; a wider one lets the compiler run more entries side by side
+ * (AVX-512's masks and 64-bit integer conversions vectorise the exp's table step and the scalings, which the
+ * baseline runs one entry at a time). Built at install (setup.py) with -ffp-contract=off and no fast-math: no FMA
+ * contraction, no reassociation. C99 with GCC/Clang vector extensions, libc and libm only. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-/* The largest |x[j]|, 0 <= j < k: four running maxima (a maximum is exact in any order). */
-static double abs_max(const double *x, ptrdiff_t k)
-{
-    double m0 = 0.0, m1 = 0.0, m2 = 0.0, m3 = 0.0;
-    ptrdiff_t j = 0;
-    for (; j + 4 <= k; j += 4) {
-        double a0 = fabs(x[j]), a1 = fabs(x[j + 1]), a2 = fabs(x[j + 2]), a3 = fabs(x[j + 3]);
-        m0 = a0 > m0 ? a0 : m0;
-        m1 = a1 > m1 ? a1 : m1;
-        m2 = a2 > m2 ? a2 : m2;
-        m3 = a3 > m3 ? a3 : m3;
-    }
-    for (; j < k; j++) {
-        double a = fabs(x[j]);
-        m0 = a > m0 ? a : m0;
-    }
-    m0 = m1 > m0 ? m1 : m0;
-    m2 = m3 > m2 ? m3 : m2;
-    return m2 > m0 ? m2 : m0;
-}
+#pragma GCC diagnostic ignored "-Wpsabi"             /* the vector helpers are always inlined: no ABI to keep */
 
-/* Four doubles side by side (GCC/Clang vector extensions; two SSE2 registers on the baseline x86-64 build). Only
- * IEEE operations lane by lane, and maxima and exact sums, whose order does not matter: the bits of the scalar
- * loops. */
-typedef double sl_vd __attribute__((vector_size(16)));
-typedef long long sl_vi __attribute__((vector_size(16)));
+#define KX_W 2
+#define KX_SFX base
+#define KX_ATTR
+#include "_kernels.h"
+#undef KX_W
+#undef KX_SFX
+#undef KX_ATTR
 
-static inline sl_vd sl_load(const double *p) { sl_vd v; memcpy(&v, p, sizeof v); return v; }
-static inline void sl_store(double *p, sl_vd v) { memcpy(p, &v, sizeof v); }
-static inline sl_vd sl_abs(sl_vd a) { return (sl_vd)((sl_vi)a & (sl_vi){INT64_MAX, INT64_MAX}); }
-/* a > m ? a : m lane by lane, as abs_max's scalar step (a NaN in a leaves m) */
-static inline sl_vd sl_max(sl_vd a, sl_vd m) { sl_vi k = a > m; return (sl_vd)(((sl_vi)a & k) | ((sl_vi)m & ~k)); }
-static inline double sl_hmax(sl_vd m) { return m[1] > m[0] ? m[1] : m[0]; }
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KX_HAVE_AVX2 1
+#define KX_W 4
+#define KX_SFX avx2
+#define KX_ATTR __attribute__((target("avx2")))
+#include "_kernels.h"
+#undef KX_W
+#undef KX_SFX
+#undef KX_ATTR
 
-/* One slice of a row, as ozaki._slices_numpy: s = (h + sigma) - sigma, then (h, l) = two_sum(h - s, l) (or
- * h - s for a float64 row, l NULL), in place; returns max |h| of what is left, and the slice's max |s| and
- * exact sum of |s| in *smax, *ssum (the sum is exact: the entries lie on one grid with few bits). One pass. */
-static inline sl_vd slice_pair(double *restrict h, double *restrict l, double *restrict s, sl_vd sg, sl_vd *mh,
-                               sl_vd *ms)
-{
-    sl_vd hj = sl_load(h);
-    sl_vd sj = (hj + sg) - sg;
-    sl_vd a = hj - sj;
-    if (l) {
-        sl_vd b = sl_load(l);
-        sl_vd t = a + b;
-        sl_vd bb = t - a;
-        sl_store(l, (a - (t - bb)) + (b - bb));
-        a = t;
-    }
-    sl_store(s, sj);
-    sl_store(h, a);
-    sl_vd as = sl_abs(sj);
-    *mh = sl_max(sl_abs(a), *mh);
-    *ms = sl_max(as, *ms);
-    return as;
-}
+#define KX_W 8
+#define KX_SFX avx512
+#define KX_ATTR __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw")))
+#include "_kernels.h"
+#undef KX_W
+#undef KX_SFX
+#undef KX_ATTR
+#endif
 
-static double slice_step(double *restrict h, double *restrict l, double *restrict s, ptrdiff_t k, double sigma,
-                         double *smax, double *ssum)
-{
-    const sl_vd sg = {sigma, sigma};
-    sl_vd mh0 = {0, 0}, ms0 = mh0, ss0 = mh0, mh1 = mh0, ms1 = mh0, ss1 = mh0;   /* two chains of each */
-    ptrdiff_t j = 0;
-    for (; j + 4 <= k; j += 4) {
-        ss0 = ss0 + slice_pair(h + j, l ? l + j : NULL, s + j, sg, &mh0, &ms0);
-        ss1 = ss1 + slice_pair(h + j + 2, l ? l + j + 2 : NULL, s + j + 2, sg, &mh1, &ms1);
-    }
-    sl_vd mh = sl_max(mh1, mh0), ms = sl_max(ms1, ms0), ss = ss0 + ss1;
-    double mx = sl_hmax(mh), sm = sl_hmax(ms), su = ss[0] + ss[1];
-    for (; j < k; j++) {
-        double sj = (h[j] + sigma) - sigma;
-        double a = h[j] - sj;
-        if (l) {
-            double b = l[j];
-            double t = a + b;
-            double bb = t - a;
-            l[j] = (a - (t - bb)) + (b - bb);
-            a = t;
-        }
-        s[j] = sj;
-        h[j] = a;
-        double aa = fabs(a), as = fabs(sj);
-        mx = aa > mx ? aa : mx;
-        sm = as > sm ? as : sm;
-        su += as;
-    }
-    *smax = sm;
-    *ssum = su;
-    return mx;
-}
+int sdpa_fast_get_level(void);                     /* _fast_rows.c: the build in use, the same for both files */
 
-/* Rows gathered at once from a transposed layout (one cache line of each of their columns). */
-#define SLICE_GATHER 8
-/* Doubles between the scratch's rows beyond k: rows a multiple of 4 KiB apart (k = 1024) share their cache sets,
- * which the transposed gather, writing SLICE_GATHER of them at once, thrashes (4x slower at k = 1024). */
-#define SLICE_PAD 8
+#ifdef KX_HAVE_AVX2
+#define KX_DISPATCH(NAME, ...)                                                                                   \
+    do {                                                                                                         \
+        int level_ = sdpa_fast_get_level();                                                                      \
+        if (level_ == 2)                                                                                         \
+            NAME##_avx512(__VA_ARGS__);                                                                          \
+        else if (level_ == 1)                                                                                    \
+            NAME##_avx2(__VA_ARGS__);                                                                            \
+        else                                                                                                     \
+            NAME##_base(__VA_ARGS__);                                                                            \
+    } while (0)
+#else
+#define KX_DISPATCH(NAME, ...) NAME##_base(__VA_ARGS__)
+#endif
 
 /* n slices of each row of (hi, lo), as ozaki._slices: slice p of row r goes to out[(p * rows + r) * k ...]
  * (contiguous); the remainder to (rem_hi, rem_lo) [rows x k, contiguous] when they are given. lo may be NULL
@@ -121,310 +73,44 @@ void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff
                      ptrdiff_t rs, ptrdiff_t cs, int n, int rho, double *out, double *rem_hi, double *rem_lo,
                      double *smax, double *ssum, double *rmax, int *eout, double *scratch)
 {
-    const ptrdiff_t pitch = k + SLICE_PAD;                   /* the scratch's rows: not a multiple of 4 KiB apart */
-    double *H = scratch, *L = scratch + SLICE_GATHER * pitch;
-    for (ptrdiff_t r0 = 0; r0 < rows; r0 += SLICE_GATHER) {
-        ptrdiff_t nr = rows - r0 < SLICE_GATHER ? rows - r0 : SLICE_GATHER;
-        if (cs == 1) {                                       /* gather: contiguous rows, one by one */
-            for (ptrdiff_t i = 0; i < nr; i++) {
-                ptrdiff_t at = ((r0 + i) / per) * bs + ((r0 + i) % per) * rs;
-                for (ptrdiff_t j = 0; j < k; j++) {
-                    H[i * pitch + j] = hi[at + j];
-                    L[i * pitch + j] = lo ? lo[at + j] : 0.0;
-                }
-            }
-        } else {                                             /* a transposed block: across the rows, j by j */
-            ptrdiff_t at[SLICE_GATHER];
-            for (ptrdiff_t i = 0; i < nr; i++)
-                at[i] = ((r0 + i) / per) * bs + ((r0 + i) % per) * rs;
-            for (ptrdiff_t j = 0; j < k; j++) {
-                for (ptrdiff_t i = 0; i < nr; i++) {
-                    H[i * pitch + j] = hi[at[i] + j * cs];
-                    L[i * pitch + j] = lo ? lo[at[i] + j * cs] : 0.0;
-                }
-            }
-        }
-        for (ptrdiff_t i = 0; i < nr; i++) {
-            ptrdiff_t r = r0 + i;
-            double *restrict h = H + i * pitch, *restrict l = L + i * pitch;
-            double mx = abs_max(h, k);                       /* max |hi| of what is left, kept as we cut */
-            if (eout) {                                      /* ozaki._normalise: the row's max into [1/2, 1) */
-                int e;
-                frexp(mx, &e);
-                eout[r] = e;
-                if (e >= -1022 && e <= 1022) {
-                    double f = ldexp(1.0, -e);               /* a power of two: exact products */
-                    for (ptrdiff_t j = 0; j < k; j++) {
-                        h[j] *= f;
-                        l[j] *= f;
-                    }
-                    mx *= f;                                 /* the max scales exactly (it lands in [1/2, 1)), */
-                } else {                                     /* and scaling is monotone: the new max */
-                    for (ptrdiff_t j = 0; j < k; j++) {
-                        h[j] = ldexp(h[j], -e);
-                        l[j] = ldexp(l[j], -e);
-                    }
-                    mx = abs_max(h, k);
-                }
-            }
-            for (int p = 0; p < n; p++) {
-                int e;
-                frexp(mx, &e);
-                int ee = e + rho;
-                if (ee < -1022)
-                    ee = -1022;
-                const double sigma = ldexp(1.0, ee);
-                double *restrict s = out + ((ptrdiff_t)p * rows + r) * k;
-                double sm, su;                               /* two_sum(hi - s, lo), or hi - s for a float64 row */
-                mx = slice_step(h, lo ? l : NULL, s, k, sigma, &sm, &su);
-                if (smax)
-                    smax[(ptrdiff_t)p * rows + r] = sm;
-                if (ssum)
-                    ssum[(ptrdiff_t)p * rows + r] = su;
-            }
-            if (rem_hi) {
-                for (ptrdiff_t j = 0; j < k; j++) {
-                    rem_hi[r * k + j] = h[j];
-                    rem_lo[r * k + j] = l[j];
-                }
-            }
-            if (rmax)
-                rmax[r] = abs_max(h, k) + abs_max(l, k);
-        }
-    }
+    KX_DISPATCH(slice_rows, hi, lo, rows, k, per, bs, rs, cs, n, rho, out, rem_hi, rem_lo, smax, ssum, rmax, eout,
+                scratch);
 }
 
 /* (hi, lo) = dd_add_d((hi, lo), c) in place: two_sum(hi, c), then fast_two_sum(s, e + lo). */
 void sdpa_dd_add_d(double *hi, double *lo, const double *c, ptrdiff_t n)
 {
-    for (ptrdiff_t i = 0; i < n; i++) {
-        double a = hi[i], b = c[i];
-        double s = a + b;
-        double bb = s - a;
-        double e = (a - (s - bb)) + (b - bb);
-        double t = e + lo[i];
-        double u = s + t;
-        hi[i] = u;
-        lo[i] = t - (u - s);
-    }
-}
-
-/* ------------------------------------------------------------ dd.dd_exp, operation for operation */
-
-#include <stdint.h>
-
-static inline void k_two_sum(double a, double b, double *s, double *e)
-{
-    double t = a + b;
-    double bb = t - a;
-    *s = t;
-    *e = (a - (t - bb)) + (b - bb);
-}
-
-static inline void k_fast_two_sum(double a, double b, double *s, double *e)
-{
-    double t = a + b;
-    *s = t;
-    *e = b - (t - a);
-}
-
-static inline void k_split(double a, double *hi, double *lo)
-{
-    double c = 134217729.0 * a;
-    double h = c - (c - a);
-    *hi = h;
-    *lo = a - h;
-}
-
-static inline void k_two_prod(double a, double b, double *p, double *e)
-{
-    double ah, al, bh, bl;
-    double t = a * b;
-    k_split(a, &ah, &al);
-    k_split(b, &bh, &bl);
-    *p = t;
-    *e = ((ah * bh - t) + ah * bl + al * bh) + al * bl;
-}
-
-static inline void k_dd_add(double a0, double a1, double b0, double b1, double *r0, double *r1)
-{
-    double s, e, t, f;
-    k_two_sum(a0, b0, &s, &e);
-    k_two_sum(a1, b1, &t, &f);
-    k_fast_two_sum(s, e + t, &s, &e);
-    k_fast_two_sum(s, e + f, r0, r1);
-}
-
-static inline void k_dd_mul(double a0, double a1, double b0, double b1, double *r0, double *r1)
-{
-    double p, e;
-    k_two_prod(a0, b0, &p, &e);
-    k_fast_two_sum(p, e + (a0 * b1 + a1 * b0), r0, r1);
-}
-
-static inline double k_pow2(int64_t n)
-{
-    union { uint64_t u; double d; } v;
-    v.u = ((uint64_t)(n + 1023)) << 52;
-    return v.d;
-}
-
-static inline int64_t k_floordiv2(int64_t a)
-{
-    return a >= 0 ? a / 2 : -((-a + 1) / 2);
-}
-
-/* round to the nearest integer, ties to even, as np.rint (|y| < 2**51 here): the sum with 1.5 * 2**52 rounds */
-static inline double k_rint(double y)
-{
-    double k = (y + 6755399441055744.0) - 6755399441055744.0;
-    return copysign(k, y);                                            /* rint keeps the sign of a zero */
+    KX_DISPATCH(dd_add_d, hi, lo, c, n);
 }
 
 /* exp of x [rows x n] less the row's m (dd_exp(dd_sub(x, m))), or of x itself when m0 is NULL.
  * c: [0] EXP_FLOOR, [1] N / ln2_hi, [2] C1, [3] C23 hi, [4] C23 lo, [5 + 2 m], [6 + 2 m]: 1/m! as dd, m = 0..8.
  * The operations of dd._dd_exp_numpy, element by element, in three branch-free stages over chunks of entries, so that
  * the chains of neighbouring entries overlap (and the first two vectorise). */
-#define EXP_CHUNK 64
 void sdpa_dd_exp_rows(const double *x0, const double *x1, const double *m0, const double *m1, ptrdiff_t rows,
                       ptrdiff_t n, double *o0, double *o1, const double *t0, const double *t1, const double *c)
 {
-    const double floor_ = c[0], inv = c[1], c1 = c[2], c23h = c[3], c23l = c[4];
-    const double *f = c + 5;
-    double K[EXP_CHUNK], R0[EXP_CHUNK], R1[EXP_CHUNK], IN[EXP_CHUNK], X0[EXP_CHUNK];
-    for (ptrdiff_t r = 0; r < rows; r++) {
-        for (ptrdiff_t j0 = 0; j0 < n; j0 += EXP_CHUNK) {
-            ptrdiff_t len = n - j0 < EXP_CHUNK ? n - j0 : EXP_CHUNK;
-            const double *a0 = x0 + r * n + j0, *a1 = x1 + r * n + j0;
-            for (ptrdiff_t j = 0; j < len; j++) {                     /* the shift, the range reduction */
-                double u0 = a0[j], u1 = a1[j];
-                if (m0)
-                    k_dd_add(u0, u1, -m0[r], -m1[r], &u0, &u1);
-                X0[j] = u0;
-                double ok = (u0 == u0 && u0 < 710.0) ? u0 : 0.0;      /* NaN and overflow: fixed below */
-                double inside = ok >= floor_ ? 1.0 : 0.0;
-                double hi = ok < floor_ ? floor_ : ok;
-                double lo = u1 * inside;
-                double k = k_rint(hi * inv);
-                double s, e, q0, q1, p, q, w0, w1;
-                k_two_sum(hi, -(k * c1), &s, &e);
-                k_fast_two_sum(s, e + lo, &q0, &q1);
-                k_two_prod(c23h, k, &p, &q);
-                k_fast_two_sum(p, q + c23l * k, &w0, &w1);
-                k_dd_add(q0, q1, -w0, -w1, &R0[j], &R1[j]);
-                K[j] = k;
-                IN[j] = inside;
-            }
-            for (ptrdiff_t j = 0; j < len; j++) {                     /* _exp_small(r) */
-                double r0 = R0[j], r1 = R1[j];
-                double t = f[2 * 8];
-                for (int m = 7; m > 3; m--)
-                    t = t * r0 + f[2 * m];
-                double e0, e1, p, q, s, e;
-                k_two_prod(r0, t, &p, &q);
-                k_fast_two_sum(p, q + r1 * t, &e0, &e1);
-                for (int m = 3; m > 0; m--) {
-                    double b0, b1;
-                    k_dd_add(f[2 * m], f[2 * m + 1], e0, e1, &b0, &b1);
-                    k_dd_mul(r0, r1, b0, b1, &e0, &e1);
-                }
-                k_two_sum(e0, 1.0, &s, &e);
-                k_fast_two_sum(s, e + e1, &R0[j], &R1[j]);
-            }
-            double *b0 = o0 + r * n + j0, *b1 = o1 + r * n + j0;
-            for (ptrdiff_t j = 0; j < len; j++) {                     /* the table, the power of two */
-                int64_t ki = (int64_t)K[j];
-                int64_t jj = ki & 1023;
-                double y0, y1;
-                k_dd_mul(t0[jj], t1[jj], R0[j], R1[j], &y0, &y1);
-                int64_t sh = (ki - jj) >> 10;
-                int64_t h1 = k_floordiv2(sh);
-                double f1 = k_pow2(h1), f2 = k_pow2(sh - h1) * IN[j];
-                double u = X0[j];
-                if (u != u) {
-                    b0[j] = NAN;
-                    b1[j] = NAN;
-                } else if (u >= 710.0) {
-                    b0[j] = INFINITY;
-                    b1[j] = 0.0;
-                } else {
-                    b0[j] = y0 * f1 * f2;
-                    b1[j] = y1 * f1 * f2;
-                }
-            }
-        }
-    }
+    KX_DISPATCH(dd_exp_rows, x0, x1, m0, m1, rows, n, o0, o1, t0, t1, c);
 }
 
 /* dd.dd_div(a, b) of a [rows x n] by the row's b */
 void sdpa_dd_div_rows(const double *a0, const double *a1, const double *b0, const double *b1, ptrdiff_t rows,
                       ptrdiff_t n, double *o0, double *o1)
 {
-    for (ptrdiff_t r = 0; r < rows; r++) {
-        double B0 = b0[r], B1 = b1[r];
-        for (ptrdiff_t j = 0; j < n; j++) {
-            ptrdiff_t i = r * n + j;
-            double q1 = a0[i] / B0, p, e, m0, m1, r0, r1, q2, q3, s, t;
-            k_two_prod(B0, q1, &p, &e);                                /* dd_mul_d(b, q1) */
-            k_fast_two_sum(p, e + B1 * q1, &m0, &m1);
-            k_dd_add(a0[i], a1[i], -m0, -m1, &r0, &r1);                /* dd_sub */
-            q2 = r0 / B0;
-            k_two_prod(B0, q2, &p, &e);
-            k_fast_two_sum(p, e + B1 * q2, &m0, &m1);
-            k_dd_add(r0, r1, -m0, -m1, &r0, &r1);
-            q3 = r0 / B0;
-            k_fast_two_sum(q1, q2, &q1, &q2);
-            k_two_sum(q1, q3, &s, &t);                                 /* dd_add_d((q1, q2), q3) */
-            k_fast_two_sum(s, t + q2, &o0[i], &o1[i]);
-        }
-    }
+    KX_DISPATCH(dd_div_rows, a0, a1, b0, b1, rows, n, o0, o1);
 }
 
 /* dd.dd_mul_d(a, b) for a scalar b */
 void sdpa_dd_mul_d_scalar(const double *a0, const double *a1, double b, ptrdiff_t n, double *o0, double *o1)
 {
-    for (ptrdiff_t i = 0; i < n; i++) {
-        double p, e;
-        k_two_prod(a0[i], b, &p, &e);
-        k_fast_two_sum(p, e + a1[i] * b, &o0[i], &o1[i]);
-    }
+    KX_DISPATCH(dd_mul_d_scalar, a0, a1, b, n, o0, o1);
 }
 
-/* ------------------------------------------------------------ dd.dd_sum along a row, the same tree */
-
-/* The pairwise tree of dd_sum over x (hi, lo) [n], in place in the scratch (sh, sl): level by level the first
- * half is added to the second half, an odd last entry waiting for the next level. */
-static void k_tree(double *sh, double *sl, ptrdiff_t n, double *r0, double *r1)
-{
-    if (n == 0) {
-        *r0 = 0.0;
-        *r1 = 0.0;
-        return;
-    }
-    while (n > 1) {
-        ptrdiff_t h = n / 2;
-        for (ptrdiff_t i = 0; i < h; i++)
-            k_dd_add(sh[i], sl[i], sh[h + i], sl[h + i], &sh[i], &sl[i]);
-        if (n % 2) {
-            sh[h] = sh[n - 1];
-            sl[h] = sl[n - 1];
-        }
-        n = h + n % 2;
-    }
-    *r0 = sh[0];
-    *r1 = sl[0];
-}
-
+/* dd.dd_sum of each row of (hi, lo) [rows x n], by its pairwise tree (k_tree in _kernels.h); scratch: 2 n doubles */
 void sdpa_dd_rowsum(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t n, double *o0, double *o1,
                     double *scratch)
 {
-    for (ptrdiff_t r = 0; r < rows; r++) {
-        for (ptrdiff_t j = 0; j < n; j++) {
-            scratch[j] = hi[r * n + j];
-            scratch[n + j] = lo[r * n + j];
-        }
-        k_tree(scratch, scratch + n, n, &o0[r], &o1[r]);
-    }
+    KX_DISPATCH(dd_rowsum, hi, lo, rows, n, o0, o1, scratch);
 }
 
 /* reproducible._softmax_vjp on rows of dd P and g [rows x n]: c = g at the first largest P.hi (NumPy's argmax:
@@ -432,44 +118,8 @@ void sdpa_dd_rowsum(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_
 void sdpa_dd_softmax_vjp_rows(const double *p0, const double *p1, const double *g0, const double *g1,
                               ptrdiff_t rows, ptrdiff_t n, double *o0, double *o1, double *scratch)
 {
-    for (ptrdiff_t r = 0; r < rows; r++) {
-        const double *P0 = p0 + r * n, *P1 = p1 + r * n, *G0 = g0 + r * n, *G1 = g1 + r * n;
-        double *O0 = o0 + r * n, *O1 = o1 + r * n;
-        if (n == 0)
-            continue;
-        ptrdiff_t idx = 0;
-        double best = P0[0];
-        if (!isnan(best)) {
-            for (ptrdiff_t j = 1; j < n; j++) {
-                if (isnan(P0[j])) {
-                    idx = j;
-                    break;
-                }
-                if (P0[j] > best) {
-                    best = P0[j];
-                    idx = j;
-                }
-            }
-        }
-        double c0 = -G0[idx], c1 = -G1[idx];
-        for (ptrdiff_t j = 0; j < n; j++) {
-            double a0, a1;
-            k_dd_add(G0[j], G1[j], c0, c1, &a0, &a1);                 /* gc = g - c */
-            O0[j] = a0;                                                /* kept in the output for now */
-            O1[j] = a1;
-            k_dd_mul(P0[j], P1[j], a0, a1, &scratch[j], &scratch[n + j]);
-        }
-        double s0, s1;
-        k_tree(scratch, scratch + n, n, &s0, &s1);
-        for (ptrdiff_t j = 0; j < n; j++) {
-            double a0, a1;
-            k_dd_add(O0[j], O1[j], -s0, -s1, &a0, &a1);               /* gc - s */
-            k_dd_mul(P0[j], P1[j], a0, a1, &O0[j], &O1[j]);
-        }
-    }
+    KX_DISPATCH(dd_softmax_vjp_rows, p0, p1, g0, g1, rows, n, o0, o1, scratch);
 }
-
-/* ------------------------------------------------------------ ozaki.matmul's last steps, in one pass */
 
 /* The end of a block of an exact product: the dd sum (hi, lo) [nb x rows x n] of its levels, normalised
  * (fast_two_sum, when norm is set), times the float scale (dd.dd_mul_d, when has_scale is set), then times
@@ -479,24 +129,5 @@ void sdpa_dd_softmax_vjp_rows(const double *p0, const double *p1, const double *
 void sdpa_dd_finish(const double *hi, const double *lo, ptrdiff_t nb, ptrdiff_t rows, ptrdiff_t n, int norm,
                     int has_scale, double scale, const int *ea, const int *eb, double *o0, double *o1)
 {
-    for (ptrdiff_t i = 0; i < nb; i++) {
-        const int *ec = eb + i * n;
-        for (ptrdiff_t r = 0; r < rows; r++) {
-            ptrdiff_t at = (i * rows + r) * n;
-            double fa = k_pow2(ea[i * rows + r]);
-            for (ptrdiff_t j = 0; j < n; j++) {
-                double s = hi[at + j], e = lo[at + j];
-                if (norm)
-                    k_fast_two_sum(s, e, &s, &e);
-                if (has_scale) {
-                    double p, q;
-                    k_two_prod(s, scale, &p, &q);
-                    k_fast_two_sum(p, q + e * scale, &s, &e);
-                }
-                double f = fa * k_pow2(ec[j]);
-                o0[at + j] = s * f;
-                o1[at + j] = e * f;
-            }
-        }
-    }
+    KX_DISPATCH(dd_finish, hi, lo, nb, rows, n, norm, has_scale, scale, ea, eb, o0, o1);
 }

@@ -1,14 +1,15 @@
 """Optional compiled element-wise kernels: the Ozaki products' loops, and the fast path's row passes.
 
-``_kernels.c`` holds the loops of :mod:`.ozaki` and :mod:`.dd` (cutting the
-slices of a row, double-double accumulation, exp, division, row sums),
-written with the same IEEE-754 operations in the same order as the NumPy
-code, so they give the same bits; ``_fast_rows.c`` (with the
-``_fast_rows.h`` it includes once per SIMD build) the fast path's
-fused softmax and softmax-VJP rows (:mod:`sdpa_ref.engines.fast`), which
-have no NumPy twin of the same bits but the same bits on every machine: they
-are built for the baseline and, on x86-64, for AVX2 and AVX-512 (F, DQ, VL
-and BW), the widest the CPU runs chosen at run time (``SDPA_REF_SIMD=baseline``,
+``_kernels.c`` (with the ``_kernels.h`` it includes once per SIMD build)
+holds the loops of :mod:`.ozaki` and :mod:`.dd` (cutting the slices of a
+row, double-double accumulation, exp, division, row sums), written with the
+same IEEE-754 operations in the same order as the NumPy code, so they give
+the same bits; ``_fast_rows.c`` (with the ``_fast_rows.h`` it includes once
+per SIMD build) the fast path's fused softmax and softmax-VJP rows
+(:mod:`sdpa_ref.engines.fast`), which have no NumPy twin of the same bits
+but the same bits on every machine. Both are built for the baseline and, on
+x86-64, for AVX2 and AVX-512 (F, DQ, VL and BW), the widest the CPU runs
+chosen at run time, one level for both (``SDPA_REF_SIMD=baseline``,
 ``avx2`` or ``avx512`` forces one, read when the library
 loads; a level the CPU lacks gives the best one it has; :func:`simd_level`
 switches at run time), and every build gives the same bits.
@@ -51,7 +52,7 @@ __all__ = ["SIMD_LEVELS", "dd_add_d_inplace", "dd_div_rows", "dd_exp", "dd_mul_d
 _HERE = os.path.dirname(os.path.abspath(__file__))
 #: The library's sources (compiled together at install) and the header they include (twice: once per SIMD build).
 _SOURCES = [os.path.join(_HERE, "_kernels.c"), os.path.join(_HERE, "_fast_rows.c")]
-_HEADERS = [os.path.join(_HERE, "_fast_rows.h")]
+_HEADERS = [os.path.join(_HERE, "_kernels.h"), os.path.join(_HERE, "_fast_rows.h")]
 #: The library built at install (``setup.py``): the one file ever loaded.
 _LIBRARY = os.path.join(_HERE, "_compiled_kernels.so")
 #: How it was built, or why not (written by ``setup.py`` beside it).
@@ -399,7 +400,7 @@ def fast_exp(lib, x, out=None):
     return out
 
 
-#: The SIMD builds of the row passes, by level (``_kernels.c``: ``sdpa_fast_set_level``).
+#: The SIMD builds of the compiled kernels, by level (``_fast_rows.c``: ``sdpa_fast_set_level``; one level for both files).
 SIMD_LEVELS = ("baseline", "avx2", "avx512")
 
 
@@ -415,9 +416,9 @@ def _simd_level():
 
 
 def simd_level(lib, level=None):
-    """The name of the build the fast row passes run (:data:`SIMD_LEVELS`). With ``level`` set it first: a name
-    (a level the CPU lacks gives the best one it has), or ``"best"``. Every level gives the same bits; only the
-    speed changes."""
+    """The name of the build the compiled kernels run, the row passes and the exact loops alike
+    (:data:`SIMD_LEVELS`). With ``level`` set it first: a name (a level the CPU lacks gives the best one it has),
+    or ``"best"``. Every level gives the same bits; only the speed changes."""
     if level is not None:
         if level != "best" and level not in SIMD_LEVELS:
             raise ValueError(f"level must be 'best' or one of {', '.join(SIMD_LEVELS)}; got {level!r}")
