@@ -85,8 +85,8 @@ void sdpa_dd_add_d(double *hi, double *lo, const double *c, ptrdiff_t n)
 
 /* exp of x [rows x n] less the row's m (dd_exp(dd_sub(x, m))), or of x itself when m0 is NULL.
  * c: [0] EXP_FLOOR, [1] N / ln2_hi, [2] C1, [3] C23 hi, [4] C23 lo, [5 + 2 m], [6 + 2 m]: 1/m! as dd, m = 0..8.
- * The operations of dd._dd_exp_numpy, element by element, in three branch-free stages over chunks of entries, so that
- * the chains of neighbouring entries overlap (and the first two vectorise). */
+ * The operations of dd._dd_exp_numpy, element by element, in branch-free stages over chunks of entries, so that
+ * the chains of neighbouring entries overlap and each stage vectorises (the table's gather with AVX-512). */
 void sdpa_dd_exp_rows(const double *x0, const double *x1, const double *m0, const double *m1, ptrdiff_t rows,
                       ptrdiff_t n, double *o0, double *o1, const double *t0, const double *t1, const double *c)
 {

@@ -314,11 +314,6 @@ KX_INLINE double KX(k_pow2)(int64_t n)
     return v.d;
 }
 
-KX_INLINE int64_t KX(k_floordiv2)(int64_t a)
-{
-    return a >= 0 ? a / 2 : -((-a + 1) / 2);
-}
-
 /* round to the nearest integer, ties to even, as np.rint (|y| < 2**51 here): the sum with 1.5 * 2**52 rounds */
 KX_INLINE double KX(k_rint)(double y)
 {
@@ -338,16 +333,23 @@ KX_FN void KX(dd_exp_rows)(const double *x0, const double *x1, const double *m0,
 {
     const double floor_ = c[0], inv = c[1], c1 = c[2], c23h = c[3], c23l = c[4];
     const double *f = c + 5;
-    double K[EXP_CHUNK], R0[EXP_CHUNK], R1[EXP_CHUNK], IN[EXP_CHUNK], X0[EXP_CHUNK];
+    double K[EXP_CHUNK], R0[EXP_CHUNK], R1[EXP_CHUNK], IN[EXP_CHUNK], X0[EXP_CHUNK], X1[EXP_CHUNK];
     for (ptrdiff_t r = 0; r < rows; r++) {
         for (ptrdiff_t j0 = 0; j0 < n; j0 += EXP_CHUNK) {
             ptrdiff_t len = n - j0 < EXP_CHUNK ? n - j0 : EXP_CHUNK;
             const double *a0 = x0 + r * n + j0, *a1 = x1 + r * n + j0;
-            for (ptrdiff_t j = 0; j < len; j++) {                     /* the shift, the range reduction */
-                double u0 = a0[j], u1 = a1[j];
-                if (m0)
-                    KX(k_dd_add)(u0, u1, -m0[r], -m1[r], &u0, &u1);
-                X0[j] = u0;
+            if (m0) {                                                 /* the shift (a loop of its own: */
+                const double s0 = -m0[r], s1 = -m1[r];                /* no branch in the loops below) */
+                for (ptrdiff_t j = 0; j < len; j++)
+                    KX(k_dd_add)(a0[j], a1[j], s0, s1, &X0[j], &X1[j]);
+            } else {
+                for (ptrdiff_t j = 0; j < len; j++) {
+                    X0[j] = a0[j];
+                    X1[j] = a1[j];
+                }
+            }
+            for (ptrdiff_t j = 0; j < len; j++) {                     /* the range reduction */
+                double u0 = X0[j], u1 = X1[j];
                 double ok = (u0 == u0 && u0 < 710.0) ? u0 : 0.0;      /* NaN and overflow: fixed below */
                 double inside = ok >= floor_ ? 1.0 : 0.0;
                 double hi = ok < floor_ ? floor_ : ok;
@@ -378,26 +380,22 @@ KX_FN void KX(dd_exp_rows)(const double *x0, const double *x1, const double *m0,
                 KX(k_two_sum)(e0, 1.0, &s, &e);
                 KX(k_fast_two_sum)(s, e + e1, &R0[j], &R1[j]);
             }
-            double *b0 = o0 + r * n + j0, *b1 = o1 + r * n + j0;
             for (ptrdiff_t j = 0; j < len; j++) {                     /* the table, the power of two */
                 int64_t ki = (int64_t)K[j];
                 int64_t jj = ki & 1023;
                 double y0, y1;
                 KX(k_dd_mul)(t0[jj], t1[jj], R0[j], R1[j], &y0, &y1);
                 int64_t sh = (ki - jj) >> 10;
-                int64_t h1 = KX(k_floordiv2)(sh);
+                int64_t h1 = sh >> 1;                                 /* floor(sh / 2): an arithmetic shift */
                 double f1 = KX(k_pow2)(h1), f2 = KX(k_pow2)(sh - h1) * IN[j];
-                double u = X0[j];
-                if (u != u) {
-                    b0[j] = NAN;
-                    b1[j] = NAN;
-                } else if (u >= 710.0) {
-                    b0[j] = INFINITY;
-                    b1[j] = 0.0;
-                } else {
-                    b0[j] = y0 * f1 * f2;
-                    b1[j] = y1 * f1 * f2;
-                }
+                R0[j] = y0 * f1 * f2;
+                R1[j] = y1 * f1 * f2;
+            }
+            double *b0 = o0 + r * n + j0, *b1 = o1 + r * n + j0;
+            for (ptrdiff_t j = 0; j < len; j++) {                     /* NaN and overflow, selected: their */
+                double u = X0[j];                                     /* lanes ran on ok = 0 above */
+                b0[j] = u != u ? NAN : u >= 710.0 ? INFINITY : R0[j];
+                b1[j] = u != u ? NAN : u >= 710.0 ? 0.0 : R1[j];
             }
         }
     }
