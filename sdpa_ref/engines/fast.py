@@ -555,18 +555,22 @@ class _Layout:
         return r
 
 
-#: The fewest keys at which the block-skipping schedule runs. Measured side by side (2 threads, forward + backward,
-#: causal against unmasked): at S = 4096 float64 it costs 0.68x the unmasked call with the spans; at S = 1024 the
-#: spans' smaller products and per-span passes cost more than the masked half they skip (1.12x float64, 1.56x
-#: float32 with ``upcast=False``, against 1.00x and 1.05x computing every score), so below this the whole rows run.
-SPAN_MIN_KEYS = 2048
+#: The fewest keys at which the block-skipping schedule runs, in float64 and in a narrower compute dtype. Measured
+#: side by side (2 threads, forward + backward, causal against unmasked, ``1x8x1024x64``): in float64 the spans
+#: (blocks of 128 rows) cost 0.88-0.94x the unmasked call against 1.01-1.08x computing every score; in float32
+#: with ``upcast=False``, whose products and passes take half the time, their smaller products and per-span
+#: passes cost more than the masked half they skip (1.12-1.25x against 1.08x), so there they start at 2048 keys
+#: (0.76-0.79x at ``L = 2048``). At S = 4096 float64 they cost 0.71x.
+SPAN_MIN_KEYS = 1024
+SPAN_MIN_KEYS_NARROW = 2048
 
 
 def _spans(prob, allowed):
     """:func:`.blocks.key_spans` of the problem's allowed set, in blocks of :func:`.blocks.span_rows` query rows,
-    or None (nothing to skip, or too few keys for skipping to pay, :data:`SPAN_MIN_KEYS`: every block runs over
-    every key, as one product per head)."""
-    if prob.S < SPAN_MIN_KEYS:
+    or None (nothing to skip, or too few keys for skipping to pay, :data:`SPAN_MIN_KEYS` in float64 and
+    :data:`SPAN_MIN_KEYS_NARROW` in a narrower compute dtype: every block runs over every key, as one product
+    per head)."""
+    if prob.S < (SPAN_MIN_KEYS if np.dtype(prob.dtype).itemsize >= 8 else SPAN_MIN_KEYS_NARROW):
         return None
     if prob.q_lengths is not None or prob.kv_lengths is not None:
         return None             # lengths: the whole rows (per-batch lengths with the spans disagree with the plain
