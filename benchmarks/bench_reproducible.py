@@ -31,7 +31,7 @@ sys.path.insert(0, HERE)
 
 import sdpa_ref  # noqa: E402
 from bench_attention import SHAPES  # noqa: E402
-from bench_table import huge_pages  # noqa: E402
+from bench_table import blas_and_simd, huge_pages  # noqa: E402
 
 
 def once(q, k, v, g, precision, upcast):
@@ -73,7 +73,7 @@ def main(argv=None):
     if args.rounds < 1:
         ap.error(f"--rounds should be at least 1, but got {args.rounds}")
     threads = {n: os.environ.get(n, "unset") for n in ("SDPA_REF_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
-    print(f"threads: {threads}; {huge_pages()}")
+    print(f"threads: {threads}; {huge_pages()}; {blas_and_simd()}")
     shapes = SHAPES if args.all else [tuple(args.shape)]
     table = [(s, time_shape(s, args.rounds, args.dtype)) for s in shapes]
     if args.all:

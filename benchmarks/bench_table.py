@@ -396,7 +396,20 @@ def machine():
             model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), model)
     except OSError:
         pass
-    return f"{model}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, {huge_pages()}"
+    return (f"{model}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, {huge_pages()}, "
+            f"{blas_and_simd()}")
+
+
+def blas_and_simd():
+    """Whether the BLAS is held to one thread inside the package's pool (threadpoolctl, a dependency: without it
+    each worker's GEMMs start the BLAS's own threads, and two of them on two cores run far slower), and the SIMD
+    build the compiled kernels run (``sdpa_ref.info()``): both move the ratios."""
+    from sdpa_ref import _threads
+    from sdpa_ref.exact import _native
+    held = "BLAS held in the pool" if _threads._controllers() else "threadpoolctl missing: the BLAS is not held"
+    st = _native.status()
+    simd = f"kernels {st['simd_level']}" if st["in_use"] else "no compiled kernels"
+    return f"{held}; {simd}"
 
 
 def huge_pages():
