@@ -1,8 +1,10 @@
-/* Drives the exact kernels (sdpa_ref/exact/_kernels.c) over many shapes and layouts, every buffer allocated to
- * its exact size, so that AddressSanitizer and UBSan (tests/test_exact_kernels_sanitized.py) see any read or write
- * past one: the slicer (contiguous and transposed rows, batched, a float64 or dd input, with and without the
- * remainder, the statistics and the normalisation, every number of slices), the end of a block and the dd
- * accumulation. Prints "ok" and exits 0 when every call returned. */
+/* Drives the exact kernels (sdpa_ref/exact/_kernels.c, _kernels.h) over many shapes and layouts, every buffer
+ * allocated to its exact size, so that AddressSanitizer and UBSan (tests/test_exact_kernels_sanitized.py) see any
+ * read or write past one: the slicer (contiguous and transposed rows, batched, a float64 or dd input, with and
+ * without the remainder, the statistics and the normalisation, every number of slices), the end of a block, the
+ * dd accumulation, exp (rows shorter and longer than its chunks, NaN and overflowing entries), the division, the
+ * product by a scalar, the row sums and the softmax VJP; all of it once per SIMD build the CPU runs
+ * (sdpa_fast_set_level, _fast_rows.c). Prints "ok" and exits 0 when every call returned. */
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -14,6 +16,16 @@ void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff
 void sdpa_dd_finish(const double *hi, const double *lo, ptrdiff_t nb, ptrdiff_t rows, ptrdiff_t n, int norm,
                     int has_scale, double scale, const int *ea, const int *eb, double *o0, double *o1);
 void sdpa_dd_add_d(double *hi, double *lo, const double *c, ptrdiff_t n);
+void sdpa_dd_exp_rows(const double *x0, const double *x1, const double *m0, const double *m1, ptrdiff_t rows,
+                      ptrdiff_t n, double *o0, double *o1, const double *t0, const double *t1, const double *c);
+void sdpa_dd_div_rows(const double *a0, const double *a1, const double *b0, const double *b1, ptrdiff_t rows,
+                      ptrdiff_t n, double *o0, double *o1);
+void sdpa_dd_mul_d_scalar(const double *a0, const double *a1, double b, ptrdiff_t n, double *o0, double *o1);
+void sdpa_dd_rowsum(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t n, double *o0, double *o1,
+                    double *scratch);
+void sdpa_dd_softmax_vjp_rows(const double *p0, const double *p1, const double *g0, const double *g1,
+                              ptrdiff_t rows, ptrdiff_t n, double *o0, double *o1, double *scratch);
+int sdpa_fast_set_level(int level);
 
 static unsigned long long state = 88172645463325252ULL;
 static double draw(void)
@@ -37,7 +49,41 @@ static double *fresh(size_t n)
     return p;
 }
 
-int main(void)
+/* exp, the division, the product by a scalar, the row sums and the softmax VJP on rows of n entries */
+static long drive_rows(void)
+{
+    long calls = 0;
+    double *t0 = fresh(1024), *t1 = fresh(1024), *c = fresh(23);
+    c[0] = -760.0;                                           /* EXP_FLOOR, then N / ln2 and the rest as drawn */
+    c[1] = 1477.3197218702985;
+    for (ptrdiff_t rows = 1; rows <= 9; rows += 4) {
+        for (ptrdiff_t n = 1; n <= 140; n += 13) {             /* shorter and longer than a chunk of 64 */
+            size_t m = (size_t)(rows * n);
+            double *x0 = fresh(m), *x1 = fresh(m), *o0 = fresh(m), *o1 = fresh(m), *scratch = fresh(2 * (size_t)n);
+            double *y0 = fresh(m), *y1 = fresh(m);
+            double *m0 = fresh((size_t)rows), *m1 = fresh((size_t)rows), *b0 = fresh((size_t)rows);
+            for (size_t i = 0; i < m; i++)
+                x0[i] *= 4000.0;                               /* below the floor, above 710 */
+            x0[0] = NAN;
+            for (ptrdiff_t r = 0; r < rows; r++)
+                b0[r] = 1.0 + fabs(b0[r]);
+            sdpa_dd_exp_rows(x0, x1, m0, m1, rows, n, o0, o1, t0, t1, c);
+            sdpa_dd_exp_rows(x0, x1, NULL, NULL, rows, n, o0, o1, t0, t1, c);
+            sdpa_dd_div_rows(o0, o1, b0, m1, rows, n, x0, x1);
+            sdpa_dd_mul_d_scalar(x0, x1, 0.125, (ptrdiff_t)m, o0, o1);
+            sdpa_dd_rowsum(o0, o1, rows, n, m0, m1, scratch);
+            sdpa_dd_softmax_vjp_rows(o0, o1, x0, x1, rows, n, y0, y1, scratch);
+            calls += 6;
+            free(x0); free(x1); free(o0); free(o1); free(y0); free(y1); free(scratch); free(m0); free(m1);
+            free(b0);
+        }
+    }
+    free(t0); free(t1); free(c);
+    return calls;
+}
+
+/* the slicer, the end of a block and the dd accumulation */
+static long drive_products(void)
 {
     const ptrdiff_t ks[] = {1, 2, 3, 4, 5, 7, 8, 9, 33};
     long calls = 0;
@@ -74,7 +120,7 @@ int main(void)
                     double *h = fresh(m), *l = fresh(m), *o0 = fresh(m), *o1 = fresh(m);
                     int *ea = malloc((size_t)(nb * rows) * sizeof *ea), *eb = malloc((size_t)(nb * n) * sizeof *eb);
                     if (!ea || !eb)
-                        return 2;
+                        exit(2);
                     for (ptrdiff_t i = 0; i < nb * rows; i++)
                         ea[i] = (int)(i % 7) - 3;
                     for (ptrdiff_t i = 0; i < nb * n; i++)
@@ -87,6 +133,19 @@ int main(void)
             }
         }
     }
-    printf("ok %ld calls\n", calls);
+    return calls;
+}
+
+int main(void)
+{
+    long calls = 0;
+    int levels = 0;
+    for (int want = 0; want <= 2; want++) {                  /* each build the CPU runs: baseline, AVX2, AVX-512 */
+        if (sdpa_fast_set_level(want) != want)
+            continue;
+        calls += drive_products() + drive_rows();
+        levels++;
+    }
+    printf("ok %ld calls on %d SIMD levels\n", calls, levels);
     return 0;
 }
