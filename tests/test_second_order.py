@@ -90,6 +90,47 @@ class Differentiable:
             assert b is None or (a.shape == b.shape and a.dtype == b.dtype)
         return np.concatenate([np.ravel(x) for x in gt if x is not None])
 
+    # the same two functions for check_jvp(vectorized=True): every argument, the cotangent and the tangents with
+    # one new leading axis, which the API reads as one more batch dimension (bias and sinks, whose own leading
+    # dimensions are not the problem's batch, get singleton axes for it): one call per batch of perturbations
+    _CORE = {"bias": 3, "sinks": 1}                      # their trailing dimensions: (Hq, L, S) and (Hq,)
+
+    def _lifted(self, xs):
+        nb = len(self.out_shape) - 3                     # the problem's batch dimensions
+        out = []
+        for n, x in zip(self.names, xs):
+            x = np.asarray(x)
+            if n in self._CORE:
+                x = x.reshape(x.shape[:1] + (1,) * (1 + nb + self._CORE[n] - x.ndim) + x.shape[1:])
+            out.append(x)
+        return out
+
+    def _split_batched(self, g):
+        m = g.shape[0]
+        if not self.with_lse:
+            return g.reshape((m,) + self.out_shape), None
+        n = int(np.prod(self.out_shape))
+        return g[:, :n].reshape((m,) + self.out_shape), g[:, n:].reshape((m,) + self.lse_shape)
+
+    def backward_fun_batched(self, *xs_g):
+        if np.ndim(xs_g[0]) == np.ndim(self.args[0]):    # the check's first call, on the arguments themselves
+            return self.backward_fun(*xs_g)
+        xs, g = self._lifted(xs_g[:-1]), xs_g[-1]
+        dO, dl = self._split_batched(g)
+        gr = sdpa_backward(self.forward(*xs)[1], dO, grad_lse=dl)
+        return np.concatenate([x.reshape(len(g), -1) for x in gr if x is not None], axis=1)
+
+    def backward_jvp_batched(self, ts_all, *xs_g):
+        if np.ndim(xs_g[0]) == np.ndim(self.args[0]):
+            return self.backward_jvp(ts_all, *xs_g)
+        xs, g = self._lifted(xs_g[:-1]), xs_g[-1]
+        dO, dl = self._split_batched(g)
+        ddO, ddl = self._split_batched(ts_all[-1])
+        (q, k, v), kw = self.call_kw(xs)
+        _, gt = sdpa_backward_jvp((q, k, v), self.tangents(self._lifted(ts_all[:-1])), dO, ddO, grad_lse=dl,
+                                  grad_lse_tangent=ddl, layout=self.layout, **kw)
+        return np.concatenate([x.reshape(len(g), -1) for x in gt if x is not None], axis=1)
+
     def cotangent(self, seed=1):
         rng = np.random.default_rng(seed)
         n = int(np.prod(self.out_shape)) + (int(np.prod(self.lse_shape)) if self.with_lse else 0)
@@ -162,7 +203,11 @@ def test_tiled_double_backward_special_options(name):
 def test_tiled_double_backward_special_options_by_finite_differences(name):
     d = Differentiable(SPECIAL[name](np.random.default_rng(7)), with_lse=True)
     d.kw.update(method="tiled", block_size=2)
-    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=FD_SECOND_ORDER)
+    xs_g = d.args + [d.cotangent()]
+    assert np.array_equal(d.backward_fun_batched(*[np.stack([x, 2 * x]) for x in xs_g]),
+                          [d.backward_fun(*xs_g), d.backward_fun(*[2 * x for x in xs_g])])
+    assert_jvp(d.backward_fun_batched, d.backward_jvp_batched, xs_g, mode="full", rtol=FD_SECOND_ORDER,
+               vectorized=True)
 
 
 def test_tiled_double_backward_with_a_block_mask_skips_its_tiles():
@@ -216,8 +261,18 @@ SPECIAL = {
 @pytest.mark.parametrize("name", SPECIAL)
 @pytest.mark.parametrize("with_lse", [False, True])
 def test_double_backward_special_options(name, with_lse):
+    """Every entry of the double backward's Jacobian against central differences of the backward (the
+    perturbations of one argument in one batched call), and the loss's HVP along random projections."""
     d = Differentiable(SPECIAL[name](np.random.default_rng(7)), with_lse=with_lse)
-    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=FD_SECOND_ORDER)
+    xs_g = d.args + [d.cotangent()]
+    ts = [np.random.default_rng(8).standard_normal(np.shape(x)) for x in xs_g]
+    two = [np.stack([x, 2 * x]) for x in xs_g]              # the batched forms are the problems one by one
+    assert np.array_equal(d.backward_fun_batched(*two), [d.backward_fun(*xs_g),
+                                                          d.backward_fun(*[2 * x for x in xs_g])])
+    assert np.array_equal(d.backward_jvp_batched([np.stack([t, -t]) for t in ts], *two),
+                          [d.backward_jvp(ts, *xs_g), d.backward_jvp([-t for t in ts], *[2 * x for x in xs_g])])
+    assert_jvp(d.backward_fun_batched, d.backward_jvp_batched, xs_g, mode="full", rtol=FD_SECOND_ORDER,
+               vectorized=True)
     assert_hvp(d.fun, d.vjp, d.hvp, d.args, cotangent=d.cotangent(), mode="projection", rtol=FD_SECOND_ORDER)
 
 
@@ -407,7 +462,11 @@ def _score_function_problem(given, method):
 @pytest.mark.parametrize("given", ["grad", "grad2"])
 def test_double_backward_through_a_score_function(method, given):
     d = _score_function_problem(given, method)
-    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="full", rtol=FD_SECOND_ORDER)
+    xs_g = d.args + [d.cotangent()]
+    assert np.array_equal(d.backward_fun_batched(*[np.stack([x, 2 * x]) for x in xs_g]),
+                          [d.backward_fun(*xs_g), d.backward_fun(*[2 * x for x in xs_g])])
+    assert_jvp(d.backward_fun_batched, d.backward_jvp_batched, xs_g, mode="full", rtol=FD_SECOND_ORDER,
+               vectorized=True)
 
 
 @pytest.mark.parametrize("given", ["grad", "grad2"])
