@@ -3,9 +3,9 @@ AddressSanitizer and UBSan.
 
 ``tests/data/exact_kernels_driver.c`` calls every one of them (the slicer, the end of a block, the dd
 accumulation, exp, the division, the product by a scalar, the row sums, the softmax VJP) over many shapes and
-layouts, every buffer allocated to its exact size, once per SIMD build the CPU runs; built with the library's
-own sources under ``-fsanitize=address,undefined``, a read or write past a buffer, or undefined behaviour, fails
-the run. The test also checks that the sanitizers are awake: the same driver with one buffer a double short must
+layouts, every buffer allocated to its exact size, once per SIMD build the CPU runs (the driver stands in for
+``_fast_rows.c``'s level switch); built with the kernels' source under ``-fsanitize=address,undefined``, a read
+or write past a buffer, or undefined behaviour, fails the run. The test also checks that the sanitizers are awake: the same driver with one buffer a double short must
 be caught. A compiler without the sanitizers skips; one that has them but cannot build the kernels fails.
 """
 
@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNELS = [os.path.join(ROOT, "sdpa_ref", "exact", f) for f in ("_kernels.c", "_fast_rows.c")]
+KERNELS = [os.path.join(ROOT, "sdpa_ref", "exact", "_kernels.c")]   # the driver picks the SIMD build itself
 DRIVER = os.path.join(ROOT, "tests", "data", "exact_kernels_driver.c")
 CC = os.environ.get("CC") or "cc"
 FLAGS = ["-std=c99", "-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer",
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(shutil.which(CC) is None or not all(os.path.exis
 
 @pytest.fixture(scope="module")
 def objects(tmp_path_factory):
-    """The library's sources compiled once under the sanitizers (each driver links them); a skip where the
+    """The kernels compiled once under the sanitizers (each driver links them); a skip where the
     compiler lacks the sanitizers, a failure where it has them but cannot build the kernels."""
     d = tmp_path_factory.mktemp("sanitized")
     probe = d / "probe.c"

@@ -3,8 +3,9 @@
  * read or write past one: the slicer (contiguous and transposed rows, batched, a float64 or dd input, with and
  * without the remainder, the statistics and the normalisation, every number of slices), the end of a block, the
  * dd accumulation, exp (rows shorter and longer than its chunks, NaN and overflowing entries), the division, the
- * product by a scalar, the row sums and the softmax VJP; all of it once per SIMD build the CPU runs
- * (sdpa_fast_set_level, _fast_rows.c). Prints "ok" and exits 0 when every call returned. */
+ * product by a scalar, the row sums and the softmax VJP; all of it once per SIMD build the CPU runs (the
+ * library takes the build from _fast_rows.c's sdpa_fast_get_level; built alone here, _kernels.c takes it from
+ * the driver). Prints "ok" and exits 0 when every call returned. */
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -25,7 +26,26 @@ void sdpa_dd_rowsum(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_
                     double *scratch);
 void sdpa_dd_softmax_vjp_rows(const double *p0, const double *p1, const double *g0, const double *g1,
                               ptrdiff_t rows, ptrdiff_t n, double *o0, double *o1, double *scratch);
-int sdpa_fast_set_level(int level);
+
+static int level;                                            /* the build the kernels dispatch to */
+int sdpa_fast_get_level(void)
+{
+    return level;
+}
+
+/* whether the CPU runs build l (0: the baseline; 1: AVX2; 2: AVX-512 F, DQ, VL, BW), as _fast_rows.c decides */
+static int cpu_runs(int l)
+{
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2");
+    int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")
+                 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+    return l == 0 || (l == 1 && avx2) || (l == 2 && avx512);
+#else
+    return l == 0;
+#endif
+}
 
 static unsigned long long state = 88172645463325252ULL;
 static double draw(void)
@@ -140,8 +160,8 @@ int main(void)
 {
     long calls = 0;
     int levels = 0;
-    for (int want = 0; want <= 2; want++) {                  /* each build the CPU runs: baseline, AVX2, AVX-512 */
-        if (sdpa_fast_set_level(want) != want)
+    for (level = 0; level <= 2; level++) {                   /* each build the CPU runs: baseline, AVX2, AVX-512 */
+        if (!cpu_runs(level))
             continue;
         calls += drive_products() + drive_rows();
         levels++;
