@@ -36,7 +36,11 @@ def pytest_configure(config):
         from threadpoolctl import threadpool_limits
     except ImportError:                                  # the package's dependency, but not a test's requirement
         return
-    n = max(1, (os.cpu_count() or 1) // int(workers))
+    try:
+        cores = len(os.sched_getaffinity(0))             # the CPUs this process may run on (a container's share)
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    n = max(1, cores // int(workers))
     global _BLAS_LIMIT
     _BLAS_LIMIT = threadpool_limits(limits=n, user_api="blas")
     os.environ["OPENBLAS_NUM_THREADS"] = str(n)          # and the processes the tests start (the CLI, examples)
