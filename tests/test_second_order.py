@@ -570,3 +570,22 @@ def test_the_plain_double_backward_cut_by_heads_has_the_bits_of_the_whole(monkey
     monkeypatch.setattr(heads, "_sub_problem", shifted)
     bad = run()
     assert not np.array_equal(bad[0][0], ref[0][0]) and not np.array_equal(bad[1][1].query, ref[1][1].query)
+
+
+def test_the_plain_engines_chunks_of_heads_stay_small(monkeypatch):
+    """About two chunks per thread, each with at most heads.CHUNK_ENTRIES score entries where a GQA group allows
+    (whole groups always): every kv head exactly once."""
+    import types
+
+    import sdpa_ref.heads as heads
+    monkeypatch.setenv("SDPA_REF_NUM_THREADS", "2")
+
+    def chunks(B, Hkv, G, L, S):
+        c = heads.head_chunks(types.SimpleNamespace(batch=(B,), Hkv=Hkv, G=G, L=L, S=S))
+        seen = sorted((b, h) for ix in c for b in range(*ix[0].indices(B)) for h in range(*ix[1].indices(Hkv)))
+        assert seen == [(b, h) for b in range(B) for h in range(Hkv)]
+        return [len(range(*ix[1].indices(Hkv))) for ix in c]
+    assert chunks(1, 8, 1, 256, 256) == [2, 2, 2, 2]          # two per thread
+    assert chunks(1, 8, 1, 1024, 1024) == [1] * 8             # one head is CHUNK_ENTRIES
+    assert chunks(1, 4, 4, 1024, 1024) == [1] * 4             # a GQA group is never cut
+    assert chunks(2, 2, 1, 64, 64) == [1] * 4
