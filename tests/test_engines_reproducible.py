@@ -477,6 +477,37 @@ def test_the_compiled_slicer_reads_every_layout_in_place_and_normalises_with_the
     assert same(base, before[0]) and same(lo, before[1])            # the inputs are not written
 
 
+def test_the_compiled_column_statistics_give_the_numpy_passes_bits(monkeypatch):
+    """A product rounded next (``final=True``) takes ``B``'s column slices, maxima, exact sums and remainder from
+    the compiled slicer in one pass (``ozaki._quick_columns``): the bits of the NumPy passes it replaces, with
+    columns that fit in the quick levels' slices, columns that need more (the passes run), a dd ``A``, a
+    scale, batches that broadcast, and a row whose early stop fails."""
+    from sdpa_ref.exact import _native
+    if _native.kernels() is None:
+        pytest.skip(f"compiled kernels not in use ({_native.status()['reason']}): the NumPy passes run")
+    rng = np.random.default_rng(12)
+    A = rng.standard_normal((2, 3, 40, 300))
+    A = D.fast_two_sum(A, A * rng.standard_normal(A.shape) * 2.0 ** -58)
+    A[0][0, 0, 7] = -A[0][0, 0, :7].sum() - A[0][0, 0, 8:].sum()     # a cancelling row: every level
+    wide = rng.standard_normal((3, 300, 24)) * np.exp2(rng.integers(-40, 40, (3, 300, 24)))
+    for B in (rng.standard_normal((3, 300, 24)), rng.standard_normal((1, 300, 24)), wide):
+        cut = ozaki._quick_columns((B, None), 4, 6, 32)
+        assert (cut is None) == (B is wide)
+        if cut is not None:                                  # the statistics are the NumPy passes' values
+            sb, e, mbs, sbq, rbq = cut
+            want, rem, we = ozaki._normalised_slices((B, None), -2, 4, 32)
+            assert all(np.array_equal(u, w) for u, w in zip(sb[:4], want)) and np.array_equal(e, we)
+            assert not np.any(rem[0]) and not np.any(rbq) and not any(np.any(x) for x in sb[4:] + mbs[4:])
+            assert all(np.array_equal(m, np.max(np.abs(w), axis=-2, keepdims=True)) for m, w in zip(mbs, want))
+            assert all(np.array_equal(m, np.sum(np.abs(w), axis=-2, keepdims=True)) for m, w in zip(sbq, want))
+        got = ozaki.matmul(A, B, final=True, scale=0.3)
+        with monkeypatch.context() as m:
+            m.setattr(ozaki, "_quick_columns", lambda *a: None)
+            want = ozaki.matmul(A, B, final=True, scale=0.3)
+        for u, w in zip(got, want):
+            assert np.array_equal(u.view(np.int64), w.view(np.int64))
+
+
 #: How much of a cancelling entry is left: well inside the reproducible engine's claim (about 2**45).
 CANCEL = 2.0 ** -30
 

@@ -327,6 +327,27 @@ def _level_bound(ra, rb, ma, mb, sa, sb, K):
     return left * (1 + 2.0 ** -20)
 
 
+def _quick_columns(B, t, n, rho):
+    """``(slices, e, maxima, sums, remainder max)`` of ``B``'s columns for a ``final=True`` product, by the
+    compiled slicer in one pass (each column normalised, its first ``t`` slices cut with their maxima and exact
+    sums and the remainder's ``max|hi| + max|lo|``; the last ``n - t`` slices ``+0`` views): what the NumPy
+    passes of :func:`matmul` give, the same values (maxima and exact sums, in any order). None (those passes run)
+    without the compiled kernels, where a remainder is left (a column needs more than ``t`` slices) or where a
+    sum is not finite (a NaN or an infinity, which the compiled maxima skip)."""
+    lib = kernels()
+    hi, lo = B
+    if lib is None or hi.ndim < 2:
+        return None
+    out, (smax, ssum), rmax, e = slice_rows(lib, np.swapaxes(hi, -1, -2), None if lo is None else
+                                            np.swapaxes(lo, -1, -2), t, rho, stats=True, normalise=True)
+    if not (all(np.isfinite(x).all() for x in ssum) and np.isfinite(rmax).all()) or rmax.any():
+        return None
+    col = lambda x: np.swapaxes(x, -1, -2)                 # noqa: E731  (..., N, 1) -> (..., 1, N)
+    sb = [col(o) for o in out]
+    return (sb + [np.broadcast_to(0.0, sb[0].shape)] * (n - t), col(e), [col(x) for x in smax]
+            + [np.zeros_like(col(smax[0]))] * (n - t), [col(x) for x in ssum], col(rmax))
+
+
 def matmul(A, B, bits=104, final=False, scale=None):
     """``A @ B`` as a dd ``(hi, lo)``; ``A`` ``(..., M, K)``, ``B`` ``(..., K, N)``, float64 or dd pairs.
 
@@ -361,20 +382,31 @@ def matmul(A, B, bits=104, final=False, scale=None):
     M, N = shape[-2], shape[-1]
     t = QUICK_LEVELS
     quick = final and n > t
+    zero = set()                                           # B's slices that are +0 views (nothing stored)
     if quick:                                              # the first t slices, their remainder, then the rest
-        sb, rbq, eb = _normalised_slices(B, -2, t, rho)    # (cutting on from a remainder: the same slices)
-        if rbq[0].any() or rbq[1].any():
-            sb = sb + _slices(rbq, -2, n - t, rho)[0]
-        else:                                              # (a float64 B often fits in t slices: the rest is +0,
-            sb = sb + [np.broadcast_to(0.0, sb[0].shape)] * (n - t)    # as its slices would be, and is not stored)
-        sbq = [np.broadcast_to(np.sum(np.abs(x), axis=-2, keepdims=True), shape[:-2] + (1, N)).reshape(-1, 1, N)
-               for x in sb[:t]]                            # exact: K entries on one grid of few bits
-        rbq = np.broadcast_to(_line_max(rbq[0], -2) + _line_max(rbq[1], -2), shape[:-2] + (1, N)).reshape(-1, 1, N)
+        cut = _quick_columns(B, t, n, rho)
+        if cut is not None:                                # compiled, with the columns' statistics
+            sb, eb, mbs, sbq, rbq = cut
+            zero = set(range(t, n))
+        else:
+            sb, rbq, eb = _normalised_slices(B, -2, t, rho)    # (cutting on from a remainder: the same slices)
+            if rbq[0].any() or rbq[1].any():
+                sb = sb + _slices(rbq, -2, n - t, rho)[0]
+            else:                                          # (a float64 B often fits in t slices: the rest is +0,
+                sb = sb + [np.broadcast_to(0.0, sb[0].shape)] * (n - t)    # as its slices would be, not stored)
+                zero = set(range(t, n))
+            sbq = [np.sum(np.abs(x), axis=-2, keepdims=True) for x in sb[:t]]  # exact: K entries on one grid
+            rbq = _line_max(rbq[0], -2) + _line_max(rbq[1], -2)
+            mbs = [_line_max(x, -2) for x in sb]
+        sbq = [np.broadcast_to(x, shape[:-2] + (1, N)).reshape(-1, 1, N) for x in sbq]
+        rbq = np.broadcast_to(rbq, shape[:-2] + (1, N)).reshape(-1, 1, N)
     else:
         sb, _, eb = _normalised_slices(B, -2, n, rho, remainder=False)
-    mbs = [np.broadcast_to(_line_max(x, -2), shape[:-2] + (1, N)).reshape(-1, 1, N) for x in sb]
+        mbs = [_line_max(x, -2) for x in sb]
+    mbs = [np.broadcast_to(x, shape[:-2] + (1, N)).reshape(-1, 1, N) for x in mbs]
     cols = _nonzero(mbs)                                   # the columns each slice of B holds
-    kls = [np.broadcast_to(np.any(x != 0, axis=-1), shape[:-2] + (K,)).reshape(-1, K) for x in sb]   # its rows
+    kls = [np.broadcast_to(False if q in zero else np.any(x != 0, axis=-1), shape[:-2] + (K,)).reshape(-1, K)
+           for q, x in enumerate(sb)]                      # and its rows
     sb = [np.broadcast_to(x, shape[:-2] + (K, N)).reshape(-1, K, N) for x in sb]
     eb = np.broadcast_to(eb, shape[:-2] + (1, N)).reshape(-1, 1, N)
     Ah, Al = (None if x is None else np.broadcast_to(x, shape[:-2] + (M, K)).reshape(-1, M, K) for x in A)
