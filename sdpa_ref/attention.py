@@ -69,6 +69,7 @@ from __future__ import annotations
 import numpy as np
 
 from .engines.blocks import Blocks
+from .broadcast import block_of
 from .engines.contract import Forward, Grads
 from .policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, zero_output_rows
 from .normalize import close, extra_probs, extras, row_softmax, vjp, vjp_jvp_scores
@@ -209,42 +210,62 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
 
 
 def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, dbias=None, dextra=None,
-                 ddO=None, ddlse=None) -> Grads:
+                 ddO=None, ddlse=None, *, rows=None, cols=None) -> Grads:
     """The tangent of :func:`backward` (the double backward): how each gradient moves along the input tangents
     (those of :func:`jvp`, None is zero) and the cotangents' tangents ``ddO`` ``(*batch, Hq, L, Ev)`` and
     ``ddlse`` ``(*batch, Hq, L, 1)`` (None: zero). See the module docstring; each step differentiates one line
     of :func:`backward` by the product rule, and the softmax's step is :func:`sdpa_ref.normalize.vjp_jvp_scores`
     (every row sum pivoted at the row's largest probability, as the tiled schedule's).
+
+    ``rows`` and ``cols``, ``(start, stop)`` ranges, restrict every line to one window of the scores, whose
+    columns hold every key of those rows where ``P`` is not 0 (the caller's promise: :mod:`sdpa_ref.heads` runs
+    the allowed set's key spans so). Every row sum then sums the same nonzero terms, and the window's lines are
+    the whole problem's on its entries: ``dq`` is the rows' (``(*batch, Hq, i1 - i0, E)``), ``dk``, ``dv`` and
+    ``dextra`` the window's parts of sums over rows, which the caller adds. No mask or bias tangent is taken on
+    a window (``dmask``, ``dbias`` need the whole matrix).
     """
     o = prob.options
-    P, sech2 = fwd.probs, fwd.slope
-    k, v = _kv(prob.k), _kv(prob.v)
+    win = rows is not None or cols is not None
+    if win and (prob.mask_float is not None or prob.bias is not None):
+        raise ValueError("a window of the double backward takes no float mask or bias (their tangents are sums "
+                         "over the whole score matrix)")
+    r0, r1 = rows if rows is not None else (0, prob.L)
+    c0, c1 = cols if cols is not None else (0, prob.S)
+    nd = len(prob.full_scores)
+    block = (lambda a: block_of(a, nd, None, (r0, r1), (c0, c1))) if win else (lambda a: a)
+    at_rows = (lambda a: None if a is None else a[..., r0:r1, :]) if win else (lambda a: a)
+    at_cols = (lambda a: None if a is None else a[..., c0:c1, :]) if win else (lambda a: a)
+    P, sech2, keep = block(fwd.probs), block(fwd.slope), block(prob.keep)
+    q, k, v = at_rows(prob.q), _kv(at_cols(prob.k)), _kv(at_cols(prob.v))
+    dq, dk, dv, dO, dlse, ddO, ddlse = (at_rows(dq), at_cols(dk), at_cols(dv), at_rows(dO), at_rows(dlse),
+                                        at_rows(ddO), at_rows(ddlse))
+    shape = prob.full_scores[:-2] + (r1 - r0, c1 - c0)
     dO_g = _grouped(dO, prob)
-    cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))
+    cr = constant_rows(at_rows(fwd.empty), prob.padded_rows(rows), o.fully_masked, counts(prob, rows))
 
     def const(x):                                                   # the policy's constant rows: no derivative
         return x if cr is None or x is None else np.where(cr, x.dtype.type(0), x)
 
     # the backward's own line that the tangent reads: dP
-    P_drop = dropout_forward(P, prob.keep, o.dropout_p)
-    dP = dropout_vjp(_full(dO_g @ np.swapaxes(v, -1, -2), prob), prob.keep, o.dropout_p)
-    p_extra = extra_probs(extras(prob), fwd.rowmax, fwd.rowsum)
+    P_drop = dropout_forward(P, keep, o.dropout_p)
+    dP = dropout_vjp(_full(dO_g @ np.swapaxes(v, -1, -2), prob), keep, o.dropout_p)
+    p_extra = extra_probs(extras(prob, rows), at_rows(fwd.rowmax), at_rows(fwd.rowsum))
     # the forward's tangent: Traw', T'
-    dTraw_t = scores_jvp(prob.q, k, dq, None if dk is None else _kv(dk), prob.scale)
-    dTraw_t = np.zeros(prob.full_scores, prob.dtype) if dTraw_t is None else _full(dTraw_t, prob)
+    dTraw_t = scores_jvp(q, k, dq, None if dk is None else _kv(dk), prob.scale)
+    dTraw_t = np.zeros(shape, prob.dtype) if dTraw_t is None else _full(dTraw_t, prob)
     dT_t = np.broadcast_to(transform_scores_jvp(dTraw_t, sech2, dbias), P.shape)
     # dP = (dO V^T) Z / (1 - p)  =>  dP' = (ddO V^T + dO dV^T) Z / (1 - p)
     ddP = np.zeros_like(dP) if ddO is None else _full(_grouped(ddO, prob) @ np.swapaxes(v, -1, -2), prob)
     if dv is not None:
         ddP = ddP + _full(dO_g @ np.swapaxes(_kv(dv), -1, -2), prob)
-    ddP = dropout_vjp(ddP, prob.keep, o.dropout_p)
+    ddP = dropout_vjp(ddP, keep, o.dropout_p)
     # P' = J T' (with the sinks' p_sink'); dT = J dP + P dlse  =>  dT' = J dP' + P ddlse + J' dP + P' dlse (the
     # softmax's second order), every row sum pivoted at the row's largest P (normalize.vjp_jvp_scores)
     dT, dP_t, ddT, ext = vjp_jvp_scores(P, dP, dT_t, ddP, p_extra, dextra, dlse, ddlse)
     dT, dP_t, ddT, ddx = const(dT), const(dP_t), const(ddT), const(None if ext is None else ext[2])
     dTraw = transform_scores_vjp(dT, sech2)
     # dV = P_drop^T dO  =>  dV' = P_drop'^T dO + P_drop^T ddO, summed over the group
-    dv_t = np.swapaxes(_grouped(dropout_forward(dP_t, prob.keep, o.dropout_p), prob), -1, -2) @ dO_g
+    dv_t = np.swapaxes(_grouped(dropout_forward(dP_t, keep, o.dropout_p), prob), -1, -2) @ dO_g
     if ddO is not None:
         dv_t = dv_t + np.swapaxes(_grouped(P_drop, prob), -1, -2) @ _grouped(ddO, prob)
     dv_t = dv_t.sum(axis=-3)
@@ -253,13 +274,13 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
     # dTraw = dT sech^2  =>  dTraw' = dT' sech^2 + dT (sech^2)'   (sech^2: the chain's slope, softcap's times fn')
     dsech2 = None
     if sech2 is not None:
-        Traw = _full(scores_forward(prob.q, k, prob.scale), prob)
-        dsech2 = transform_scores_slope_jvp(prob, Traw, sech2, dTraw_t, allowed=prob.allowed())
+        Traw = _full(scores_forward(q, k, prob.scale), prob)
+        dsech2 = transform_scores_slope_jvp(prob, Traw, sech2, dTraw_t, rows, cols, allowed=prob.allowed(rows, cols))
     ddTraw = transform_scores_vjp_jvp(dT, ddT, sech2, dsech2)
     # dQ = s dTraw K, dK = s dTraw^T Q  =>  dQ' = s (dTraw' K + dTraw K'), dK' = s (dTraw'^T Q + dTraw^T Q')
-    dq_t, dk_t = scores_vjp(_grouped(ddTraw, prob), prob.q, k, prob.scale)
+    dq_t, dk_t = scores_vjp(_grouped(ddTraw, prob), q, k, prob.scale)
     if dk is not None:
-        dq_t = dq_t + scores_vjp(_grouped(dTraw, prob), prob.q, _kv(dk), prob.scale)[0]
+        dq_t = dq_t + scores_vjp(_grouped(dTraw, prob), q, _kv(dk), prob.scale)[0]
     if dq is not None:
         dk_t = dk_t + scores_vjp(_grouped(dTraw, prob), dq, k, prob.scale)[1]
     return Grads(dq=_full(dq_t, prob), dk=dk_t.sum(axis=-3), dv=dv_t, dmask=dmask, dbias=dbias_t,

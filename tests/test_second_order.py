@@ -534,12 +534,16 @@ def test_hvp_tangents_by_name_are_the_tuple_form(which, method):
 @pytest.mark.parametrize("kw", [{"is_causal": True}, {"window": (3, 1)}, {},
                                 {"is_causal": True, "fully_masked": "nan", "causal_alignment": "bottom_right"}])
 @pytest.mark.parametrize("kv_batch", [2, 1])
-def test_the_plain_double_backward_cut_by_heads_has_the_bits_of_the_whole(monkeypatch, kw, kv_batch):
+@pytest.mark.parametrize("windows", [False, True])
+def test_the_plain_double_backward_cut_by_heads_has_the_bits_of_the_whole(monkeypatch, kw, kv_batch, windows):
     """The plain engine runs its heads in chunks in the pool (sdpa_ref.heads), its forward and its double
     backward: the same bits as on all heads at once, with GQA, keys broadcast over the batch and a cotangent
-    tangent; and a wrong put-together (one chunk's result left out) is seen."""
+    tangent, on whole rows and on the allowed set's key spans (windows: the same spans on one thread as on two);
+    and a wrong put-together (one chunk's result left out) is seen."""
     import sdpa_ref.heads as heads
 
+    if windows:
+        _windows_everywhere(monkeypatch)
     rng = np.random.default_rng(3)
     q, g, dg, dq = (rng.standard_normal((2, 4, 5, 3)) for _ in range(4))
     k, v, dk, dv = (rng.standard_normal((kv_batch, 2, 7, 3)) for _ in range(4))
@@ -570,6 +574,104 @@ def test_the_plain_double_backward_cut_by_heads_has_the_bits_of_the_whole(monkey
     monkeypatch.setattr(heads, "_sub_problem", shifted)
     bad = run()
     assert not np.array_equal(bad[0][0], ref[0][0]) and not np.array_equal(bad[1][1].query, ref[1][1].query)
+
+
+def _windows_everywhere(monkeypatch, rows=2):
+    """The double backward's windows (sdpa_ref.heads.spans) on tiny problems: key spans from any S, blocks of
+    ``rows`` query rows, spans not rounded to groups of eight keys."""
+    import functools
+
+    import sdpa_ref.heads as heads
+    from sdpa_ref.engines import blocks
+    monkeypatch.setattr(heads, "SPAN_MIN_KEYS", 0)
+    monkeypatch.setattr(heads, "span_rows", lambda L: rows)
+    monkeypatch.setattr(heads, "key_spans", functools.partial(blocks.key_spans, align=1))
+
+
+def _double_backward(case, **extra):
+    kw = case.make_inputs()
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    rng = np.random.default_rng(3)
+    out, res = sdpa_forward(q, k, v, **kw)
+    g, gt = rng.standard_normal(out.shape), rng.standard_normal(out.shape)
+    gl, glt = rng.standard_normal(res.lse.shape), rng.standard_normal(res.lse.shape)
+    t = tuple(rng.standard_normal(x.shape) for x in (q, k, v)) + (
+        (rng.standard_normal(kw["bias"].shape),) if "bias" in kw else ())
+    return sdpa_backward_jvp((q, k, v), t, g, gt, grad_lse=gl, grad_lse_tangent=glt, **kw, **extra)[1]
+
+
+def test_the_double_backward_on_key_spans_is_the_whole_rows(monkeypatch):
+    """Where the allowed set leaves keys out of a block of rows, the plain double backward runs each block of
+    rows against its key span alone (sdpa_ref.heads.spans): over the whole grid, every gradient's tangent is the
+    whole rows' to rounding (the row sums add the same nonzero terms); windows are taken on the masked cases and
+    refused where a row sum needs the whole matrix; and windows that leave out one allowed key are seen."""
+    import sdpa_ref.heads as heads
+
+    _windows_everywhere(monkeypatch)
+    used = []
+    monkeypatch.setattr(heads, "spans", lambda *a, f=heads.spans: used.append(f(*a)) or used[-1])
+    whole = {}
+    for case in GRID:
+        got = _double_backward(case)
+        with monkeypatch.context() as m:
+            m.setattr(heads, "spans", lambda *a: None)
+            want = whole[case.name] = _double_backward(case)
+        for x, y in zip(got, want):
+            assert (x is None) == (y is None)
+            if x is not None:
+                np.testing.assert_allclose(x, y, rtol=F64_GRAD_LONG, atol=F64_GRAD_LONG, err_msg=case.name)
+    windowed = sum(u is not None for u in used)
+    assert windowed >= 20 and windowed < len(used), (windowed, len(used))
+    causal = next(c for c in GRID if c.opts.get("is_causal") and not c.opts.get("arrays"))
+
+    def short(*a, f=heads.spans):                            # the last block of rows loses its last key
+        w = f(*a)
+        return None if w is None else w[:-1] + [w[-1][:3] + (w[-1][3] - 1,)]
+    monkeypatch.setattr(heads, "spans", short)
+    bad = _double_backward(causal)
+    assert not np.allclose(bad.query, whole[causal.name].query, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", GRID, ids=[c.name for c in GRID])
+def test_the_double_backward_on_key_spans_matches_differences(monkeypatch, case):
+    """The windowed double backward (every grid case, blocks of 2 rows against their key spans) against finite
+    differences of the backward."""
+    _windows_everywhere(monkeypatch)
+    d = Differentiable(_grid_kwargs(case), with_lse=GRID.index(case) % 2 == 1)
+    if case.opts.get("fully_masked") == "nan" and case.has_fully_masked_rows():
+        pytest.skip("NaN gradients: the pattern is tested below")
+    assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="projection", rtol=FD_SECOND_ORDER)
+
+
+WINDOWED_SPECIAL = {
+    "sinks+causal+softcap": lambda r: _kw(r, L=6, S=8, sinks=r.uniform(-1, 2, 4), is_causal=True, softcap=1.7),
+    "qv+causal-br+sinks": lambda r: _kw(r, L=6, S=8, Hkv=4, qv=r.standard_normal((2, 4, 6, 2)), is_causal=True,
+                                        causal_alignment="bottom_right", sinks=r.uniform(-1, 2, 4)),
+    "dropout+softcap+alibi+window": lambda r: _kw(r, L=6, S=8, dropout_p=0.3, softcap=2.5, window=(2, 1),
+                                                  dropout_mask=r.random((2, 4, 6, 8)) > 0.3,
+                                                  alibi_slopes=r.uniform(0.1, 1, 4)),
+}
+
+
+@pytest.mark.parametrize("name", WINDOWED_SPECIAL)
+def test_the_double_backward_on_key_spans_special_options(monkeypatch, name):
+    """Windows with the options the grid does not combine with a mask (sinks, softcap's curvature, MLA's qv,
+    dropout with ALiBi): every entry of the double backward's Jacobian against central differences, and the
+    whole rows' values."""
+    import sdpa_ref.heads as heads
+
+    _windows_everywhere(monkeypatch)
+    used = []
+    monkeypatch.setattr(heads, "spans", lambda *a, f=heads.spans: used.append(f(*a)) or used[-1])
+    d = Differentiable(WINDOWED_SPECIAL[name](np.random.default_rng(7)), with_lse=True)
+    xs_g = d.args + [d.cotangent()]
+    assert_jvp(d.backward_fun_batched, d.backward_jvp_batched, xs_g, mode="full", rtol=FD_SECOND_ORDER,
+               vectorized=True)
+    assert used and all(u is not None and len(u) > 1 for u in used)
+    ts = [np.random.default_rng(5).standard_normal(np.shape(x)) for x in xs_g]
+    got = d.backward_jvp(ts, *xs_g)
+    monkeypatch.setattr(heads, "spans", lambda *a: None)
+    np.testing.assert_allclose(got, d.backward_jvp(ts, *xs_g), rtol=F64_GRAD_LONG, atol=F64_GRAD_LONG)
 
 
 def test_the_plain_engines_chunks_of_heads_stay_small(monkeypatch):
