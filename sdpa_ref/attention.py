@@ -91,17 +91,27 @@ from .transforms import (
 __all__ = ["forward", "backward", "backward_jvp", "jvp"]
 
 
-def forward(prob, *, save_probs=True) -> Forward:
-    """The plain forward: ``(O, LSE, P, tanh, empty)`` in the layouts of the legend."""
+def forward(prob, *, save_probs=True, rows=None, cols=None) -> Forward:
+    """The plain forward: ``(O, LSE, P, tanh, empty)`` in the layouts of the legend.
+
+    ``rows`` and ``cols``, ``(start, stop)`` ranges, restrict every line to one window of the scores, whose
+    columns hold every allowed key of those rows (:mod:`sdpa_ref.heads` runs the allowed set's key spans so) and
+    whose rows no policy fills with anything but 0: every row result (``O``, the LSE, the normaliser) is then
+    the rows' own, and ``P`` and the slope are the window's entries (``P`` is 0 outside it).
+    """
     o = prob.options
-    k, v = _kv(prob.k), _kv(prob.v)
-    Traw = scores_forward(prob.q, k, prob.scale)                    # Traw = scale Q K^T   (..., Hkv, G, L, S)
+    win = rows is not None or cols is not None
+    r0, r1 = rows if rows is not None else (0, prob.L)
+    c0, c1 = cols if cols is not None else (0, prob.S)
+    q = prob.q[..., r0:r1, :] if win else prob.q
+    k, v = (_kv(x[..., c0:c1, :] if win else x) for x in (prob.k, prob.v))
+    Traw = scores_forward(q, k, prob.scale)                         # Traw = scale Q K^T   (..., Hkv, G, L, S)
     T = _full(Traw, prob, copy=True)                                # the same scores as (..., Hq, L, S)
-    T, sech2 = transform_scores(prob, T, sech2=save_probs)          # T = c tanh(Traw/c) + M + B + ALiBi; -inf
-    #                                                                 outside A; sech2 = 1 - tanh^2(Traw/c)
+    T, sech2 = transform_scores(prob, T, rows, cols, sech2=save_probs)  # T = c tanh(Traw/c) + M + B + ALiBi;
+    #                                                                 -inf outside A; sech2 = 1 - tanh^2(Traw/c)
     P, m, s, empty = row_softmax(T)                                 # P = exp(T - m) / s; exp(-inf) = 0; empty:
     #                                                                 no allowed key; a NaN or +inf score: NaN row
-    nrm = close(m, s, empty, extras(prob))                          # the normaliser closed by its extra logits
+    nrm = close(m, s, empty, extras(prob, rows))                    # the normaliser closed by its extra logits
     lse_keys = max_keys = None
     if nrm.r is not None:                                           # (sinks: one more score each, no value)
         with np.errstate(divide="ignore"):
@@ -111,25 +121,30 @@ def forward(prob, *, save_probs=True) -> Forward:
     m, s, empty = nrm.m, nrm.s, nrm.empty                           # m' = max(m, sink), s' = s e^(m-m') + ...
     with np.errstate(divide="ignore"):
         lse = m + np.log(s)                                         # LSE = m + log s; -inf on a row with no key
-    P = fill_empty_rows(P, empty, prob.padded_rows(), o.fully_masked, prob.S,    # the policy's P on such rows
-                        n=counts(prob), excl=excluded(prob))
-    P_drop = dropout_forward(P, prob.keep, o.dropout_p)             # P_drop = P Z / (1 - p)
+    P = fill_empty_rows(P, empty, prob.padded_rows(rows), o.fully_masked, prob.S,   # the policy's P on such rows
+                        n=counts(prob, rows), excl=excluded(prob, rows, cols))
+    keep = block_of(prob.keep, len(prob.full_scores), None, (r0, r1), (c0, c1)) if win else prob.keep
+    P_drop = dropout_forward(P, keep, o.dropout_p)                  # P_drop = P Z / (1 - p)
     O = _full(_grouped(P_drop, prob) @ v, prob)                     # O = P_drop V
-    O = _policy_output(prob, O, P_drop, empty)                      # rows with no key: as the policy says
+    O = _policy_output(prob, O, P_drop, empty, rows)                # rows with no key: as the policy says
     return Forward(out=O, lse=lse[..., 0], probs=P if save_probs else None,
                    slope=sech2 if save_probs else None, empty=empty, rowmax=m, rowsum=s, lse_keys=lse_keys,
                    rowmax_keys=max_keys)
 
 
-def _policy_output(prob, O, P_drop, empty):
+def _policy_output(prob, O, P_drop, empty, rows=None):
     """``O`` on the rows with no allowed key, by the ``fully_masked`` policy: ``"uniform"`` averages every value
     (even those the other rows skip), ``"zero"`` and padded rows are 0 without reading a value, ``S = 0`` as the
-    policy says. Layout and policy only: no derivative flows through these lines."""
-    o, pad = prob.options, prob.padded_rows()
+    policy says. Layout and policy only: no derivative flows through these lines. ``rows``: ``O`` is those rows'
+    (a window of :func:`forward`, whose rows no policy fills with a nonzero ``P``)."""
+    o, pad = prob.options, prob.padded_rows(rows)
     vu = prob.averaged_values(empty)
     if vu is not prob.v:                                            # "uniform": such a row reads every value
+        if rows is not None:
+            raise ValueError("a window of the forward takes no row that averages the values")
         O = np.where(empty, _full(_grouped(P_drop, prob) @ _kv(vu), prob), O)
-    O = fill_output_without_keys(O, prob.nan_rows_without_keys())
+    nan = prob.nan_rows_without_keys()
+    O = fill_output_without_keys(O, nan if nan is None or rows is None else nan[..., rows[0]:rows[1], :])
     zr = zero_output_rows(empty, pad, o.fully_masked)
     return O if zr is None else np.where(zr, O.dtype.type(0), O)    # 0 by definition: no value is read
 

@@ -583,7 +583,10 @@ def _windows_everywhere(monkeypatch, rows=2):
 
     import sdpa_ref.heads as heads
     from sdpa_ref.engines import blocks
+    from sdpa_ref.engines import fast
     monkeypatch.setattr(heads, "SPAN_MIN_KEYS", 0)
+    monkeypatch.setattr(fast, "SPAN_MIN_KEYS", 0)                   # the forward's threshold
+    monkeypatch.setattr(fast, "SPAN_MIN_KEYS_NARROW", 0)
     monkeypatch.setattr(heads, "span_rows", lambda L: rows)
     monkeypatch.setattr(heads, "key_spans", functools.partial(blocks.key_spans, align=1))
 
@@ -597,24 +600,30 @@ def _double_backward(case, **extra):
     gl, glt = rng.standard_normal(res.lse.shape), rng.standard_normal(res.lse.shape)
     t = tuple(rng.standard_normal(x.shape) for x in (q, k, v)) + (
         (rng.standard_normal(kw["bias"].shape),) if "bias" in kw else ())
-    return sdpa_backward_jvp((q, k, v), t, g, gt, grad_lse=gl, grad_lse_tangent=glt, **kw, **extra)[1]
+    plain = sdpa_forward(q, k, v, method="plain", **kw)
+    tangent = sdpa_backward_jvp((q, k, v), t, g, gt, grad_lse=gl, grad_lse_tangent=glt, **kw, **extra)[1]
+    return tuple(tangent) + (plain[0], plain[1].lse, plain[1].forward.probs)
 
 
-def test_the_double_backward_on_key_spans_is_the_whole_rows(monkeypatch):
-    """Where the allowed set leaves keys out of a block of rows, the plain double backward runs each block of
-    rows against its key span alone (sdpa_ref.heads.spans): over the whole grid, every gradient's tangent is the
-    whole rows' to rounding (the row sums add the same nonzero terms); windows are taken on the masked cases and
-    refused where a row sum needs the whole matrix; and windows that leave out one allowed key are seen."""
+def test_the_plain_engine_on_key_spans_is_the_whole_rows(monkeypatch):
+    """Where the allowed set leaves keys out of a block of rows, the plain forward and double backward run each
+    block of rows against its key span alone (sdpa_ref.heads.forward_spans, spans): over the whole grid, the
+    output, the LSE, P and every gradient's tangent are the whole rows' to rounding (the row sums add the same
+    nonzero terms); windows are taken on the masked cases and refused where a row sum needs the whole matrix or a
+    policy fills a row; and windows that leave out one allowed key are seen."""
     import sdpa_ref.heads as heads
 
     _windows_everywhere(monkeypatch)
-    used = []
+    used, used_fwd = [], []
     monkeypatch.setattr(heads, "spans", lambda *a, f=heads.spans: used.append(f(*a)) or used[-1])
+    monkeypatch.setattr(heads, "forward_spans", lambda *a, f=heads.forward_spans: used_fwd.append(f(*a)) or
+                        used_fwd[-1])
     whole = {}
     for case in GRID:
         got = _double_backward(case)
         with monkeypatch.context() as m:
             m.setattr(heads, "spans", lambda *a: None)
+            m.setattr(heads, "forward_spans", lambda *a: None)
             want = whole[case.name] = _double_backward(case)
         for x, y in zip(got, want):
             assert (x is None) == (y is None)
@@ -622,6 +631,8 @@ def test_the_double_backward_on_key_spans_is_the_whole_rows(monkeypatch):
                 np.testing.assert_allclose(x, y, rtol=F64_GRAD_LONG, atol=F64_GRAD_LONG, err_msg=case.name)
     windowed = sum(u is not None for u in used)
     assert windowed >= 20 and windowed < len(used), (windowed, len(used))
+    windowed = sum(u is not None for u in used_fwd)
+    assert windowed >= 20 and windowed < len(used_fwd), (windowed, len(used_fwd))
     causal = next(c for c in GRID if c.opts.get("is_causal") and not c.opts.get("arrays"))
 
     def short(*a, f=heads.spans):                            # the last block of rows loses its last key
@@ -629,7 +640,11 @@ def test_the_double_backward_on_key_spans_is_the_whole_rows(monkeypatch):
         return None if w is None else w[:-1] + [w[-1][:3] + (w[-1][3] - 1,)]
     monkeypatch.setattr(heads, "spans", short)
     bad = _double_backward(causal)
-    assert not np.allclose(bad.query, whole[causal.name].query, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(bad[0], whole[causal.name][0], rtol=1e-6, atol=1e-6)      # the query's tangent
+    monkeypatch.setattr(heads, "spans", lambda *a: None)
+    monkeypatch.setattr(heads, "forward_spans", lambda p, f=heads.forward_spans: short(p, f=f))
+    bad = _double_backward(causal)
+    assert not np.allclose(bad[-3], whole[causal.name][-3], rtol=1e-6, atol=1e-6)    # the output
 
 
 @pytest.mark.parametrize("case", GRID, ids=[c.name for c in GRID])
