@@ -53,6 +53,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _validate as V
+from ._threads import num_threads, run_all
 
 __all__ = ["Gathered", "KVCache", "Packed", "paged_key_lengths"]
 
@@ -106,7 +107,7 @@ class _Map:
         instead of a transposing scatter (a decode against 32k keys spent most of its time there)."""
         B = len(self.lengths)
         full = len(self.where) == B * self.n                    # every (b, i) in use once, in (b, i) order
-        rows = x[self.where]                                    # (m, H, F): only the positions in use are read
+        rows = take_rows(x, self.where)                         # (m, H, F): only the positions in use are read
         if full:
             out = rows.reshape((B, self.n) + rows.shape[1:])
         else:
@@ -124,6 +125,37 @@ class _Map:
         else:
             out[self.where] = vals
         return out
+
+
+#: Bytes from which :func:`take_rows` copies runs of consecutive positions (a paged cache's pages) as slices in
+#: the pool rather than by one fancy index.
+RUNS_BYTES = 1 << 22
+
+
+def take_rows(x, where):
+    """``x[where]`` for the flat positions ``where`` (``x``'s leading axis): where they come in runs of consecutive
+    positions (a paged cache's pages, long sequences) and the copy is large (:data:`RUNS_BYTES`), each run copied
+    as one slice, the runs shared among the pool's threads; otherwise one fancy index. A copy either way: the same
+    values. One query token against 32k keys of 8 heads of 128 (pages of 256 in random order, 268 MB a tensor,
+    2 threads): 42 ms by the fancy index, 25 ms by runs in the pool."""
+    m = len(where)
+    if not isinstance(x, np.ndarray) or m < 2 or m * x[:1].nbytes < RUNS_BYTES or num_threads() == 1:
+        return x[where]
+    cut = np.flatnonzero(np.diff(where) != 1) + 1          # where a run ends
+    if len(cut) + 1 > m // 16:                             # short runs: the fancy index
+        return x[where]
+    starts = np.concatenate([[0], cut])
+    ends = np.concatenate([cut, [m]])
+    out = np.empty((m,) + x.shape[1:], x.dtype)
+    parts = np.array_split(np.arange(len(starts)), num_threads())
+
+    def copy(part):
+        for r in part:
+            a, b = int(starts[r]), int(ends[r])
+            src = int(where[a])
+            out[a:b] = x[src:src + b - a]
+    run_all(copy, [p for p in parts if len(p)])
+    return out
 
 
 def _ranges(starts, lengths):

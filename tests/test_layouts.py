@@ -481,6 +481,32 @@ def test_a_decode_copies_its_keys_once():
     assert np.array_equal(out, np.swapaxes(ref, 1, 2))
 
 
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_runs_of_positions_are_copied_as_the_fancy_index_copies_them(monkeypatch, threads):
+    """take_rows copies runs of consecutive positions (pages) as slices in the pool: the values of ``x[where]``
+    for pages in any order, a partial last page, runs of one position (the fancy index then), a single run; and a
+    decode through it has the bits of the fancy index's."""
+    from sdpa_ref import layouts
+
+    monkeypatch.setenv("SDPA_REF_NUM_THREADS", threads)
+    monkeypatch.setattr(layouts, "RUNS_BYTES", 0)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((40 * 16, 2, 3))
+    pages = rng.permutation(40)
+    wheres = [(pages[:, None] * 16 + np.arange(16)).ravel(), (pages[:, None] * 16 + np.arange(16)).ravel()[:-5],
+              rng.permutation(len(x)), np.arange(3, 600), np.array([7, 8])]
+    for where in wheres:
+        got = layouts.take_rows(x, where)
+        assert got.flags.c_contiguous and np.array_equal(got, x[where])
+    q = rng.standard_normal((1, 1, 4, 3))
+    kc, vc = (rng.standard_normal((40, 16, 2, 3)) for _ in range(2))
+    lay = KVCache(cache_seqlens=np.array([16 * 40 - 5]), block_table=pages[None])
+    runs = sdpa_forward(q, kc, vc, layout=lay, enable_gqa=True)
+    monkeypatch.setattr(layouts, "RUNS_BYTES", 1 << 62)
+    fancy = sdpa_forward(q, kc, vc, layout=lay, enable_gqa=True)
+    assert np.array_equal(runs[0], fancy[0]) and np.array_equal(runs[1].lse, fancy[1].lse)
+
+
 def test_flash_attentions_entry_points_are_the_layouts():
     rng = np.random.default_rng(8)
     q, k, v = rng.standard_normal((5, 4, 3)), rng.standard_normal((6, 2, 3)), rng.standard_normal((6, 2, 2))
