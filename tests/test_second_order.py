@@ -620,7 +620,10 @@ def test_the_plain_engine_on_key_spans_is_the_whole_rows(monkeypatch):
                         used_fwd[-1])
     whole = {}
     for case in GRID:
+        before = len(used), len(used_fwd)
         got = _double_backward(case)
+        if all(u is None for u in used[before[0]:] + used_fwd[before[1]:]):
+            continue                                          # whole rows: nothing to compare
         with monkeypatch.context() as m:
             m.setattr(heads, "spans", lambda *a: None)
             m.setattr(heads, "forward_spans", lambda *a: None)
