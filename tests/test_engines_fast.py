@@ -143,14 +143,15 @@ def test_the_fast_jvp_equals_the_cores(problem, sinks):
         _close(sdpa_jvp((q, k, v), one, method="plain", **opts)[1], sdpa_jvp((q, k, v), one, method="fast", **opts)[1])
 
 
-@given(st.lists(st.integers(0, 4), min_size=1, max_size=4), st.integers(1, 50), st.integers(1, 30))
-def test_head_chunks_cover_every_head_once(lead, unit, entries):
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=4), st.integers(1, 50), st.integers(1, 30),
+       st.sampled_from([0, 1 << 40]))
+def test_head_chunks_cover_every_head_once(lead, unit, entries, kv_bytes):
     lead = tuple(lead)
     seen = np.zeros(lead, dtype=int)
     old = fast._CHUNK_ENTRIES
     fast._CHUNK_ENTRIES = entries
     try:
-        for c in fast._head_chunks(lead, unit):
+        for c in fast._head_chunks(lead, unit, 128, kv_bytes):
             assert len(c) == len(lead)
             seen[c] += 1
     finally:
@@ -174,6 +175,43 @@ def test_head_chunked_path_is_bitwise_the_one_piece_path_and_equals_plain(proble
     for a, b, c in zip(whole, parts, plain):
         np.testing.assert_array_equal(a, b)
         _close(c, b)
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_a_decode_against_many_keys_is_cut_by_heads_with_the_bits_of_one_piece(monkeypatch, layout):
+    """A problem with few scores but many keys and values to read (a decode) runs two chunks of heads per thread
+    (fast._KV_BYTES; one piece would run its products on one thread), with the bits of one piece, forward and
+    backward, dense and through a paged cache; below the bytes it stays one piece."""
+    import sdpa_ref
+
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((2, 1, 8, 16))
+    kc, vc = (rng.standard_normal((6, 16, 4, 16)) for _ in range(2))
+    table = np.stack([rng.permutation(6)[:3], rng.permutation(6)[:3]])
+    lay = sdpa_ref.KVCache(cache_seqlens=np.array([40, 48]), block_table=table)
+    dense = [np.swapaxes(c[table].reshape(2, 48, 4, 16), 1, 2) for c in (kc, vc)]
+    calls = {"dense": lambda: sdpa_forward(np.swapaxes(q, 1, 2), *dense, enable_gqa=True, is_causal=True,
+                                           causal_alignment="bottom_right"),
+             "paged": lambda: sdpa_forward(q, kc, vc, layout=lay, enable_gqa=True)}
+    cuts = []
+    monkeypatch.setattr(fast, "_head_chunks", lambda *a, f=fast._head_chunks: cuts.append(f(*a)) or cuts[-1])
+
+    def run():
+        out, res = calls[layout]()
+        return [out, res.lse] + [x for x in sdpa_backward(res, rng.standard_normal(out.shape)) if x is not None]
+    monkeypatch.setenv("SDPA_REF_NUM_THREADS", "2")
+    small = run()
+    assert all(len(c) == 1 for c in cuts)                     # 4 heads' 48 keys: far below fast._KV_BYTES
+    monkeypatch.setattr(fast, "_KV_BYTES", 1)
+    rng = np.random.default_rng(5)
+    cut = run()
+    assert len(cuts[-1]) == 4                                 # two per thread: 2 batch entries x 2 pairs of heads
+    monkeypatch.setenv("SDPA_REF_NUM_THREADS", "1")
+    rng = np.random.default_rng(5)
+    one = run()
+    assert len(cuts[-1]) == 1
+    for a, b, c in zip(cut, one, small):
+        assert np.array_equal(a, b) and a.shape == c.shape
 
 
 @given(attention_problem(max_batch=3, max_len=6))

@@ -70,6 +70,12 @@ __all__ = ["forward", "backward", "jvp"]
 _CHUNK_ENTRIES = 1 << 20
 #: Entries of a row block that one element-wise pass works on (4 MiB of float64).
 _CACHE_ENTRIES = 1 << 19
+#: Bytes of keys and values (all heads) from which a problem with few scores is still cut into chunks
+#: (:func:`_head_chunks`). One query token, 32/8 heads of 128, forward, 2 threads, 9 interleaved rounds, one
+#: piece against chunks: float64 1024 keys (16 MiB) 5.29 / 5.56 ms, 2048 (32 MiB) 9.46 / 9.46, 4096 (64 MiB)
+#: 24.2 / 20.3; float32 1024 (8 MiB) 5.50 / 6.52, 4096 (32 MiB) 17.8 / 14.2; float64 32k keys (512 MiB): the
+#: engine's part 95-105 / 50-54 ms.
+_KV_BYTES = 1 << 25
 #: The allowed set of a block that the summary says is wholly allowed (the mask's pass excludes nothing).
 _EVERY = np.ones((1, 1), dtype=bool)
 
@@ -471,20 +477,28 @@ def _chunk_entries(width):
     return max(_CHUNK_ENTRIES >> 2, min(_CHUNK_ENTRIES, _CHUNK_ENTRIES * width // 128))
 
 
-def _head_chunks(lead, unit, width=128):
+def _head_chunks(lead, unit, width=128, kv_bytes=0):
     """Rectangular chunks of the leading ``(*batch, Hkv)`` index, as tuples of slices.
 
     Each chunk holds about :func:`_chunk_entries` score entries (``unit`` is
     the number of one ``(batch, kv head)``, ``width`` is ``E + Ev``): whole
     trailing axes, a range of the next one, single indices of the outer
     ones. The cut depends on the shape only. One chunk (everything) when the
-    problem is below two chunks or there is one thread.
+    problem is below two chunks or there is one thread, unless the keys and
+    values read are large (``kv_bytes``, those of one unit, times the units, at
+    least :data:`_KV_BYTES`): a decode's few scores against many keys, whose
+    products stream the keys and values from memory, then runs two chunks
+    per thread (one piece runs its products on one thread: the BLAS is held).
     """
     whole = [tuple(slice(None) for _ in lead)]
     N = math.prod(lead)
     target = _chunk_entries(width)
-    if num_threads() == 1 or N < 2 or N * unit < 2 * target:
+    if num_threads() == 1 or N < 2:
         return whole
+    if N * unit < 2 * target:
+        if N * kv_bytes < _KV_BYTES:
+            return whole
+        target = max(1, N * unit // min(N, 2 * num_threads()))     # two chunks per thread
     per = max(1, target // max(unit, 1))                  # units per chunk
     ax, t = len(lead) - 1, 1
     while ax >= 0 and t * lead[ax] <= per:
@@ -523,7 +537,9 @@ class _Layout:
         self.G, self.S = prob.G, prob.S
         self.grouped = prob.batch + (prob.Hkv, self.G * prob.L)
         self.lead = self.grouped[:-1]
-        self.chunks = _head_chunks(self.lead, self.grouped[-1] * self.S, prob.q.shape[-1] + prob.v.shape[-1])
+        width = prob.q.shape[-1] + prob.v.shape[-1]
+        self.chunks = _head_chunks(self.lead, self.grouped[-1] * self.S, width,
+                                   self.S * width * np.dtype(prob.dtype).itemsize)
         self.nd_g, self.nd_f = len(self.lead) + 2, len(self.full)
 
     def full_index(self, idx):
