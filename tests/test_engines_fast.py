@@ -640,6 +640,28 @@ def _span_rows(n):
         fast.span_rows, (fast.SPAN_MIN_KEYS, fast.SPAN_MIN_KEYS_NARROW) = old, old_min
 
 
+@pytest.mark.parametrize("policy", ["nan", "uniform", "jax", "zero"])
+def test_a_fully_masked_row_read_past_the_spans_under_its_policy(policy):
+    """At the schedule's own size (1024 keys, blocks of 128 rows), a causal problem whose bool mask empties row 3:
+    "nan", "uniform" and "jax" fill that row on keys past its block's span, so the backward and the JVP read the
+    whole rows (fast._read_spans); the output, every gradient and the JVP are the plain engine's, NaN where it has
+    NaN. (Before, dK and dV missed the row's NaN or 1/S past the span.)"""
+    rng = np.random.default_rng(13)
+    q, k, v = (rng.standard_normal((1, 2, 1024, 4)) for _ in range(3))
+    mask = np.ones((1024, 1024), bool)
+    mask[3] = False
+    opts = dict(is_causal=True, attn_mask=mask, fully_masked=policy)
+    g = rng.standard_normal((1, 2, 1024, 4))
+    ts = tuple(rng.standard_normal(x.shape) for x in (q, k, v))
+    out_f, res_f = sdpa_forward(q, k, v, **opts)
+    assert res_f.forward.extra is not None                    # the forward took the spans
+    out_p, res_p = sdpa_forward(q, k, v, method="plain", **opts)
+    got = [out_f, *sdpa_backward(res_f, g)[:3], sdpa_jvp((q, k, v), ts, **opts)[1]]
+    want = [out_p, *sdpa_backward(res_p, g, method="plain")[:3], sdpa_jvp((q, k, v), ts, method="plain", **opts)[1]]
+    for a, b in zip(got, want):
+        assert_close_normwise(b, a, F64_REGROUPED)
+
+
 @given(variant_problem(max_len=6), st.integers(1, 3))
 def test_the_block_skipping_schedule_equals_plain_on_every_option(problem, rows):
     """With blocks of a few query rows, every mask (causal in both alignments, windows, chunks, lengths, block

@@ -55,7 +55,8 @@ import numpy as np
 
 from ..exact import _native
 from ..broadcast import block_of
-from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, zero_output_rows
+from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, fills_zero, \
+    zero_output_rows
 from ..normalize import close, extra_probs, extras, nan_row_probs, row_stats, vjp
 from ..pivot import lane_rowsum, softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_jvp, scores_vjp, transform_scores, \
@@ -232,7 +233,7 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     # otherwise each chunk works in its own buffer, which the allocator reuses
     keep_dT = prob.mask_float is not None or prob.bias is not None or (o.score_mod is not None and
                                                                         bool(o.score_mod.params))
-    summ = fwd.extra if isinstance(fwd.extra, BlockSummary) else _spans(prob, prob.allowed())
+    summ = _read_spans(prob, fwd)
     spans, rects = (None, None) if summ is None else summ[:2]     # as the forward's: dT and P are 0 outside
     dT = (np.empty if spans is None else np.zeros)(grouped + (S,), dtype=ct) if keep_dT else None
     dq = np.empty(grouped + (E,), dtype=ct)
@@ -402,7 +403,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
                                                          o.dropout_p).reshape(Pc.shape)
             out[idx] += Pd @ block_of(dv, lay.nd_g, idx)                    # + P_drop dV
 
-    summ = fwd.extra if isinstance(fwd.extra, BlockSummary) else _spans(prob, prob.allowed())
+    summ = _read_spans(prob, fwd)
     spans, rects = (None, None) if summ is None else summ[:2]     # P is 0 outside the forward's spans
 
     def chunk_spans(idx, inner_parallel):
@@ -591,6 +592,18 @@ def _spans(prob, allowed):
     if prob.q_lengths is not None or prob.kv_lengths is not None:
         return None             # lengths: the whole rows (per-batch lengths with the spans disagree with the plain
     return key_spans(allowed, prob.L, prob.S, span_rows(prob.L))     # engine on fully masked rows: not found yet)
+
+
+def _read_spans(prob, fwd):
+    """The spans a backward or JVP reads ``P`` on: the forward's (or the problem's, :func:`_spans`), or None (the
+    whole rows) where a fully masked row's ``P`` is not 0 outside them: ``"nan"``, ``"uniform"`` and ``"jax"``
+    fill such a row on every key (or every excluded one), which no span holds. (Found by the split-KV test with
+    two-row blocks: a causal, masked, ``"nan"`` problem's ``dK`` was 0, not NaN, on a key past its row block's
+    span.)"""
+    summ = fwd.extra if isinstance(fwd.extra, BlockSummary) else _spans(prob, prob.allowed())
+    if summ is not None and not fills_zero(prob.options.fully_masked) and np.any(fwd.empty):
+        return None
+    return summ
 
 
 def _matrices(*arrays):
