@@ -26,7 +26,7 @@ from ._threads import blas_is_held, num_threads, run_all
 from .engines.contract import Forward, Grads
 from .engines import fast
 from .engines.blocks import key_spans, span_rows
-from .policy import fills_zero
+from .policy import fills_past_allowed
 
 __all__ = ["backward", "backward_jvp", "forward", "forward_spans", "jvp", "spans"]
 
@@ -119,14 +119,12 @@ def spans(prob, fwd, dbias=None):
     """The windows ``(i0, i1, j0, j1)`` of the double backward, or None (the whole rows): the key spans of the
     allowed set (:func:`sdpa_ref.engines.blocks.key_spans`, blocks of :func:`~sdpa_ref.engines.blocks.span_rows`
     query rows, as the fast engine's), from :data:`SPAN_MIN_KEYS` keys. They depend on the shape and the mask
-    only, never on the threads. Whole rows also where a row sum needs the whole matrix or a policy row is not 0:
-    a float mask, a bias or its tangent, per-sequence lengths (as in the fast engine), or a fully masked row
-    whose ``P`` the policy fills."""
+    only, never on the threads. Whole rows also where a row sum needs the whole matrix or a policy row is not 0
+    past the spans: a float mask, a bias or its tangent, or a fully masked row (not padded) whose ``P`` the
+    policy fills (:func:`sdpa_ref.policy.fills_past_allowed`)."""
     if prob.S < SPAN_MIN_KEYS or prob.mask_float is not None or prob.bias is not None or dbias is not None:
         return None
-    if prob.q_lengths is not None or prob.kv_lengths is not None:
-        return None
-    if not fills_zero(prob.options.fully_masked) and np.any(fwd.empty):
+    if fills_past_allowed(prob.options.fully_masked, fwd.empty, prob.padded_rows()):
         return None
     summ = key_spans(prob.allowed(), prob.L, prob.S, span_rows(prob.L))
     return None if summ is None else summ.spans
@@ -135,20 +133,21 @@ def spans(prob, fwd, dbias=None):
 def forward_spans(prob):
     """The windows of the forward (:func:`spans`' rule, known before the forward runs): where no row sum needs
     the whole matrix and no row the policy fills with a nonzero ``P`` can occur (the policy fills 0, or every row
-    of the structural allowed set has a key; a float mask, which could empty a row, keeps whole rows); from the
+    of the structural allowed set but the padded ones has a key; a float mask, which could empty a row, keeps
+    whole rows); from the
     fast engine's :data:`~sdpa_ref.engines.fast.SPAN_MIN_KEYS` (``SPAN_MIN_KEYS_NARROW`` in a narrower compute
     dtype), below which the forward's smaller products cost more than they skip (``sdpa_hvp`` causal float64,
     one thread, 7 interleaved rounds, whole forward against windows: 63.4 -> 66.7 ms at ``1x4x512x64``, 657 ->
     554 ms at ``1x8x1024x64``)."""
     if prob.S < (fast.SPAN_MIN_KEYS if np.dtype(prob.dtype).itemsize >= 8 else fast.SPAN_MIN_KEYS_NARROW):
         return None
-    if prob.mask_float is not None or prob.bias is not None or prob.q_lengths is not None or \
-            prob.kv_lengths is not None:
+    if prob.mask_float is not None or prob.bias is not None:
         return None
     allowed = prob.allowed()
     if allowed is None:
         return None
-    if not fills_zero(prob.options.fully_masked) and not np.all(np.logical_or.reduce(allowed, axis=-1)):
+    keyless = ~np.logical_or.reduce(allowed, axis=-1, keepdims=True)        # rows with no allowed key
+    if fills_past_allowed(prob.options.fully_masked, keyless, prob.padded_rows()):
         return None
     summ = key_spans(allowed, prob.L, prob.S, span_rows(prob.L))
     return None if summ is None else summ.spans

@@ -56,6 +56,17 @@ def fills_zero(policy):
     return policy == "zero"
 
 
+def fills_past_allowed(policy, empty, padded=None):
+    """Whether some row with no allowed key (``empty``, bool broadcastable to ``(..., L, 1)``) that is not padded
+    (``padded``, or None) gets a nonzero ``P`` from ``policy`` on keys its allowed set leaves out (``"nan"``,
+    ``"uniform"``, ``"jax"``): a schedule that reads ``P`` only on spans of the allowed set must then read those
+    rows whole. Padded rows are 0 under every policy."""
+    if fills_zero(policy):
+        return False
+    rows = np.asarray(empty) if padded is None else np.asarray(empty) & ~np.asarray(padded)
+    return bool(np.any(rows))
+
+
 def makes_nan(policy):
     """Whether every fully masked row (not padded) is NaN, output and gradients (``"nan"``: the textbook
     formula, 0/0); with ``S = 0`` too, where the engines' empty sums would give 0. ``"jax"`` is NaN only on a row

@@ -662,12 +662,33 @@ def test_a_fully_masked_row_read_past_the_spans_under_its_policy(policy):
         assert_close_normwise(b, a, F64_REGROUPED)
 
 
+@pytest.mark.parametrize("policy", ["nan", "uniform", "jax", "zero"])
+def test_per_batch_lengths_take_the_spans_with_the_plain_engines_answer(policy):
+    """Per-batch lengths (a padded varlen batch: padded rows, keys past a sequence's length, one sequence whose
+    first query rows have no key under bottom-right alignment) take the span schedule at its own size, and the
+    output, LSE, gradients and JVP are the plain engine's under every policy, NaN where it has NaN."""
+    rng = np.random.default_rng(14)
+    q, k, v = (rng.standard_normal((3, 2, 1024, 4)) for _ in range(3))
+    opts = dict(is_causal=True, causal_alignment="bottom_right", fully_masked=policy,
+                q_lengths=np.array([1024, 300, 700]), kv_lengths=np.array([1024, 500, 400]))
+    g = rng.standard_normal(q.shape)
+    ts = tuple(rng.standard_normal(x.shape) for x in (q, k, v))
+    out_f, res_f = sdpa_forward(q, k, v, **opts)
+    assert res_f.forward.extra is not None                    # the spans
+    out_p, res_p = sdpa_forward(q, k, v, method="plain", **opts)
+    got = [out_f, res_f.lse, *sdpa_backward(res_f, g)[:3], sdpa_jvp((q, k, v), ts, **opts)[1]]
+    want = [out_p, res_p.lse, *sdpa_backward(res_p, g, method="plain")[:3],
+            sdpa_jvp((q, k, v), ts, method="plain", **opts)[1]]
+    for a, b in zip(got, want):
+        assert_close_normwise(b, a, F64_REGROUPED)
+
+
 @given(variant_problem(max_len=6), st.integers(1, 3))
 def test_the_block_skipping_schedule_equals_plain_on_every_option(problem, rows):
     """With blocks of a few query rows, every mask (causal in both alignments, windows, chunks, lengths, block
     masks, mask functions) leaves whole key spans out of the products and row passes; the forward, the LSE, P
     (0 outside the spans), the backward and the JVP still agree with the plain engine's, and the schedule is
-    the one taken whenever a span skips a key (per-batch lengths keep whole rows for now)."""
+    the one taken whenever a span skips a key."""
     q, k, v, opts, _ = problem
     out_p, res_p = sdpa_forward(q, k, v, method="plain", **opts)
     with _span_rows(rows):

@@ -32,8 +32,9 @@ is how:
   worth of score entries is cut into rectangular chunks of whole heads
   (:func:`_head_chunks`), which run their whole pipeline side by side in the
   package's pool while the BLAS is held to one thread
-  (:mod:`sdpa_ref._threads`). A single head or a small problem runs its row passes
-  on row blocks in the pool.
+  (:mod:`sdpa_ref._threads`); so is one with few scores but many keys and
+  values to read (a decode, :data:`_KV_BYTES`). A single head or a small
+  problem runs its row passes on row blocks in the pool.
 
 * with a structured mask (causal, windows, chunks, lengths, bool and block
   masks, mask functions), only each block of query rows' span of allowed
@@ -55,8 +56,8 @@ import numpy as np
 
 from ..exact import _native
 from ..broadcast import block_of
-from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, fills_zero, \
-    zero_output_rows
+from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, \
+    fills_past_allowed, zero_output_rows
 from ..normalize import close, extra_probs, extras, nan_row_probs, row_stats, vjp
 from ..pivot import lane_rowsum, softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_jvp, scores_vjp, transform_scores, \
@@ -589,9 +590,7 @@ def _spans(prob, allowed):
     per head)."""
     if prob.S < (SPAN_MIN_KEYS if np.dtype(prob.dtype).itemsize >= 8 else SPAN_MIN_KEYS_NARROW):
         return None
-    if prob.q_lengths is not None or prob.kv_lengths is not None:
-        return None             # lengths: the whole rows (per-batch lengths with the spans disagree with the plain
-    return key_spans(allowed, prob.L, prob.S, span_rows(prob.L))     # engine on fully masked rows: not found yet)
+    return key_spans(allowed, prob.L, prob.S, span_rows(prob.L))
 
 
 def _read_spans(prob, fwd):
@@ -601,7 +600,7 @@ def _read_spans(prob, fwd):
     two-row blocks: a causal, masked, ``"nan"`` problem's ``dK`` was 0, not NaN, on a key past its row block's
     span.)"""
     summ = fwd.extra if isinstance(fwd.extra, BlockSummary) else _spans(prob, prob.allowed())
-    if summ is not None and not fills_zero(prob.options.fully_masked) and np.any(fwd.empty):
+    if summ is not None and fills_past_allowed(prob.options.fully_masked, fwd.empty, prob.padded_rows()):
         return None
     return summ
 
