@@ -227,11 +227,12 @@ def scores_forward(q, k, scale, out=None):
 
 def scores_vjp(dT, q, k, scale, dq_out=None, dk_out=None):
     """``dq = scale * dT k`` and ``dk = scale * dT^T q`` (per head; the caller sums a GQA group); a product that
-    overflows is IEEE's ``+-inf`` or NaN, without a warning, as in :func:`scores_forward`."""
+    overflows is IEEE's ``+-inf`` or NaN, without a warning, as in :func:`scores_forward`. ``dq_out`` or
+    ``dk_out`` False: that one is not computed (None)."""
     s = dT.dtype.type(scale)
     with np.errstate(over="ignore", invalid="ignore"):
-        dq = np.multiply(np.matmul(dT, k, out=dq_out), s, out=dq_out)
-        dk = np.multiply(transposed_product(dT, q, out=dk_out), s, out=dk_out)
+        dq = None if dq_out is False else np.multiply(np.matmul(dT, k, out=dq_out), s, out=dq_out)
+        dk = None if dk_out is False else np.multiply(transposed_product(dT, q, out=dk_out), s, out=dk_out)
     return dq, dk
 
 

@@ -214,6 +214,44 @@ def test_a_decode_against_many_keys_is_cut_by_heads_with_the_bits_of_one_piece(m
         assert np.array_equal(a, b) and a.shape == c.shape
 
 
+@pytest.mark.parametrize("opts", [{}, {"enable_gqa": True}, {"softcap": 3.0, "sinks": np.array([0.5])},
+                                  {"dropout_p": 0.2, "bias": "rows"}, {"upcast": False}])
+def test_one_units_products_by_blocks_have_the_same_bits_on_any_thread_count(monkeypatch, opts):
+    """A problem with one (batch, kv head) unit is one chunk; its products run by fixed blocks of rows and keys
+    in the pool (fast._cuts): the bits of the forward and backward are the same on one thread and two (the blocks
+    come from the shape), and agree with the plain engine; the blocks cover every row and key once."""
+    rng = np.random.default_rng(15)
+    Hq = 2 if opts.get("enable_gqa") else 1
+    dt = np.float32 if opts.get("upcast") is False else np.float64
+    q = rng.standard_normal((1, Hq, 1100, 8)).astype(dt)
+    k, v = (rng.standard_normal((1, 1, 1030, 8)).astype(dt) for _ in range(2))
+    g = rng.standard_normal(q.shape).astype(dt)
+    opts = dict(opts)
+    if opts.get("bias") == "rows":
+        opts["bias"] = rng.standard_normal((1100, 1030))
+    if "dropout_p" in opts:
+        opts["dropout_mask"] = rng.random((1, Hq, 1100, 1030)) > opts["dropout_p"]
+    cuts = []
+    monkeypatch.setattr(fast, "_cuts", lambda n, f=fast._cuts: cuts.append(f(n)) or cuts[-1])
+
+    def run(threads):
+        monkeypatch.setenv("SDPA_REF_NUM_THREADS", threads)
+        out, res = sdpa_forward(q, k, v, **opts)
+        return [out, res.lse] + [x for x in sdpa_backward(res, g) if x is not None]
+    two, one = run("2"), run("1")
+    assert any(c is not None and len(c) > 1 for c in cuts)
+    for a, b in zip(two, one):
+        assert np.array_equal(a, b, equal_nan=True)
+    out_p, res_p = sdpa_forward(q, k, v, method="plain", **opts)
+    want = [out_p, res_p.lse] + [x for x in sdpa_backward(res_p, g, method="plain") if x is not None]
+    for a, b in zip(two, want):
+        assert_close_normwise(b, a, 1e-5 if dt == np.float32 else F64_REGROUPED)
+    for n in (1024, 1030, 4096, 5000):
+        c = fast._cuts(n)
+        assert c[0][0] == 0 and c[-1][1] == n and all(a[1] == b[0] for a, b in zip(c, c[1:]))
+    assert fast._cuts(1023) is None
+
+
 @given(attention_problem(max_batch=3, max_len=6))
 def test_head_chunks_with_a_float_mask_and_bias_and_broadcast_inputs(problem):
     q, k, v, opts = problem

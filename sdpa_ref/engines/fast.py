@@ -156,14 +156,22 @@ def forward(prob, *, save_probs=True) -> Forward:
     def chunk(idx, inner_parallel):
         fidx = lay.full_index(idx)
         qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
-        Tc = T[idx]
-        scores_forward(qc, k, prob.scale, out=Tc)
+        Tc, Oc, rows = T[idx], O[idx], lay.row_cuts
+        if rows is None:
+            scores_forward(qc, k, prob.scale, out=Tc)
+        else:                                          # one unit: its products by blocks of rows in the pool
+            qs, ks = _prescaled(qc, k, prob.scale)
+            _by_blocks(rows, lambda r0, r1: _matmul(qs[..., r0:r1, :], np.swapaxes(ks, -1, -2),
+                                                    Tc[..., r0:r1, :]), inner_parallel)
         transform_scores(prob, lay.full_view(Tc), lead=fidx,
                          sech2_out=None if sech2 is None else lay.full_view(sech2[idx]),
                          allowed=block_of(allowed, lay.nd_f, fidx))
         probs(Tc, results(idx), None if ext is None else ext[idx], inner_parallel)
-        Pd = dropout_forward(lay.full_view(Tc), block_of(prob.keep, lay.nd_f, fidx), o.dropout_p)
-        np.matmul(Pd.reshape(Tc.shape), v, out=O[idx])
+        Pd = dropout_forward(lay.full_view(Tc), block_of(prob.keep, lay.nd_f, fidx), o.dropout_p).reshape(Tc.shape)
+        if rows is None:
+            np.matmul(Pd, v, out=Oc)
+        else:
+            _by_blocks(rows, lambda r0, r1: _matmul(Pd[..., r0:r1, :], v, Oc[..., r0:r1, :]), inner_parallel)
 
     def chunk_spans(idx, inner_parallel):
         # only the query blocks' key spans (:func:`key_spans`) are computed, every step on views of the chunk's
@@ -273,12 +281,17 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
             if dext_c is not None:
                 np.copyto(dext_c, 0.0, where=cr_c)
 
-    def grads(qc, k, v, Pc, dOc, dTc, keep, r, inner_parallel, fv=lay.full_view):
+    def grads(qc, k, v, Pc, dOc, dTc, keep, r, inner_parallel, fv=lay.full_view, rows=None):
         """One chunk's (or one span's) rows: ``dT`` into ``dTc``; returns ``(P_drop, dTraw)`` (``dTraw`` may be
-        ``dTc``); ``r`` its rows of ``(sech^2, pe, dlse, constant rows, dextra)``, ``fv`` the full-layout view."""
+        ``dTc``); ``r`` its rows of ``(sech^2, pe, dlse, constant rows, dextra)``, ``fv`` the full-layout view,
+        ``rows`` the blocks of rows of one unit's products (:attr:`_Layout.row_cuts`) or None."""
         sd = r[0]
         Pd = Pc if keep is None else dropout_forward(fv(np.ascontiguousarray(Pc)), keep, o.dropout_p).reshape(Pc.shape)
-        np.matmul(dOc, np.swapaxes(v, -1, -2), out=dTc)                   # dP = dO V^T ...
+        if rows is None:
+            np.matmul(dOc, np.swapaxes(v, -1, -2), out=dTc)               # dP = dO V^T ...
+        else:
+            _by_blocks(rows, lambda r0, r1: _matmul(dOc[..., r0:r1, :], np.swapaxes(v, -1, -2), dTc[..., r0:r1, :]),
+                       inner_parallel)
         if keep is not None:
             dropout_forward(fv(dTc), keep, o.dropout_p, out=fv(dTc))      # ... * Z / (1-p)
         score_grad(Pc, dTc, r, inner_parallel)
@@ -292,9 +305,20 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
         qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
         Pc, dOc = Pg[idx], dO[idx]
         dTc = dT[idx] if keep_dT else np.empty(Pc.shape, dtype=ct)
-        Pd, dTraw = grads(qc, k, v, Pc, dOc, dTc, block_of(prob.keep, lay.nd_f, fidx), rows_of(idx), inner_parallel)
-        transposed_product(Pd, dOc, out=dv[idx])                          # dV = P_drop^T dO
-        scores_vjp(dTraw, qc, k, prob.scale, dq_out=dq[idx], dk_out=dk[idx])
+        rows, keys = lay.row_cuts, lay.key_cuts
+        Pd, dTraw = grads(qc, k, v, Pc, dOc, dTc, block_of(prob.keep, lay.nd_f, fidx), rows_of(idx), inner_parallel,
+                          rows=rows)
+        if rows is None:
+            transposed_product(Pd, dOc, out=dv[idx])                      # dV = P_drop^T dO
+            scores_vjp(dTraw, qc, k, prob.scale, dq_out=dq[idx], dk_out=dk[idx])
+            return
+        # one unit: dq by blocks of rows, dV and dK by blocks of keys (each a whole sum over the rows), in the pool
+        dvc, dqc, dkc = dv[idx], dq[idx], dk[idx]
+        _by_blocks(keys, lambda j0, j1: transposed_product(Pd[..., j0:j1], dOc, out=dvc[..., j0:j1, :]), inner_parallel)
+        _by_blocks(rows, lambda r0, r1: scores_vjp(dTraw[..., r0:r1, :], qc[..., r0:r1, :], k, prob.scale,
+                                                   dq_out=dqc[..., r0:r1, :], dk_out=False), inner_parallel)
+        _by_blocks(keys, lambda j0, j1: scores_vjp(dTraw[..., j0:j1], qc, k[..., j0:j1, :], prob.scale, dq_out=False,
+                                                   dk_out=dkc[..., j0:j1, :]), inner_parallel)
 
     def chunk_spans(idx, inner_parallel):
         # the forward's spans: the products on their cover by rectangles, dT's row passes span by span, on views
@@ -542,6 +566,11 @@ class _Layout:
         width = prob.q.shape[-1] + prob.v.shape[-1]
         self.chunks = _head_chunks(self.lead, self.grouped[-1] * self.S, width,
                                    self.S * width * np.dtype(prob.dtype).itemsize)
+        single = math.prod(self.lead) == 1             # one unit: its products cut by rows and keys (_cuts)
+        self.row_cuts = _cuts(self.grouped[-1]) if single else None
+        self.key_cuts = _cuts(self.S) if single and self.row_cuts is not None else None
+        if self.key_cuts is None:
+            self.row_cuts = None
         self.nd_g, self.nd_f = len(self.lead) + 2, len(self.full)
 
     def full_index(self, idx):
@@ -591,6 +620,44 @@ def _spans(prob, allowed):
     if prob.S < (SPAN_MIN_KEYS if np.dtype(prob.dtype).itemsize >= 8 else SPAN_MIN_KEYS_NARROW):
         return None
     return key_spans(allowed, prob.L, prob.S, span_rows(prob.L))
+
+
+#: Rows (or keys) from which one ``(batch, kv head)`` unit's products are cut into blocks (:func:`_cuts`).
+_CUT_MIN = 512
+
+
+def _cuts(n):
+    """Fixed blocks ``(start, stop)`` of ``n`` rows or keys for the products of a problem with one
+    ``(batch, kv head)`` unit, or None (fewer than ``2 * _CUT_MIN``): eight blocks of at least :data:`_CUT_MIN`.
+    They depend on the shape alone, so the bits do not depend on the threads; each block is a whole product
+    (rows of ``Q K^T``, ``P V``, ``dO V^T`` and ``dT K``; keys of ``P^T dO`` and ``dT^T Q``), never a part of a
+    sum. Such a problem is one chunk (:func:`_head_chunks`), whose products would run on one thread."""
+    if n < 2 * _CUT_MIN:
+        return None
+    b = max(_CUT_MIN, -(-n // 8))
+    return [(i, min(n, i + b)) for i in range(0, n, b)]
+
+
+def _by_blocks(cuts, fn, inner_parallel):
+    """``fn(start, stop)`` for each block of ``cuts``, in the pool when the chunk may use it."""
+    if inner_parallel and len(cuts) > 1 and blas_is_held() and num_threads() > 1:
+        run_all(lambda c: fn(*c), cuts)
+    else:
+        for c in cuts:
+            fn(*c)
+
+
+def _matmul(a, b, out):
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.matmul(a, b, out=out)
+
+
+def _prescaled(q, k, scale):
+    """``(scale * q, k)`` or ``(q, scale * k)``, the operand with fewer rows scaled, as
+    :func:`sdpa_ref.transforms.scores_forward` does."""
+    s = q.dtype.type(scale)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (s * q, k) if q.shape[-2] <= k.shape[-2] else (q, s * k)
 
 
 def _read_spans(prob, fwd):
