@@ -95,9 +95,10 @@ def forward(prob, *, save_probs=True, rows=None, cols=None) -> Forward:
     """The plain forward: ``(O, LSE, P, tanh, empty)`` in the layouts of the legend.
 
     ``rows`` and ``cols``, ``(start, stop)`` ranges, restrict every line to one window of the scores, whose
-    columns hold every allowed key of those rows (:mod:`sdpa_ref.heads` runs the allowed set's key spans so) and
-    whose rows no policy fills with anything but 0: every row result (``O``, the LSE, the normaliser) is then
-    the rows' own, and ``P`` and the slope are the window's entries (``P`` is 0 outside it).
+    columns hold every allowed key of those rows (:mod:`sdpa_ref.heads` runs the allowed set's key spans so):
+    every row result (``O``, the LSE, the normaliser) is then the rows' own, and ``P`` and the slope are the
+    window's entries (``P`` is 0 outside it), except on a row with no key that the policy fills past the window
+    (``"nan"``, ``"uniform"``, ``"jax"``), which the caller runs again on whole rows.
     """
     o = prob.options
     win = rows is not None or cols is not None
@@ -136,12 +137,11 @@ def _policy_output(prob, O, P_drop, empty, rows=None):
     """``O`` on the rows with no allowed key, by the ``fully_masked`` policy: ``"uniform"`` averages every value
     (even those the other rows skip), ``"zero"`` and padded rows are 0 without reading a value, ``S = 0`` as the
     policy says. Layout and policy only: no derivative flows through these lines. ``rows``: ``O`` is those rows'
-    (a window of :func:`forward`, whose rows no policy fills with a nonzero ``P``)."""
+    (a window of :func:`forward`): a row that averages values past the window is left as computed, and the
+    caller runs such a problem's whole rows again (:func:`sdpa_ref.heads.forward`)."""
     o, pad = prob.options, prob.padded_rows(rows)
     vu = prob.averaged_values(empty)
-    if vu is not prob.v:                                            # "uniform": such a row reads every value
-        if rows is not None:
-            raise ValueError("a window of the forward takes no row that averages the values")
+    if vu is not prob.v and rows is None:                           # "uniform": such a row reads every value
         O = np.where(empty, _full(_grouped(P_drop, prob) @ _kv(vu), prob), O)
     nan = prob.nan_rows_without_keys()
     O = fill_output_without_keys(O, nan if nan is None or rows is None else nan[..., rows[0]:rows[1], :])

@@ -132,13 +132,12 @@ def spans(prob, fwd, dbias=None):
 
 def forward_spans(prob):
     """The windows of the forward (:func:`spans`' rule, known before the forward runs): where no row sum needs
-    the whole matrix and no row the policy fills with a nonzero ``P`` can occur (the policy fills 0, or every row
-    of the structural allowed set but the padded ones has a key; a float mask, which could empty a row, keeps
-    whole rows); from the
-    fast engine's :data:`~sdpa_ref.engines.fast.SPAN_MIN_KEYS` (``SPAN_MIN_KEYS_NARROW`` in a narrower compute
-    dtype), below which the forward's smaller products cost more than they skip (``sdpa_hvp`` causal float64,
-    one thread, 7 interleaved rounds, whole forward against windows: 63.4 -> 66.7 ms at ``1x4x512x64``, 657 ->
-    554 ms at ``1x8x1024x64``)."""
+    the whole matrix and no row the policy fills with a nonzero ``P`` can occur (the policy fills 0, or every
+    row of the structural allowed set but the padded ones has a key; a float mask, which could empty a row,
+    keeps whole rows), from the fast engine's :data:`~sdpa_ref.engines.fast.SPAN_MIN_KEYS`
+    (``SPAN_MIN_KEYS_NARROW`` in a narrower compute dtype), below which the forward's smaller products cost more
+    than they skip (``sdpa_hvp`` causal float64, one thread, 7 interleaved rounds, whole forward against
+    windows: 63.4 -> 66.7 ms at ``1x4x512x64``, 657 -> 554 ms at ``1x8x1024x64``)."""
     if prob.S < (fast.SPAN_MIN_KEYS if np.dtype(prob.dtype).itemsize >= 8 else fast.SPAN_MIN_KEYS_NARROW):
         return None
     if prob.mask_float is not None or prob.bias is not None:
@@ -155,7 +154,9 @@ def forward_spans(prob):
 
 def _forward_on_windows(windows, prob, save_probs) -> Forward:
     """:func:`sdpa_ref.attention.forward` window by window: each row result put in its rows, ``P`` and the slope
-    in their windows of zeros."""
+    in their windows of zeros; the whole rows again where a row came out with no key and a policy that fills
+    it past its window (a score function's ``-inf`` on every allowed key, a score that overflowed to ``-inf``:
+    what the allowed set cannot foresee)."""
     out = {}
     for i0, i1, j0, j1 in windows:
         f = attention.forward(prob, save_probs=save_probs, rows=(i0, i1), cols=(j0, j1))
@@ -173,6 +174,8 @@ def _forward_on_windows(windows, prob, save_probs) -> Forward:
             idx = (Ellipsis, slice(i0, i1), slice(j0, j1)) if square else \
                 (Ellipsis, slice(i0, i1)) + (slice(None),) * (-1 - at)
             out[name][idx] = x
+    if fills_past_allowed(prob.options.fully_masked, out["empty"], prob.padded_rows()):
+        return attention.forward(prob, save_probs=save_probs)
     return Forward(**{n: out.get(n) for n in Forward._fields})
 
 

@@ -661,6 +661,43 @@ def test_the_double_backward_on_key_spans_matches_differences(monkeypatch, case)
     assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="projection", rtol=FD_SECOND_ORDER)
 
 
+@pytest.mark.parametrize("policy", ["nan", "uniform", "jax", "zero"])
+def test_a_row_a_score_function_empties_runs_the_plain_forward_whole(monkeypatch, policy):
+    """The allowed set cannot foresee a row that a score function sets to -inf on every key: where its policy
+    fills it past its window, the plain forward runs the whole rows again, so the output, the LSE and P are the
+    whole rows' (bit for bit there; to rounding under "zero", which keeps the windows), and the double backward
+    of sdpa_hvp takes whole rows too."""
+    import sdpa_ref.heads as heads
+
+    _windows_everywhere(monkeypatch)
+    rng = np.random.default_rng(4)
+    q, k, v, g, t = (rng.standard_normal((1, 2, 6, 3)) for _ in range(5))
+
+    from sdpa_ref import ScoreMod
+
+    def mod(s, b, h, i, j):
+        return np.where(i == 3, -np.inf, s)
+
+    def grad(s, b, h, i, j):
+        return np.where(i == 3, 0.0, 1.0 + 0 * s)
+    kw = dict(is_causal=True, score_mod=ScoreMod(mod, grad=grad), fully_masked=policy)
+    got = sdpa_forward(q, k, v, method="plain", **kw)
+    hv = sdpa_hvp((q, k, v), (t, None, None), g, **kw)
+    monkeypatch.setattr(heads, "forward_spans", lambda p: None)
+    monkeypatch.setattr(heads, "spans", lambda *a: None)
+    want = sdpa_forward(q, k, v, method="plain", **kw)
+    hv_want = sdpa_hvp((q, k, v), (t, None, None), g, **kw)
+    for a, b in zip((got[0], got[1].lse, got[1].forward.probs, *hv), (want[0], want[1].lse, want[1].forward.probs,
+                                                                      *hv_want)):
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        if policy == "zero":
+            np.testing.assert_allclose(a, b, rtol=F64_GRAD_LONG, atol=F64_GRAD_LONG)
+        else:
+            assert np.array_equal(a, b, equal_nan=True)
+
+
 WINDOWED_SPECIAL = {
     "sinks+causal+softcap": lambda r: _kw(r, L=6, S=8, sinks=r.uniform(-1, 2, 4), is_causal=True, softcap=1.7),
     "qv+causal-br+sinks": lambda r: _kw(r, L=6, S=8, Hkv=4, qv=r.standard_normal((2, 4, 6, 2)), is_causal=True,
