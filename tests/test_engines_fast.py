@@ -215,11 +215,13 @@ def test_a_decode_against_many_keys_is_cut_by_heads_with_the_bits_of_one_piece(m
 
 
 @pytest.mark.parametrize("opts", [{}, {"enable_gqa": True}, {"softcap": 3.0, "sinks": np.array([0.5])},
-                                  {"dropout_p": 0.2, "bias": "rows"}, {"upcast": False}])
+                                  {"dropout_p": 0.2, "bias": "rows"}, {"upcast": False}, {"is_causal": True},
+                                  {"is_causal": True, "enable_gqa": True, "dropout_p": 0.2}])
 def test_one_units_products_by_blocks_have_the_same_bits_on_any_thread_count(monkeypatch, opts):
     """A problem with one (batch, kv head) unit is one chunk; its products run by fixed blocks of rows and keys
-    in the pool (fast._cuts): the bits of the forward and backward are the same on one thread and two (the blocks
-    come from the shape), and agree with the plain engine; the blocks cover every row and key once."""
+    in the pool (fast._cuts; with a causal mask, its spans' rectangles side by side and the sums over them by
+    blocks): the bits of the forward and backward are the same on one thread and two (the blocks come from the
+    shape), and agree with the plain engine; the blocks cover every row and key once."""
     rng = np.random.default_rng(15)
     Hq = 2 if opts.get("enable_gqa") else 1
     dt = np.float32 if opts.get("upcast") is False else np.float64

@@ -183,9 +183,11 @@ def forward(prob, *, save_probs=True) -> Forward:
         with np.errstate(over="ignore", invalid="ignore"):
             qs, ks = (sc * qc, k) if qc.shape[-2] <= S else (qc, sc * k)
         Tc, Oc, sc2, res = T[idx], O[idx], None if sech2 is None else sech2[idx], results(idx)
+        rcuts = lay.span_cuts                                       # one unit: by blocks in the pool
         for g, fidx in lay.groups(idx):
             L0 = g * prob.L                                         # the group's rows of the grouped chunk:
-            for i0, i1, j0, j1 in rects:                            # (..., Hkv, n, w), the heads fidx
+
+            def scores(i0, i1, j0, j1, L0=L0, fidx=fidx):           # (..., Hkv, n, w), the heads fidx
                 Tb = Tc[..., L0 + i0:L0 + i1, j0:j1]
                 with np.errstate(over="ignore", invalid="ignore"):
                     np.matmul(qs[..., L0 + i0:L0 + i1, :], np.swapaxes(ks[..., j0:j1, :], -1, -2), out=Tb)
@@ -193,6 +195,7 @@ def forward(prob, *, save_probs=True) -> Forward:
                                  sech2_out=None if sc2 is None else sc2[..., L0 + i0:L0 + i1, j0:j1],
                                  allowed=_EVERY if summ.is_full(i0, i1, j0, j1) else
                                  block_of(allowed, lay.nd_f, fidx, (i0, i1), (j0, j1)))
+            _by_blocks(rects, scores, inner_parallel and rcuts is not None)   # each writes its own rectangle
             for i0, i1, j0, j1 in spans:
                 r = tuple(None if a is None else np.empty(Tc.shape[:-2] + (i1 - i0, 1), a.dtype) for a in res)
                 probs(Tc[..., L0 + i0:L0 + i1, j0:j1], r, None if ext is None else ext[idx][..., L0 + i0:L0 + i1, :],
@@ -200,10 +203,15 @@ def forward(prob, *, save_probs=True) -> Forward:
                 for dst, src in zip(res, r):
                     if dst is not None:
                         dst[..., L0 + i0:L0 + i1, :] = src
-            for i0, i1, j0, j1 in rects:                            # O = P_drop V, summed over the rectangles
-                Pd = dropout_forward(Tc[..., L0 + i0:L0 + i1, j0:j1],
-                                     block_of(prob.keep, lay.nd_f, fidx, (i0, i1), (j0, j1)), o.dropout_p)
-                Oc[..., L0 + i0:L0 + i1, :] += Pd @ v[..., j0:j1, :]
+            def values(r0, r1, L0=L0, fidx=fidx):                   # O = P_drop V, summed over the rectangles
+                for i0, i1, j0, j1 in _within(rects, r0, r1):       # (their rows r0:r1, in the rectangles' order)
+                    Pd = dropout_forward(Tc[..., L0 + i0:L0 + i1, j0:j1],
+                                         block_of(prob.keep, lay.nd_f, fidx, (i0, i1), (j0, j1)), o.dropout_p)
+                    Oc[..., L0 + i0:L0 + i1, :] += Pd @ v[..., j0:j1, :]
+            if rcuts is None:
+                values(0, prob.L)
+            else:
+                _by_blocks(rcuts, values, inner_parallel)
 
     _run(chunk if spans is None else chunk_spans, lay.chunks)
     P = T.reshape(full)
@@ -330,14 +338,17 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
         dTr = np.empty(Pc.shape, dtype=ct) if keep_dT and sdg is not None else dTc
         r_c = rows_of(idx)
         dqc[...] = 0
+        rcuts, kcuts = lay.span_cuts, lay.span_key_cuts             # one unit: by blocks in the pool
         for g, fidx in lay.groups(idx):
             L0 = g * prob.L
-            for i0, i1, j0, j1 in rects:                            # dP = dO V^T Z / (1 - p)
+
+            def dP_of(i0, i1, j0, j1, L0=L0, fidx=fidx):            # dP = dO V^T Z / (1 - p)
                 dTb = dTc[..., L0 + i0:L0 + i1, j0:j1]
                 np.matmul(dOc[..., L0 + i0:L0 + i1, :], np.swapaxes(v[..., j0:j1, :], -1, -2), out=dTb)
                 keep = block_of(prob.keep, lay.nd_f, fidx, (i0, i1), (j0, j1))
                 if keep is not None:
                     dropout_forward(dTb, keep, o.dropout_p, out=dTb)
+            _by_blocks(rects, dP_of, inner_parallel and rcuts is not None)    # each writes its own rectangle
             for i0, i1, j0, j1 in spans:                            # dT, row by row
                 rows = slice(L0 + i0, L0 + i1)
                 r = tuple(None if a is None else a[..., rows, j0:j1] if n == 0 else a[..., rows, :]
@@ -345,16 +356,29 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
                 score_grad(Pc[..., rows, j0:j1], dTc[..., rows, j0:j1], r, inner_parallel)
                 if r[0] is not None:
                     transform_scores_vjp(dTc[..., rows, j0:j1], r[0], out=dTr[..., rows, j0:j1])
-            with np.errstate(over="ignore", invalid="ignore"):
-                for i0, i1, j0, j1 in rects:
-                    rows = slice(L0 + i0, L0 + i1)
-                    dTb, qb, dOb = dTr[..., rows, j0:j1], qc[..., rows, :], dOc[..., rows, :]
-                    Pd = dropout_forward(Pc[..., rows, j0:j1], block_of(prob.keep, lay.nd_f, fidx, (i0, i1), (j0, j1)),
-                                         o.dropout_p)
-                    # dV += P_drop^T dO and dK += dT^T Q as their transposes (short, wide products), dq += dT K
-                    dvc[..., j0:j1, :] += np.swapaxes(np.matmul(np.swapaxes(dOb, -1, -2), Pd), -1, -2)
-                    dkc[..., j0:j1, :] += np.swapaxes(np.matmul(np.swapaxes(qb, -1, -2), dTb), -1, -2)
-                    dqc[..., rows, :] += np.matmul(dTb, k[..., j0:j1, :])
+            def key_sums(c0, c1, L0=L0, fidx=fidx):
+                # dV += P_drop^T dO and dK += dT^T Q as their transposes (short, wide products), over the
+                # rectangles' keys c0:c1, in the rectangles' order
+                with np.errstate(over="ignore", invalid="ignore"):
+                    for i0, i1, j0, j1 in _within(rects, c0, c1, keys=True):
+                        rows = slice(L0 + i0, L0 + i1)
+                        dTb, qb, dOb = dTr[..., rows, j0:j1], qc[..., rows, :], dOc[..., rows, :]
+                        Pd = dropout_forward(Pc[..., rows, j0:j1], block_of(prob.keep, lay.nd_f, fidx, (i0, i1),
+                                                                            (j0, j1)), o.dropout_p)
+                        dvc[..., j0:j1, :] += np.swapaxes(np.matmul(np.swapaxes(dOb, -1, -2), Pd), -1, -2)
+                        dkc[..., j0:j1, :] += np.swapaxes(np.matmul(np.swapaxes(qb, -1, -2), dTb), -1, -2)
+
+            def row_sums(r0, r1, L0=L0):                             # dq += dT K, over the rows r0:r1
+                with np.errstate(over="ignore", invalid="ignore"):
+                    for i0, i1, j0, j1 in _within(rects, r0, r1):
+                        rows = slice(L0 + i0, L0 + i1)
+                        dqc[..., rows, :] += np.matmul(dTr[..., rows, j0:j1], k[..., j0:j1, :])
+            if rcuts is None:
+                key_sums(0, S)
+                row_sums(0, prob.L)
+            else:
+                _by_blocks(kcuts, key_sums, inner_parallel)
+                _by_blocks(rcuts, row_sums, inner_parallel)
         sc = ct.type(prob.scale)
         with np.errstate(over="ignore", invalid="ignore"):
             np.multiply(dqc, sc, out=dqc)
@@ -571,6 +595,11 @@ class _Layout:
         self.key_cuts = _cuts(self.S) if single and self.row_cuts is not None else None
         if self.key_cuts is None:
             self.row_cuts = None
+        # with the spans: one unit's rectangles side by side, its sums over them by blocks of rows and keys
+        self.span_cuts = _cuts(prob.L) if single and self.S >= 2 * _CUT_MIN else None
+        self.span_key_cuts = _cuts(self.S) if self.span_cuts is not None else None
+        if self.span_key_cuts is None:
+            self.span_cuts = None
         self.nd_g, self.nd_f = len(self.lead) + 2, len(self.full)
 
     def full_index(self, idx):
@@ -645,6 +674,20 @@ def _by_blocks(cuts, fn, inner_parallel):
     else:
         for c in cuts:
             fn(*c)
+
+
+def _within(rects, a, b, keys=False):
+    """The rectangles ``(i0, i1, j0, j1)`` cut to the rows ``a:b`` (``keys``: the keys), those left non-empty, in
+    their order."""
+    out = []
+    for i0, i1, j0, j1 in rects:
+        if keys:
+            j0, j1 = max(j0, a), min(j1, b)
+        else:
+            i0, i1 = max(i0, a), min(i1, b)
+        if i0 < i1 and j0 < j1:
+            out.append((i0, i1, j0, j1))
+    return out
 
 
 def _matmul(a, b, out):
