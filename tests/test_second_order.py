@@ -154,10 +154,9 @@ def test_double_backward_matches_differences_of_the_backward(case):
     assert_jvp(d.backward_fun, d.backward_jvp, d.args + [d.cotangent()], mode="projection", rtol=FD_SECOND_ORDER)
 
 
-@pytest.mark.parametrize("case", GRID, ids=[c.name for c in GRID])
-def test_tiled_double_backward_equals_the_cores(case):
-    """The bounded-memory schedule (two sweeps over blocks of 2 keys) against the teaching core's, every
-    gradient's tangent, with both cotangents and their tangents."""
+def _grid_double_backward(case, **schedule):
+    """``sdpa_backward_jvp`` on a grid case with both cotangents and their tangents and a tangent of every input
+    (seeded): ``(grads, grads_tangent)``."""
     kw = case.make_inputs()
     q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
     rng = np.random.default_rng(3)
@@ -166,9 +165,15 @@ def test_tiled_double_backward_equals_the_cores(case):
     gl, glt = rng.standard_normal(res.lse.shape), rng.standard_normal(res.lse.shape)
     t = tuple(rng.standard_normal(x.shape) for x in (q, k, v)) + (
         (rng.standard_normal(kw["bias"].shape),) if "bias" in kw else ())
-    a = sdpa_backward_jvp((q, k, v), t, g, gt, grad_lse=gl, grad_lse_tangent=glt, **kw)
-    b = sdpa_backward_jvp((q, k, v), t, g, gt, grad_lse=gl, grad_lse_tangent=glt, method="tiled", block_size=2,
-                          **kw)
+    return sdpa_backward_jvp((q, k, v), t, g, gt, grad_lse=gl, grad_lse_tangent=glt, **kw, **schedule)
+
+
+@pytest.mark.parametrize("case", GRID, ids=[c.name for c in GRID])
+def test_tiled_double_backward_equals_the_cores(case):
+    """The bounded-memory schedule (two sweeps over blocks of 2 keys) against the teaching core's, every
+    gradient's tangent, with both cotangents and their tangents."""
+    a = _grid_double_backward(case)
+    b = _grid_double_backward(case, method="tiled", block_size=2)
     for x, xt, y, yt in zip(a[0], a[1], b[0], b[1]):
         if x is None:
             assert y is None and xt is None and yt is None
@@ -591,18 +596,12 @@ def _windows_everywhere(monkeypatch, rows=2):
     monkeypatch.setattr(heads, "key_spans", functools.partial(blocks.key_spans, align=1))
 
 
-def _double_backward(case, **extra):
+def _double_backward(case):
+    """The grid case's double backward (every gradient's tangent), then the plain forward's output, LSE and P."""
     kw = case.make_inputs()
     q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
-    rng = np.random.default_rng(3)
-    out, res = sdpa_forward(q, k, v, **kw)
-    g, gt = rng.standard_normal(out.shape), rng.standard_normal(out.shape)
-    gl, glt = rng.standard_normal(res.lse.shape), rng.standard_normal(res.lse.shape)
-    t = tuple(rng.standard_normal(x.shape) for x in (q, k, v)) + (
-        (rng.standard_normal(kw["bias"].shape),) if "bias" in kw else ())
     plain = sdpa_forward(q, k, v, method="plain", **kw)
-    tangent = sdpa_backward_jvp((q, k, v), t, g, gt, grad_lse=gl, grad_lse_tangent=glt, **kw, **extra)[1]
-    return tuple(tangent) + (plain[0], plain[1].lse, plain[1].forward.probs)
+    return tuple(_grid_double_backward(case)[1]) + (plain[0], plain[1].lse, plain[1].forward.probs)
 
 
 def test_the_plain_engine_on_key_spans_is_the_whole_rows(monkeypatch):
