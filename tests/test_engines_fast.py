@@ -723,6 +723,38 @@ def test_per_batch_lengths_take_the_spans_with_the_plain_engines_answer(policy):
         assert_close_normwise(b, a, F64_REGROUPED)
 
 
+@pytest.mark.parametrize("policy", ["zero", "nan", "uniform", "jax"])
+def test_a_padded_varlen_batch_runs_each_sequence_on_its_own_spans(policy, monkeypatch):
+    """A packed varlen batch padded to its longest sequence, below the spans' own size (384 keys): each batch entry
+    takes its own spans where they hold at most half its scores (the short sequences: their padding is not
+    computed) and the longest runs whole rows; with GQA, sinks and dropout, one sequence's first rows without a
+    key (bottom-right), the output, LSE, gradients and JVP are the plain engine's under every policy, NaN where it
+    has NaN, and the bits are the same on one thread and three."""
+    rng = np.random.default_rng(21)
+    B, Hkv, G, L, E = 4, 2, 2, 384, 8
+    q, g = (rng.standard_normal((B, Hkv * G, L, E)) for _ in range(2))
+    k, v = (rng.standard_normal((B, Hkv, L, E)) for _ in range(2))
+    opts = dict(is_causal=True, causal_alignment="bottom_right", fully_masked=policy, enable_gqa=True,
+                q_lengths=np.array([48, 384, 200, 130]), kv_lengths=np.array([48, 384, 100, 256]),
+                sinks=np.array([0.3, -np.inf, 1.0, -0.5]), dropout_p=0.25,
+                dropout_mask=rng.random((B, Hkv * G, L, L)) > 0.25)
+    ts = tuple(rng.standard_normal(x.shape) for x in (q, k, v))
+    runs = []
+    for n in ("1", "3"):
+        monkeypatch.setenv("SDPA_REF_NUM_THREADS", n)
+        out, res = sdpa_forward(q, k, v, **opts)
+        runs.append([out, res.lse, *sdpa_backward(res, g)[:3], sdpa_jvp((q, k, v), ts, **opts)[1]])
+    per = res.forward.extra.per                                   # the short sequences on spans, the longest not
+    assert per[(1,)] is None and all(per[(b,)] is not None for b in (0, 2, 3))
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    out_p, res_p = sdpa_forward(q, k, v, method="plain", **opts)
+    want = [out_p, res_p.lse, *sdpa_backward(res_p, g, method="plain")[:3],
+            sdpa_jvp((q, k, v), ts, method="plain", **opts)[1]]
+    for a, b in zip(runs[0], want):
+        assert_close_normwise(b, a, F64_REGROUPED)
+
+
 @given(variant_problem(max_len=6), st.integers(1, 3))
 def test_the_block_skipping_schedule_equals_plain_on_every_option(problem, rows):
     """With blocks of a few query rows, every mask (causal in both alignments, windows, chunks, lengths, block

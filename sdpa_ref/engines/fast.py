@@ -50,6 +50,7 @@ any thread count.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -57,7 +58,7 @@ import numpy as np
 from ..exact import _native
 from ..broadcast import block_of
 from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, \
-    fills_past_allowed, zero_output_rows
+    fills_past_allowed, fills_zero, zero_output_rows
 from ..normalize import close, extra_probs, extras, nan_row_probs, row_stats, vjp
 from ..pivot import lane_rowsum, softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_jvp, scores_vjp, transform_scores, \
@@ -91,10 +92,9 @@ def forward(prob, *, save_probs=True) -> Forward:
     q = prob.q.reshape(prob.q.shape[:-4] + (prob.Hkv, GL, prob.q.shape[-1]))
     allowed = prob.allowed()
     summ = _spans(prob, allowed)                       # the query blocks' allowed key spans, or None
-    spans, rects = (None, None) if summ is None else summ[:2]
     # becomes P in place; with spans, only they are written: 0 elsewhere, as a masked entry's P is
-    T = (np.empty if spans is None else np.zeros)(lead + (GL, S), dtype=ct)
-    O = (np.empty if spans is None else np.zeros)(lead + (GL, Ev), dtype=ct)
+    T = (np.empty if summ is None else np.zeros)(lead + (GL, S), dtype=ct)
+    O = (np.empty if summ is None else np.zeros)(lead + (GL, Ev), dtype=ct)
     lse = np.empty(lead + (GL, 1), dtype=ct)
     rowmax = np.empty(lead + (GL, 1), dtype=ct)
     rowsum = np.empty(lead + (GL, 1), dtype=ct)
@@ -178,6 +178,10 @@ def forward(prob, *, save_probs=True) -> Forward:
         # arrays (the compiled row passes take a block of columns): the products on the spans' cover by large
         # rectangles (:func:`rectangles`), the row passes span by span. The scale where the whole chunk's product
         # puts it (:func:`transforms.scores_forward`), so that each score is rounded as there
+        sm = _summary_of(summ, idx)
+        if sm is None:                                              # a batch entry whose keys all count
+            return chunk(idx, inner_parallel)
+        spans, rects = sm.spans, sm.rects
         qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
         sc = qc.dtype.type(prob.scale)
         with np.errstate(over="ignore", invalid="ignore"):
@@ -193,7 +197,7 @@ def forward(prob, *, save_probs=True) -> Forward:
                     np.matmul(qs[..., L0 + i0:L0 + i1, :], np.swapaxes(ks[..., j0:j1, :], -1, -2), out=Tb)
                 transform_scores(prob, Tb, (i0, i1), (j0, j1), lead=fidx,
                                  sech2_out=None if sc2 is None else sc2[..., L0 + i0:L0 + i1, j0:j1],
-                                 allowed=_EVERY if summ.is_full(i0, i1, j0, j1) else
+                                 allowed=_EVERY if sm.is_full(i0, i1, j0, j1) else
                                  block_of(allowed, lay.nd_f, fidx, (i0, i1), (j0, j1)))
             _by_blocks(rects, scores, inner_parallel and rcuts is not None)   # each writes its own rectangle
             for i0, i1, j0, j1 in spans:
@@ -213,11 +217,12 @@ def forward(prob, *, save_probs=True) -> Forward:
             else:
                 _by_blocks(rcuts, values, inner_parallel)
 
-    _run(chunk if spans is None else chunk_spans, lay.chunks)
+    _run(chunk if summ is None else chunk_spans, _batch_chunks(lay, summ))
     P = T.reshape(full)
     empty = empty.reshape(full[:-1] + (1,))
     padded = prob.padded_rows()
-    if np.any(empty):                                  # the policy's rows, then O again (a rare path)
+    if np.any(empty) and _zero_rows(T, empty, padded, o.fully_masked):
+        # the policy fills some row past 0: those rows, then O again (a rare path)
         P = fill_empty_rows(P, empty, padded, o.fully_masked, S, n=counts(prob), excl=excluded(prob))
         Pd = dropout_forward(P, prob.keep, o.dropout_p).reshape(lay.grouped + (S,))
         O = Pd @ prob.v
@@ -250,12 +255,11 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     # otherwise each chunk works in its own buffer, which the allocator reuses
     keep_dT = prob.mask_float is not None or prob.bias is not None or (o.score_mod is not None and
                                                                         bool(o.score_mod.params))
-    summ = _read_spans(prob, fwd)
-    spans, rects = (None, None) if summ is None else summ[:2]     # as the forward's: dT and P are 0 outside
-    dT = (np.empty if spans is None else np.zeros)(grouped + (S,), dtype=ct) if keep_dT else None
+    summ = _read_spans(prob, fwd)                                 # as the forward's: dT and P are 0 outside
+    dT = (np.empty if summ is None else np.zeros)(grouped + (S,), dtype=ct) if keep_dT else None
     dq = np.empty(grouped + (E,), dtype=ct)
-    dk = (np.empty if spans is None else np.zeros)(lead + (S, E), dtype=ct)     # the spans add into them
-    dv = (np.empty if spans is None else np.zeros)(lead + (S, Ev), dtype=ct)
+    dk = (np.empty if summ is None else np.zeros)(lead + (S, E), dtype=ct)     # the spans add into them
+    dv = (np.empty if summ is None else np.zeros)(lead + (S, Ev), dtype=ct)
     cr = constant_rows(fwd.empty, prob.padded_rows(), o.fully_masked, counts(prob))   # their dT is 0, set not computed
     crg = None if cr is None else np.broadcast_to(cr, full[:-1] + (1,)).reshape(grouped + (1,))
     dlg = None if dlse is None else dlse.reshape(grouped + (1,))
@@ -331,6 +335,10 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
     def chunk_spans(idx, inner_parallel):
         # the forward's spans: the products on their cover by rectangles, dT's row passes span by span, on views
         # of the chunk's P, dO and dT; dq, dK and dV summed over the rectangles, then scaled
+        sm = _summary_of(summ, idx)
+        if sm is None:                                              # a batch entry whose keys all count
+            return chunk(idx, inner_parallel)
+        spans, rects = sm.spans, sm.rects
         qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
         Pc, dOc, dqc, dkc, dvc = Pg[idx], dO[idx], dq[idx], dk[idx], dv[idx]
         dTc = dT[idx] if keep_dT else np.empty(Pc.shape, dtype=ct)
@@ -384,7 +392,7 @@ def backward(prob, fwd: Forward, dO, dlse=None) -> Grads:
             np.multiply(dqc, sc, out=dqc)
             np.multiply(dkc, sc, out=dkc)
 
-    _run(chunk if spans is None else chunk_spans, lay.chunks)
+    _run(chunk if summ is None else chunk_spans, _batch_chunks(lay, summ))
     dT = None if dT is None else dT.reshape(full)
     return Grads(dq=dq.reshape(full[:-1] + (E,)), dk=dk, dv=dv,
                  dmask=None if prob.mask_float is None else additive_vjp(dT, prob.shapes["attn_mask"]),
@@ -452,12 +460,15 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
                                                          o.dropout_p).reshape(Pc.shape)
             out[idx] += Pd @ block_of(dv, lay.nd_g, idx)                    # + P_drop dV
 
-    summ = _read_spans(prob, fwd)
-    spans, rects = (None, None) if summ is None else summ[:2]     # P is 0 outside the forward's spans
+    summ = _read_spans(prob, fwd)                                 # P is 0 outside the forward's spans
 
     def chunk_spans(idx, inner_parallel):
         # the forward's spans: the tangent scores and the products on their cover by rectangles, the row
         # passes span by span, on views of one chunk-sized dP
+        sm = _summary_of(summ, idx)
+        if sm is None:                                              # a batch entry whose keys all count
+            return chunk(idx, inner_parallel)
+        spans, rects = sm.spans, sm.rects
         qc, k, v = (block_of(a, lay.nd_g, idx) for a in (q, prob.k, prob.v))
         dqc, dkc, dvc = (block_of(a, lay.nd_g, idx) for a in (dqg, dk, dv))
         Pc, outc = Pg[idx], out[idx]
@@ -493,7 +504,7 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
                 if dvc is not None:
                     outc[..., rows, :] += dropout_forward(Pc[..., rows, j0:j1], keep, o.dropout_p) @ dvc[..., j0:j1, :]
 
-    _run(chunk if spans is None else chunk_spans, lay.chunks)
+    _run(chunk if summ is None else chunk_spans, _batch_chunks(lay, summ))
     if dv is not None:
         dvu = prob.averaged_values(fwd.empty, dv, dv_full)
         if dvu is not dv:                                  # "uniform": such a row averages every value's tangent
@@ -563,6 +574,19 @@ def _head_chunks(lead, unit, width=128, kv_bytes=0):
             chunks.append(tuple(slice(i, i + 1) for i in outer) + (slice(a0, min(a0 + r, lead[ax])),)
                           + tuple(slice(None) for _ in lead[ax + 1:]))
     return chunks
+
+
+def _zero_rows(T, empty, padded, policy):
+    """Set to 0, in place, the rows of ``P`` (``T``, C-contiguous, its rows in the order of ``empty``'s) that have
+    no key and whose ``P`` is 0 by the policy (:func:`sdpa_ref.policy.fill_empty_rows`): padded query rows under
+    every policy, every such row under ``"zero"`` (the row pass leaves them 0/0). Their output is 0 by
+    :func:`sdpa_ref.policy.zero_output_rows`, so O needs no second product. Returns whether a row is left that the
+    policy fills otherwise (then :func:`fill_empty_rows` and O again, on the whole matrix)."""
+    rows = np.flatnonzero(empty)
+    pad = np.ones(rows.size, bool) if fills_zero(policy) else \
+        np.zeros(rows.size, bool) if padded is None else np.broadcast_to(padded, empty.shape).reshape(-1)[rows]
+    _rows(T)[rows[pad]] = 0
+    return not pad.all()
 
 
 def _run(worker, chunks):
@@ -641,14 +665,77 @@ SPAN_MIN_KEYS = 1024
 SPAN_MIN_KEYS_NARROW = 2048
 
 
+#: Where the allowed set differs between batch entries (per-batch lengths: a packed varlen batch padded to its longest
+#: sequence), every entry takes its own spans from :data:`SPAN_MIN_KEYS` keys in either dtype, and below that, in
+#: float64, where they hold at most this share of its scores (a short sequence's padding). Packed varlen (four
+#: causal sequences of L/8, L/4, 3L/8 and L/4 tokens, padded to 3L/8), 8 heads of 64 (4 at ``L = 4096``), forward +
+#: backward, 2 threads, medians of 7 to 15 interleaved rounds: ``L = 1024`` (384 keys) float64, every padded score
+#: 140-145 ms, the short sequences' spans 122-129 ms; float32, 90-95 ms against 93-97 ms (so none there);
+#: ``L = 4096`` (1536 keys) float32, 332 ms, 233 ms with the share, 207 ms with every entry's spans.
+_SPAN_SHARE = 0.5
+#: ... from this many keys (two blocks of rows' worth: below, a span saves less than its passes cost).
+_SPAN_SHARE_MIN_KEYS = 256
+
+
+class _BatchSpans:
+    """The spans of each batch entry (:func:`.blocks.key_spans` over its heads), for a problem whose allowed set
+    differs between batch entries: ``per`` maps the batch index to a :class:`.blocks.BlockSummary`, or to None
+    where that entry runs over every key. Its chunks hold one batch entry each (:func:`_batch_chunks`); the
+    spans depend on the shape and the mask only, as the whole problem's do."""
+
+    def __init__(self, per, nb):
+        self.per, self.nb = per, nb
+
+    def of(self, idx):
+        return self.per[tuple(s.start for s in idx[:self.nb])]
+
+
+def _summary_of(summ, idx):
+    """The :class:`.blocks.BlockSummary` that the chunk ``idx`` runs on, or None (every key)."""
+    return summ.of(idx) if isinstance(summ, _BatchSpans) else summ
+
+
+def _batch_chunks(lay, summ):
+    """The chunks a schedule runs: :attr:`_Layout.chunks`, cut at batch entries where each entry has its own spans
+    (:class:`_BatchSpans`): then one batch entry (a range of its kv heads) per chunk, on any thread count."""
+    if not isinstance(summ, _BatchSpans):
+        return lay.chunks
+    out = []
+    for idx in lay.chunks:
+        ranges = [range(*s.indices(n)) for s, n in zip(idx[:summ.nb], lay.lead)]
+        out.extend(tuple(slice(i, i + 1) for i in b) + idx[summ.nb:] for b in itertools.product(*ranges))
+    return out
+
+
 def _spans(prob, allowed):
     """:func:`.blocks.key_spans` of the problem's allowed set, in blocks of :func:`.blocks.span_rows` query rows,
     or None (nothing to skip, or too few keys for skipping to pay, :data:`SPAN_MIN_KEYS` in float64 and
     :data:`SPAN_MIN_KEYS_NARROW` in a narrower compute dtype: every block runs over every key, as one product
-    per head)."""
-    if prob.S < (SPAN_MIN_KEYS if np.dtype(prob.dtype).itemsize >= 8 else SPAN_MIN_KEYS_NARROW):
+    per head).
+
+    Where the allowed set differs between batch entries (per-batch lengths, a bool mask with a batch axis), each
+    entry has its own spans (:class:`_BatchSpans`): the union would run a short sequence over its batch's longest.
+    From :data:`SPAN_MIN_KEYS` keys in either dtype; below, in float64, an entry takes them only where they hold at
+    most :data:`_SPAN_SHARE` of its scores (the padding of a short sequence), from :data:`_SPAN_SHARE_MIN_KEYS` keys."""
+    if allowed is None:
         return None
-    return key_spans(allowed, prob.L, prob.S, span_rows(prob.L))
+    a = np.asarray(allowed)
+    nb = len(prob.batch)
+    a = a.reshape((1,) * (len(prob.full_scores) - a.ndim) + a.shape)
+    if all(d == 1 for d in a.shape[:nb]):
+        enough = prob.S >= (SPAN_MIN_KEYS if np.dtype(prob.dtype).itemsize >= 8 else SPAN_MIN_KEYS_NARROW)
+        return key_spans(allowed, prob.L, prob.S, span_rows(prob.L)) if enough else None
+    share = 1.0 if prob.S >= SPAN_MIN_KEYS else \
+        _SPAN_SHARE if np.dtype(prob.dtype).itemsize >= 8 and prob.S >= _SPAN_SHARE_MIN_KEYS else 0.0
+    if share == 0:
+        return None
+    per = {}
+    for b in np.ndindex(*prob.batch):
+        sm = key_spans(a[tuple(i if n > 1 else 0 for i, n in zip(b, a.shape))], prob.L, prob.S, span_rows(prob.L))
+        if sm is not None and sum((i1 - i0) * (j1 - j0) for i0, i1, j0, j1 in sm.spans) > share * prob.L * prob.S:
+            sm = None
+        per[b] = sm
+    return None if all(sm is None for sm in per.values()) else _BatchSpans(per, nb)
 
 
 #: Rows (or keys) from which one ``(batch, kv head)`` unit's products are cut into blocks (:func:`_cuts`).
@@ -709,7 +796,7 @@ def _read_spans(prob, fwd):
     fill such a row on every key (or every excluded one), which no span holds. (Found by the split-KV test with
     two-row blocks: a causal, masked, ``"nan"`` problem's ``dK`` was 0, not NaN, on a key past its row block's
     span.)"""
-    summ = fwd.extra if isinstance(fwd.extra, BlockSummary) else _spans(prob, prob.allowed())
+    summ = fwd.extra if isinstance(fwd.extra, (BlockSummary, _BatchSpans)) else _spans(prob, prob.allowed())
     if summ is not None and fills_past_allowed(prob.options.fully_masked, fwd.empty, prob.padded_rows()):
         return None
     return summ
