@@ -45,8 +45,11 @@ FUZZ_SEED = int(os.environ.get("SDPA_REF_FUZZ_SEED", "21"))
 RUN_TIMEOUT = 30.0                      # seconds per run of the client; a mutant's run takes well under one
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed, (\d+) skipped(: nothing judged)?$")
 
-pytestmark = pytest.mark.skipif(shutil.which(CC) is None or not os.path.exists(SOURCE),
-                                reason="no C compiler here (CI has one)")
+# one worker runs the module (setup.cfg: --dist loadgroup): its builds and vector sets are made once, not once per
+# worker (about 11 s of each worker's time)
+pytestmark = [pytest.mark.skipif(shutil.which(CC) is None or not os.path.exists(SOURCE),
+                                 reason="no C compiler here (CI has one)"),
+              pytest.mark.xdist_group("c_client")]
 
 
 def _have_lowp():
