@@ -755,6 +755,24 @@ def test_a_padded_varlen_batch_runs_each_sequence_on_its_own_spans(policy, monke
         assert_close_normwise(b, a, F64_REGROUPED)
 
 
+@pytest.mark.parametrize("policy", ["zero", "nan", "uniform", "jax"])
+def test_a_bool_mask_that_differs_over_two_batch_axes_gives_each_entry_its_spans(policy):
+    """A bool mask with two batch axes (a band whose width differs per entry, some rows left without a key): the
+    entries whose spans hold at most half their scores take them, the others run whole rows, and the output and
+    gradients are the plain engine's, NaN where it has NaN."""
+    rng = np.random.default_rng(3)
+    q, k, v, g = (rng.standard_normal((2, 3, 2, 300, 8)) for _ in range(4))
+    i, j = np.arange(300)[:, None], np.arange(300)[None, :]
+    mask = np.stack([np.stack([(j <= i) & (j >= i - w - 7 * a) & (i % 97 != 5) for w in (20, 60, 400)])
+                     for a in range(2)])[:, :, None]
+    out, res = sdpa_forward(q, k, v, attn_mask=mask, fully_masked=policy)
+    per = res.forward.extra.per
+    assert [per[(a, b)] is not None for a in range(2) for b in range(3)] == [True, False, False] * 2
+    out_p, res_p = sdpa_forward(q, k, v, attn_mask=mask, fully_masked=policy, method="plain")
+    for a, b in zip([out_p, *sdpa_backward(res_p, g, method="plain")[:3]], [out, *sdpa_backward(res, g)[:3]]):
+        assert_close_normwise(a, b, F64_REGROUPED)
+
+
 @given(variant_problem(max_len=6), st.integers(1, 3))
 def test_the_block_skipping_schedule_equals_plain_on_every_option(problem, rows):
     """With blocks of a few query rows, every mask (causal in both alignments, windows, chunks, lengths, block
