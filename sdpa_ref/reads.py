@@ -358,9 +358,11 @@ class ReadsArith:
         return Reads(np.sum(v, axis=axis, keepdims=keepdims), np.any(t, axis=axis, keepdims=keepdims),
                      np.all(z, axis=axis, keepdims=keepdims))
 
-    def matmul(self, A, B, final=False, scale=None):
+    def matmul(self, A, B, final=False, scale=None, spans=None):
         """``A @ B`` (times ``scale``): an entry reads poison where some term ``A_ij B_jk`` has a poisoned factor
-        and no structural zero, and is a structural zero where every term has one."""
+        and no structural zero, and is a structural zero where every term has one; with ``spans`` (the columns
+        each row wants, :func:`sdpa_ref.exact.ozaki.matmul`), an entry outside them is a structural zero that
+        reads nothing (the arithmetics leave it ``+0``; a block may form more, which this does not count)."""
         (av, at, az), (bv, bt, bz) = _parts(A), _parts(B)
         v = av @ bv if scale is None else (av @ bv) * scale
         ones = None                                          # the products of 0/1 indicators, only where needed
@@ -374,6 +376,10 @@ class ReadsArith:
             t |= (at.any(axis=-1, keepdims=True) if ones is None else (at.astype(np.float32) @ ones[1]) > 0)
         if bt.any():                                         # B_jk poisoned, A_ij no structural zero
             t |= (bt.any(axis=-2, keepdims=True) if ones is None else (ones[0] @ bt.astype(np.float32)) > 0)
+        if spans is not None:
+            j = np.arange(v.shape[-1])
+            out = (j < spans[0][:, None]) | (j >= spans[1][:, None])          # (M, N): not formed
+            v, t, z = np.where(out, v.dtype.type(0), v), t & ~out, z | out
         return self._join(v, t, z)
 
 

@@ -236,6 +236,80 @@ def test_ozaki_products_left_out_on_zero_slices_move_no_bit(monkeypatch, native)
         assert np.isnan(h[0, 7]).all() and np.isnan(h).sum() == h.shape[-1]
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_ozaki_products_on_the_columns_each_row_wants_move_no_bit(monkeypatch, native):
+    """``spans``: a block of rows formed on the union of its rows' columns alone (a causal band, a window, rows that
+    want nothing, blocks of several rows); every entry formed has the bits of the whole product, the rest is +0:
+    float64 and dd operands over wide exponent ranges, a dominant column, the scale, several batch entries; and
+    the rounded arithmetic of ``upcast=False`` gives each wanted entry its value too."""
+    from sdpa_ref.exact.arith import LowPrecision
+    if not native:
+        monkeypatch.setenv("SDPA_REF_NATIVE", "0")
+    monkeypatch.setattr(ozaki, "_BLOCK_ENTRIES", 1 << 12)             # blocks of a few rows, at this size
+    rng = np.random.default_rng(12)
+    M, K, N = 150, 64, 200
+    A = rng.standard_normal((3, M, K)) * 2.0 ** rng.integers(-30, 30, (3, M, 1))
+    B = rng.standard_normal((3, K, N)) * 2.0 ** rng.integers(-30, 30, (3, 1, N))
+    B[:, 5, 17] = 2.0 ** 300                                           # a dominant entry
+    Ad = (A, rng.standard_normal(A.shape) * np.abs(A) * 2.0 ** -60)
+    i = np.arange(M)
+    causal = (np.zeros(M, np.int64), np.minimum(N, i + 51))
+    window = (np.maximum(0, i - 40), np.minimum(N, i + 1))
+    gaps = (np.where(i % 37 == 3, N, window[0]), np.where(i % 37 == 3, 0, window[1]))    # rows wanting nothing
+    j = np.arange(N)
+    for a, kw in ((A, {}), (Ad, {}), (A, dict(scale=0.125)), (A[:1], {}), (Ad, dict(scale=3.0))):
+        whole = ozaki.matmul(a, B if np.shape(a[0] if isinstance(a, tuple) else a)[0] == 3 else B[:1], **kw)
+        for start, stop in (causal, window, gaps):
+            part = ozaki.matmul(a, B if whole[0].shape[0] == 3 else B[:1], spans=(start, stop), **kw)
+            want = np.broadcast_to((j >= start[:, None]) & (j < stop[:, None]), whole[0].shape)
+            for w, p in zip(whole, part):
+                np.testing.assert_array_equal(p[want].view(np.int64), w[want].view(np.int64))
+                rest = ~want & (p != 0)                               # a block forms its rows' union: as whole
+                np.testing.assert_array_equal(p[rest].view(np.int64), w[rest].view(np.int64))
+            assert (part[0][~want] == 0).mean() > 0.5
+    with pytest.raises(ValueError, match="spans"):
+        ozaki.matmul(A, B, final=True, spans=causal)
+    X = LowPrecision(np.float32)
+    a32, b32 = A[:1].astype(np.float32) * 2.0 ** -20, np.clip(B[:1], -1e3, 1e3).astype(np.float32)
+    whole, part = X.matmul(a32, b32), X.matmul(a32, b32, spans=window)
+    want = (j >= window[0][:, None]) & (j < window[1][:, None])
+    np.testing.assert_array_equal(part[0][want], whole[0][want])
+
+
+@pytest.mark.parametrize("policy", ["zero", "nan", "uniform", "jax"])
+def test_the_scores_and_dP_on_the_allowed_keys_alone_move_no_bit(monkeypatch, policy):
+    """``Q K^T`` and ``dO V^T`` formed on each query row's allowed keys (any batch entry or head): the output, LSE
+    and gradients are the bits of forming them whole, in float64 and in float32 with ``upcast=False``, for
+    per-batch lengths (padded rows, a sequence whose first rows have no key), a window, sinks, dropout and GQA,
+    under every policy (``dO V^T`` whole where a policy fills a row past its keys)."""
+    from sdpa_ref.engines import reproducible as R
+    rng = np.random.default_rng(31)
+    B, Hkv, G, L, E = 2, 2, 2, 40, 4
+    opts = dict(is_causal=True, causal_alignment="bottom_right", window=(12, 0), fully_masked=policy,
+                enable_gqa=True, q_lengths=np.array([40, 25]), kv_lengths=np.array([30, 40]),
+                sinks=np.array([0.5, -np.inf, 1.0, 0.0]), dropout_p=0.2,
+                dropout_mask=rng.random((B, Hkv * G, L, L)) > 0.2, precision="reproducible")
+    q, g = (rng.standard_normal((B, Hkv * G, L, E)) for _ in range(2))
+    k, v = (rng.standard_normal((B, Hkv, L, E)) for _ in range(2))
+    calls = []
+    spans = R._key_spans
+
+    def counted(*a, **kw):
+        calls.append(spans(*a, **kw))
+        return calls[-1]
+    runs = {}
+    for name, fn in (("spans", counted), ("whole", lambda *a, **kw: None)):
+        monkeypatch.setattr(R, "_key_spans", fn)
+        runs[name] = []
+        for dt, kw in ((np.float64, {}), (np.float32, dict(upcast=False))):
+            a = [x.astype(dt) for x in (q, k, v, g)]
+            out, res = sdpa_ref.sdpa_forward(*a[:3], **opts, **kw)
+            runs[name] += [out, res.lse, *sdpa_ref.sdpa_backward(res, a[3])[:3]]
+    assert calls[0] is not None                                        # the scores took them
+    for x, y in zip(runs["spans"], runs["whole"]):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_a_wrong_rounding_is_caught():
     # the faithfulness check itself must fail for a result two ulps away
     t = np.array([mpmath.mpf(1) / 3], dtype=object)

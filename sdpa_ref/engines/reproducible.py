@@ -48,7 +48,8 @@ import numpy as np
 from ..exact.arith import DoubleDouble, for_problem
 from ..normalize import EXTRA_NAME, close_in, extra_shape, extras, lse_in, vjp_in
 from ..broadcast import block_of
-from ..policy import constant_rows, counts, fill_empty_rows, fill_output_without_keys, nan_rows, zero_output_rows
+from ..policy import constant_rows, counts, fill_empty_rows, fill_output_without_keys, fills_past_allowed, nan_rows, \
+    zero_output_rows
 from ..score_mod import indices, params_vjp
 from ..transforms import SCORE_MOD, SCORE_STAGES, ScoreBlock, dropout_in, transform_scores_in, unbroadcast
 from .._threads import run_all
@@ -77,7 +78,8 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
     ``arith``: the arithmetic (default: the problem's, :func:`sdpa_ref.exact.arith.for_problem`)."""
     X = arith or for_problem(prob)
     o, S, full, nd = prob.options, prob.S, prob.full_scores, len(prob.full_scores)
-    Traw = _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale), prob)           # scale Q K^T, (..., Hq, L, S)
+    Traw = _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale, spans=_key_spans(prob)),   # scale Q K^T,
+                 prob)                                                                          # (..., Hq, L, S)
     P = _reuse(X, Traw, full)                          # a block of P is written after its scores are read
     Pd = X.empty(full) if prob.keep is not None else P
     sd = X.empty(full) if o.has_slope else None                         # sech^2(Traw / cap) (times fn')
@@ -155,7 +157,7 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None, absorbed=None) ->
     dOg = _grouped(dO, prob)                                          # (..., Hkv, G, L, Ev)
     dv = X.matmul(_t(_fold(_grouped(Pd, prob))), _fold(dOg),          # P_drop^T dO, the group folded in
                   final=whole and _no_sum(prob.batch + prob.v.shape[-3:], prob.shapes["value"]))
-    dP = _full(X.matmul(dOg, _t(_kv(prob.v))), prob)                 # dO V^T
+    dP = _full(X.matmul(dOg, _t(_kv(prob.v)), spans=_key_spans(prob, fwd)), prob)     # dO V^T
     mod = o.score_mod if o.score_mod is not None and o.score_mod.params else None   # captured tensors
     keep_dT = prob.mask_float is not None or prob.bias is not None or mod is not None
     dT = X.empty(full) if keep_dT else None
@@ -318,6 +320,29 @@ def _reuse(X, a, shape):
 def _excluded(prob):
     a = prob.allowed()
     return None if a is None else ~a
+
+
+def _key_spans(prob, fwd=None):
+    """``(start, stop)`` per query row: the keys that some batch entry or head allows in that row, the columns of
+    ``Q K^T`` (and, with ``fwd``, of ``dO V^T``) worth forming (:func:`sdpa_ref.exact.ozaki.matmul`'s ``spans``);
+    the others are excluded, their scores ``-inf`` whatever the product, their ``P`` 0 and their ``dP`` read only
+    times that 0. None where every row wants every key, or where an entry outside would be read: a score function
+    (its value at an excluded entry is the function's), softcap (its slope is kept at every entry), or, for
+    ``dO V^T``, a row that the policy fills past its allowed keys (:func:`sdpa_ref.policy.fills_past_allowed`)."""
+    a = prob.allowed()
+    o = prob.options
+    if a is None or o.score_mod is not None or o.has_slope or prob.L == 0 or prob.S == 0:
+        return None
+    if fwd is not None and fills_past_allowed(o.fully_masked, fwd.empty, prob.padded_rows()):
+        return None
+    a = np.asarray(a)
+    some = np.broadcast_to(np.logical_or.reduce(a.reshape((-1,) + a.shape[-2:]), axis=0), (prob.L, prob.S))
+    has = some.any(axis=1)
+    start = np.where(has, some.argmax(axis=1), prob.S)
+    stop = np.where(has, prob.S - some[:, ::-1].argmax(axis=1), 0)
+    if np.all(start == 0) and np.all(stop == prob.S):
+        return None
+    return start, stop
 
 
 def _times_values(X, prob, P, empty, v, v_full, final=False):

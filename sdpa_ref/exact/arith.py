@@ -168,9 +168,10 @@ class DoubleDouble:
         lib = _native.kernels()
         return None if lib is None else _native.softmax_vjp_rows(lib, P, g)
 
-    def matmul(self, A, B, final=False, scale=None):
-        """``A @ B`` exactly, rounded to a dd (:func:`.ozaki.matmul`; times the float ``scale``)."""
-        return ozaki.matmul(A, B, final=final, scale=scale)
+    def matmul(self, A, B, final=False, scale=None, spans=None):
+        """``A @ B`` exactly, rounded to a dd (:func:`.ozaki.matmul`; times the float ``scale``; ``spans``: the
+        columns wanted in each row, ``+0`` elsewhere)."""
+        return ozaki.matmul(A, B, final=final, scale=scale, spans=spans)
 
     def reshape(self, a, shape):
         return a[0].reshape(shape), a[1].reshape(shape)
@@ -312,10 +313,11 @@ class LowPrecision:
             x = np.concatenate([s, x[..., -1:]], axis=-1) if n % 2 else s
         return x.astype(self.dtype)
 
-    def matmul(self, A, B, final=False, scale=None):
+    def matmul(self, A, B, final=False, scale=None, spans=None):
         """``sum_k A_ik B_kj`` with products and the fixed tree of :meth:`sum` in the accumulation dtype,
         rounded once to the dtype (float16 products are exact in float32), in blocks of rows; then times
-        ``scale`` (rounded to the dtype), rounded again."""
+        ``scale`` (rounded to the dtype), rounded again. ``spans``: ``(start, stop)`` per row of ``A``, the
+        columns wanted (a block of rows forms the union of its rows'; ``+0`` elsewhere), each the same value."""
         A, B = np.asarray(A, self.dtype), np.asarray(B, self.dtype)
         K = A.shape[-1]
         shape = np.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (A.shape[-2], B.shape[-1])
@@ -328,8 +330,11 @@ class LowPrecision:
         if K:
             for b in range(A2.shape[0]):
                 for m0 in range(0, M, rows):
-                    prod = A2[b, m0:m0 + rows, None, :] * np.swapaxes(B2[b], 0, 1)[None]   # (rows, N, K)
-                    out[b, m0:m0 + rows] = self._tree(prod)[..., 0]
+                    n0, n1 = (0, N) if spans is None else \
+                        (int(np.min(spans[0][m0:m0 + rows])), int(np.max(spans[1][m0:m0 + rows])))
+                    if n1 > n0:
+                        prod = A2[b, m0:m0 + rows, None, :] * np.swapaxes(B2[b, :, n0:n1], 0, 1)[None]  # (rows, n, K)
+                        out[b, m0:m0 + rows, n0:n1] = self._tree(prod)[..., 0]
         out = out.reshape(shape)
         return out if scale is None else out * self._t(scale)
 

@@ -348,7 +348,7 @@ def _quick_columns(B, t, n, rho):
             + [np.zeros_like(col(smax[0]))] * (n - t), [col(x) for x in ssum], col(rmax))
 
 
-def matmul(A, B, bits=104, final=False, scale=None):
+def matmul(A, B, bits=104, final=False, scale=None, spans=None):
     """``A @ B`` as a dd ``(hi, lo)``; ``A`` ``(..., M, K)``, ``B`` ``(..., K, N)``, float64 or dd pairs.
 
     ``scale`` (a float): ``scale * (A @ B)``, the dd product by the float
@@ -371,7 +371,17 @@ def matmul(A, B, bits=104, final=False, scale=None):
     keeps them (its ``hi`` is then faithfully rounded); the other rows take
     every level. The choice depends on exact quantities of the row alone, so
     it is the same on every machine and in any block.
+
+    ``spans`` (``final=False`` only): ``(start, stop)``, two int arrays with
+    one entry per row of ``A``, the columns of the result wanted in that
+    row (an attention mask's keys); a block of rows is formed on the union
+    of its rows' columns alone, and the rest of the result is ``+0``. Each
+    entry formed has the bits it has without ``spans``: its products are
+    the same exact sums, on the same slices (a column's slices do not
+    depend on the other columns), added in the same order.
     """
+    if spans is not None and final:
+        raise ValueError("`spans` is for a product that is not rounded next (final=False)")
     A, B = _as_dd(A), _as_dd(B)
     K = A[0].shape[-1]
     shape = np.broadcast_shapes(A[0].shape[:-2], B[0].shape[:-2]) + (A[0].shape[-2], B[0].shape[-1])
@@ -410,8 +420,8 @@ def matmul(A, B, bits=104, final=False, scale=None):
     sb = [np.broadcast_to(x, shape[:-2] + (K, N)).reshape(-1, K, N) for x in sb]
     eb = np.broadcast_to(eb, shape[:-2] + (1, N)).reshape(-1, 1, N)
     Ah, Al = (None if x is None else np.broadcast_to(x, shape[:-2] + (M, K)).reshape(-1, M, K) for x in A)
-    hi = np.empty((sb[0].shape[0], M, N))
-    lo = np.empty_like(hi)
+    hi = (np.empty if spans is None else np.zeros)((sb[0].shape[0], M, N))
+    lo = (np.empty if spans is None else np.zeros)(hi.shape)
     mb = max(8, _BLOCK_ENTRIES // max(N, K, 1))            # rows per block: its slices and sums stay in cache
     nb = max(1, _BLOCK_ENTRIES // max(M * N, 1)) if mb >= M else 1      # small products: several per block
     items = [(slice(b, b + nb), m0) for b in range(0, hi.shape[0], nb) for m0 in range(0, M, mb)]
@@ -431,6 +441,13 @@ def matmul(A, B, bits=104, final=False, scale=None):
         b, m0 = item                                       # b: a range of batch entries
         a = (Ah[b, m0:m0 + mb], None if Al is None else Al[b, m0:m0 + mb])           # not yet normalised
         bcols, bk = lines[b.start]
+        n0, n1 = 0, N
+        if spans is not None:                              # the columns the block's rows want: the rest is +0
+            n0, n1 = int(np.min(spans[0][m0:m0 + mb])), int(np.max(spans[1][m0:m0 + mb]))
+            if n1 <= n0:
+                return
+            if (n0, n1) != (0, N) and bcols is not _ALL:
+                bcols = [_Lines(x[b][:, 0, n0:n1]) for x in cols]
         if quick:
             if lib is not None:                            # normalised, sliced, with maxima and sums, compiled
                 aq, (amax, asum), ra, ea = slice_rows(lib, a[0], a[1], t, rho, stats=True, normalise=True)
@@ -459,13 +476,18 @@ def matmul(A, B, bits=104, final=False, scale=None):
                 aq, _, ea = _normalised_slices(a, -1, n, rho)
                 amax = [_line_max(x, -1) for x in aq]
                 asum = amax                                # NumPy's maxima carry a NaN
-            acc = _products(aq, [x[b] for x in sb], n, rows_of(amax, asum), bcols, bk, normalise=False)
-        ec = eb[b]                                         # (rows, 1) + (1, N): undo the scalings, exactly
+            acc = _products(aq, [x[b][..., n0:n1] for x in sb], n, rows_of(amax, asum), bcols, bk, normalise=False)
+        ec = eb[b][..., n0:n1]                             # (rows, 1) + (1, N): undo the scalings, exactly
         lo_e, hi_e = (int(ea.min()), int(ec.min())), (int(ea.max()), int(ec.max()))
         in_range = min(lo_e) >= -1022 and max(hi_e) <= 1023 and sum(lo_e) >= -1022 and sum(hi_e) <= 1023
-        out = (hi[b, m0:m0 + mb], lo[b, m0:m0 + mb])
-        if lib is not None and in_range and out[0].flags.c_contiguous:
-            dd_finish(lib, acc, ea, ec, out, normalise=not quick, scale=scale)   # one pass: the steps below
+        out = (hi[b, m0:m0 + mb, n0:n1], lo[b, m0:m0 + mb, n0:n1])
+        if lib is not None and in_range:
+            if out[0].flags.c_contiguous:
+                dd_finish(lib, acc, ea, ec, out, normalise=not quick, scale=scale)   # one pass: the steps below
+                return
+            part = (np.empty(out[0].shape), np.empty(out[0].shape))     # some columns: finished, then copied
+            dd_finish(lib, acc, ea, ec, part, normalise=not quick, scale=scale)
+            out[0][...], out[1][...] = part
             return
         h, l = acc if quick else fast_two_sum(*acc)
         if scale is not None:                              # scale * (A B), before the result leaves [1/2, K)
