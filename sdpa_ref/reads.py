@@ -358,11 +358,13 @@ class ReadsArith:
         return Reads(np.sum(v, axis=axis, keepdims=keepdims), np.any(t, axis=axis, keepdims=keepdims),
                      np.all(z, axis=axis, keepdims=keepdims))
 
-    def matmul(self, A, B, final=False, scale=None, spans=None):
+    def matmul(self, A, B, final=False, scale=None, spans=None, contract=None):
         """``A @ B`` (times ``scale``): an entry reads poison where some term ``A_ij B_jk`` has a poisoned factor
         and no structural zero, and is a structural zero where every term has one; with ``spans`` (the columns
         each row wants, :func:`sdpa_ref.exact.ozaki.matmul`), an entry outside them is a structural zero that
-        reads nothing (the arithmetics leave it ``+0``; a block may form more, which this does not count)."""
+        reads nothing (the arithmetics leave it ``+0``; a block may form more, which this does not count).
+        ``contract`` (where each row of ``A`` may be nonzero) leaves out terms whose ``A`` factor is a structural
+        zero, which this reads as nothing already."""
         (av, at, az), (bv, bt, bz) = _parts(A), _parts(B)
         v = av @ bv if scale is None else (av @ bv) * scale
         ones = None                                          # the products of 0/1 indicators, only where needed

@@ -276,17 +276,59 @@ def test_ozaki_products_on_the_columns_each_row_wants_move_no_bit(monkeypatch, n
     np.testing.assert_array_equal(part[0][want], whole[0][want])
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_ozaki_products_contracted_where_each_row_is_nonzero_move_no_bit(monkeypatch, native):
+    """``contract``: a block of rows contracted over the union of its rows' nonzero range alone (a causal ``P``,
+    a band, rows that are all zero, blocks of several rows): the bits of the whole contraction, signed zeros
+    too, for ``final=True`` (rows whose leading levels fail the bound and take every level: cancelling sums)
+    and ``final=False``, float64 and dd operands, the scale, several batch entries, with ``spans`` at once."""
+    if not native:
+        monkeypatch.setenv("SDPA_REF_NATIVE", "0")
+    monkeypatch.setattr(ozaki, "_BLOCK_ENTRIES", 1 << 12)
+    rng = np.random.default_rng(13)
+    M, K, N = 120, 160, 24
+    i, k = np.arange(M), np.arange(K)
+    causal = (np.zeros(M, np.int64), np.minimum(K, i + 41))
+    band = (np.maximum(0, i - 30), np.minimum(K, i + 9))
+    gaps = (np.where(i % 29 == 4, K, band[0]), np.where(i % 29 == 4, 0, band[1]))
+    B = rng.standard_normal((2, K, N)) * 2.0 ** rng.integers(-20, 20, (2, 1, N))
+    for start, stop in (causal, band, gaps):
+        inside = (k >= start[:, None]) & (k < stop[:, None])
+        A = np.where(inside, rng.random((2, M, K)) * 2.0 ** rng.integers(-40, 0, (2, M, 1)), 0.0)
+        A[:, ::7, 1::2] = A[:, ::7, 0::2]                               # every 7th row in equal pairs, less
+        A[:, ::7] = np.where(inside[::7], A[:, ::7] * (1 + 2.0 ** -80 * (k % 5 == 1)), 0.0)    # a few last bits
+        Bc = B.copy()
+        Bc[:, :, 3] = np.where(k % 2 == 0, 1.0, -1.0)                  # against which they cancel to those bits
+        Ad = (A, A * rng.standard_normal(A.shape) * 2.0 ** -60)
+        for a, kw in ((A, dict(final=True)), (Ad, dict(final=True)), (A, {}), (Ad, dict(scale=0.125)),
+                      (A, dict(final=True, scale=3.0)), (A, dict(spans=band[:1] + (np.minimum(N, band[1]),)))):
+            whole = ozaki.matmul(a, Bc, **{n: x for n, x in kw.items() if n != "spans"})
+            part = ozaki.matmul(a, Bc, contract=(start, stop), **kw)
+            if "spans" in kw:                                         # the columns each row wants
+                j = np.arange(N)
+                want = np.broadcast_to((j >= kw["spans"][0][:, None]) & (j < kw["spans"][1][:, None]), whole[0].shape)
+                whole = tuple(np.where(want, w, 0.0) for w in whole)
+                part = tuple(np.where(want, p, 0.0) for p in part)
+            for w, p in zip(whole, part):
+                np.testing.assert_array_equal(p.view(np.int64), w.view(np.int64))
+
+
+@pytest.mark.parametrize("kv_lengths", [[30, 40], [40, 40]])
 @pytest.mark.parametrize("policy", ["zero", "nan", "uniform", "jax"])
-def test_the_scores_and_dP_on_the_allowed_keys_alone_move_no_bit(monkeypatch, policy):
-    """``Q K^T`` and ``dO V^T`` formed on each query row's allowed keys (any batch entry or head): the output, LSE
-    and gradients are the bits of forming them whole, in float64 and in float32 with ``upcast=False``, for
-    per-batch lengths (padded rows, a sequence whose first rows have no key), a window, sinks, dropout and GQA,
-    under every policy (``dO V^T`` whole where a policy fills a row past its keys)."""
+def test_the_products_on_the_allowed_blocks_alone_move_no_bit(monkeypatch, policy, kv_lengths):
+    """``Q K^T`` and ``dO V^T`` formed on each query row's allowed keys (any batch entry or head), ``P V`` and
+    ``dT K`` contracted over them, ``P^T dO`` and ``dT^T Q`` over each key's rows (blocks of 8 rows here): the
+    output, LSE and gradients are the bits of forming every product whole, in float64 and in float32 with
+    ``upcast=False``, for per-batch lengths (padded rows, and a sequence whose first rows have no key or none), a
+    window, sinks, dropout and GQA, under every policy (whole where a policy fills a row past its keys)."""
     from sdpa_ref.engines import reproducible as R
+    from sdpa_ref.exact.arith import LowPrecision
+    monkeypatch.setattr(ozaki, "_BLOCK_ENTRIES", 1 << 8)
+    monkeypatch.setattr(LowPrecision, "BLOCK", 1 << 9)
     rng = np.random.default_rng(31)
     B, Hkv, G, L, E = 2, 2, 2, 40, 4
     opts = dict(is_causal=True, causal_alignment="bottom_right", window=(12, 0), fully_masked=policy,
-                enable_gqa=True, q_lengths=np.array([40, 25]), kv_lengths=np.array([30, 40]),
+                enable_gqa=True, q_lengths=np.array([40, 25]), kv_lengths=np.array(kv_lengths),
                 sinks=np.array([0.5, -np.inf, 1.0, 0.0]), dropout_p=0.2,
                 dropout_mask=rng.random((B, Hkv * G, L, L)) > 0.2, precision="reproducible")
     q, g = (rng.standard_normal((B, Hkv * G, L, E)) for _ in range(2))
@@ -306,6 +348,7 @@ def test_the_scores_and_dP_on_the_allowed_keys_alone_move_no_bit(monkeypatch, po
             out, res = sdpa_ref.sdpa_forward(*a[:3], **opts, **kw)
             runs[name] += [out, res.lse, *sdpa_ref.sdpa_backward(res, a[3])[:3]]
     assert calls[0] is not None                                        # the scores took them
+    assert (policy != "zero" and kv_lengths[0] < 40) or all(c is not None for c in calls)    # and every product
     for x, y in zip(runs["spans"], runs["whole"]):
         np.testing.assert_array_equal(x, y)
 

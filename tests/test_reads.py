@@ -291,8 +291,8 @@ WRONG = {
         _case({"is_causal": True}, {"value": (0, 0, 2, 0)})),
     # the scores read q: every result of the row must be NaN
     "a matrix product that reads no poison": (
-        "matmul", lambda self, A, B, final=False, scale=None, spans=None:
-        Reads(_ORIGINAL_MATMUL(self, A, B, final, scale, spans).v),
+        "matmul", lambda self, A, B, final=False, scale=None, spans=None, contract=None:
+        Reads(_ORIGINAL_MATMUL(self, A, B, final, scale, spans, contract).v),
         _case({}, {"query": (0, 0, 1, 0)})),
     # a dropped entry reads no value (row 0 drops key 2, which the other rows read)
     "a dropout that still reads what it drops": (

@@ -78,8 +78,8 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
     ``arith``: the arithmetic (default: the problem's, :func:`sdpa_ref.exact.arith.for_problem`)."""
     X = arith or for_problem(prob)
     o, S, full, nd = prob.options, prob.S, prob.full_scores, len(prob.full_scores)
-    Traw = _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale, spans=_key_spans(prob)),   # scale Q K^T,
-                 prob)                                                                          # (..., Hq, L, S)
+    Traw = _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale, spans=_key_spans(prob, scores=True)),
+                 prob)                                                                # scale Q K^T, (..., Hq, L, S)
     P = _reuse(X, Traw, full)                          # a block of P is written after its scores are read
     Pd = X.empty(full) if prob.keep is not None else P
     sd = X.empty(full) if o.has_slope else None                         # sech^2(Traw / cap) (times fn')
@@ -129,7 +129,8 @@ def forward(prob, *, save_probs=True, arith=None) -> Forward:
     _by_rows(full, rows)
     lse = lse_in(X, *norm, empty)                                    # element-wise: the same bits as row by row,
     lse_keys = None if keys is None else lse_in(X, *keys)            # in one pass rather than one per block
-    O = _full(_times_values(X, prob, Pd, empty, prob.v, prob.v_full, final=True), prob)
+    O = _full(_times_values(X, prob, Pd, empty, prob.v, prob.v_full, final=True, contract=_key_spans(prob, empty)),
+              prob)
     _no_silent_nan(X, O, _nan_rows(prob, empty), "out")
     _no_silent_nan(X, lse, None, "lse")
     O = fill_output_without_keys(_round(X, O), prob.nan_rows_without_keys())
@@ -155,9 +156,10 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None, absorbed=None) ->
     P, Pd, sd = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["sech2"]
     padded = prob.padded_rows()
     dOg = _grouped(dO, prob)                                          # (..., Hkv, G, L, Ev)
+    row_keys, key_rows = _key_spans(prob, fwd.empty), _key_spans(prob, fwd.empty, keys=True)  # P, dT 0 outside
     dv = X.matmul(_t(_fold(_grouped(Pd, prob))), _fold(dOg),          # P_drop^T dO, the group folded in
-                  final=whole and _no_sum(prob.batch + prob.v.shape[-3:], prob.shapes["value"]))
-    dP = _full(X.matmul(dOg, _t(_kv(prob.v)), spans=_key_spans(prob, fwd)), prob)     # dO V^T
+                  final=whole and _no_sum(prob.batch + prob.v.shape[-3:], prob.shapes["value"]), contract=key_rows)
+    dP = _full(X.matmul(dOg, _t(_kv(prob.v)), spans=row_keys), prob)     # dO V^T
     mod = o.score_mod if o.score_mod is not None and o.score_mod.params else None   # captured tensors
     keep_dT = prob.mask_float is not None or prob.bias is not None or mod is not None
     dT = X.empty(full) if keep_dT else None
@@ -190,9 +192,10 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None, absorbed=None) ->
     dbias = None if prob.bias is None else _round(X, unbroadcast(dT, prob.shapes["bias"], X))
     dTg = _grouped(dTraw, prob)
     dq = _full(X.matmul(dTg, _kv(prob.k), final=_no_sum(full[:-1] + (prob.q.shape[-1],), prob.shapes["query"]),
-                        scale=prob.scale), prob)
+                        scale=prob.scale, contract=row_keys), prob)
     dk = X.matmul(_t(_fold(dTg)), _fold_q(prob),
-                  final=whole and _no_sum(prob.batch + prob.k.shape[-3:], prob.shapes["key"]), scale=prob.scale)
+                  final=whole and _no_sum(prob.batch + prob.k.shape[-3:], prob.shapes["key"]), scale=prob.scale,
+                  contract=key_rows)
     heads = None if nan_rows is None else np.any(_grouped(nan_rows, prob), axis=(-3, -2))[..., None]
     for x, ok, what in ((dq, nan_rows, "dq"), (dk, heads, "dk"), (dv, heads, "dv")):
         _no_silent_nan(X, x, ok, what)
@@ -322,34 +325,54 @@ def _excluded(prob):
     return None if a is None else ~a
 
 
-def _key_spans(prob, fwd=None):
-    """``(start, stop)`` per query row: the keys that some batch entry or head allows in that row, the columns of
-    ``Q K^T`` (and, with ``fwd``, of ``dO V^T``) worth forming (:func:`sdpa_ref.exact.ozaki.matmul`'s ``spans``);
-    the others are excluded, their scores ``-inf`` whatever the product, their ``P`` 0 and their ``dP`` read only
-    times that 0. None where every row wants every key, or where an entry outside would be read: a score function
-    (its value at an excluded entry is the function's), softcap (its slope is kept at every entry), or, for
-    ``dO V^T``, a row that the policy fills past its allowed keys (:func:`sdpa_ref.policy.fills_past_allowed`)."""
+def _allowed_rows(prob):
+    """The ``(L, S)`` keys some batch entry or head allows in each query row, or None (no structural mask)."""
     a = prob.allowed()
-    o = prob.options
-    if a is None or o.score_mod is not None or o.has_slope or prob.L == 0 or prob.S == 0:
-        return None
-    if fwd is not None and fills_past_allowed(o.fully_masked, fwd.empty, prob.padded_rows()):
+    if a is None or prob.L == 0 or prob.S == 0:
         return None
     a = np.asarray(a)
-    some = np.broadcast_to(np.logical_or.reduce(a.reshape((-1,) + a.shape[-2:]), axis=0), (prob.L, prob.S))
+    return np.broadcast_to(np.logical_or.reduce(a.reshape((-1,) + a.shape[-2:]), axis=0), (prob.L, prob.S))
+
+
+def _first_last(some):
+    """``(start, stop)`` per row of the bool ``(n, m)``: its first True and its last plus one (``m`` and 0 where it
+    has none)."""
     has = some.any(axis=1)
-    start = np.where(has, some.argmax(axis=1), prob.S)
-    stop = np.where(has, prob.S - some[:, ::-1].argmax(axis=1), 0)
-    if np.all(start == 0) and np.all(stop == prob.S):
+    m = some.shape[1]
+    return np.where(has, some.argmax(axis=1), m), np.where(has, m - some[:, ::-1].argmax(axis=1), 0)
+
+
+def _key_spans(prob, empty=None, scores=False, keys=False):
+    """The ranges :func:`sdpa_ref.exact.ozaki.matmul` forms a product on (its ``spans`` and ``contract``): the
+    keys some batch entry or head allows, per query row, or (``keys``) per key the query rows that allow it, over
+    a GQA group's ``G L`` folded rows. The others are excluded: their scores are ``-inf`` whatever the product,
+    their ``P`` and ``dT`` exactly 0, their ``dP`` read only times that 0. None where every row takes every key, or
+    where an entry outside would be read: with ``scores``, a score function or softcap (an excluded entry's value
+    or slope is kept); with ``empty`` (the forward's rows without a key), a row that the policy fills past its
+    keys (:func:`sdpa_ref.policy.fills_past_allowed`)."""
+    o = prob.options
+    if scores and (o.score_mod is not None or o.has_slope):
         return None
-    return start, stop
+    if empty is not None and fills_past_allowed(o.fully_masked, empty, prob.padded_rows()):
+        return None
+    some = _allowed_rows(prob)
+    if some is None:
+        return None
+    if not keys:
+        start, stop = _first_last(some)
+        return None if np.all(start == 0) and np.all(stop == prob.S) else (start, stop)
+    start, stop = _first_last(np.ascontiguousarray(some.T))
+    span = prob.G * prob.L                                  # the group's rows g L + [0, L), folded
+    start, stop = np.where(stop > 0, start, span), np.where(stop > 0, stop + (prob.G - 1) * prob.L, 0)
+    return None if np.all(start == 0) and np.all(stop == span) else (start, stop)
 
 
-def _times_values(X, prob, P, empty, v, v_full, final=False):
+def _times_values(X, prob, P, empty, v, v_full, final=False, contract=None):
     """``P V`` (or ``P dV``) per kv head, ``(..., Hkv, G, L, Ev)``; the fully masked rows of ``"uniform"`` take the
-    values they average (:meth:`Problem.averaged_values`), the others the ones no allowed entry skips."""
+    values they average (:meth:`Problem.averaged_values`), the others the ones no allowed entry skips.
+    ``contract``: each row's keys outside which its ``P`` is 0 (:func:`_key_spans`), or None."""
     Pg = _grouped(P, prob)
-    out = X.matmul(Pg, _kv(v), final=final)
+    out = X.matmul(Pg, _kv(v), final=final, contract=contract)
     vu = prob.averaged_values(empty, v, v_full)
     if vu is not v:
         out = X.where(_grouped(empty, prob), X.matmul(Pg, _kv(vu), final=final), out)

@@ -168,10 +168,10 @@ class DoubleDouble:
         lib = _native.kernels()
         return None if lib is None else _native.softmax_vjp_rows(lib, P, g)
 
-    def matmul(self, A, B, final=False, scale=None, spans=None):
+    def matmul(self, A, B, final=False, scale=None, spans=None, contract=None):
         """``A @ B`` exactly, rounded to a dd (:func:`.ozaki.matmul`; times the float ``scale``; ``spans``: the
-        columns wanted in each row, ``+0`` elsewhere)."""
-        return ozaki.matmul(A, B, final=final, scale=scale, spans=spans)
+        columns wanted in each row, ``+0`` elsewhere; ``contract``: where each row of ``A`` may be nonzero)."""
+        return ozaki.matmul(A, B, final=final, scale=scale, spans=spans, contract=contract)
 
     def reshape(self, a, shape):
         return a[0].reshape(shape), a[1].reshape(shape)
@@ -313,11 +313,13 @@ class LowPrecision:
             x = np.concatenate([s, x[..., -1:]], axis=-1) if n % 2 else s
         return x.astype(self.dtype)
 
-    def matmul(self, A, B, final=False, scale=None, spans=None):
+    def matmul(self, A, B, final=False, scale=None, spans=None, contract=None):
         """``sum_k A_ik B_kj`` with products and the fixed tree of :meth:`sum` in the accumulation dtype,
         rounded once to the dtype (float16 products are exact in float32), in blocks of rows; then times
         ``scale`` (rounded to the dtype), rounded again. ``spans``: ``(start, stop)`` per row of ``A``, the
-        columns wanted (a block of rows forms the union of its rows'; ``+0`` elsewhere), each the same value."""
+        columns wanted (a block of rows forms the union of its rows'; ``+0`` elsewhere), each the same value.
+        ``contract`` (where each row of ``A`` may be nonzero) changes nothing here: the tree pairs the terms by
+        their position, so leaving the zero ones out would pair the others otherwise, and round them otherwise."""
         A, B = np.asarray(A, self.dtype), np.asarray(B, self.dtype)
         K = A.shape[-1]
         shape = np.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (A.shape[-2], B.shape[-1])

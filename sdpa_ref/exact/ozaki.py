@@ -348,7 +348,7 @@ def _quick_columns(B, t, n, rho):
             + [np.zeros_like(col(smax[0]))] * (n - t), [col(x) for x in ssum], col(rmax))
 
 
-def matmul(A, B, bits=104, final=False, scale=None, spans=None):
+def matmul(A, B, bits=104, final=False, scale=None, spans=None, contract=None):
     """``A @ B`` as a dd ``(hi, lo)``; ``A`` ``(..., M, K)``, ``B`` ``(..., K, N)``, float64 or dd pairs.
 
     ``scale`` (a float): ``scale * (A @ B)``, the dd product by the float
@@ -379,6 +379,14 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None):
     entry formed has the bits it has without ``spans``: its products are
     the same exact sums, on the same slices (a column's slices do not
     depend on the other columns), added in the same order.
+
+    ``contract``: ``(start, stop)``, one entry per row of ``A``, the
+    contraction's indices outside which that row of ``A`` is exactly zero
+    (the keys a row of ``P`` allows); a block of rows is contracted over
+    the union of its rows' alone. The terms left out are products with
+    zero slices (a zero entry's slices are zero), so every sum, the bound
+    of ``final=True`` (from the rows' and columns' statistics, which zeros
+    do not change) and so every bit are those of the whole contraction.
     """
     if spans is not None and final:
         raise ValueError("`spans` is for a product that is not rounded next (final=False)")
@@ -420,8 +428,9 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None):
     sb = [np.broadcast_to(x, shape[:-2] + (K, N)).reshape(-1, K, N) for x in sb]
     eb = np.broadcast_to(eb, shape[:-2] + (1, N)).reshape(-1, 1, N)
     Ah, Al = (None if x is None else np.broadcast_to(x, shape[:-2] + (M, K)).reshape(-1, M, K) for x in A)
-    hi = (np.empty if spans is None else np.zeros)((sb[0].shape[0], M, N))
-    lo = (np.empty if spans is None else np.zeros)(hi.shape)
+    some = spans is not None or contract is not None       # some blocks, or parts, are left +0
+    hi = (np.zeros if some else np.empty)((sb[0].shape[0], M, N))
+    lo = (np.zeros if some else np.empty)(hi.shape)
     mb = max(8, _BLOCK_ENTRIES // max(N, K, 1))            # rows per block: its slices and sums stay in cache
     nb = max(1, _BLOCK_ENTRIES // max(M * N, 1)) if mb >= M else 1      # small products: several per block
     items = [(slice(b, b + nb), m0) for b in range(0, hi.shape[0], nb) for m0 in range(0, M, mb)]
@@ -448,6 +457,14 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None):
                 return
             if (n0, n1) != (0, N) and bcols is not _ALL:
                 bcols = [_Lines(x[b][:, 0, n0:n1]) for x in cols]
+        k0, k1 = 0, K
+        if contract is not None:                           # the contraction the block's rows need
+            k0, k1 = int(np.min(contract[0][m0:m0 + mb])), int(np.max(contract[1][m0:m0 + mb]))
+            if k1 <= k0:                                   # every term is zero: +0
+                return
+            if (k0, k1) != (0, K):
+                bk = [_Lines(x[b][:, k0:k1]) for x in kls]
+        kk = slice(k0, k1)
         if quick:
             if lib is not None:                            # normalised, sliced, with maxima and sums, compiled
                 aq, (amax, asum), ra, ea = slice_rows(lib, a[0], a[1], t, rho, stats=True, normalise=True)
@@ -456,18 +473,18 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None):
                 ra = _line_max(raq[0], -1) + _line_max(raq[1], -1)
                 amax = [_line_max(x, -1) for x in aq]
                 asum = [np.sum(np.abs(x), axis=-1, keepdims=True) for x in aq]   # exact, in any order
-            h, l = _products(aq, [x[b] for x in sb[:t]], t, rows_of(amax, asum), bcols if bcols is _ALL
-                             else bcols[:t], bk[:t])
+            h, l = _products([x[..., kk] for x in aq], [x[b][..., kk, n0:n1] for x in sb[:t]], t,
+                             rows_of(amax, asum), bcols if bcols is _ALL else bcols[:t], bk[:t])
             bound = _level_bound(ra, rbq[b], amax, [x[b] for x in mbs[:t]], asum, [x[b] for x in sbq], K)
             redo = ~np.all(bound <= 2.0 ** -55 * np.abs(h), axis=-1)            # (batch entries, rows)
             for i in np.flatnonzero(redo.any(axis=-1)):     # those rows take every level (rows are independent)
                 r = np.flatnonzero(redo[i])
                 bi = slice(b.start + i, b.start + i + 1)
-                h[i, r], l[i, r] = _products(_normalised_slices((a[0][i, r], None if a[1] is None else a[1][i, r]),
-                                                                -1, n, rho)[0],
-                                             [x[bi][0] for x in sb], n, None,
-                                             None if cols is _ALL else [_Lines(x[bi][:, 0, :]) for x in cols],
-                                             [_Lines(x[bi]) for x in kls])
+                h[i, r], l[i, r] = _products([x[..., kk] for x in _normalised_slices(
+                                                  (a[0][i, r], None if a[1] is None else a[1][i, r]), -1, n, rho)[0]],
+                                             [x[bi][0][kk, n0:n1] for x in sb], n, None,
+                                             None if cols is _ALL else [_Lines(x[bi][:, 0, n0:n1]) for x in cols],
+                                             [_Lines(x[bi][:, kk]) for x in kls])
             acc = (h, l)
         else:
             if lib is not None:
@@ -476,7 +493,8 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None):
                 aq, _, ea = _normalised_slices(a, -1, n, rho)
                 amax = [_line_max(x, -1) for x in aq]
                 asum = amax                                # NumPy's maxima carry a NaN
-            acc = _products(aq, [x[b][..., n0:n1] for x in sb], n, rows_of(amax, asum), bcols, bk, normalise=False)
+            acc = _products([x[..., kk] for x in aq], [x[b][..., kk, n0:n1] for x in sb], n, rows_of(amax, asum),
+                            bcols, bk, normalise=False)
         ec = eb[b][..., n0:n1]                             # (rows, 1) + (1, N): undo the scalings, exactly
         lo_e, hi_e = (int(ea.min()), int(ec.min())), (int(ea.max()), int(ec.max()))
         in_range = min(lo_e) >= -1022 and max(hi_e) <= 1023 and sum(lo_e) >= -1022 and sum(hi_e) <= 1023
