@@ -317,8 +317,9 @@ def test_ozaki_products_contracted_where_each_row_is_nonzero_move_no_bit(monkeyp
 @pytest.mark.parametrize("policy", ["zero", "nan", "uniform", "jax"])
 def test_the_products_on_the_allowed_blocks_alone_move_no_bit(monkeypatch, policy, kv_lengths):
     """``Q K^T`` and ``dO V^T`` formed on each query row's allowed keys (any batch entry or head), ``P V`` and
-    ``dT K`` contracted over them, ``P^T dO`` and ``dT^T Q`` over each key's rows (blocks of 8 rows here): the
-    output, LSE and gradients are the bits of forming every product whole, in float64 and in float32 with
+    ``dT K`` contracted over them, ``P^T dO`` and ``dT^T Q`` over each key's rows (blocks of 8 rows here), and the
+    JVP's tangent scores and products likewise: the output, LSE, gradients and JVP are the bits of forming every
+    product whole, in float64 and in float32 with
     ``upcast=False``, for per-batch lengths (padded rows, and a sequence whose first rows have no key or none), a
     window, sinks, dropout and GQA, under every policy (whole where a policy fills a row past its keys)."""
     from sdpa_ref.engines import reproducible as R
@@ -333,6 +334,7 @@ def test_the_products_on_the_allowed_blocks_alone_move_no_bit(monkeypatch, polic
                 dropout_mask=rng.random((B, Hkv * G, L, L)) > 0.2, precision="reproducible")
     q, g = (rng.standard_normal((B, Hkv * G, L, E)) for _ in range(2))
     k, v = (rng.standard_normal((B, Hkv, L, E)) for _ in range(2))
+    ts = tuple(rng.standard_normal(x.shape) for x in (q, k, v))
     calls = []
     spans = R._key_spans
 
@@ -346,7 +348,8 @@ def test_the_products_on_the_allowed_blocks_alone_move_no_bit(monkeypatch, polic
         for dt, kw in ((np.float64, {}), (np.float32, dict(upcast=False))):
             a = [x.astype(dt) for x in (q, k, v, g)]
             out, res = sdpa_ref.sdpa_forward(*a[:3], **opts, **kw)
-            runs[name] += [out, res.lse, *sdpa_ref.sdpa_backward(res, a[3])[:3]]
+            runs[name] += [out, res.lse, *sdpa_ref.sdpa_backward(res, a[3])[:3],
+                           sdpa_ref.sdpa_jvp(tuple(a[:3]), tuple(x.astype(dt) for x in ts), **opts, **kw)[1]]
     assert calls[0] is not None                                        # the scores took them
     assert (policy != "zero" and kv_lengths[0] < 40) or all(c is not None for c in calls)    # and every product
     for x, y in zip(runs["spans"], runs["whole"]):

@@ -220,13 +220,14 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
     o, full, nd = prob.options, prob.full_scores, len(prob.full_scores)
     P, Pd, sd = fwd.extra["P"], fwd.extra["Pd"], fwd.extra["sech2"]
     padded = prob.padded_rows()
+    row_keys = _key_spans(prob, fwd.empty)                          # P is 0 outside them, and so is its map
     dO = None
     if dq is not None or dk is not None or dbias is not None or dextra is not None:
         dT = None
         if dq is not None:
-            dT = X.matmul(dq, _t(_kv(prob.k)))
+            dT = X.matmul(dq, _t(_kv(prob.k)), spans=row_keys)
         if dk is not None:
-            u = X.matmul(prob.q, _t(_kv(dk)))
+            u = X.matmul(prob.q, _t(_kv(dk)), spans=row_keys)
             dT = u if dT is None else X.add(dT, u)
         dT = X.lift(np.zeros(full)) if dT is None else _full(dT, prob)
         dPd = X.empty(full)
@@ -248,9 +249,9 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
             X.put(dPd, ix, _dropout(X, p, block_of(prob.keep, nd, lead, r), o.dropout_p))
 
         _by_rows(full, rows)
-        dO = X.matmul(_grouped(dPd, prob), _kv(prob.v))
+        dO = X.matmul(_grouped(dPd, prob), _kv(prob.v), contract=row_keys)
     if dv is not None:
-        u = _times_values(X, prob, Pd, fwd.empty, dv, dv_full)
+        u = _times_values(X, prob, Pd, fwd.empty, dv, dv_full, contract=row_keys)
         dO = u if dO is None else X.add(dO, u)
     if dO is None:
         return np.zeros(full[:-1] + (prob.v.shape[-1],), X.dtype)
