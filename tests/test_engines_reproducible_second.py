@@ -329,3 +329,39 @@ def test_the_same_bits_under_every_thread_and_simd_setting(in_process_digest, ex
                          capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout == in_process_digest, extra_env
+
+
+@pytest.mark.parametrize("kv_lengths", [[30, 40], [40, 40]])
+@pytest.mark.parametrize("policy", ["zero", "nan", "uniform", "jax"])
+def test_the_second_order_on_the_allowed_blocks_alone_moves_no_bit(monkeypatch, policy, kv_lengths):
+    """The double backward's products on each query row's allowed keys (``dO V^T``, the tangent scores,
+    ``ddO V^T + dO dV^T``) and contracted over them (``dQ'``, and ``dK'`` and ``dV'`` over each key's rows, blocks of
+    8 rows here): every tangent has the bits of forming every product whole, for per-batch lengths (padded rows,
+    and a sequence whose first rows have no key or none), a window, sinks, dropout and GQA, under
+    every policy (whole where a policy fills a row past its keys)."""
+    from sdpa_ref.engines import reproducible_second as R2
+    from sdpa_ref.exact import ozaki
+    monkeypatch.setattr(ozaki, "_BLOCK_ENTRIES", 1 << 8)
+    rng = np.random.default_rng(41)
+    B, Hkv, G, L, E = 2, 2, 2, 40, 4
+    opts = dict(is_causal=True, causal_alignment="bottom_right", window=(12, 0), fully_masked=policy,
+                enable_gqa=True, q_lengths=np.array([40, 25]), kv_lengths=np.array(kv_lengths),
+                sinks=np.array([0.5, -np.inf, 1.0, 0.0]), dropout_p=0.2,
+                dropout_mask=rng.random((B, Hkv * G, L, L)) > 0.2, precision="reproducible")
+    q, g, gt = (rng.standard_normal((B, Hkv * G, L, E)) for _ in range(3))
+    k, v = (rng.standard_normal((B, Hkv, L, E)) for _ in range(2))
+    ts = tuple(rng.standard_normal(x.shape) for x in (q, k, v))
+    calls = []
+    spans = R2._key_spans
+
+    def counted(*a, **kw):
+        calls.append(spans(*a, **kw))
+        return calls[-1]
+    runs = {}
+    for name, fn in (("spans", counted), ("whole", lambda *a, **kw: None)):
+        monkeypatch.setattr(R2, "_key_spans", fn)
+        grads, tan = sdpa_backward_jvp((q, k, v), ts, g, gt, **opts)
+        runs[name] = [*grads[:3], *tan[:3]]
+    assert (policy != "zero" and kv_lengths[0] < 40) or all(c is not None for c in calls)
+    for x, y in zip(runs["spans"], runs["whole"]):
+        np.testing.assert_array_equal(x, y)

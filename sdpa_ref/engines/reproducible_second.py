@@ -36,8 +36,8 @@ from ..policy import constant_rows, counts
 from ..transforms import dropout_in, transform_scores_jvp, transform_scores_slope_jvp_in, transform_scores_vjp, \
     transform_scores_vjp_jvp, zero_masked_slope_in
 from .contract import Forward, Grads
-from .reproducible import _any_to, _by_rows, _fold, _fold_q, _full, _grouped, _kv, _nan_rows, _no_silent_nan, _quiet, \
-    _round, _t
+from .reproducible import _any_to, _by_rows, _fold, _fold_q, _full, _grouped, _key_spans, _kv, _nan_rows, \
+    _no_silent_nan, _quiet, _round, _t
 
 __all__ = ["backward_jvp"]
 
@@ -57,11 +57,15 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
     dOg, vT = _grouped(dO, prob), _t(_kv(prob.v))
     # the products the rows read: dO V^T (the backward's dP), Traw' = s (dQ K^T + Q dK^T), ddO V^T + dO dV^T
     # (dP'), and the raw scores Traw where the chain has a slope (the forward's, bit for bit)
-    dPu = _full(X.matmul(dOg, vT), prob)
-    traw_t = _joined_product(X, (dq, prob.q), (prob.k, dk))        # [dQ | Q] [K | dK]^T: one exact sum
+    # (on each row's allowed keys, and contracted over them below: P, P' and every dT are 0 outside; the slope's
+    # tangent reads Traw' at every entry)
+    row_keys, key_rows = _key_spans(prob, fwd.empty), _key_spans(prob, fwd.empty, keys=True)
+    dPu = _full(X.matmul(dOg, vT, spans=row_keys), prob)
+    traw_t = _joined_product(X, (dq, prob.q), (prob.k, dk),        # [dQ | Q] [K | dK]^T: one exact sum
+                             spans=row_keys if sd is None else None)
     traw_t = None if traw_t is None else _full(X.mul_d(traw_t, prob.scale), prob)
-    ddPu = _sum(X, None if ddO is None else X.matmul(_grouped(ddO, prob), vT),
-                None if dv is None else X.matmul(dOg, _t(_kv(dv))))
+    ddPu = _sum(X, None if ddO is None else X.matmul(_grouped(ddO, prob), vT, spans=row_keys),
+                None if dv is None else X.matmul(dOg, _t(_kv(dv)), spans=row_keys))
     ddPu = None if ddPu is None else _full(ddPu, prob)
     Traw = None if sd is None else _full(X.matmul(prob.q, _t(_kv(prob.k)), scale=prob.scale), prob)
     keep_ddT = prob.mask_float is not None or prob.bias is not None
@@ -105,17 +109,19 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
 
     _by_rows(full, rows)
     # dV = P_drop^T dO  =>  dV' = P_drop'^T dO + P_drop^T ddO, the GQA group folded into the contraction
-    dv_t = _sum(X, X.matmul(_t(_fold(_grouped(Pt_drop, prob))), _fold(dOg)),
-                None if ddO is None else X.matmul(_t(_fold(_grouped(Pd, prob))), _fold(_grouped(ddO, prob))))
+    dv_t = _sum(X, X.matmul(_t(_fold(_grouped(Pt_drop, prob))), _fold(dOg), contract=key_rows),
+                None if ddO is None else X.matmul(_t(_fold(_grouped(Pd, prob))), _fold(_grouped(ddO, prob)),
+                                                  contract=key_rows))
     dmask = None if prob.mask_float is None else _round(X, unbroadcast(ddT_all, prob.shapes["attn_mask"], X))
     dbias_t = None if prob.bias is None else _round(X, unbroadcast(ddT_all, prob.shapes["bias"], X))
     # dQ = s dTraw K, dK = s dTraw^T Q  =>  dQ' = s (dTraw' K + dTraw K'), dK' = s (dTraw'^T Q + dTraw^T Q')
     dTg, ddTg = _grouped(dTraw, prob), _grouped(ddTraw, prob)
-    dq_t = _sum(X, X.matmul(ddTg, _kv(prob.k)), None if dk is None else X.matmul(dTg, _kv(dk)))
+    dq_t = _sum(X, X.matmul(ddTg, _kv(prob.k), contract=row_keys),
+                None if dk is None else X.matmul(dTg, _kv(dk), contract=row_keys))
     dq_t = _full(X.mul_d(dq_t, prob.scale), prob)
-    dk_t = _sum(X, X.matmul(_t(_fold(ddTg)), _fold_q(prob)),
-                None if dq is None else X.matmul(_t(_fold(dTg)),
-                                                 _fold(np.broadcast_to(dq, prob.batch + dq.shape[-4:]))))
+    dk_t = _sum(X, X.matmul(_t(_fold(ddTg)), _fold_q(prob), contract=key_rows),
+                None if dq is None else X.matmul(_t(_fold(dTg)), _fold(np.broadcast_to(dq, prob.batch + dq.shape[-4:])),
+                                                 contract=key_rows))
     dk_t = X.mul_d(dk_t, prob.scale)
     dextra_t = None
     if ddx is not None:                                             # summed over the rows, then to (..., Hq)
@@ -136,16 +142,16 @@ def backward_jvp(prob, fwd: Forward, dO, dlse=None, dq=None, dk=None, dv=None, d
                  dextra=dextra_t, absorbed=split)
 
 
-def _joined_product(X, lefts, rights):
+def _joined_product(X, lefts, rights, spans=None):
     """``sum_i lefts[i] @ rights[i]^T`` over the pairs with neither None, as one exact product of the pairs
-    joined along the contraction (``(..., Hkv, G, L, n)`` against ``(..., Hkv, S, n)``), rounded once; None when
-    no pair is whole."""
+    joined along the contraction (``(..., Hkv, G, L, n)`` against ``(..., Hkv, S, n)``), rounded once (on the
+    columns ``spans`` wants, :func:`sdpa_ref.exact.ozaki.matmul`); None when no pair is whole."""
     pairs = [(a, b) for a, b in zip(lefts, rights) if a is not None and b is not None]
     if not pairs:
         return None
     ls = np.broadcast_arrays(*(a for a, _ in pairs))
     rs = np.broadcast_arrays(*(b for _, b in pairs))
-    return X.matmul(np.concatenate(ls, axis=-1), _t(_kv(np.concatenate(rs, axis=-1))))
+    return X.matmul(np.concatenate(ls, axis=-1), _t(_kv(np.concatenate(rs, axis=-1))), spans=spans)
 
 
 def _sum(X, a, b):
