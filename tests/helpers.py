@@ -69,3 +69,31 @@ def loss_derivatives(kw):
 
     g = np.random.default_rng(1).standard_normal(n + res.lse.size)
     return fun, vjp, hvp, [q, k, v], g
+
+
+def key_spans_case(rng, policy, kv_lengths):
+    """``(q, k, v, g, tangents, opts)``: a reproducible problem whose products skip masked blocks (per-batch
+    lengths with padded rows and a sequence that may start without keys, a window, sinks, dropout, GQA; ``B,
+    Hkv, G, L, E = 2, 2, 2, 40, 4``), for the tests that hold those products to the whole ones."""
+    B, Hkv, G, L, E = 2, 2, 2, 40, 4
+    opts = dict(is_causal=True, causal_alignment="bottom_right", window=(12, 0), fully_masked=policy,
+                enable_gqa=True, q_lengths=np.array([40, 25]), kv_lengths=np.array(kv_lengths),
+                sinks=np.array([0.5, -np.inf, 1.0, 0.0]), dropout_p=0.2,
+                dropout_mask=rng.random((B, Hkv * G, L, L)) > 0.2, precision="reproducible")
+    q, g = (rng.standard_normal((B, Hkv * G, L, E)) for _ in range(2))
+    k, v = (rng.standard_normal((B, Hkv, L, E)) for _ in range(2))
+    return q, k, v, g, tuple(rng.standard_normal(x.shape) for x in (q, k, v)), opts
+
+
+def with_and_without_key_spans(monkeypatch, module, run):
+    """``(with, without, calls)``: the arrays ``run()`` returns with ``module._key_spans`` as it is (each range it
+    gives kept in ``calls``), then with it giving None (every product formed whole)."""
+    calls, spans = [], module._key_spans
+
+    def counted(*a, **kw):
+        calls.append(spans(*a, **kw))
+        return calls[-1]
+    monkeypatch.setattr(module, "_key_spans", counted)
+    with_ = run()
+    monkeypatch.setattr(module, "_key_spans", lambda *a, **kw: None)
+    return with_, run(), calls

@@ -16,7 +16,8 @@ from sdpa_ref.exact import dd as D
 from sdpa_ref.exact import ozaki
 from sdpa_ref.pivot import softmax_vjp_in
 
-from helpers import assert_close_normwise, assert_faithful as _faithful, assert_faithful
+from helpers import assert_close_normwise, assert_faithful as _faithful, assert_faithful, key_spans_case, \
+    with_and_without_key_spans
 from oracle import mp_shifted, oracle_attention
 from strategies import variant_problem
 from tolerances import F64_FEW_ULP, F64_SUMS
@@ -326,33 +327,20 @@ def test_the_products_on_the_allowed_blocks_alone_move_no_bit(monkeypatch, polic
     from sdpa_ref.exact.arith import LowPrecision
     monkeypatch.setattr(ozaki, "_BLOCK_ENTRIES", 1 << 8)
     monkeypatch.setattr(LowPrecision, "BLOCK", 1 << 9)
-    rng = np.random.default_rng(31)
-    B, Hkv, G, L, E = 2, 2, 2, 40, 4
-    opts = dict(is_causal=True, causal_alignment="bottom_right", window=(12, 0), fully_masked=policy,
-                enable_gqa=True, q_lengths=np.array([40, 25]), kv_lengths=np.array(kv_lengths),
-                sinks=np.array([0.5, -np.inf, 1.0, 0.0]), dropout_p=0.2,
-                dropout_mask=rng.random((B, Hkv * G, L, L)) > 0.2, precision="reproducible")
-    q, g = (rng.standard_normal((B, Hkv * G, L, E)) for _ in range(2))
-    k, v = (rng.standard_normal((B, Hkv, L, E)) for _ in range(2))
-    ts = tuple(rng.standard_normal(x.shape) for x in (q, k, v))
-    calls = []
-    spans = R._key_spans
+    q, k, v, g, ts, opts = key_spans_case(np.random.default_rng(31), policy, kv_lengths)
 
-    def counted(*a, **kw):
-        calls.append(spans(*a, **kw))
-        return calls[-1]
-    runs = {}
-    for name, fn in (("spans", counted), ("whole", lambda *a, **kw: None)):
-        monkeypatch.setattr(R, "_key_spans", fn)
-        runs[name] = []
+    def run():
+        out = []
         for dt, kw in ((np.float64, {}), (np.float32, dict(upcast=False))):
             a = [x.astype(dt) for x in (q, k, v, g)]
-            out, res = sdpa_ref.sdpa_forward(*a[:3], **opts, **kw)
-            runs[name] += [out, res.lse, *sdpa_ref.sdpa_backward(res, a[3])[:3],
-                           sdpa_ref.sdpa_jvp(tuple(a[:3]), tuple(x.astype(dt) for x in ts), **opts, **kw)[1]]
+            o, res = sdpa_ref.sdpa_forward(*a[:3], **opts, **kw)
+            out += [o, res.lse, *sdpa_ref.sdpa_backward(res, a[3])[:3],
+                    sdpa_ref.sdpa_jvp(tuple(a[:3]), tuple(x.astype(dt) for x in ts), **opts, **kw)[1]]
+        return out
+    with_, without, calls = with_and_without_key_spans(monkeypatch, R, run)
     assert calls[0] is not None                                        # the scores took them
     assert (policy != "zero" and kv_lengths[0] < 40) or all(c is not None for c in calls)    # and every product
-    for x, y in zip(runs["spans"], runs["whole"]):
+    for x, y in zip(with_, without):
         np.testing.assert_array_equal(x, y)
 
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from sdpa_ref import Packed, ScoreMod, sdpa_backward_jvp, sdpa_hvp
 
-from helpers import assert_close_normwise, assert_faithful
+from helpers import assert_close_normwise, assert_faithful, key_spans_case, with_and_without_key_spans
 from oracle import mp_shifted, oracle_attention
 from strategies import differentiable, variant_problem
 from test_engines_second import _case, _dyadic
@@ -343,25 +343,13 @@ def test_the_second_order_on_the_allowed_blocks_alone_moves_no_bit(monkeypatch, 
     from sdpa_ref.exact import ozaki
     monkeypatch.setattr(ozaki, "_BLOCK_ENTRIES", 1 << 8)
     rng = np.random.default_rng(41)
-    B, Hkv, G, L, E = 2, 2, 2, 40, 4
-    opts = dict(is_causal=True, causal_alignment="bottom_right", window=(12, 0), fully_masked=policy,
-                enable_gqa=True, q_lengths=np.array([40, 25]), kv_lengths=np.array(kv_lengths),
-                sinks=np.array([0.5, -np.inf, 1.0, 0.0]), dropout_p=0.2,
-                dropout_mask=rng.random((B, Hkv * G, L, L)) > 0.2, precision="reproducible")
-    q, g, gt = (rng.standard_normal((B, Hkv * G, L, E)) for _ in range(3))
-    k, v = (rng.standard_normal((B, Hkv, L, E)) for _ in range(2))
-    ts = tuple(rng.standard_normal(x.shape) for x in (q, k, v))
-    calls = []
-    spans = R2._key_spans
+    q, k, v, g, ts, opts = key_spans_case(rng, policy, kv_lengths)
+    gt = rng.standard_normal(g.shape)
 
-    def counted(*a, **kw):
-        calls.append(spans(*a, **kw))
-        return calls[-1]
-    runs = {}
-    for name, fn in (("spans", counted), ("whole", lambda *a, **kw: None)):
-        monkeypatch.setattr(R2, "_key_spans", fn)
+    def run():
         grads, tan = sdpa_backward_jvp((q, k, v), ts, g, gt, **opts)
-        runs[name] = [*grads[:3], *tan[:3]]
+        return [*grads[:3], *tan[:3]]
+    with_, without, calls = with_and_without_key_spans(monkeypatch, R2, run)
     assert (policy != "zero" and kv_lengths[0] < 40) or all(c is not None for c in calls)
-    for x, y in zip(runs["spans"], runs["whole"]):
+    for x, y in zip(with_, without):
         np.testing.assert_array_equal(x, y)
