@@ -312,6 +312,14 @@ def test_ozaki_products_contracted_where_each_row_is_nonzero_move_no_bit(monkeyp
                 part = tuple(np.where(want, p, 0.0) for p in part)
             for w, p in zip(whole, part):
                 np.testing.assert_array_equal(p.view(np.int64), w.view(np.int64))
+    widths, product = [], ozaki._product                               # and the blocks were contracted less
+    monkeypatch.setattr(ozaki, "_product", lambda a, b, *r: widths.append(a.shape[-1]) or product(a, b, *r))
+    ozaki.matmul(A, Bc, final=True, contract=band)
+    assert min(widths) <= 48 < K
+    for bad, err in ((5, TypeError), ((band[0][:-1], band[1][:-1]), ValueError),
+                     ((band[0] * 1.0, band[1]), ValueError)):
+        with pytest.raises(err, match="`contract` should be"):
+            ozaki.matmul(A, Bc, contract=bad)
 
 
 @pytest.mark.parametrize("kv_lengths", [[30, 40], [40, 40]])

@@ -52,6 +52,21 @@ _BLOCK_ENTRIES = 1 << 17
 _PARALLEL_WORK = 1 << 21
 
 
+def _ranges(r, name, M):
+    """``(start, stop)`` of :func:`matmul`'s ``spans`` or ``contract`` as two int arrays of ``M`` entries, or None."""
+    if r is None:
+        return None
+    try:
+        start, stop = (np.asarray(x) for x in r)
+    except (TypeError, ValueError):
+        raise TypeError(f"`{name}` should be a pair (start, stop) of int arrays, one entry per row of A, but got "
+                        f"{type(r).__name__}") from None
+    if start.shape != (M,) or stop.shape != (M,) or start.dtype.kind not in "iu" or stop.dtype.kind not in "iu":
+        raise ValueError(f"`{name}` should be two int arrays of shape ({M},), one entry per row of A, but got "
+                         f"{start.dtype}{list(start.shape)} and {stop.dtype}{list(stop.shape)}")
+    return start, stop
+
+
 def _rho(K):
     return math.ceil((54 + math.log2(max(K, 1))) / 2)
 
@@ -391,6 +406,7 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None, contract=None):
     if spans is not None and final:
         raise ValueError("`spans` is for a product that is not rounded next (final=False)")
     A, B = _as_dd(A), _as_dd(B)
+    spans, contract = (_ranges(r, name, A[0].shape[-2]) for r, name in ((spans, "spans"), (contract, "contract")))
     K = A[0].shape[-1]
     shape = np.broadcast_shapes(A[0].shape[:-2], B[0].shape[:-2]) + (A[0].shape[-2], B[0].shape[-1])
     if K == 0 or 0 in shape:
