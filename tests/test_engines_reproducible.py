@@ -271,10 +271,12 @@ def test_ozaki_products_on_the_columns_each_row_wants_move_no_bit(monkeypatch, n
     with pytest.raises(ValueError, match="spans"):
         ozaki.matmul(A, B, final=True, spans=causal)
     X = LowPrecision(np.float32)
+    monkeypatch.setattr(LowPrecision, "BLOCK", 1 << 15)                # blocks of 2 rows
     a32, b32 = A[:1].astype(np.float32) * 2.0 ** -20, np.clip(B[:1], -1e3, 1e3).astype(np.float32)
     whole, part = X.matmul(a32, b32), X.matmul(a32, b32, spans=window)
     want = (j >= window[0][:, None]) & (j < window[1][:, None])
     np.testing.assert_array_equal(part[0][want], whole[0][want])
+    assert (part[0][~want] == 0).mean() > 0.5                          # formed on the spans alone
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -20,8 +20,8 @@ from ..exact import _native
 from ..broadcast import block_of
 from ..transforms import score_mod_params_vjp, scores_forward, transform_scores
 
-__all__ = ["BlockSummary", "Blocks", "DEFAULT_BLOCK_BUDGET", "auto_block_size", "check_block_size", "exp_inplace",
-           "key_spans", "lse_blocks", "ranges", "rectangles", "span_rows"]
+__all__ = ["BlockSummary", "Blocks", "DEFAULT_BLOCK_BUDGET", "allowed_anywhere", "auto_block_size", "check_block_size",
+           "exp_inplace", "first_last", "key_spans", "lse_blocks", "ranges", "rectangles", "span_rows"]
 
 #: Memory budget (bytes) for the block temporaries of ``block_size="auto"``.
 DEFAULT_BLOCK_BUDGET = 64 * 2**20
@@ -143,22 +143,36 @@ def key_spans(allowed, L, S, b, align=8):
     """
     if allowed is None or L == 0 or S == 0:
         return None
-    a = np.asarray(allowed)
-    lead = a.reshape((-1,) + a.shape[-2:]) if a.ndim > 2 else a.reshape((1,) * (3 - a.ndim) + a.shape)
-    some = np.broadcast_to(np.logical_or.reduce(lead, axis=0), (L, S))      # in any batch entry or head
-    every = np.broadcast_to(np.logical_and.reduce(lead, axis=0), (L, S))    # in all of them
+    some = allowed_anywhere(allowed, L, S)                  # in any batch entry or head
+    every = allowed_anywhere(allowed, L, S, np.logical_and)  # in all of them
     starts = np.arange(0, L, b)
     cols = _per_block(some, b, np.any)                      # per block: keys allowed in any of its rows
     full = _per_block(every, b, np.all)                     # and in all of them
-    has = cols.any(axis=1)
-    first = np.where(has, cols.argmax(axis=1), 0)
-    last = np.where(has, S - cols[:, ::-1].argmax(axis=1), 1)
+    first, last = first_last(cols)
+    has = last > 0
+    first, last = np.where(has, first, 0), np.where(has, last, 1)
     j0 = (first // align) * align
     j1 = np.minimum(S, -(-last // align) * align)
     if np.all(j0 == 0) and np.all(j1 == S):
         return None
     spans = [(int(i), min(L, int(i) + b), int(x0), int(x1)) for i, x0, x1 in zip(starts, j0, j1)]
     return BlockSummary(spans, rectangles(spans, full), full)
+
+
+def allowed_anywhere(allowed, L, S, reduce=np.logical_or):
+    """The ``(L, S)`` keys allowed in some batch entry or head of the allowed set ``allowed`` (broadcastable to
+    ``(..., L, S)``; ``reduce=np.logical_and``: in every one)."""
+    a = np.asarray(allowed)
+    lead = a.reshape((-1,) + a.shape[-2:]) if a.ndim > 2 else a.reshape((1,) * (3 - a.ndim) + a.shape)
+    return np.broadcast_to(reduce.reduce(lead, axis=0), (L, S))
+
+
+def first_last(mask):
+    """``(start, stop)`` per row of the bool ``(n, m)`` ``mask``: its first True and its last plus one (``m`` and
+    0 on a row without one)."""
+    has = mask.any(axis=1)
+    m = mask.shape[1]
+    return np.where(has, mask.argmax(axis=1), m), np.where(has, m - mask[:, ::-1].argmax(axis=1), 0)
 
 
 def _per_block(a, b, reduce):

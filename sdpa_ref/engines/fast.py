@@ -58,7 +58,7 @@ import numpy as np
 from ..exact import _native
 from ..broadcast import block_of
 from ..policy import constant_rows, counts, excluded, fill_empty_rows, fill_output_without_keys, \
-    fills_past_allowed, fills_zero, zero_output_rows
+    fills_past_allowed, zero_output_rows
 from ..normalize import close, extra_probs, extras, nan_row_probs, row_stats, vjp
 from ..pivot import lane_rowsum, softmax_vjp_rows
 from ..transforms import additive_vjp, dropout_forward, scores_forward, scores_jvp, scores_vjp, transform_scores, \
@@ -577,16 +577,17 @@ def _head_chunks(lead, unit, width=128, kv_bytes=0):
 
 
 def _zero_rows(T, empty, padded, policy):
-    """Set to 0, in place, the rows of ``P`` (``T``, C-contiguous, its rows in the order of ``empty``'s) that have
-    no key and whose ``P`` is 0 by the policy (:func:`sdpa_ref.policy.fill_empty_rows`): padded query rows under
-    every policy, every such row under ``"zero"`` (the row pass leaves them 0/0). Their output is 0 by
-    :func:`sdpa_ref.policy.zero_output_rows`, so O needs no second product. Returns whether a row is left that the
-    policy fills otherwise (then :func:`fill_empty_rows` and O again, on the whole matrix)."""
-    rows = np.flatnonzero(empty)
-    pad = np.ones(rows.size, bool) if fills_zero(policy) else \
-        np.zeros(rows.size, bool) if padded is None else np.broadcast_to(padded, empty.shape).reshape(-1)[rows]
-    _rows(T)[rows[pad]] = 0
-    return not pad.all()
+    """Set to 0, in place, the rows of ``P`` (``T``, C-contiguous, its rows in the order of ``empty``'s) whose
+    output is 0 by definition (:func:`sdpa_ref.policy.zero_output_rows`: padded query rows under every policy,
+    every row without a key under ``"zero"``): their ``P`` is 0 too, which the row pass left 0/0, and O needs no
+    second product. Returns whether a row without a key is left for the policy to fill otherwise (then
+    :func:`fill_empty_rows` and O again, on the whole matrix)."""
+    zr = zero_output_rows(empty, padded, policy)
+    if zr is None:
+        return True
+    zr = np.broadcast_to(zr, empty.shape)
+    _rows(T)[np.flatnonzero(zr)] = 0
+    return bool(np.any(empty & ~zr))
 
 
 def _run(worker, chunks):

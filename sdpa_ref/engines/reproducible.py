@@ -53,6 +53,7 @@ from ..policy import constant_rows, counts, fill_empty_rows, fill_output_without
 from ..score_mod import indices, params_vjp
 from ..transforms import SCORE_MOD, SCORE_STAGES, ScoreBlock, dropout_in, transform_scores_in, unbroadcast
 from .._threads import run_all
+from .blocks import allowed_anywhere, first_last
 from .contract import Forward, Grads
 
 #: Score entries of one block of rows whose element-wise chain runs together (256 KiB per array).
@@ -326,23 +327,6 @@ def _excluded(prob):
     return None if a is None else ~a
 
 
-def _allowed_rows(prob):
-    """The ``(L, S)`` keys some batch entry or head allows in each query row, or None (no structural mask)."""
-    a = prob.allowed()
-    if a is None or prob.L == 0 or prob.S == 0:
-        return None
-    a = np.asarray(a)
-    return np.broadcast_to(np.logical_or.reduce(a.reshape((-1,) + a.shape[-2:]), axis=0), (prob.L, prob.S))
-
-
-def _first_last(some):
-    """``(start, stop)`` per row of the bool ``(n, m)``: its first True and its last plus one (``m`` and 0 where it
-    has none)."""
-    has = some.any(axis=1)
-    m = some.shape[1]
-    return np.where(has, some.argmax(axis=1), m), np.where(has, m - some[:, ::-1].argmax(axis=1), 0)
-
-
 def _key_spans(prob, empty=None, scores=False, keys=False):
     """The ranges :func:`sdpa_ref.exact.ozaki.matmul` forms a product on (its ``spans`` and ``contract``): the
     keys some batch entry or head allows, per query row, or (``keys``) per key the query rows that allow it, over
@@ -356,13 +340,14 @@ def _key_spans(prob, empty=None, scores=False, keys=False):
         return None
     if empty is not None and fills_past_allowed(o.fully_masked, empty, prob.padded_rows()):
         return None
-    some = _allowed_rows(prob)
-    if some is None:
+    a = prob.allowed()
+    if a is None or prob.L == 0 or prob.S == 0:
         return None
+    some = allowed_anywhere(a, prob.L, prob.S)
     if not keys:
-        start, stop = _first_last(some)
+        start, stop = first_last(some)
         return None if np.all(start == 0) and np.all(stop == prob.S) else (start, stop)
-    start, stop = _first_last(np.ascontiguousarray(some.T))
+    start, stop = first_last(np.ascontiguousarray(some.T))
     span = prob.G * prob.L                                  # the group's rows g L + [0, L), folded
     start, stop = np.where(stop > 0, start, span), np.where(stop > 0, stop + (prob.G - 1) * prob.L, 0)
     return None if np.all(start == 0) and np.all(stop == span) else (start, stop)
