@@ -757,3 +757,78 @@ def test_a_nan_in_v_makes_the_same_gradients_nan_as_the_fast_split():
             np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
             assert np.any(np.isnan(y)) and not np.all(np.isnan(y))
             np.testing.assert_allclose(x[~np.isnan(x)], y[~np.isnan(y)], rtol=F64_SUMS, atol=F64_FEW_ULP)
+
+
+_PIECE_CASES = [dict(), dict(is_causal=True), dict(enable_gqa=True), dict(dropout_p=0.3, rng=3), dict(sinks=True),
+                dict(softcap=5.0), dict(window=(5, 3)), dict(attn_mask="bool"), dict(alibi_slopes=True),
+                dict(q_lengths=np.array([10, 24]), kv_lengths=np.array([0, 33])),
+                dict(q_lengths=np.array([10, 24]), kv_lengths=np.array([0, 33]), fully_masked="nan"),
+                dict(attn_mask="sparse", fully_masked="uniform"), dict(grad_lse=True), dict(broadcast_kv=True),
+                dict(enable_gqa=True, sinks=True, is_causal=True, dropout_p=0.2, rng=5, grad_lse=True)]
+
+
+@pytest.mark.parametrize("case", range(len(_PIECE_CASES)))
+def test_backward_in_pieces_moves_no_bit(monkeypatch, case):
+    """The backward of large scores takes the kv heads a piece at a time (``dP``, the row pass, ``dT K`` and
+    ``dT^T Q`` of one piece in one workspace): every gradient has the bits of the whole at once, on every option
+    the pass reads (GQA groups, broadcast keys, dropout, sinks, softcap, masks and empty rows, ``grad_lse``)."""
+    import sdpa_ref.engines.reproducible as R
+    rng = np.random.default_rng(40 + case)
+    kw = dict(_PIECE_CASES[case])
+    B, H, L, S, E = 2, 4, 24, 40, 8
+    H, Hkv = (8, 4) if kw.get("enable_gqa") else (H, H)
+    q, g = rng.standard_normal((B, H, L, E)), rng.standard_normal((B, H, L, E))
+    kb = 1 if kw.pop("broadcast_kv", False) else B
+    k, v = rng.standard_normal((kb, Hkv, S, E)), rng.standard_normal((kb, Hkv, S, E))
+    if kw.get("sinks"):
+        kw["sinks"] = rng.standard_normal(H)
+    if kw.get("alibi_slopes"):
+        kw["alibi_slopes"] = rng.random(H)
+    if kw.get("attn_mask") is not None:
+        kw["attn_mask"] = rng.random((L, S)) < (0.5 if kw["attn_mask"] == "bool" else 0.05)
+    grad_lse = rng.standard_normal((B, H, L)) if kw.pop("grad_lse", False) else None
+    seed = kw.pop("rng", None)
+    calls = []
+    whole_in_pieces = R._backward_in_pieces
+    monkeypatch.setattr(R, "_backward_in_pieces", lambda *a: calls.append(len(a[2])) or whole_in_pieces(*a))
+
+    def grads(piece):
+        monkeypatch.setattr(R, "_PIECE_ENTRIES", piece)
+        extra = {} if seed is None else dict(rng=np.random.default_rng(seed))
+        _, res = sdpa_ref.sdpa_forward(q, k, v, precision="reproducible", **kw, **extra)
+        return sdpa_ref.sdpa_backward(res, g, grad_lse=grad_lse)
+
+    whole = grads(1 << 40)
+    assert calls == []
+    per_head = H // Hkv * L * S
+    for piece, heads in ((per_head // 2, 1), (2 * per_head, 2)):    # a head a piece (smaller); two heads
+        pieces = grads(piece)
+        assert calls and calls[-1] == B * Hkv // heads
+        for a, b in zip(whole, pieces):
+            if a is not None:
+                np.testing.assert_array_equal(np.asarray(a).view(np.int64), np.asarray(b).view(np.int64))
+
+
+def test_ozaki_matmul_writes_to_out():
+    """``out``: the product written to the given dd workspace and returned as it, the bits of a fresh result
+    (``spans`` too: the rest set to +0); a workspace of another shape or dtype, or one that overlaps an input,
+    is refused by name."""
+    rng = np.random.default_rng(41)
+    A, B = rng.standard_normal((3, 20, 16)), rng.standard_normal((3, 16, 30))
+    i = np.arange(20)
+    for kw in (dict(), dict(scale=0.5), dict(spans=(np.maximum(0, i - 5), np.minimum(30, i + 3)))):
+        want = ozaki.matmul(A, B, **kw)
+        out = (np.full((3, 20, 30), np.nan), np.full((3, 20, 30), np.nan))
+        got = ozaki.matmul(A, B, out=out, **kw)
+        assert got is out
+        for w, o in zip(want, out):
+            np.testing.assert_array_equal(o.view(np.int64), w.view(np.int64))
+    with pytest.raises(ValueError, match="`out`"):
+        ozaki.matmul(A, B, out=(np.empty((3, 20, 31)), np.empty((3, 20, 31))))
+    with pytest.raises(ValueError, match="`out`"):
+        ozaki.matmul(A, B, out=(np.empty((3, 20, 30), np.float32), np.empty((3, 20, 30))))
+    with pytest.raises(TypeError, match="`out`"):
+        ozaki.matmul(A, B, out=np.empty((3, 20, 30)))
+    w = np.empty((2, 3, 20, 30))
+    with pytest.raises(ValueError, match="share no memory"):
+        ozaki.matmul(A, B, out=(w[0], w[0]))

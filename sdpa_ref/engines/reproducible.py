@@ -160,43 +160,51 @@ def backward(prob, fwd: Forward, dO, dlse=None, *, arith=None, absorbed=None) ->
     row_keys, key_rows = _key_spans(prob, fwd.empty), _key_spans(prob, fwd.empty, keys=True)  # P, dT 0 outside
     dv = X.matmul(_t(_fold(_grouped(Pd, prob))), _fold(dOg),          # P_drop^T dO, the group folded in
                   final=whole and _no_sum(prob.batch + prob.v.shape[-3:], prob.shapes["value"]), contract=key_rows)
-    dP = _full(X.matmul(dOg, _t(_kv(prob.v)), spans=row_keys), prob)     # dO V^T
     mod = o.score_mod if o.score_mod is not None and o.score_mod.params else None   # captured tensors
     keep_dT = prob.mask_float is not None or prob.bias is not None or mod is not None
     dT = X.empty(full) if keep_dT else None
-    dTraw = _reuse(X, dP, full)                         # a block of dT is written after its dP is read
     pe = fwd.extra["p_extra"]
     dext = None if pe is None else X.empty(full[:-1] + (1,))
 
-    def rows(lead, r):
-        ix = lead + (slice(*r),)
-        g = _dropout(X, X.at(dP, ix), block_of(prob.keep, nd, lead, r), o.dropout_p)
-        gl = None if dlse is None else dlse[ix]
-        t, de = vjp_in(X, X.at(P, ix), g, None if pe is None else X.at(pe, ix), gl)   # P(dP - D) [+ P dlse]
-        cr = constant_rows(fwd.empty[ix], block_of(padded, nd, lead, r), o.fully_masked,
-                           block_of(counts(prob), nd, lead, r))
-        if cr is not None:                                           # P does not depend on T there
-            t = X.where(cr, X.const(0.0), t)
-        if pe is not None:                                           # the extra columns (dP = 0)
-            X.put(dext, ix, de if cr is None else X.where(cr, X.const(0.0), de))
-        if dT is not None:
-            X.put(dT, ix, t)
-        if sd is not None:                                           # * (1 - tanh^2), as sech^2
-            t = X.mul(t, X.at(sd, ix))
-        X.put(dTraw, ix, t)
+    def rows_of(dP, dTraw, at):
+        """The row pass on one piece of the scores: ``dP`` and ``dTraw`` (one storage: a block of ``dT`` is
+        written after its ``dP`` is read) hold the piece, ``at(lead)`` is a block's place in the whole."""
+        def rows(lead, r):
+            ix, glead = lead + (slice(*r),), at(lead)
+            gix = glead + (slice(*r),)
+            g = _dropout(X, X.at(dP, ix), block_of(prob.keep, nd, glead, r), o.dropout_p)
+            gl = None if dlse is None else dlse[gix]
+            t, de = vjp_in(X, X.at(P, gix), g, None if pe is None else X.at(pe, gix), gl)   # P(dP - D) [+ P dlse]
+            cr = constant_rows(fwd.empty[gix], block_of(padded, nd, glead, r), o.fully_masked,
+                               block_of(counts(prob), nd, glead, r))
+            if cr is not None:                                       # P does not depend on T there
+                t = X.where(cr, X.const(0.0), t)
+            if pe is not None:                                       # the extra columns (dP = 0)
+                X.put(dext, gix, de if cr is None else X.where(cr, X.const(0.0), de))
+            if dT is not None:
+                X.put(dT, gix, t)
+            if sd is not None:                                       # * (1 - tanh^2), as sech^2
+                t = X.mul(t, X.at(sd, gix))
+            X.put(dTraw, ix, t)
+        return rows
 
-    _by_rows(full, rows)
+    q_final = _no_sum(full[:-1] + (prob.q.shape[-1],), prob.shapes["query"])
+    k_final = whole and _no_sum(prob.batch + prob.k.shape[-3:], prob.shapes["key"])
+    pieces = None if keep_dT else _pieces(X, prob)
+    if pieces is None:                                               # the whole scores at once
+        dP = _full(X.matmul(dOg, _t(_kv(prob.v)), spans=row_keys), prob)     # dO V^T
+        dTraw = _reuse(X, dP, full)
+        _by_rows(full, rows_of(dP, dTraw, lambda lead: lead))
+        dTg = _grouped(dTraw, prob)
+        dq = _full(X.matmul(dTg, _kv(prob.k), final=q_final, scale=prob.scale, contract=row_keys), prob)
+        dk = X.matmul(_t(_fold(dTg)), _fold_q(prob), final=k_final, scale=prob.scale, contract=key_rows)
+    else:                                                            # kv heads a piece at a time, one workspace
+        dq, dk = _backward_in_pieces(X, prob, pieces, dOg, rows_of, row_keys, key_rows, q_final, k_final)
     nan_rows = _nan_rows(prob, fwd.empty)                            # NaN by the "nan" policy, and nowhere else
     if dT is not None:
         _no_silent_nan(X, dT, nan_rows, "attn_mask or bias gradient")
     dmask = None if prob.mask_float is None else _round(X, unbroadcast(dT, prob.shapes["attn_mask"], X))
     dbias = None if prob.bias is None else _round(X, unbroadcast(dT, prob.shapes["bias"], X))
-    dTg = _grouped(dTraw, prob)
-    dq = _full(X.matmul(dTg, _kv(prob.k), final=_no_sum(full[:-1] + (prob.q.shape[-1],), prob.shapes["query"]),
-                        scale=prob.scale, contract=row_keys), prob)
-    dk = X.matmul(_t(_fold(dTg)), _fold_q(prob),
-                  final=whole and _no_sum(prob.batch + prob.k.shape[-3:], prob.shapes["key"]), scale=prob.scale,
-                  contract=key_rows)
     heads = None if nan_rows is None else np.any(_grouped(nan_rows, prob), axis=(-3, -2))[..., None]
     for x, ok, what in ((dq, nan_rows, "dq"), (dk, heads, "dk"), (dv, heads, "dv")):
         _no_silent_nan(X, x, ok, what)
@@ -259,6 +267,52 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
     dO = _full(_round(X, dO), prob)
     _no_silent_nan(X, dO, _nan_rows(prob, fwd.empty), "JVP")
     return dO
+
+
+#: Score entries (of ``dP``, a dd: 16 bytes each) past which the backward takes the kv heads a piece at a time.
+_PIECE_ENTRIES = 1 << 21
+
+
+def _pieces(X, prob):
+    """``[(batch index, (h0, h1))]``: the pieces of kv heads the backward takes in turn, each about
+    :data:`_PIECE_ENTRIES` score entries (or one head, where that holds more), or None: the whole at once, where
+    one batch entry's heads hold fewer (the pieces would be many and small), or in an arithmetic other than
+    :class:`sdpa_ref.exact.arith.DoubleDouble`."""
+    per_head = prob.G * prob.L * prob.S
+    if type(X) is not DoubleDouble or per_head == 0 or prob.Hkv * per_head <= _PIECE_ENTRIES:
+        return None                                    # (a batch entry's heads are the least a piece holds)
+    nh = max(1, min(prob.Hkv, _PIECE_ENTRIES // per_head))
+    return [(b, (h0, min(h0 + nh, prob.Hkv))) for b in np.ndindex(*prob.batch) for h0 in range(0, prob.Hkv, nh)]
+
+
+def _backward_in_pieces(X, prob, pieces, dOg, rows_of, row_keys, key_rows, q_final, k_final):
+    """``(dq, dk)`` of :func:`backward`, the kv heads a piece (:func:`_pieces`) at a time: ``dP = dO V^T``, the
+    row pass to ``dT`` and the products ``dT K``, ``dT^T Q`` of one piece, in one workspace of a piece's ``dP``
+    (formed once, rather than a ``dP`` of the whole scores: a fresh array costs its page faults). Every entry is
+    the one the whole gives: the exact products do not depend on the other batch entries and heads
+    (:func:`sdpa_ref.exact.ozaki.matmul`), nor a row's pass on the other rows."""
+    G, L, S = prob.G, prob.L, prob.S
+    nh = max(h1 - h0 for _, (h0, h1) in pieces)
+    work = tuple(np.empty((nh, G, L, S)) for _ in range(2))
+    at_batch = lambda x, tail: np.broadcast_to(x, prob.batch + x.shape[-tail:])     # noqa: E731
+    v, k, qf = at_batch(prob.v, 3), at_batch(prob.k, 3), _fold_q(prob)
+    dO = at_batch(dOg, 4)
+    dq = X.empty(prob.batch + (prob.Hkv, G, L, prob.q.shape[-1]))
+    dk = X.empty(prob.batch + (prob.Hkv, S, prob.k.shape[-1]))
+    for b, (h0, h1) in pieces:
+        ix = b + (slice(h0, h1),)
+        dP = X.matmul(dO[ix], _t(_kv(v[ix])), spans=row_keys, out=tuple(w[:h1 - h0] for w in work))
+        flat = tuple(x.reshape((1,) * len(b) + ((h1 - h0) * G, L, S)) for x in dP)    # the scores' layout
+        lead0 = tuple(slice(i, i + 1) for i in b)
+
+        def at(lead, lead0=lead0, g0=h0 * G, n=(h1 - h0) * G):
+            h = lead[-1].indices(n)[:2]
+            return lead0 + (slice(g0 + h[0], g0 + h[1]),)
+
+        _by_rows(flat[0].shape, rows_of(flat, flat, at))
+        X.put(dq, ix, X.matmul(dP, _kv(k[ix]), final=q_final, scale=prob.scale, contract=row_keys))
+        X.put(dk, ix, X.matmul(_t(_fold(dP)), qf[ix], final=k_final, scale=prob.scale, contract=key_rows))
+    return _full(dq, prob), dk
 
 
 def _by_rows(full, fn):

@@ -168,10 +168,11 @@ class DoubleDouble:
         lib = _native.kernels()
         return None if lib is None else _native.softmax_vjp_rows(lib, P, g)
 
-    def matmul(self, A, B, final=False, scale=None, spans=None, contract=None):
+    def matmul(self, A, B, final=False, scale=None, spans=None, contract=None, out=None):
         """``A @ B`` exactly, rounded to a dd (:func:`.ozaki.matmul`; times the float ``scale``; ``spans``: the
-        columns wanted in each row, ``+0`` elsewhere; ``contract``: where each row of ``A`` may be nonzero)."""
-        return ozaki.matmul(A, B, final=final, scale=scale, spans=spans, contract=contract)
+        columns wanted in each row, ``+0`` elsewhere; ``contract``: where each row of ``A`` may be nonzero;
+        ``out``: a dd workspace of the result's shape to write it to)."""
+        return ozaki.matmul(A, B, final=final, scale=scale, spans=spans, contract=contract, out=out)
 
     def reshape(self, a, shape):
         return a[0].reshape(shape), a[1].reshape(shape)

@@ -67,6 +67,20 @@ def _ranges(r, name, M):
     return start, stop
 
 
+def _out(out, shape, A, B):
+    """:func:`matmul`'s ``out`` checked: a pair of writeable C-contiguous float64 arrays of ``shape``, apart from
+    each other and from the inputs."""
+    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, np.ndarray) for x in out)):
+        raise TypeError(f"`out` should be a pair (hi, lo) of float64 arrays, but got {type(out).__name__}")
+    for x in out:
+        if x.shape != tuple(shape) or x.dtype != np.float64 or not x.flags.c_contiguous or not x.flags.writeable:
+            raise ValueError(f"`out` should be two writeable C-contiguous float64 arrays of shape {tuple(shape)}, "
+                             f"but got {x.dtype}{list(x.shape)}")
+    if any(np.may_share_memory(out[i], y) for i in range(2) for y in (out[1 - i],) + A + B if y is not None):
+        raise ValueError("`out` should share no memory with each other or with `A` and `B`")
+    return out
+
+
 def _rho(K):
     return math.ceil((54 + math.log2(max(K, 1))) / 2)
 
@@ -363,7 +377,7 @@ def _quick_columns(B, t, n, rho):
             + [np.zeros_like(col(smax[0]))] * (n - t), [col(x) for x in ssum], col(rmax))
 
 
-def matmul(A, B, bits=104, final=False, scale=None, spans=None, contract=None):
+def matmul(A, B, bits=104, final=False, scale=None, spans=None, contract=None, out=None):
     """``A @ B`` as a dd ``(hi, lo)``; ``A`` ``(..., M, K)``, ``B`` ``(..., K, N)``, float64 or dd pairs.
 
     ``scale`` (a float): ``scale * (A @ B)``, the dd product by the float
@@ -402,6 +416,11 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None, contract=None):
     zero slices (a zero entry's slices are zero), so every sum, the bound
     of ``final=True`` (from the rows' and columns' statistics, which zeros
     do not change) and so every bit are those of the whole contraction.
+
+    ``out``: a pair of C-contiguous float64 arrays of the result's shape that
+    the result is written to (and returned as), so that a caller forming
+    products of one shape in turn reuses one workspace; it must share no
+    memory with ``A`` or ``B``.
     """
     if spans is not None and final:
         raise ValueError("`spans` is for a product that is not rounded next (final=False)")
@@ -409,7 +428,13 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None, contract=None):
     spans, contract = (_ranges(r, name, A[0].shape[-2]) for r, name in ((spans, "spans"), (contract, "contract")))
     K = A[0].shape[-1]
     shape = np.broadcast_shapes(A[0].shape[:-2], B[0].shape[:-2]) + (A[0].shape[-2], B[0].shape[-1])
+    if out is not None:
+        out = _out(out, shape, A, B)
     if K == 0 or 0 in shape:
+        if out is not None:
+            out[0].fill(0.0)
+            out[1].fill(0.0)
+            return out
         z = np.zeros(shape)
         return z, z.copy()
     rho, n = _rho(K), n_slices(K, bits)
@@ -445,8 +470,14 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None, contract=None):
     eb = np.broadcast_to(eb, shape[:-2] + (1, N)).reshape(-1, 1, N)
     Ah, Al = (None if x is None else np.broadcast_to(x, shape[:-2] + (M, K)).reshape(-1, M, K) for x in A)
     some = spans is not None or contract is not None       # some blocks, or parts, are left +0
-    hi = (np.zeros if some else np.empty)((sb[0].shape[0], M, N))
-    lo = (np.zeros if some else np.empty)(hi.shape)
+    if out is None:
+        hi = (np.zeros if some else np.empty)((sb[0].shape[0], M, N))
+        lo = (np.zeros if some else np.empty)(hi.shape)
+    else:
+        hi, lo = (x.reshape((sb[0].shape[0], M, N)) for x in out)   # views: C-contiguous
+        if some:
+            hi.fill(0.0)
+            lo.fill(0.0)
     mb = max(8, _BLOCK_ENTRIES // max(N, K, 1))            # rows per block: its slices and sums stay in cache
     nb = max(1, _BLOCK_ENTRIES // max(M * N, 1)) if mb >= M else 1      # small products: several per block
     items = [(slice(b, b + nb), m0) for b in range(0, hi.shape[0], nb) for m0 in range(0, M, mb)]
@@ -539,4 +570,4 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None, contract=None):
     else:                                                  # small: the pool's hand-offs would cost more
         for it in items:
             block(it)
-    return hi.reshape(shape), lo.reshape(shape)
+    return out if out is not None else (hi.reshape(shape), lo.reshape(shape))
