@@ -280,7 +280,8 @@ def _pieces(X, prob):
     one batch entry's heads hold fewer (the pieces would be many and small), or in an arithmetic other than
     :class:`sdpa_ref.exact.arith.DoubleDouble`."""
     per_head = prob.G * prob.L * prob.S
-    if type(X) is not DoubleDouble or per_head == 0 or prob.Hkv * per_head <= _PIECE_ENTRIES:
+    if type(X) is not DoubleDouble or per_head == 0 or prob.Hkv * per_head <= _PIECE_ENTRIES \
+            or 0 in tuple(prob.batch):
         return None                                    # (a batch entry's heads are the least a piece holds)
     nh = max(1, min(prob.Hkv, _PIECE_ENTRIES // per_head))
     return [(b, (h0, min(h0 + nh, prob.Hkv))) for b in np.ndindex(*prob.batch) for h0 in range(0, prob.Hkv, nh)]
