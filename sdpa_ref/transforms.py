@@ -684,7 +684,7 @@ def transform_scores_in(X, prob, T, lead=None, rows=None, excluded=None):
     (its ``forward_in``: :func:`softcap_forward_in`, :func:`additive_forward_in`, :func:`alibi_forward_in`; a
     stage without one is a ``ValueError``). ``excluded`` is the block's complement of the allowed set (None:
     nothing); every score that is ``-inf`` after the chain (a ``-inf`` float-mask or bias entry, a sum or an
-    ALiBi term that overflows) joins it, as on every path. ``sech2`` is the element-wise stages' slope, None
+    ALiBi term that overflows) joins it, as on every path (None where ``excluded`` is None and no score is). ``sech2`` is the element-wise stages' slope, None
     without one. The reproducible engine's dense schedule (in double-double, the honest low precision, or the
     arithmetic of reads) and the honest ensemble run it.
     """
@@ -703,7 +703,9 @@ def transform_scores_in(X, prob, T, lead=None, rows=None, excluded=None):
                 _has_form_in(st, X)
                 T, excluded = st.forward_in(X, T, terms, excluded)
     neg = X.value(T) == -np.inf
-    return T, (neg if excluded is None else (excluded | neg)), d
+    if excluded is None:                               # None where nothing is: no pass over the block masks it
+        return T, (neg if neg.any() else None), d
+    return T, excluded | neg, d
 
 
 def _has_form_in(stage, X):
