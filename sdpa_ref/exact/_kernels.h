@@ -478,8 +478,10 @@ KX_FN void KX(dd_softmax_vjp_rows)(const double *p0, const double *p1, const dou
                               ptrdiff_t rows, ptrdiff_t n, double *o0, double *o1, double *scratch)
 {
     for (ptrdiff_t r = 0; r < rows; r++) {
-        const double *P0 = p0 + r * n, *P1 = p1 + r * n, *G0 = g0 + r * n, *G1 = g1 + r * n;
-        double *O0 = o0 + r * n, *O1 = o1 + r * n;
+        const double *restrict P0 = p0 + r * n, *restrict P1 = p1 + r * n, *restrict G0 = g0 + r * n,
+                     *restrict G1 = g1 + r * n;
+        double *restrict O0 = o0 + r * n, *restrict O1 = o1 + r * n;   /* apart from each other and the inputs: */
+        double *restrict S0 = scratch, *restrict S1 = scratch + n;      /* the loops below vectorise */
         if (n == 0)
             continue;
         ptrdiff_t idx = 0;
@@ -497,15 +499,12 @@ KX_FN void KX(dd_softmax_vjp_rows)(const double *p0, const double *p1, const dou
             }
         }
         double c0 = -G0[idx], c1 = -G1[idx];
-        for (ptrdiff_t j = 0; j < n; j++) {
-            double a0, a1;
-            KX(k_dd_add)(G0[j], G1[j], c0, c1, &a0, &a1);                 /* gc = g - c */
-            O0[j] = a0;                                                /* kept in the output for now */
-            O1[j] = a1;
-            KX(k_dd_mul)(P0[j], P1[j], a0, a1, &scratch[j], &scratch[n + j]);
-        }
+        for (ptrdiff_t j = 0; j < n; j++)                              /* gc = g - c, kept in the output */
+            KX(k_dd_add)(G0[j], G1[j], c0, c1, &O0[j], &O1[j]);        /* for now */
+        for (ptrdiff_t j = 0; j < n; j++)                              /* P gc */
+            KX(k_dd_mul)(P0[j], P1[j], O0[j], O1[j], &S0[j], &S1[j]);
         double s0, s1;
-        KX(k_tree)(scratch, scratch + n, n, &s0, &s1);
+        KX(k_tree)(S0, S1, n, &s0, &s1);
         for (ptrdiff_t j = 0; j < n; j++) {
             double a0, a1;
             KX(k_dd_add)(O0[j], O1[j], -s0, -s1, &a0, &a1);               /* gc - s */
