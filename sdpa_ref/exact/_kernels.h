@@ -184,7 +184,21 @@ KX_FN void KX(slice_rows)(const double *hi, const double *lo, ptrdiff_t rows, pt
             ptrdiff_t at[SLICE_GATHER];
             for (ptrdiff_t i = 0; i < nr; i++)
                 at[i] = ((r0 + i) / per) * bs + ((r0 + i) % per) * rs;
-            for (ptrdiff_t j = 0; j < k; j++) {
+            ptrdiff_t j0 = 0;
+            for (; j0 + 8 <= k; j0 += 8) {                   /* 8 x nr tiles: each row's 8 entries stored */
+                for (ptrdiff_t i = 0; i < nr; i++) {          /* together, the 8 lines read kept in cache */
+                    double th[8], tl[8];
+                    for (int jj = 0; jj < 8; jj++) {
+                        th[jj] = hi[at[i] + (j0 + jj) * cs];
+                        tl[jj] = lo ? lo[at[i] + (j0 + jj) * cs] : 0.0;
+                    }
+                    for (int jj = 0; jj < 8; jj++) {
+                        H[i * pitch + j0 + jj] = th[jj];
+                        L[i * pitch + j0 + jj] = tl[jj];
+                    }
+                }
+            }
+            for (ptrdiff_t j = j0; j < k; j++) {
                 for (ptrdiff_t i = 0; i < nr; i++) {
                     H[i * pitch + j] = hi[at[i] + j * cs];
                     L[i * pitch + j] = lo ? lo[at[i] + j * cs] : 0.0;
