@@ -547,6 +547,40 @@ def test_the_compiled_end_of_a_block_gives_the_numpy_bits(simd):
     assert np.array_equal(h.view(np.int64), h0.view(np.int64)) and np.array_equal(l.view(np.int64), l0.view(np.int64))
 
 
+def test_the_compiled_level_test_takes_the_numpy_decision_on_every_row(simd):
+    """``_native.level_redo`` (which rows of a ``final=True`` block take every level) against ``_level_bound`` and
+    its test in NumPy: rows whose ``|h|`` sits exactly on the bound (``<=`` holds) and one ulp below it (it does
+    not), so that an operation done in another order or rounding moves a decision; NaN and infinite statistics,
+    zero rows and columns, several batch entries, and the bound's inputs not yet laid out (broadcast, strided)."""
+    from sdpa_ref.exact import _native
+    lib = _native.kernels()
+    if lib is None:
+        pytest.skip(f"compiled kernels not in use ({_native.status()['reason']}): the NumPy loops run, and the "
+                    "hashes above hold them")
+    rng = np.random.default_rng(8)
+    for nb, rows, n, t, K in ((2, 11, 37, 4, 1024), (1, 128, 64, 4, 1000), (3, 5, 9, 3, 7)):
+        wide = lambda *s: rng.random(s) * 2.0 ** rng.integers(-40, 3, s)          # noqa: E731
+        ra, rb = wide(nb, rows, 1) * 2.0 ** -60, wide(nb, 1, n) * 2.0 ** -60
+        ma = [wide(nb, rows, 1) * 2.0 ** (-21 * p) for p in range(t)]
+        mb = [wide(nb, 1, n) * 2.0 ** (-21 * q) for q in range(t)]
+        sa, sb = [x * rng.integers(1, 900, x.shape) for x in ma], [x * rng.integers(1, 900, x.shape) for x in mb]
+        ma[1][0, 1], sb[2][0, 0, 3], ra[-1, 2] = np.nan, np.inf, 0.0                 # non-finite statistics
+        mb[0][0, 0, 4], sb[0][0, 0, 4] = 0.0, 0.0
+        bound = ozaki._level_bound(ra, rb, ma, mb, sa, sb, K)
+        h = rng.standard_normal((nb, rows, n)) * 2.0 ** 60 * np.where(np.isfinite(bound), bound, 1.0)
+        on = np.where(np.isfinite(bound), bound * 2.0 ** 55, 1.0)                   # |h| exactly on the bound
+        h[:, ::2, :] = np.abs(h[:, ::2, :])                                          # most rows far inside
+        h[:, 1::3, 5 % n] = on[:, 1::3, 5 % n] * np.where(rng.random((nb, len(range(1, rows, 3)))) < 0.5, 1, -1)
+        h[:, 2::3, 1 % n] = np.nextafter(on[:, 2::3, 1 % n], 0)                     # one ulp inside the bound
+        want = ~np.all(bound <= 2.0 ** -55 * np.abs(h), axis=-1)
+        for args in ((ra, rb, ma, mb, sa, sb), (np.broadcast_to(ra[:, :, :1], ra.shape), rb, ma[::-1][::-1],
+                                                  [np.asfortranarray(x) for x in mb], sa, sb)):
+            got = _native.level_redo(lib, *args, h, K)
+            assert got.dtype == bool and got.shape == (nb, rows)
+            np.testing.assert_array_equal(got, want)
+        assert want.any() and not want.all()                                       # both decisions are taken
+
+
 def test_the_compiled_slicer_reads_every_layout_in_place_and_normalises_with_the_numpy_bits(simd):
     """The Ozaki slicer reads rows in place (transposed, batched, broadcast, sliced views) and scales each row as
     ``_normalise`` does; slices, remainders, statistics and exponents are the NumPy definition's bits, rows whose

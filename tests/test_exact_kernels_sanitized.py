@@ -2,8 +2,8 @@
 AddressSanitizer and UBSan.
 
 ``tests/data/exact_kernels_driver.c`` calls every one of them (the slicer, the end of a block, the dd
-accumulation, exp, the division, the product by a scalar, the row sums, the softmax VJP) over many shapes and
-layouts, every buffer allocated to its exact size, once per SIMD build the CPU runs (the driver stands in for
+accumulation, exp, the division, the product by a scalar, the row sums, the softmax VJP, the early-stop level
+test) over many shapes and layouts, every buffer allocated to its exact size, once per SIMD build the CPU runs (the driver stands in for
 ``_fast_rows.c``'s level switch); built with the kernels' source under ``-fsanitize=address,undefined``, a read
 or write past a buffer, or undefined behaviour, fails the run. The test also checks that the sanitizers are awake: the same driver with one buffer a double short must
 be caught. A compiler without the sanitizers skips; one that has them but cannot build the kernels fails.

@@ -131,3 +131,11 @@ void sdpa_dd_finish(const double *hi, const double *lo, ptrdiff_t nb, ptrdiff_t 
 {
     KX_DISPATCH(dd_finish, hi, lo, nb, rows, n, norm, has_scale, scale, ea, eb, o0, o1);
 }
+
+/* ozaki._level_bound and its test, row by row: redo [nb x rows] (see _kernels.h). scratch: 3 n doubles. */
+void sdpa_level_redo(ptrdiff_t nb, ptrdiff_t rows, ptrdiff_t n, int t, double K, const double *ra, const double *rb,
+                     const double *const *ma, const double *const *mb, const double *const *sa,
+                     const double *const *sb, const double *h, unsigned char *redo, double *scratch)
+{
+    KX_DISPATCH(level_redo, nb, rows, n, t, K, ra, rb, ma, mb, sa, sb, h, redo, scratch);
+}

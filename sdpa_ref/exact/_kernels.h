@@ -559,6 +559,67 @@ KX_FN void KX(dd_finish)(const double *hi, const double *lo, ptrdiff_t nb, ptrdi
     }
 }
 
+/* ozaki._level_bound and the test matmul(final=True) makes of it, entry by entry in the same IEEE operations and
+ * order (NumPy's, left to right), so that every row takes the same decision: redo[i, r] = 1 where some column j
+ * of the block has !(bound <= 2**-55 |h|), with
+ *   bound = (((SA rb + (K ra)(MB + rb)) + 2**-100 min(SA MB, MA SB)) + ((2**-100 K)(ra + MA))(rb + MB)
+ *           + sum over p, q < t with p + q >= t (p outer) of min(sa_p mb_q, ma_p sb_q)) (1 + 2**-20)
+ * and SA = 0 + sa_0 + ... + sa_{t-1} (Python's sum), the same for SB, MA, MB; min as np.minimum (a NaN wins).
+ * ra [nb x rows] and t arrays sa[p], ma[p] [nb x rows] per row; rb and t arrays sb[q], mb[q] [nb x n] per column;
+ * h [nb x rows x n].
+ * scratch: 3 n doubles. */
+KX_INLINE double KX(lb_min)(double a, double b)
+{
+    return (a < b || a != a) ? a : b;
+}
+
+KX_FN void KX(level_redo)(ptrdiff_t nb, ptrdiff_t rows, ptrdiff_t n, int t, double K, const double *ra,
+                          const double *rb, const double *const *ma, const double *const *mb, const double *const *sa,
+                          const double *const *sb, const double *h, unsigned char *redo, double *scratch)
+{
+    const double tiny = 0x1p-100, tk = 0x1p-100 * K, grow = 1.0 + 0x1p-20, half = 0x1p-55;
+    double *restrict SBc = scratch, *restrict MBc = scratch + n, *restrict left = scratch + 2 * n;
+    for (ptrdiff_t i = 0; i < nb; i++) {
+        const double *restrict RB = rb + i * n;
+        for (ptrdiff_t j = 0; j < n; j++)
+            SBc[j] = MBc[j] = 0.0;
+        for (int q = 0; q < t; q++) {                        /* Python's sum: 0 + x_0 + x_1 + ... */
+            const double *restrict sq = sb[q] + i * n, *restrict mq = mb[q] + i * n;
+            for (ptrdiff_t j = 0; j < n; j++) {
+                SBc[j] = SBc[j] + sq[j];
+                MBc[j] = MBc[j] + mq[j];
+            }
+        }
+        for (ptrdiff_t r = 0; r < rows; r++) {
+            ptrdiff_t ir = i * rows + r;
+            double RA = ra[ir], SA = 0.0, MA = 0.0;
+            for (int p = 0; p < t; p++) {
+                SA = SA + sa[p][ir];
+                MA = MA + ma[p][ir];
+            }
+            const double KRA = K * RA, TRA = tk * (RA + MA);
+            for (ptrdiff_t j = 0; j < n; j++) {
+                double l = SA * RB[j] + KRA * (MBc[j] + RB[j]);
+                l = l + tiny * KX(lb_min)(SA * MBc[j], MA * SBc[j]);
+                left[j] = l + TRA * (RB[j] + MBc[j]);
+            }
+            for (int p = 0; p < t; p++) {
+                const double sp = sa[p][ir], mp = ma[p][ir];
+                for (int q = t - p; q < t; q++) {            /* the pairs p + q >= t, p outer, q inner */
+                    const double *restrict sq = sb[q] + i * n, *restrict mq = mb[q] + i * n;
+                    for (ptrdiff_t j = 0; j < n; j++)
+                        left[j] = left[j] + KX(lb_min)(sp * mq[j], mp * sq[j]);
+                }
+            }
+            const double *restrict hr = h + ir * n;
+            unsigned char bad = 0;
+            for (ptrdiff_t j = 0; j < n; j++)
+                bad |= !(left[j] * grow <= half * fabs(hr[j]));
+            redo[ir] = bad;
+        }
+    }
+}
+
 #undef KX_CAT_
 #undef KX_CAT
 #undef KX

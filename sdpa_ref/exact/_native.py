@@ -107,6 +107,8 @@ def _declare(lib):
     lib.sdpa_dd_mul_d_scalar.restype = None
     lib.sdpa_dd_finish.argtypes = [dp, dp, n, n, n, ctypes.c_int, ctypes.c_int, ctypes.c_double, dp, dp, dp, dp]
     lib.sdpa_dd_finish.restype = None
+    lib.sdpa_level_redo.argtypes = [n, n, n, ctypes.c_int, ctypes.c_double, dp, dp, dp, dp, dp, dp, dp, dp, dp]
+    lib.sdpa_level_redo.restype = None
     lib.sdpa_dd_rowsum.argtypes = [dp, dp, n, n, dp, dp, dp]
     lib.sdpa_dd_rowsum.restype = None
     lib.sdpa_dd_softmax_vjp_rows.argtypes = [dp, dp, dp, dp, n, n, dp, dp, dp]
@@ -317,6 +319,35 @@ def dd_finish(lib, acc, ea, eb, out, normalise=True, scale=None):
         lib.sdpa_dd_finish(_ptr(h), _ptr(l), nb, rows, n, int(bool(normalise)), int(scale is not None),
                            0.0 if scale is None else float(scale), _ptr(ea), _ptr(eb), _ptr(out[0]), _ptr(out[1]))
     return out
+
+
+def level_redo(lib, ra, rb, ma, mb, sa, sb, h, K):
+    """``~np.all(ozaki._level_bound(ra, rb, ma, mb, sa, sb, K) <= 2**-55 |h|, axis=-1)`` by the compiled loop, the
+    same operations entry by entry: ``h`` ``(nb, rows, n)``; ``ra`` and each of the ``t`` of ``ma``, ``sa``
+    ``(nb, rows, 1)``; ``rb`` and each of ``mb``, ``sb`` ``(nb, 1, n)``. A bool ``(nb, rows)``."""
+    h = np.ascontiguousarray(h, dtype=np.float64)
+    nb, rows, n = h.shape
+    t = len(ma)
+    rs, cs = (nb, rows, 1), (nb, 1, n)
+    held = [_laid(ra, rs), _laid(rb, cs)] + [_laid(x, rs) for x in ma] + [_laid(x, cs) for x in mb] \
+        + [_laid(x, rs) for x in sa] + [_laid(x, cs) for x in sb]          # held until the call returns
+    ptrs = (ctypes.c_void_p * (2 + 4 * t))(*[x.ctypes.data for x in held])
+    redo = np.zeros((nb, rows), np.bool_)                  # one byte each, 0 or 1: what the C code writes
+    if h.size:
+        scratch = np.empty(3 * n)
+        sz = ctypes.sizeof(ctypes.c_void_p)
+        at = ctypes.addressof(ptrs)
+        lib.sdpa_level_redo(nb, rows, n, t, float(K), ptrs[0], ptrs[1], at + 2 * sz, at + (2 + t) * sz,
+                            at + (2 + 2 * t) * sz, at + (2 + 3 * t) * sz, _ptr(h), _ptr(redo), _ptr(scratch))
+    return redo
+
+
+def _laid(x, shape):
+    """``x`` as a C-contiguous float64 array of ``shape`` (itself where it is one already: the common case, and
+    the cheap one)."""
+    if type(x) is np.ndarray and x.shape == shape and x.dtype == np.float64 and x.flags.c_contiguous:
+        return x
+    return np.ascontiguousarray(np.broadcast_to(x, shape), dtype=np.float64)
 
 
 def _rows_of(a, shape):

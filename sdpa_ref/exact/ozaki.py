@@ -39,7 +39,7 @@ import math
 import numpy as np
 
 from .._threads import run_all
-from ._native import dd_add_d_inplace, dd_finish, dd_mul_d_scalar, kernels, slice_rows
+from ._native import dd_add_d_inplace, dd_finish, dd_mul_d_scalar, kernels, level_redo, slice_rows
 from .dd import dd_add_d, dd_mul_d, fast_two_sum, pow2, two_sum
 
 __all__ = ["matmul", "n_slices"]
@@ -356,6 +356,15 @@ def _level_bound(ra, rb, ma, mb, sa, sb, K):
     return left * (1 + 2.0 ** -20)
 
 
+def _redo(lib, ra, rb, ma, mb, sa, sb, h, K):
+    """The rows ``(batch entries, rows)`` of a ``final=True`` block whose leading levels ``h`` are not, by
+    :func:`_level_bound`, within ``2**-55`` of every entry: they take every level. Compiled where the kernels run
+    (:func:`._native.level_redo`: the same operations, entry by entry, so the same rows)."""
+    if lib is not None:
+        return level_redo(lib, ra, rb, ma, mb, sa, sb, h, K)
+    return ~np.all(_level_bound(ra, rb, ma, mb, sa, sb, K) <= 2.0 ** -55 * np.abs(h), axis=-1)
+
+
 def _quick_columns(B, t, n, rho):
     """``(slices, e, maxima, sums, remainder max)`` of ``B``'s columns for a ``final=True`` product, by the
     compiled slicer in one pass (each column normalised, its first ``t`` slices cut with their maxima and exact
@@ -522,8 +531,7 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None, contract=None, o
                 asum = [np.sum(np.abs(x), axis=-1, keepdims=True) for x in aq]   # exact, in any order
             h, l = _products([x[..., kk] for x in aq], [x[b][..., kk, n0:n1] for x in sb[:t]], t,
                              rows_of(amax, asum), bcols if bcols is _ALL else bcols[:t], bk[:t])
-            bound = _level_bound(ra, rbq[b], amax, [x[b] for x in mbs[:t]], asum, [x[b] for x in sbq], K)
-            redo = ~np.all(bound <= 2.0 ** -55 * np.abs(h), axis=-1)            # (batch entries, rows)
+            redo = _redo(lib, ra, rbq[b], amax, [x[b] for x in mbs[:t]], asum, [x[b] for x in sbq], h, K)
             for i in np.flatnonzero(redo.any(axis=-1)):     # those rows take every level (rows are independent)
                 r = np.flatnonzero(redo[i])
                 bi = slice(b.start + i, b.start + i + 1)

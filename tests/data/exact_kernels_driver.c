@@ -3,7 +3,7 @@
  * read or write past one: the slicer (contiguous and transposed rows, batched, a float64 or dd input, with and
  * without the remainder, the statistics and the normalisation, every number of slices), the end of a block, the
  * dd accumulation, exp (rows shorter and longer than its chunks, NaN and overflowing entries), the division, the
- * product by a scalar, the row sums and the softmax VJP; all of it once per SIMD build the CPU runs (the
+ * product by a scalar, the row sums, the softmax VJP and the early-stop level test; all of it once per SIMD build the CPU runs (the
  * library takes the build from _fast_rows.c's sdpa_fast_get_level; built alone here, _kernels.c takes it from
  * the driver). Prints "ok" and exits 0 when every call returned. */
 #include <math.h>
@@ -26,6 +26,9 @@ void sdpa_dd_rowsum(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_
                     double *scratch);
 void sdpa_dd_softmax_vjp_rows(const double *p0, const double *p1, const double *g0, const double *g1,
                               ptrdiff_t rows, ptrdiff_t n, double *o0, double *o1, double *scratch);
+void sdpa_level_redo(ptrdiff_t nb, ptrdiff_t rows, ptrdiff_t n, int t, double K, const double *ra, const double *rb,
+                     const double *const *ma, const double *const *mb, const double *const *sa,
+                     const double *const *sb, const double *h, unsigned char *redo, double *scratch);
 
 static int level;                                            /* the build the kernels dispatch to */
 int sdpa_fast_get_level(void)
@@ -148,6 +151,24 @@ static long drive_products(void)
                     sdpa_dd_finish(h, l, nb, rows, n, flags & 1, (flags & 2) != 0, 0.125, ea, eb, o0, o1);
                     sdpa_dd_add_d(o0, o1, h, (ptrdiff_t)m);
                     calls += 2;
+                    int t = 1 + flags;                           /* the level test: t slices' statistics */
+                    double *ra = fresh((size_t)(nb * rows)), *rb = fresh((size_t)(nb * n));
+                    double *st[4 * 4], *scratch = fresh((size_t)(3 * n));
+                    const double *ma[4], *sa[4], *mb[4], *sb[4];
+                    for (int p = 0; p < t; p++) {
+                        ma[p] = st[4 * p] = fresh((size_t)(nb * rows));
+                        sa[p] = st[4 * p + 1] = fresh((size_t)(nb * rows));
+                        mb[p] = st[4 * p + 2] = fresh((size_t)(nb * n));
+                        sb[p] = st[4 * p + 3] = fresh((size_t)(nb * n));
+                    }
+                    unsigned char *redo = malloc((size_t)(nb * rows));
+                    if (!redo)
+                        exit(2);
+                    sdpa_level_redo(nb, rows, n, t, 1024.0, ra, rb, ma, mb, sa, sb, o0, redo, scratch);
+                    calls++;
+                    for (int p = 0; p < 4 * t; p++)
+                        free(st[p]);
+                    free(ra); free(rb); free(scratch); free(redo);
                     free(h); free(l); free(o0); free(o1); free(ea); free(eb);
                 }
             }
