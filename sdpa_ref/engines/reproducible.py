@@ -57,7 +57,7 @@ from .blocks import allowed_anywhere, first_last
 from .contract import Forward, Grads
 
 #: Score entries of one block of rows whose element-wise chain runs together (1 MiB per array: fewer, larger
-#: blocks hold the GIL less often for their Python steps; 2**15 made the forward's pass 1.5x slower on 2 threads).
+#: blocks hold the GIL less often for their Python steps; docs/performance.md, "Where the numbers in the code went").
 _ROW_ENTRIES = 1 << 17
 #: Score entries below which the blocks run one after the other rather than in the pool.
 _PARALLEL_ENTRIES = 1 << 17
@@ -270,7 +270,8 @@ def jvp(prob, fwd: Forward, dq=None, dk=None, dv=None, dbias=None, dv_full=None,
     return dO
 
 
-#: Score entries (of ``dP``, a dd: 16 bytes each) past which the backward takes the kv heads a piece at a time.
+#: Score entries (of ``dP``, a dd: 16 bytes each) past which the backward takes the kv heads a piece at a time, and
+#: about what a piece holds (docs/performance.md, "Where the numbers in the code went").
 _PIECE_ENTRIES = 1 << 21
 
 
