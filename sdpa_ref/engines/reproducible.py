@@ -313,8 +313,8 @@ def _backward_in_pieces(X, prob, pieces, dOg, rows_of, row_keys, key_rows, q_fin
             return lead0 + (slice(g0 + h[0], g0 + h[1]),)
 
         _by_rows(flat[0].shape, rows_of(flat, flat, at))
-        X.put(dq, ix, X.matmul(dP, _kv(k[ix]), final=q_final, scale=prob.scale, contract=row_keys))
-        X.put(dk, ix, X.matmul(_t(_fold(dP)), qf[ix], final=k_final, scale=prob.scale, contract=key_rows))
+        X.matmul(dP, _kv(k[ix]), final=q_final, scale=prob.scale, contract=row_keys, out=X.at(dq, ix))
+        X.matmul(_t(_fold(dP)), qf[ix], final=k_final, scale=prob.scale, contract=key_rows, out=X.at(dk, ix))
     return _full(dq, prob), dk
 
 
