@@ -620,6 +620,9 @@ def test_the_compiled_slicer_reads_every_layout_in_place_and_normalises_with_the
             assert all(same(s, np.sum(np.abs(w), axis=-1, keepdims=True)) for s, w in zip(ssum, want))
             assert same(rmax, np.max(np.abs(rh), axis=-1, keepdims=True) + np.max(np.abs(rl), axis=-1,
                                                                                    keepdims=True))
+            tq, (th, tl), te = _native.slice_rows(lib, h, l, n, 30, normalise=True, transposed=True)
+            assert all(u.flags.c_contiguous and same(u, np.swapaxes(w, -1, -2)) for u, w in zip(tq, want)), (what, n)
+            assert same(th, rh) and same(tl, rl) and np.array_equal(te, e), (what, n)
         for axis in (-1, -2):                                       # and through ozaki's own entry point
             got = ozaki._normalised_slices((h, l), axis, 5, 30)
             xa, ea = ozaki._normalise((h, l), axis)
@@ -627,6 +630,60 @@ def test_the_compiled_slicer_reads_every_layout_in_place_and_normalises_with_the
             assert all(same(u, w) for u, w in zip(got[0] + list(got[1]), want[0] + list(want[1]))), (what, axis)
             assert np.array_equal(got[2], ea), (what, axis)
     assert same(base, before[0]) and same(lo, before[1])            # the inputs are not written
+
+
+def test_the_compiled_slicer_cuts_ranges_of_rows_side_by_side_with_the_bits_of_one_call(monkeypatch):
+    """Large inputs are cut in ranges of rows in the pool (``_native.slice_rows``): the C loop writes the rows of
+    its range alone (a sentinel elsewhere survives), and ranges of any size, side by side, give the bits of one
+    call, in rows or transposed, with statistics or a remainder."""
+    import ctypes
+    from sdpa_ref.exact import _native
+    lib = _native.kernels()
+    if lib is None:
+        pytest.skip(f"compiled kernels not in use ({_native.status()['reason']})")
+    rng = np.random.default_rng(9)
+    hi = rng.standard_normal((3, 37, 29)) * np.exp(rng.standard_normal((3, 37, 1)) * 6)
+    lo = hi * rng.standard_normal(hi.shape) * 2.0 ** -55
+    for tout in (0, 1):                                             # the loop itself: rows [9, 50) alone
+        rows, k, n = 3 * 37, 29, 4
+        out = np.full((n, rows, k), 7.0)
+        rh, rl = np.full((rows, k), 7.0), np.full((rows, k), 7.0)
+        scratch = np.empty((2 + n * tout) * _native._GATHER * (k + _native._PAD))
+        p = lambda a: a.ctypes.data_as(ctypes.c_void_p)             # noqa: E731
+        lib.sdpa_slice_rows(p(hi), p(lo), rows, k, 37, 37 * k, k, 1, n, 30, p(out), p(rh), p(rl), None, None, None,
+                            None, p(scratch), 9, 50, tout)
+        whole = _native.slice_rows(lib, hi, lo, n, 30)
+        inside = np.zeros(rows, bool)
+        inside[9:50] = True
+        if tout:
+            got = out.reshape(n, 3, k, 37).swapaxes(-1, -2).reshape(n, rows, k)
+        else:
+            got = out
+        assert np.array_equal(got[:, inside], np.stack(whole[0]).reshape(n, rows, k)[:, inside])
+        assert np.array_equal(rh[inside], whole[1][0].reshape(rows, k)[inside])
+        written = got != 7.0
+        assert not written[:, ~inside].any() and not (rh[~inside] != 7.0).any()
+    from sdpa_ref._threads import run_all
+    calls = []
+
+    def counted(fn, items):
+        calls.append(len(items))
+        run_all(fn, items)
+    views = {"rows": (hi, lo), "columns": (np.swapaxes(hi, -1, -2), np.swapaxes(lo, -1, -2))}
+    for parts in (2, 3, 7):
+        for what, (h, l) in views.items():
+            for kw in (dict(normalise=True), dict(stats=True, normalise=True), dict(transposed=True),
+                       dict(stats=True, transposed=True)):
+                monkeypatch.setattr(_native, "_SLICE_PARALLEL", 1 << 40)
+                one = _native.slice_rows(lib, h, l, 5, 30, parts=parts, run=counted, **kw)
+                assert not calls
+                monkeypatch.setattr(_native, "_SLICE_PARALLEL", 1)
+                split = _native.slice_rows(lib, h, l, 5, 30, parts=parts, run=counted, **kw)
+                assert len(calls) == 1 and 1 < calls[0] <= parts, (what, kw, calls)
+                calls.clear()
+                flat = lambda r: [x for y in r for x in (flat(y) if isinstance(y, (list, tuple)) else [y])]  # noqa
+                assert all(np.array_equal(np.asarray(u).view(np.int8), np.asarray(w).view(np.int8))
+                           for u, w in zip(flat(split), flat(one))), (what, kw, parts)
 
 
 def test_the_compiled_column_statistics_give_the_numpy_passes_bits(monkeypatch):

@@ -67,14 +67,17 @@ int sdpa_fast_get_level(void);                     /* _fast_rows.c: the build in
  * Optionally, per slice and row, the max and the sum of the absolute values (smax, ssum [n x rows]: the sum is
  * exact, its entries lie on one grid with few bits) and the remainder's max|hi| + max|lo| (rmax [rows]).
  * The element-wise steps and the reductions are separate loops (the first vectorises); every maximum and
- * slice sum is exact, so its order does not matter. scratch: 2 SLICE_GATHER (k + SLICE_PAD) doubles. The
- * inputs are not written. */
+ * slice sum is exact, so its order does not matter. Only the rows [first, last) are cut (the arrays are
+ * indexed by the row's own number, so calls on disjoint ranges may run side by side); with tout the slices are
+ * written transposed within each group of per rows (see _kernels.h). scratch: (2 + (tout ? n : 0))
+ * SLICE_GATHER (k + SLICE_PAD) doubles. The inputs are not written. */
 void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t k, ptrdiff_t per, ptrdiff_t bs,
                      ptrdiff_t rs, ptrdiff_t cs, int n, int rho, double *out, double *rem_hi, double *rem_lo,
-                     double *smax, double *ssum, double *rmax, int *eout, double *scratch)
+                     double *smax, double *ssum, double *rmax, int *eout, double *scratch, ptrdiff_t first,
+                     ptrdiff_t last, int tout)
 {
     KX_DISPATCH(slice_rows, hi, lo, rows, k, per, bs, rs, cs, n, rho, out, rem_hi, rem_lo, smax, ssum, rmax, eout,
-                scratch);
+                scratch, first, last, tout);
 }
 
 /* (hi, lo) = dd_add_d((hi, lo), c) in place: two_sum(hi, c), then fast_two_sum(s, e + lo). */

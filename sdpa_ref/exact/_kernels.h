@@ -162,16 +162,21 @@ KX_FN double KX(slice_step)(double *restrict h, double *restrict l, double *rest
  * Optionally, per slice and row, the max and the sum of the absolute values (smax, ssum [n x rows]: the sum is
  * exact, its entries lie on one grid with few bits) and the remainder's max|hi| + max|lo| (rmax [rows]).
  * The element-wise steps and the reductions are separate loops (the first vectorises); every maximum and
- * slice sum is exact, so its order does not matter. scratch: 2 SLICE_GATHER (k + SLICE_PAD) doubles. The
- * inputs are not written. */
+ * slice sum is exact, so its order does not matter.
+ * Only the rows [first, last) are cut (every array is still indexed by the row's own number r, so calls on
+ * disjoint ranges may run side by side). With tout, the slices are written transposed within each group of per
+ * rows: entry j of slice p of row r goes to out[p * rows * k + (r / per) * per * k + j * per + r % per] (the
+ * columns of B cut as rows, written as the C-contiguous (k, per) matrices a GEMM reads fastest).
+ * scratch: (2 + (tout ? n : 0)) SLICE_GATHER (k + SLICE_PAD) doubles. The inputs are not written. */
 KX_FN void KX(slice_rows)(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t k, ptrdiff_t per, ptrdiff_t bs,
                      ptrdiff_t rs, ptrdiff_t cs, int n, int rho, double *out, double *rem_hi, double *rem_lo,
-                     double *smax, double *ssum, double *rmax, int *eout, double *scratch)
+                     double *smax, double *ssum, double *rmax, int *eout, double *scratch, ptrdiff_t first,
+                     ptrdiff_t last, int tout)
 {
     const ptrdiff_t pitch = k + SLICE_PAD;                   /* the scratch's rows: not a multiple of 4 KiB apart */
-    double *H = scratch, *L = scratch + SLICE_GATHER * pitch;
-    for (ptrdiff_t r0 = 0; r0 < rows; r0 += SLICE_GATHER) {
-        ptrdiff_t nr = rows - r0 < SLICE_GATHER ? rows - r0 : SLICE_GATHER;
+    double *H = scratch, *L = scratch + SLICE_GATHER * pitch, *T = scratch + 2 * SLICE_GATHER * pitch;
+    for (ptrdiff_t r0 = first; r0 < last; r0 += SLICE_GATHER) {
+        ptrdiff_t nr = last - r0 < SLICE_GATHER ? last - r0 : SLICE_GATHER;
         if (cs == 1) {                                       /* gather: contiguous rows, one by one */
             for (ptrdiff_t i = 0; i < nr; i++) {
                 ptrdiff_t at = ((r0 + i) / per) * bs + ((r0 + i) % per) * rs;
@@ -235,7 +240,8 @@ KX_FN void KX(slice_rows)(const double *hi, const double *lo, ptrdiff_t rows, pt
                 if (ee < -1022)
                     ee = -1022;
                 const double sigma = ldexp(1.0, ee);
-                double *restrict s = out + ((ptrdiff_t)p * rows + r) * k;
+                double *restrict s = tout ? T + ((ptrdiff_t)p * SLICE_GATHER + i) * pitch
+                                          : out + ((ptrdiff_t)p * rows + r) * k;
                 double sm, su;                               /* two_sum(hi - s, lo), or hi - s for a float64 row */
                 mx = KX(slice_step)(h, lo ? l : NULL, s, k, sigma, &sm, &su);
                 if (smax)
@@ -251,6 +257,24 @@ KX_FN void KX(slice_rows)(const double *hi, const double *lo, ptrdiff_t rows, pt
             }
             if (rmax)
                 rmax[r] = KX(abs_max)(h, k) + KX(abs_max)(l, k);
+        }
+        if (tout) {                                          /* the tile's slices, transposed into place */
+            for (int p = 0; p < n; p++) {
+                const double *t = T + (ptrdiff_t)p * SLICE_GATHER * pitch;
+                double *o = out + (ptrdiff_t)p * rows * k;
+                if (r0 / per == (r0 + nr - 1) / per) {       /* one group: nr neighbours in each line of out */
+                    double *d = o + (r0 / per) * per * k + r0 % per;
+                    for (ptrdiff_t j = 0; j < k; j++)
+                        for (ptrdiff_t i = 0; i < nr; i++)
+                            d[j * per + i] = t[i * pitch + j];
+                } else {
+                    for (ptrdiff_t i = 0; i < nr; i++) {
+                        double *d = o + ((r0 + i) / per) * per * k + (r0 + i) % per;
+                        for (ptrdiff_t j = 0; j < k; j++)
+                            d[j * per] = t[i * pitch + j];
+                    }
+                }
+            }
         }
     }
 }

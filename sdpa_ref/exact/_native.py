@@ -95,7 +95,7 @@ def _load():
 def _declare(lib):
     dp, n = ctypes.c_void_p, ctypes.c_ssize_t                 # addresses passed as ints: cheaper than data_as
     lib.sdpa_slice_rows.argtypes = [dp, dp, n, n, n, n, n, n, ctypes.c_int, ctypes.c_int, dp, dp, dp, dp, dp, dp, dp,
-                                    dp]
+                                    dp, n, n, ctypes.c_int]
     lib.sdpa_slice_rows.restype = None
     lib.sdpa_dd_add_d.argtypes = [dp, dp, dp, n]
     lib.sdpa_dd_add_d.restype = None
@@ -229,17 +229,31 @@ def _row_layout(hi, lo):
     return hi, lo, per, bs // 8, (st[-2] // 8 if hi.ndim >= 2 else 0), st[-1] // 8
 
 
-def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False, remainder=True):
+#: Rows x entries below which :func:`slice_rows` cuts in one call rather than in the pool's threads.
+_SLICE_PARALLEL = 1 << 17
+
+
+def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False, remainder=True, transposed=False, parts=1,
+               run=None):
     """``(slices, (hi, lo))`` of :func:`.ozaki._slices` along the last axis, by the compiled loop, which reads
     the rows in place (a transposed block needs no copy); with ``stats=True`` ``(slices, (slice maxima, slice
     sums), remainder max|hi| + max|lo|)``, each ``(..., 1)``, and no remainder array. ``normalise=True`` scales
     each row first as :func:`.ozaki._normalise` does and appends its exponents ``e`` ``(..., 1)`` to the
-    result. ``remainder=False`` (without ``stats``): no remainder is formed, and None stands in for it."""
+    result. ``remainder=False`` (without ``stats``): no remainder is formed, and None stands in for it.
+
+    ``transposed=True`` (``hi`` at least 2-D): each slice is returned as the C-contiguous transpose of its
+    last two axes, ``(..., k, rows)`` for ``hi`` ``(..., rows, k)`` -- the columns of a GEMM's ``B``, cut as
+    the rows of ``B^T``, laid out as the GEMM reads ``B`` fastest (the statistics, exponents and remainder keep
+    their layout). ``parts`` > 1 (with ``run``, the pool's ``run_all``): an input of at least
+    :data:`_SLICE_PARALLEL` entries is cut in that many ranges of rows, side by side; each row's slices are its
+    own, so any ranges give the same bits."""
     shape = np.shape(hi)
+    if transposed and len(shape) < 2:
+        raise ValueError(f"`transposed` needs at least 2-D rows, but got shape {shape}")
     hi, lo, per, bs, rs, cs = _row_layout(hi, lo)
     k = shape[-1]
     rows = hi.size // k if k else 0
-    out = np.empty((n,) + shape)
+    out = np.empty((n,) + (shape[:-2] + (k, shape[-2]) if transposed else shape))
     if stats:
         smax, ssum = np.zeros((n,) + shape[:-1] + (1,)), np.zeros((n,) + shape[:-1] + (1,))
         rmax = np.zeros(shape[:-1] + (1,))
@@ -250,9 +264,21 @@ def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False, remainder=True
     e = np.zeros(shape[:-1] + (1,), np.intc) if normalise else None
     if rows and k:
         p = [None if x is None else _ptr(x) for x in (rh, rl, smax, ssum, rmax, e)]
-        scratch = np.empty(2 * _GATHER * (k + _PAD))       # held here: the C code gets only its address
-        lib.sdpa_slice_rows(_ptr(hi), None if lo is None else _ptr(lo), rows, k, per, bs, rs, cs, n, rho,
-                            _ptr(out), *p, _ptr(scratch))
+        lo_p = None if lo is None else _ptr(lo)
+        size = (2 + (n if transposed else 0)) * _GATHER * (k + _PAD)
+
+        def cut(span):                                     # the scratch is held here: C gets only its address
+            scratch = np.empty(size)
+            lib.sdpa_slice_rows(_ptr(hi), lo_p, rows, k, per, bs, rs, cs, n, rho, _ptr(out), *p, _ptr(scratch),
+                                span[0], span[1], int(transposed))
+
+        parts = parts if run is not None and rows * k >= _SLICE_PARALLEL else 1
+        step = -(-rows // (parts * _GATHER)) * _GATHER     # whole groups of gathered rows
+        spans = [(r, min(r + step, rows)) for r in range(0, rows, step)]
+        if len(spans) > 1:
+            run(cut, spans)
+        else:
+            cut(spans[0])
     elif not stats and remainder:
         rh, rl = np.array(hi, copy=True).reshape(shape), np.zeros(shape) if lo is None else np.array(lo).reshape(shape)
     res = (list(out), (list(smax), list(ssum)), rmax) if stats else (list(out), (rh, rl) if remainder else None)

@@ -1,7 +1,8 @@
 /* Drives the exact kernels (sdpa_ref/exact/_kernels.c, _kernels.h) over many shapes and layouts, every buffer
  * allocated to its exact size, so that AddressSanitizer and UBSan (tests/test_exact_kernels_sanitized.py) see any
  * read or write past one: the slicer (contiguous and transposed rows, batched, a float64 or dd input, with and
- * without the remainder, the statistics and the normalisation, every number of slices), the end of a block, the
+ * without the remainder, the statistics and the normalisation, every number of slices, slices written in rows
+ * or transposed, every row or a range of them), the end of a block, the
  * dd accumulation, exp (rows shorter and longer than its chunks, NaN and overflowing entries), the division, the
  * product by a scalar, the row sums, the softmax VJP and the early-stop level test; all of it once per SIMD build the CPU runs (the
  * library takes the build from _fast_rows.c's sdpa_fast_get_level; built alone here, _kernels.c takes it from
@@ -13,7 +14,8 @@
 
 void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t k, ptrdiff_t per, ptrdiff_t bs,
                      ptrdiff_t rs, ptrdiff_t cs, int n, int rho, double *out, double *rem_hi, double *rem_lo,
-                     double *smax, double *ssum, double *rmax, int *eout, double *scratch);
+                     double *smax, double *ssum, double *rmax, int *eout, double *scratch, ptrdiff_t first,
+                     ptrdiff_t last, int tout);
 void sdpa_dd_finish(const double *hi, const double *lo, ptrdiff_t nb, ptrdiff_t rows, ptrdiff_t n, int norm,
                     int has_scale, double scale, const int *ea, const int *eb, double *o0, double *o1);
 void sdpa_dd_add_d(double *hi, double *lo, const double *c, ptrdiff_t n);
@@ -112,21 +114,24 @@ static long drive_products(void)
     long calls = 0;
     for (size_t ki = 0; ki < sizeof ks / sizeof ks[0]; ki++) {
         ptrdiff_t k = ks[ki];
-        for (ptrdiff_t rows = 1; rows <= 19; rows += 6) {
+        for (ptrdiff_t per = 1; per <= 19; per += 6) {
             for (int transposed = 0; transposed < 2; transposed++) {
                 for (int n = 1; n <= 6; n++) {
-                    for (int flags = 0; flags < 8; flags++) {    /* lo given, statistics, normalisation */
-                        int with_lo = flags & 1, stats = flags & 2, norm = flags & 4;
-                        ptrdiff_t per = rows, bs = rows * k, rs = transposed ? 1 : k, cs = transposed ? rows : 1;
+                    for (int flags = 0; flags < 64; flags++) {   /* lo given, statistics, normalisation, */
+                        int with_lo = flags & 1, stats = flags & 2, norm = flags & 4;   /* transposed out, */
+                        int tout = (flags >> 3) & 1, part = (flags >> 4) & 1;           /* a range of rows, */
+                        ptrdiff_t groups = (flags >> 5) & 1 ? 3 : 1, rows = per * groups;  /* several groups */
+                        ptrdiff_t bs = per * k, rs = transposed ? 1 : k, cs = transposed ? per : 1;
+                        ptrdiff_t first = part ? rows / 3 : 0, last = part ? rows - rows / 4 : rows;
                         double *hi = fresh((size_t)(rows * k)), *lo = with_lo ? fresh((size_t)(rows * k)) : NULL;
                         double *out = fresh((size_t)(n * rows * k));
                         double *rh = stats ? NULL : fresh((size_t)(rows * k)), *rl = stats ? NULL : fresh((size_t)(rows * k));
                         double *smax = stats ? fresh((size_t)(n * rows)) : NULL, *ssum = stats ? fresh((size_t)(n * rows)) : NULL;
                         double *rmax = stats ? fresh((size_t)rows) : NULL;
                         int *e = norm ? malloc((size_t)rows * sizeof *e) : NULL;
-                        double *scratch = fresh((size_t)(2 * 8 * (k + 8)));
+                        double *scratch = fresh((size_t)((2 + (tout ? n : 0)) * 8 * (k + 8)));
                         sdpa_slice_rows(hi, lo, rows, k, per, bs, rs, cs, n, 30, out, rh, rl, smax, ssum, rmax, e,
-                                        scratch);
+                                        scratch, first, last, tout);
                         calls++;
                         free(hi); free(lo); free(out); free(rh); free(rl); free(smax); free(ssum); free(rmax);
                         free(e); free(scratch);
