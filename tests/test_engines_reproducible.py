@@ -651,7 +651,7 @@ def test_the_compiled_slicer_cuts_ranges_of_rows_side_by_side_with_the_bits_of_o
         scratch = np.empty((2 + n * tout) * _native._GATHER * (k + _native._PAD))
         p = lambda a: a.ctypes.data_as(ctypes.c_void_p)             # noqa: E731
         lib.sdpa_slice_rows(p(hi), p(lo), rows, k, 37, 37 * k, k, 1, n, 30, p(out), p(rh), p(rl), None, None, None,
-                            None, p(scratch), 9, 50, tout)
+                            None, p(scratch), 9, 50, *((rows * k, 37 * k, 37) if tout else (0, 0, 0)))
         whole = _native.slice_rows(lib, hi, lo, n, 30)
         inside = np.zeros(rows, bool)
         inside[9:50] = True
@@ -703,7 +703,8 @@ def test_the_compiled_column_statistics_give_the_numpy_passes_bits(monkeypatch):
         cut = ozaki._quick_columns((B, None), 4, 6, 32)
         assert (cut is None) == (B is wide)
         if cut is not None:                                  # the statistics are the NumPy passes' values
-            sb, e, mbs, sbq, rbq = cut
+            sb, e, mbs, sbq, rbq, joined = cut
+            assert joined is None
             want, rem, we = ozaki._normalised_slices((B, None), -2, 4, 32)
             assert all(np.array_equal(u, w) for u, w in zip(sb[:4], want)) and np.array_equal(e, we)
             assert not np.any(rem[0]) and not np.any(rbq) and not any(np.any(x) for x in sb[4:] + mbs[4:])
@@ -711,10 +712,67 @@ def test_the_compiled_column_statistics_give_the_numpy_passes_bits(monkeypatch):
             assert all(np.array_equal(m, np.sum(np.abs(w), axis=-2, keepdims=True)) for m, w in zip(sbq, want))
         got = ozaki.matmul(A, B, final=True, scale=0.3)
         with monkeypatch.context() as m:
-            m.setattr(ozaki, "_quick_columns", lambda *a: None)
+            m.setattr(ozaki, "_quick_columns", lambda *a, **k: None)
             want = ozaki.matmul(A, B, final=True, scale=0.3)
         for u, w in zip(got, want):
             assert np.array_equal(u.view(np.int64), w.view(np.int64))
+
+
+def test_the_slices_of_b_side_by_side_give_the_bits_of_one_product_at_a_time(monkeypatch):
+    """A ``final=True`` product with few columns cuts ``B``'s slices side by side (``slice_rows(joined=True)``)
+    and forms the products of each slice of a block of ``A`` with the leading slices of ``B`` in one GEMM
+    (``_products``' ``joined``), whose column blocks the dd sum reads in place (``dd_add_d_rows``): the bits of
+    the products formed one at a time, with float64 and dd operands, slices of ``B`` contracted over a few lines
+    (the last bits of a float64 column), rows of ``A`` that are zero, a NaN, batches, a scale and a contraction
+    range; and the joined GEMMs are in use."""
+    from sdpa_ref.exact import _native
+    lib = _native.kernels()
+    if lib is None:
+        pytest.skip(f"compiled kernels not in use ({_native.status()['reason']}): the products are formed one at a "
+                    "time")
+    rng = np.random.default_rng(21)
+    h = rng.standard_normal((2, 29, 13))
+    for parts in (1, 3):                                            # the layout: the transposed slices, padded
+        sq, _, _, _, whole = _native.slice_rows(lib, h, None, 4, 30, stats=True, normalise=True, transposed=True,
+                                                joined=True, parts=parts, run=lambda f, xs: [f(x) for x in xs])
+        want = _native.slice_rows(lib, h, None, 4, 30, stats=True, normalise=True, transposed=True)[0]
+        assert whole.shape == (2, 13, 4 * 29 + _native._JOIN_PAD) and whole.flags.c_contiguous
+        assert all(np.array_equal(u, w) and np.shares_memory(u, whole) for u, w in zip(sq, want))
+    with pytest.raises(ValueError, match="transposed"):
+        _native.slice_rows(lib, h, None, 4, 30, joined=True)
+    acc = (rng.standard_normal((3, 5, 7)), rng.standard_normal((3, 5, 7)) * 1e-17)
+    wide = rng.standard_normal((3, 5, 11))
+    got = _native.dd_add_d_inplace(lib, (acc[0].copy(), acc[1].copy()), wide[..., 2:9])
+    want = D.dd_add_d(acc, np.ascontiguousarray(wide[..., 2:9]))
+    assert all(np.array_equal(u, w) for u, w in zip(got, want))
+
+    formed = []
+    real = ozaki._products
+
+    def spy(*a, **k):
+        formed.append(k.get("joined") is not None)
+        return real(*a, **k)
+    monkeypatch.setattr(ozaki, "_products", spy)
+    A = rng.standard_normal((2, 3, 40, 600))
+    A[:, :, 5] = 0.0                                                # rows with no slice
+    Add = D.fast_two_sum(A, A * rng.standard_normal(A.shape) * 2.0 ** -58)
+    B = rng.standard_normal((2, 3, 600, 24)) * np.exp2(rng.integers(-3, 3, (2, 3, 600, 24)))
+    B[0, 1, 3:, 4] = 0.0                                            # a column held in few lines
+    nan = A.copy()
+    nan[1, 2, 9, 100] = np.nan
+    cases = [(A, B, {}), (Add, B, dict(scale=0.7)), (A, B[:1, :1], {}), (nan, B, {}),
+             (A[0, 0], B[0, 0], dict(contract=(np.full(40, 50), np.full(40, 420))))]
+    for a, b, kw in cases:
+        formed.clear()
+        got = ozaki.matmul(a, b, final=True, **kw)
+        used = any(formed)
+        with monkeypatch.context() as m:
+            m.setattr(ozaki, "_JOIN_COLUMNS", 0)
+            want = ozaki.matmul(a, b, final=True, **kw)
+        for u, w in zip(got, want):
+            assert np.array_equal(u.view(np.int64), w.view(np.int64)), kw
+        assert used == (np.shape(b[0] if isinstance(b, tuple) else b)[:-2] == np.shape(
+            a[0] if isinstance(a, tuple) else a)[:-2]), kw
 
 
 #: How much of a cancelling entry is left: well inside the reproducible engine's claim (about 2**45).

@@ -68,22 +68,31 @@ int sdpa_fast_get_level(void);                     /* _fast_rows.c: the build in
  * exact, its entries lie on one grid with few bits) and the remainder's max|hi| + max|lo| (rmax [rows]).
  * The element-wise steps and the reductions are separate loops (the first vectorises); every maximum and
  * slice sum is exact, so its order does not matter. Only the rows [first, last) are cut (the arrays are
- * indexed by the row's own number, so calls on disjoint ranges may run side by side); with tout the slices are
- * written transposed within each group of per rows (see _kernels.h). scratch: (2 + (tout ? n : 0))
+ * indexed by the row's own number, so calls on disjoint ranges may run side by side); with tjs != 0 the slices
+ * are written transposed within each group of per rows, at the strides tps, tgs, tjs (see _kernels.h).
+ * scratch: (2 + (tjs ? n : 0))
  * SLICE_GATHER (k + SLICE_PAD) doubles. The inputs are not written. */
 void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t k, ptrdiff_t per, ptrdiff_t bs,
                      ptrdiff_t rs, ptrdiff_t cs, int n, int rho, double *out, double *rem_hi, double *rem_lo,
                      double *smax, double *ssum, double *rmax, int *eout, double *scratch, ptrdiff_t first,
-                     ptrdiff_t last, int tout)
+                     ptrdiff_t last, ptrdiff_t tps, ptrdiff_t tgs, ptrdiff_t tjs)
 {
     KX_DISPATCH(slice_rows, hi, lo, rows, k, per, bs, rs, cs, n, rho, out, rem_hi, rem_lo, smax, ssum, rmax, eout,
-                scratch, first, last, tout);
+                scratch, first, last, tps, tgs, tjs);
 }
 
 /* (hi, lo) = dd_add_d((hi, lo), c) in place: two_sum(hi, c), then fast_two_sum(s, e + lo). */
 void sdpa_dd_add_d(double *hi, double *lo, const double *c, ptrdiff_t n)
 {
     KX_DISPATCH(dd_add_d, hi, lo, c, n);
+}
+
+/* The same, c read as rows of n entries ldc apart (a block of columns of a wider product); (hi, lo) [rows x n],
+ * contiguous. The same operations on each entry, so the same bits. */
+void sdpa_dd_add_d_rows(double *hi, double *lo, const double *c, ptrdiff_t rows, ptrdiff_t n, ptrdiff_t ldc)
+{
+    for (ptrdiff_t r = 0; r < rows; r++)
+        KX_DISPATCH(dd_add_d, hi + r * n, lo + r * n, c + r * ldc, n);
 }
 
 /* exp of x [rows x n] less the row's m (dd_exp(dd_sub(x, m))), or of x itself when m0 is NULL.

@@ -164,15 +164,18 @@ KX_FN double KX(slice_step)(double *restrict h, double *restrict l, double *rest
  * The element-wise steps and the reductions are separate loops (the first vectorises); every maximum and
  * slice sum is exact, so its order does not matter.
  * Only the rows [first, last) are cut (every array is still indexed by the row's own number r, so calls on
- * disjoint ranges may run side by side). With tout, the slices are written transposed within each group of per
- * rows: entry j of slice p of row r goes to out[p * rows * k + (r / per) * per * k + j * per + r % per] (the
- * columns of B cut as rows, written as the C-contiguous (k, per) matrices a GEMM reads fastest).
- * scratch: (2 + (tout ? n : 0)) SLICE_GATHER (k + SLICE_PAD) doubles. The inputs are not written. */
+ * disjoint ranges may run side by side). With tjs != 0 the slices are written transposed within each group of
+ * per rows: entry j of slice p of row r goes to out[p * tps + (r / per) * tgs + j * tjs + r % per] (the columns
+ * of B cut as rows, written as the C-contiguous (k, per) matrices a GEMM reads fastest: tps = rows k,
+ * tgs = per k, tjs = per; or the n slices of a group side by side, (k, n per): tps = per, tgs = n per k,
+ * tjs = n per). scratch: (2 + (tjs ? n : 0)) SLICE_GATHER (k + SLICE_PAD) doubles. The inputs are not
+ * written. */
 KX_FN void KX(slice_rows)(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t k, ptrdiff_t per, ptrdiff_t bs,
                      ptrdiff_t rs, ptrdiff_t cs, int n, int rho, double *out, double *rem_hi, double *rem_lo,
                      double *smax, double *ssum, double *rmax, int *eout, double *scratch, ptrdiff_t first,
-                     ptrdiff_t last, int tout)
+                     ptrdiff_t last, ptrdiff_t tps, ptrdiff_t tgs, ptrdiff_t tjs)
 {
+    const int tout = tjs != 0;
     const ptrdiff_t pitch = k + SLICE_PAD;                   /* the scratch's rows: not a multiple of 4 KiB apart */
     double *H = scratch, *L = scratch + SLICE_GATHER * pitch, *T = scratch + 2 * SLICE_GATHER * pitch;
     for (ptrdiff_t r0 = first; r0 < last; r0 += SLICE_GATHER) {
@@ -261,17 +264,17 @@ KX_FN void KX(slice_rows)(const double *hi, const double *lo, ptrdiff_t rows, pt
         if (tout) {                                          /* the tile's slices, transposed into place */
             for (int p = 0; p < n; p++) {
                 const double *t = T + (ptrdiff_t)p * SLICE_GATHER * pitch;
-                double *o = out + (ptrdiff_t)p * rows * k;
+                double *o = out + (ptrdiff_t)p * tps;
                 if (r0 / per == (r0 + nr - 1) / per) {       /* one group: nr neighbours in each line of out */
-                    double *d = o + (r0 / per) * per * k + r0 % per;
+                    double *d = o + (r0 / per) * tgs + r0 % per;
                     for (ptrdiff_t j = 0; j < k; j++)
                         for (ptrdiff_t i = 0; i < nr; i++)
-                            d[j * per + i] = t[i * pitch + j];
+                            d[j * tjs + i] = t[i * pitch + j];
                 } else {
                     for (ptrdiff_t i = 0; i < nr; i++) {
-                        double *d = o + ((r0 + i) / per) * per * k + (r0 + i) % per;
+                        double *d = o + ((r0 + i) / per) * tgs + (r0 + i) % per;
                         for (ptrdiff_t j = 0; j < k; j++)
-                            d[j * per] = t[i * pitch + j];
+                            d[j * tjs] = t[i * pitch + j];
                     }
                 }
             }

@@ -95,10 +95,12 @@ def _load():
 def _declare(lib):
     dp, n = ctypes.c_void_p, ctypes.c_ssize_t                 # addresses passed as ints: cheaper than data_as
     lib.sdpa_slice_rows.argtypes = [dp, dp, n, n, n, n, n, n, ctypes.c_int, ctypes.c_int, dp, dp, dp, dp, dp, dp, dp,
-                                    dp, n, n, ctypes.c_int]
+                                    dp, n, n, n, n, n]
     lib.sdpa_slice_rows.restype = None
     lib.sdpa_dd_add_d.argtypes = [dp, dp, dp, n]
     lib.sdpa_dd_add_d.restype = None
+    lib.sdpa_dd_add_d_rows.argtypes = [dp, dp, dp, n, n, n]
+    lib.sdpa_dd_add_d_rows.restype = None
     lib.sdpa_dd_exp_rows.argtypes = [dp, dp, dp, dp, n, n, dp, dp, dp, dp, dp]
     lib.sdpa_dd_exp_rows.restype = None
     lib.sdpa_dd_div_rows.argtypes = [dp, dp, dp, dp, n, n, dp, dp]
@@ -229,12 +231,14 @@ def _row_layout(hi, lo):
     return hi, lo, per, bs // 8, (st[-2] // 8 if hi.ndim >= 2 else 0), st[-1] // 8
 
 
+#: Doubles after each line of :func:`slice_rows`' ``joined`` slices.
+_JOIN_PAD = 8
 #: Rows x entries below which :func:`slice_rows` cuts in one call rather than in the pool's threads.
 _SLICE_PARALLEL = 1 << 17
 
 
 def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False, remainder=True, transposed=False, parts=1,
-               run=None):
+               run=None, joined=False):
     """``(slices, (hi, lo))`` of :func:`.ozaki._slices` along the last axis, by the compiled loop, which reads
     the rows in place (a transposed block needs no copy); with ``stats=True`` ``(slices, (slice maxima, slice
     sums), remainder max|hi| + max|lo|)``, each ``(..., 1)``, and no remainder array. ``normalise=True`` scales
@@ -244,7 +248,10 @@ def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False, remainder=True
     ``transposed=True`` (``hi`` at least 2-D): each slice is returned as the C-contiguous transpose of its
     last two axes, ``(..., k, rows)`` for ``hi`` ``(..., rows, k)`` -- the columns of a GEMM's ``B``, cut as
     the rows of ``B^T``, laid out as the GEMM reads ``B`` fastest (the statistics, exponents and remainder keep
-    their layout). ``parts`` > 1 (with ``run``, the pool's ``run_all``): an input of at least
+    their layout). ``joined=True`` (with ``transposed``): the slices side by side, one C-contiguous
+    ``(..., k, n rows + _JOIN_PAD)`` array (appended to the result; the padding keeps its lines from being a
+    multiple of 4 KiB apart, which costs the BLAS's packing), slice ``p`` the view ``[..., p rows:(p + 1)
+    rows]`` of it, so that the products of one ``A`` slice with several ``B`` slices are one GEMM. ``parts`` > 1 (with ``run``, the pool's ``run_all``): an input of at least
     :data:`_SLICE_PARALLEL` entries is cut in that many ranges of rows, side by side; each row's slices are its
     own, so any ranges give the same bits."""
     shape = np.shape(hi)
@@ -253,7 +260,16 @@ def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False, remainder=True
     hi, lo, per, bs, rs, cs = _row_layout(hi, lo)
     k = shape[-1]
     rows = hi.size // k if k else 0
-    out = np.empty((n,) + (shape[:-2] + (k, shape[-2]) if transposed else shape))
+    if joined and not transposed:
+        raise ValueError("`joined` slices are transposed ones: pass transposed=True")
+    if joined:
+        tjs = n * per + _JOIN_PAD
+        whole = np.empty(shape[:-2] + (k, tjs))
+        out = [whole[..., p * per:(p + 1) * per] for p in range(n)]
+        tps, tgs = per, tjs * k
+    else:
+        out = np.empty((n,) + (shape[:-2] + (k, shape[-2]) if transposed else shape))
+        tps, tgs, tjs = (rows * k, per * k, per) if transposed else (0, 0, 0)
     if stats:
         smax, ssum = np.zeros((n,) + shape[:-1] + (1,)), np.zeros((n,) + shape[:-1] + (1,))
         rmax = np.zeros(shape[:-1] + (1,))
@@ -266,11 +282,12 @@ def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False, remainder=True
         p = [None if x is None else _ptr(x) for x in (rh, rl, smax, ssum, rmax, e)]
         lo_p = None if lo is None else _ptr(lo)
         size = (2 + (n if transposed else 0)) * _GATHER * (k + _PAD)
+        base = _ptr(whole) if joined else _ptr(out)
 
         def cut(span):                                     # the scratch is held here: C gets only its address
             scratch = np.empty(size)
-            lib.sdpa_slice_rows(_ptr(hi), lo_p, rows, k, per, bs, rs, cs, n, rho, _ptr(out), *p, _ptr(scratch),
-                                span[0], span[1], int(transposed))
+            lib.sdpa_slice_rows(_ptr(hi), lo_p, rows, k, per, bs, rs, cs, n, rho, base, *p, _ptr(scratch),
+                                span[0], span[1], tps, tgs, tjs)
 
         parts = parts if run is not None and rows * k >= _SLICE_PARALLEL else 1
         step = -(-rows // (parts * _GATHER)) * _GATHER     # whole groups of gathered rows
@@ -282,11 +299,18 @@ def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False, remainder=True
     elif not stats and remainder:
         rh, rl = np.array(hi, copy=True).reshape(shape), np.zeros(shape) if lo is None else np.array(lo).reshape(shape)
     res = (list(out), (list(smax), list(ssum)), rmax) if stats else (list(out), (rh, rl) if remainder else None)
-    return res + (e,) if normalise else res
+    res = res + (e,) if normalise else res
+    return res + (whole,) if joined else res
 
 
 def dd_add_d_inplace(lib, acc, c):
     """``acc = dd_add_d(acc, c)`` in place (``acc`` a pair of C-contiguous float64 arrays that we own)."""
+    if isinstance(c, np.ndarray) and c.dtype == np.float64 and c.shape == acc[0].shape and c.ndim >= 2 and c.strides[-1] == 8 and all(
+            c.strides[i] == c.shape[i + 1] * c.strides[i + 1] for i in range(c.ndim - 2)) and c.strides[-2] >= 0 \
+            and c.strides[-2] % 8 == 0 and not c.flags.c_contiguous:       # a block of columns: read in place
+        n = c.shape[-1]
+        lib.sdpa_dd_add_d_rows(_ptr(acc[0]), _ptr(acc[1]), _ptr(c), c.size // n if n else 0, n, c.strides[-2] // 8)
+        return acc
     c = np.ascontiguousarray(c, dtype=np.float64)
     lib.sdpa_dd_add_d(_ptr(acc[0]), _ptr(acc[1]), _ptr(c), acc[0].size)
     return acc

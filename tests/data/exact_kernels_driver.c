@@ -2,8 +2,8 @@
  * allocated to its exact size, so that AddressSanitizer and UBSan (tests/test_exact_kernels_sanitized.py) see any
  * read or write past one: the slicer (contiguous and transposed rows, batched, a float64 or dd input, with and
  * without the remainder, the statistics and the normalisation, every number of slices, slices written in rows
- * or transposed, every row or a range of them), the end of a block, the
- * dd accumulation, exp (rows shorter and longer than its chunks, NaN and overflowing entries), the division, the
+ * transposed or side by side, every row or a range of them), the end of a block, the
+ * dd accumulation (c contiguous or a block of columns), exp (rows shorter and longer than its chunks, NaN and overflowing entries), the division, the
  * product by a scalar, the row sums, the softmax VJP and the early-stop level test; all of it once per SIMD build the CPU runs (the
  * library takes the build from _fast_rows.c's sdpa_fast_get_level; built alone here, _kernels.c takes it from
  * the driver). Prints "ok" and exits 0 when every call returned. */
@@ -15,7 +15,8 @@
 void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t k, ptrdiff_t per, ptrdiff_t bs,
                      ptrdiff_t rs, ptrdiff_t cs, int n, int rho, double *out, double *rem_hi, double *rem_lo,
                      double *smax, double *ssum, double *rmax, int *eout, double *scratch, ptrdiff_t first,
-                     ptrdiff_t last, int tout);
+                     ptrdiff_t last, ptrdiff_t tps, ptrdiff_t tgs, ptrdiff_t tjs);
+void sdpa_dd_add_d_rows(double *hi, double *lo, const double *c, ptrdiff_t rows, ptrdiff_t n, ptrdiff_t ldc);
 void sdpa_dd_finish(const double *hi, const double *lo, ptrdiff_t nb, ptrdiff_t rows, ptrdiff_t n, int norm,
                     int has_scale, double scale, const int *ea, const int *eb, double *o0, double *o1);
 void sdpa_dd_add_d(double *hi, double *lo, const double *c, ptrdiff_t n);
@@ -117,10 +118,14 @@ static long drive_products(void)
         for (ptrdiff_t per = 1; per <= 19; per += 6) {
             for (int transposed = 0; transposed < 2; transposed++) {
                 for (int n = 1; n <= 6; n++) {
-                    for (int flags = 0; flags < 64; flags++) {   /* lo given, statistics, normalisation, */
-                        int with_lo = flags & 1, stats = flags & 2, norm = flags & 4;   /* transposed out, */
-                        int tout = (flags >> 3) & 1, part = (flags >> 4) & 1;           /* a range of rows, */
-                        ptrdiff_t groups = (flags >> 5) & 1 ? 3 : 1, rows = per * groups;  /* several groups */
+                    for (int flags = 0; flags < 128; flags++) {  /* lo given, statistics, normalisation, */
+                        int with_lo = flags & 1, stats = flags & 2, norm = flags & 4;   /* out in rows, */
+                        int tout = (flags >> 3) & 3, part = (flags >> 5) & 1;  /* transposed or joined slices, */
+                        if (tout == 3)                                          /* a range of rows, */
+                            continue;
+                        ptrdiff_t groups = (flags >> 6) & 1 ? 3 : 1, rows = per * groups;  /* several groups */
+                        ptrdiff_t tps = tout == 1 ? rows * k : per, tgs = tout == 1 ? per * k : n * per * k;
+                        ptrdiff_t tjs = tout == 0 ? 0 : tout == 1 ? per : n * per;
                         ptrdiff_t bs = per * k, rs = transposed ? 1 : k, cs = transposed ? per : 1;
                         ptrdiff_t first = part ? rows / 3 : 0, last = part ? rows - rows / 4 : rows;
                         double *hi = fresh((size_t)(rows * k)), *lo = with_lo ? fresh((size_t)(rows * k)) : NULL;
@@ -131,13 +136,23 @@ static long drive_products(void)
                         int *e = norm ? malloc((size_t)rows * sizeof *e) : NULL;
                         double *scratch = fresh((size_t)((2 + (tout ? n : 0)) * 8 * (k + 8)));
                         sdpa_slice_rows(hi, lo, rows, k, per, bs, rs, cs, n, 30, out, rh, rl, smax, ssum, rmax, e,
-                                        scratch, first, last, tout);
+                                        scratch, first, last, tps, tgs, tjs);
                         calls++;
                         free(hi); free(lo); free(out); free(rh); free(rl); free(smax); free(ssum); free(rmax);
                         free(e); free(scratch);
                     }
                 }
             }
+        }
+    }
+    for (ptrdiff_t rows = 1; rows <= 9; rows += 4) {                  /* the dd sum, c a block of columns */
+        for (ptrdiff_t n = 1; n <= 13; n += 3) {
+            ptrdiff_t ldc = n + rows;
+            double *h = fresh((size_t)(rows * n)), *l = fresh((size_t)(rows * n));
+            double *c = fresh((size_t)((rows - 1) * ldc + n));
+            sdpa_dd_add_d_rows(h, l, c, rows, n, ldc);
+            calls++;
+            free(h); free(l); free(c);
         }
     }
     for (ptrdiff_t nb = 1; nb <= 3; nb++) {
