@@ -279,6 +279,33 @@ def test_ozaki_products_on_the_columns_each_row_wants_move_no_bit(monkeypatch, n
     assert (part[0][~want] == 0).mean() > 0.5                          # formed on the spans alone
 
 
+def test_ozaki_products_large_enough_to_share_are_cut_in_two_blocks_a_thread_with_the_same_bits(monkeypatch):
+    """A product whose work is worth the pool is cut into at least two blocks per thread where its shape allows
+    (batch entries spread first, then rows cut finer), not one block that a single thread runs: the same bits as
+    one thread's cuts, final or not, with a dd operand."""
+    rng = np.random.default_rng(31)
+    seen = []
+    real = ozaki.run_all
+
+    def spy(fn, items):
+        seen.append(len(items))
+        real(fn, items)
+    monkeypatch.setattr(ozaki, "run_all", spy)
+    for batch, M in ((8, 256), (2, 256), (1, 512), (3, 200)):
+        A = rng.standard_normal((batch, M, 256))
+        B = rng.standard_normal((batch, 256, 64))
+        for a, final in ((A, True), (A, False), ((A, A * 2.0 ** -60), True)):
+            monkeypatch.setenv("SDPA_REF_NUM_THREADS", "1")
+            one = ozaki.matmul(a, B, final=final)
+            for threads in (2, 3):
+                monkeypatch.setenv("SDPA_REF_NUM_THREADS", str(threads))
+                seen.clear()
+                got = ozaki.matmul(a, B, final=final)
+                assert seen and seen[-1] >= 2 * threads, (batch, M, threads, seen)
+                for u, w in zip(got, one):
+                    np.testing.assert_array_equal(u.view(np.int64), w.view(np.int64))
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_ozaki_products_contracted_where_each_row_is_nonzero_move_no_bit(monkeypatch, native):
     """``contract``: a block of rows contracted over the union of its rows' nonzero range alone (a causal ``P``,

@@ -531,6 +531,12 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None, contract=None, o
             lo.fill(0.0)
     mb = max(8, _BLOCK_ENTRIES // max(N, K, 1))            # rows per block: its slices and sums stay in cache
     nb = max(1, _BLOCK_ENTRIES // max(M * N, 1)) if mb >= M else 1      # small products: several per block
+    parallel = hi.size * K >= _PARALLEL_WORK
+    if parallel and num_threads() > 1:                     # at least two blocks a thread where the work allows:
+        want = 2 * num_threads()                           # batch entries spread first, then rows cut finer
+        nb = max(1, min(nb, hi.shape[0] // want))
+        if hi.shape[0] // nb * -(-M // mb) < want:
+            mb = max(8, min(mb, -(-M * hi.shape[0] // want)))
     items = [(slice(b, b + nb), m0) for b in range(0, hi.shape[0], nb) for m0 in range(0, M, mb)]
     lines = {}                                             # B's lines per batch range: found once, not per product
     for b, _ in items:
@@ -616,7 +622,7 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None, contract=None, o
             e = ea + ec
             out[0][...], out[1][...] = np.ldexp(h, e), np.ldexp(l, e)
 
-    if len(items) > 1 and hi.size * K >= _PARALLEL_WORK:
+    if len(items) > 1 and parallel:
         run_all(block, items)
     else:                                                  # small: the pool's hand-offs would cost more
         for it in items:
