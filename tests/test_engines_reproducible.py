@@ -678,7 +678,7 @@ def test_the_compiled_slicer_cuts_ranges_of_rows_side_by_side_with_the_bits_of_o
         scratch = np.empty((2 + n * tout) * _native._GATHER * (k + _native._PAD))
         p = lambda a: a.ctypes.data_as(ctypes.c_void_p)             # noqa: E731
         lib.sdpa_slice_rows(p(hi), p(lo), rows, k, 37, 37 * k, k, 1, n, 30, p(out), p(rh), p(rl), None, None, None,
-                            None, p(scratch), 9, 50, *((rows * k, 37 * k, 37) if tout else (0, 0, 0)))
+                            None, p(scratch), 9, 50, *((rows * k, 37 * k, 37) if tout else (0, 0, 0)), None)
         whole = _native.slice_rows(lib, hi, lo, n, 30)
         inside = np.zeros(rows, bool)
         inside[9:50] = True
@@ -730,9 +730,10 @@ def test_the_compiled_column_statistics_give_the_numpy_passes_bits(monkeypatch):
         cut = ozaki._quick_columns((B, None), 4, 6, 32)
         assert (cut is None) == (B is wide)
         if cut is not None:                                  # the statistics are the NumPy passes' values
-            sb, e, mbs, sbq, rbq, joined = cut
+            sb, e, mbs, sbq, rbq, joined, knz = cut
             assert joined is None
             want, rem, we = ozaki._normalised_slices((B, None), -2, 4, 32)
+            assert all(np.array_equal(f, np.any(w != 0, axis=-1)) for f, w in zip(knz, want))
             assert all(np.array_equal(u, w) for u, w in zip(sb[:4], want)) and np.array_equal(e, we)
             assert not np.any(rem[0]) and not np.any(rbq) and not any(np.any(x) for x in sb[4:] + mbs[4:])
             assert all(np.array_equal(m, np.max(np.abs(w), axis=-2, keepdims=True)) for m, w in zip(mbs, want))
@@ -800,6 +801,46 @@ def test_the_slices_of_b_side_by_side_give_the_bits_of_one_product_at_a_time(mon
             assert np.array_equal(u.view(np.int64), w.view(np.int64)), kw
         assert used == (np.shape(b[0] if isinstance(b, tuple) else b)[:-2] == np.shape(
             a[0] if isinstance(a, tuple) else a)[:-2]), kw
+
+
+def test_the_slicer_finds_the_nonzero_lines_of_b_as_it_cuts_them(monkeypatch):
+    """``slice_rows(nonzero=True)`` marks, per slice of ``B``'s columns, the lines of ``K`` holding a nonzero entry
+    (what a product contracts over) as it writes them: NumPy's ``np.any(slice != 0)`` for groups of columns that
+    are and are not a multiple of the gather, ranges of rows that share a group, a NaN and zero columns; and a
+    product summed on (``final=False``) that takes its column slices, maxima and those lines from the slicer in
+    one pass (``ozaki._columns``) has the bits of the NumPy passes."""
+    from sdpa_ref.exact import _native
+    from sdpa_ref._threads import run_all
+    lib = _native.kernels()
+    if lib is None:
+        pytest.skip(f"compiled kernels not in use ({_native.status()['reason']})")
+    rng = np.random.default_rng(33)
+    B = rng.standard_normal((3, 300, 21)) * np.exp2(rng.integers(-12, 1, (3, 300, 1)))  # the last slices: few lines
+    B[0, :, 4] = 0.0
+    B[1, 200:, 7] = 0.0
+    B[2, 17, 3] = np.nan
+    monkeypatch.setattr(_native, "_SLICE_PARALLEL", 1)
+    for parts in (1, 2, 5):
+        for joined in (False, True):
+            got = _native.slice_rows(lib, np.swapaxes(B, -1, -2), None, 5, 32, normalise=True, remainder=False,
+                                     transposed=True, joined=joined, nonzero=True, parts=parts, run=run_all)
+            knz = got[-1]
+            assert knz.shape == (5, 3, 300) and knz.dtype == bool
+            for f, x in zip(knz, got[0]):
+                np.testing.assert_array_equal(f, np.any(x != 0, axis=-1))
+            assert knz.any() and not knz.all()
+    with pytest.raises(ValueError, match="transposed"):
+        _native.slice_rows(lib, B, None, 5, 32, nonzero=True)
+    A = rng.standard_normal((3, 40, 300))
+    for b in (B[:2], np.where(np.isnan(B), 1.0, B)[:1], B):
+        cut = ozaki._columns((b, None), 5, 32)
+        assert (cut is None) == bool(np.isnan(b).any())
+        got = ozaki.matmul(A[:len(b)] if len(b) > 1 else A, b, scale=0.25)
+        with monkeypatch.context() as m:
+            m.setattr(ozaki, "_columns", lambda *a: None)
+            want = ozaki.matmul(A[:len(b)] if len(b) > 1 else A, b, scale=0.25)
+        for u, w in zip(got, want):
+            np.testing.assert_array_equal(u.view(np.int64), w.view(np.int64))
 
 
 #: How much of a cancelling entry is left: well inside the reproducible engine's claim (about 2**45).

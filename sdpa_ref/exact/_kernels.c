@@ -69,16 +69,17 @@ int sdpa_fast_get_level(void);                     /* _fast_rows.c: the build in
  * The element-wise steps and the reductions are separate loops (the first vectorises); every maximum and
  * slice sum is exact, so its order does not matter. Only the rows [first, last) are cut (the arrays are
  * indexed by the row's own number, so calls on disjoint ranges may run side by side); with tjs != 0 the slices
- * are written transposed within each group of per rows, at the strides tps, tgs, tjs (see _kernels.h).
+ * are written transposed within each group of per rows, at the strides tps, tgs, tjs, and knz marks each
+ * group's entries that are nonzero in a slice (see _kernels.h).
  * scratch: (2 + (tjs ? n : 0))
  * SLICE_GATHER (k + SLICE_PAD) doubles. The inputs are not written. */
 void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t k, ptrdiff_t per, ptrdiff_t bs,
                      ptrdiff_t rs, ptrdiff_t cs, int n, int rho, double *out, double *rem_hi, double *rem_lo,
                      double *smax, double *ssum, double *rmax, int *eout, double *scratch, ptrdiff_t first,
-                     ptrdiff_t last, ptrdiff_t tps, ptrdiff_t tgs, ptrdiff_t tjs)
+                     ptrdiff_t last, ptrdiff_t tps, ptrdiff_t tgs, ptrdiff_t tjs, unsigned char *knz)
 {
     KX_DISPATCH(slice_rows, hi, lo, rows, k, per, bs, rs, cs, n, rho, out, rem_hi, rem_lo, smax, ssum, rmax, eout,
-                scratch, first, last, tps, tgs, tjs);
+                scratch, first, last, tps, tgs, tjs, knz);
 }
 
 /* (hi, lo) = dd_add_d((hi, lo), c) in place: two_sum(hi, c), then fast_two_sum(s, e + lo). */

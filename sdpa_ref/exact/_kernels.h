@@ -168,14 +168,17 @@ KX_FN double KX(slice_step)(double *restrict h, double *restrict l, double *rest
  * per rows: entry j of slice p of row r goes to out[p * tps + (r / per) * tgs + j * tjs + r % per] (the columns
  * of B cut as rows, written as the C-contiguous (k, per) matrices a GEMM reads fastest: tps = rows k,
  * tgs = per k, tjs = per; or the n slices of a group side by side, (k, n per): tps = per, tgs = n per k,
- * tjs = n per). scratch: (2 + (tjs ? n : 0)) SLICE_GATHER (k + SLICE_PAD) doubles. The inputs are not
- * written. */
+ * tjs = n per). With knz (and tjs != 0), knz[(p * rows / per + r / per) * k + j] is set to 1 where entry j
+ * of slice p of a row of that group is nonzero (the lines of B's slices a product must contract over; knz is
+ * only ever set, so the caller clears it, and calls on ranges that share a group need knz of their own).
+ * scratch: (2 + (tjs ? n : 0)) SLICE_GATHER (k + SLICE_PAD) doubles. The inputs are not written. */
 KX_FN void KX(slice_rows)(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t k, ptrdiff_t per, ptrdiff_t bs,
                      ptrdiff_t rs, ptrdiff_t cs, int n, int rho, double *out, double *rem_hi, double *rem_lo,
                      double *smax, double *ssum, double *rmax, int *eout, double *scratch, ptrdiff_t first,
-                     ptrdiff_t last, ptrdiff_t tps, ptrdiff_t tgs, ptrdiff_t tjs)
+                     ptrdiff_t last, ptrdiff_t tps, ptrdiff_t tgs, ptrdiff_t tjs, unsigned char *knz)
 {
     const int tout = tjs != 0;
+    const ptrdiff_t groups = rows / per;
     const ptrdiff_t pitch = k + SLICE_PAD;                   /* the scratch's rows: not a multiple of 4 KiB apart */
     double *H = scratch, *L = scratch + SLICE_GATHER * pitch, *T = scratch + 2 * SLICE_GATHER * pitch;
     for (ptrdiff_t r0 = first; r0 < last; r0 += SLICE_GATHER) {
@@ -270,11 +273,25 @@ KX_FN void KX(slice_rows)(const double *hi, const double *lo, ptrdiff_t rows, pt
                     for (ptrdiff_t j = 0; j < k; j++)
                         for (ptrdiff_t i = 0; i < nr; i++)
                             d[j * tjs + i] = t[i * pitch + j];
+                    if (knz) {
+                        unsigned char *f = knz + ((ptrdiff_t)p * groups + r0 / per) * k;
+                        for (ptrdiff_t j = 0; j < k; j++) {
+                            int any = 0;
+                            for (ptrdiff_t i = 0; i < nr; i++)
+                                any |= t[i * pitch + j] != 0.0;
+                            f[j] |= (unsigned char)any;
+                        }
+                    }
                 } else {
                     for (ptrdiff_t i = 0; i < nr; i++) {
                         double *d = o + ((r0 + i) / per) * tgs + (r0 + i) % per;
                         for (ptrdiff_t j = 0; j < k; j++)
                             d[j * tjs] = t[i * pitch + j];
+                        if (knz) {
+                            unsigned char *f = knz + ((ptrdiff_t)p * groups + (r0 + i) / per) * k;
+                            for (ptrdiff_t j = 0; j < k; j++)
+                                f[j] |= (unsigned char)(t[i * pitch + j] != 0.0);
+                        }
                     }
                 }
             }

@@ -95,7 +95,7 @@ def _load():
 def _declare(lib):
     dp, n = ctypes.c_void_p, ctypes.c_ssize_t                 # addresses passed as ints: cheaper than data_as
     lib.sdpa_slice_rows.argtypes = [dp, dp, n, n, n, n, n, n, ctypes.c_int, ctypes.c_int, dp, dp, dp, dp, dp, dp, dp,
-                                    dp, n, n, n, n, n]
+                                    dp, n, n, n, n, n, dp]
     lib.sdpa_slice_rows.restype = None
     lib.sdpa_dd_add_d.argtypes = [dp, dp, dp, n]
     lib.sdpa_dd_add_d.restype = None
@@ -238,7 +238,7 @@ _SLICE_PARALLEL = 1 << 17
 
 
 def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False, remainder=True, transposed=False, parts=1,
-               run=None, joined=False):
+               run=None, joined=False, nonzero=False):
     """``(slices, (hi, lo))`` of :func:`.ozaki._slices` along the last axis, by the compiled loop, which reads
     the rows in place (a transposed block needs no copy); with ``stats=True`` ``(slices, (slice maxima, slice
     sums), remainder max|hi| + max|lo|)``, each ``(..., 1)``, and no remainder array. ``normalise=True`` scales
@@ -251,7 +251,10 @@ def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False, remainder=True
     their layout). ``joined=True`` (with ``transposed``): the slices side by side, one C-contiguous
     ``(..., k, n rows + _JOIN_PAD)`` array (appended to the result; the padding keeps its lines from being a
     multiple of 4 KiB apart, which costs the BLAS's packing), slice ``p`` the view ``[..., p rows:(p + 1)
-    rows]`` of it, so that the products of one ``A`` slice with several ``B`` slices are one GEMM. ``parts`` > 1 (with ``run``, the pool's ``run_all``): an input of at least
+    rows]`` of it, so that the products of one ``A`` slice with several ``B`` slices are one GEMM.
+    ``nonzero=True`` (with ``transposed``): appended last, a bool ``(n, ..., k)``, whether entry ``j`` of slice
+    ``p`` is nonzero in some row of its group (the lines of ``B``'s slices a product must contract over),
+    found as the slices are written. ``parts`` > 1 (with ``run``, the pool's ``run_all``): an input of at least
     :data:`_SLICE_PARALLEL` entries is cut in that many ranges of rows, side by side; each row's slices are its
     own, so any ranges give the same bits."""
     shape = np.shape(hi)
@@ -260,8 +263,8 @@ def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False, remainder=True
     hi, lo, per, bs, rs, cs = _row_layout(hi, lo)
     k = shape[-1]
     rows = hi.size // k if k else 0
-    if joined and not transposed:
-        raise ValueError("`joined` slices are transposed ones: pass transposed=True")
+    if (joined or nonzero) and not transposed:
+        raise ValueError("`joined` and `nonzero` are for transposed slices: pass transposed=True")
     if joined:
         tjs = n * per + _JOIN_PAD
         whole = np.empty(shape[:-2] + (k, tjs))
@@ -278,37 +281,44 @@ def slice_rows(lib, hi, lo, n, rho, stats=False, normalise=False, remainder=True
         smax = ssum = rmax = None
         rh, rl = (np.empty(shape), np.empty(shape)) if remainder else (None, None)
     e = np.zeros(shape[:-1] + (1,), np.intc) if normalise else None
+    knz = np.zeros((n,) + shape[:-2] + (k,), bool) if nonzero else None
     if rows and k:
         p = [None if x is None else _ptr(x) for x in (rh, rl, smax, ssum, rmax, e)]
         lo_p = None if lo is None else _ptr(lo)
         size = (2 + (n if transposed else 0)) * _GATHER * (k + _PAD)
         base = _ptr(whole) if joined else _ptr(out)
 
-        def cut(span):                                     # the scratch is held here: C gets only its address
-            scratch = np.empty(size)
-            lib.sdpa_slice_rows(_ptr(hi), lo_p, rows, k, per, bs, rs, cs, n, rho, base, *p, _ptr(scratch),
-                                span[0], span[1], tps, tgs, tjs)
-
         parts = parts if run is not None and rows * k >= _SLICE_PARALLEL else 1
         step = -(-rows // (parts * _GATHER)) * _GATHER     # whole groups of gathered rows
         spans = [(r, min(r + step, rows)) for r in range(0, rows, step)]
+        flags = [np.zeros((n, rows // per, k), np.uint8) for _ in spans] if nonzero else [None] * len(spans)
+
+        def cut(i):                                        # the scratch is held here: C gets only its address
+            scratch = np.empty(size)
+            lib.sdpa_slice_rows(_ptr(hi), lo_p, rows, k, per, bs, rs, cs, n, rho, base, *p, _ptr(scratch),
+                                spans[i][0], spans[i][1], tps, tgs, tjs,
+                                None if flags[i] is None else _ptr(flags[i]))
+
         if len(spans) > 1:
-            run(cut, spans)
+            run(cut, range(len(spans)))
         else:
-            cut(spans[0])
+            cut(0)
+        if nonzero:
+            knz = np.logical_or.reduce(flags)              # each range marks the groups of its own rows
     elif not stats and remainder:
         rh, rl = np.array(hi, copy=True).reshape(shape), np.zeros(shape) if lo is None else np.array(lo).reshape(shape)
     res = (list(out), (list(smax), list(ssum)), rmax) if stats else (list(out), (rh, rl) if remainder else None)
     res = res + (e,) if normalise else res
-    return res + (whole,) if joined else res
+    res = res + (whole,) if joined else res
+    return res + (knz.astype(bool).reshape((n,) + shape[:-2] + (k,)),) if nonzero else res
 
 
 def dd_add_d_inplace(lib, acc, c):
     """``acc = dd_add_d(acc, c)`` in place (``acc`` a pair of C-contiguous float64 arrays that we own)."""
-    if isinstance(c, np.ndarray) and c.dtype == np.float64 and c.shape == acc[0].shape and c.ndim >= 2 and c.strides[-1] == 8 and all(
-            c.strides[i] == c.shape[i + 1] * c.strides[i + 1] for i in range(c.ndim - 2)) and c.strides[-2] >= 0 \
-            and c.strides[-2] % 8 == 0 and not c.flags.c_contiguous:       # a block of columns: read in place
-        n = c.shape[-1]
+    if isinstance(c, np.ndarray) and c.dtype == np.float64 and c.shape == acc[0].shape and c.ndim >= 2 \
+            and c.strides[-1] == 8 and c.strides[-2] >= 0 and c.strides[-2] % 8 == 0 and not c.flags.c_contiguous \
+            and all(c.strides[i] == c.shape[i + 1] * c.strides[i + 1] for i in range(c.ndim - 2)):
+        n = c.shape[-1]                                    # a block of columns: read in place
         lib.sdpa_dd_add_d_rows(_ptr(acc[0]), _ptr(acc[1]), _ptr(c), c.size // n if n else 0, n, c.strides[-2] // 8)
         return acc
     c = np.ascontiguousarray(c, dtype=np.float64)

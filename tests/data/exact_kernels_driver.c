@@ -1,9 +1,10 @@
 /* Drives the exact kernels (sdpa_ref/exact/_kernels.c, _kernels.h) over many shapes and layouts, every buffer
  * allocated to its exact size, so that AddressSanitizer and UBSan (tests/test_exact_kernels_sanitized.py) see any
  * read or write past one: the slicer (contiguous and transposed rows, batched, a float64 or dd input, with and
- * without the remainder, the statistics and the normalisation, every number of slices, slices written in rows
- * transposed or side by side, every row or a range of them), the end of a block, the
- * dd accumulation (c contiguous or a block of columns), exp (rows shorter and longer than its chunks, NaN and overflowing entries), the division, the
+ * without the remainder, the statistics and the normalisation, every number of slices, slices written in rows,
+ * transposed or side by side with the nonzero flags of their lines, every row or a range of them), the end of a
+ * block, the dd accumulation (c contiguous or a block of columns), exp (rows shorter and longer than its chunks,
+ * NaN and overflowing entries), the division, the
  * product by a scalar, the row sums, the softmax VJP and the early-stop level test; all of it once per SIMD build the CPU runs (the
  * library takes the build from _fast_rows.c's sdpa_fast_get_level; built alone here, _kernels.c takes it from
  * the driver). Prints "ok" and exits 0 when every call returned. */
@@ -15,7 +16,7 @@
 void sdpa_slice_rows(const double *hi, const double *lo, ptrdiff_t rows, ptrdiff_t k, ptrdiff_t per, ptrdiff_t bs,
                      ptrdiff_t rs, ptrdiff_t cs, int n, int rho, double *out, double *rem_hi, double *rem_lo,
                      double *smax, double *ssum, double *rmax, int *eout, double *scratch, ptrdiff_t first,
-                     ptrdiff_t last, ptrdiff_t tps, ptrdiff_t tgs, ptrdiff_t tjs);
+                     ptrdiff_t last, ptrdiff_t tps, ptrdiff_t tgs, ptrdiff_t tjs, unsigned char *knz);
 void sdpa_dd_add_d_rows(double *hi, double *lo, const double *c, ptrdiff_t rows, ptrdiff_t n, ptrdiff_t ldc);
 void sdpa_dd_finish(const double *hi, const double *lo, ptrdiff_t nb, ptrdiff_t rows, ptrdiff_t n, int norm,
                     int has_scale, double scale, const int *ea, const int *eb, double *o0, double *o1);
@@ -135,11 +136,12 @@ static long drive_products(void)
                         double *rmax = stats ? fresh((size_t)rows) : NULL;
                         int *e = norm ? malloc((size_t)rows * sizeof *e) : NULL;
                         double *scratch = fresh((size_t)((2 + (tout ? n : 0)) * 8 * (k + 8)));
+                        unsigned char *knz = tout ? calloc((size_t)(n * groups * k), 1) : NULL;
                         sdpa_slice_rows(hi, lo, rows, k, per, bs, rs, cs, n, 30, out, rh, rl, smax, ssum, rmax, e,
-                                        scratch, first, last, tps, tgs, tjs);
+                                        scratch, first, last, tps, tgs, tjs, knz);
                         calls++;
                         free(hi); free(lo); free(out); free(rh); free(rl); free(smax); free(ssum); free(rmax);
-                        free(e); free(scratch);
+                        free(e); free(scratch); free(knz);
                     }
                 }
             }
