@@ -458,10 +458,12 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None, contract=None, o
     split of Dekker's product overflows from about ``2**996``).
 
     Batch dimensions broadcast as in ``np.matmul``. See the module docstring
-    for the algorithm and the guarantee. ``B`` is sliced once; ``A`` block of
-    rows by block of rows, each block's slices, products and sums formed
-    together (in cache) and the blocks run side by side in the package's
-    thread pool: any cut gives the same bits.
+    for the algorithm and the guarantee. ``B`` is sliced once (its columns
+    in ranges side by side, written as the C-contiguous slices a GEMM reads
+    fastest); ``A`` block of rows by block of rows, each block's slices,
+    products and sums formed together (in cache) and the blocks run side by
+    side in the package's thread pool, at least two a thread where the
+    shape allows: any cut gives the same bits.
 
     ``final=True`` is for a result that is rounded to float64 next: a row
     whose :data:`QUICK_LEVELS` leading levels (10 products of the
