@@ -178,7 +178,7 @@ KX_FN void KX(slice_rows)(const double *hi, const double *lo, ptrdiff_t rows, pt
                      ptrdiff_t last, ptrdiff_t tps, ptrdiff_t tgs, ptrdiff_t tjs, unsigned char *knz)
 {
     const int tout = tjs != 0;
-    const ptrdiff_t groups = rows / per;
+    const ptrdiff_t groups = per ? rows / per : 0;
     const ptrdiff_t pitch = k + SLICE_PAD;                   /* the scratch's rows: not a multiple of 4 KiB apart */
     double *H = scratch, *L = scratch + SLICE_GATHER * pitch, *T = scratch + 2 * SLICE_GATHER * pitch;
     for (ptrdiff_t r0 = first; r0 < last; r0 += SLICE_GATHER) {

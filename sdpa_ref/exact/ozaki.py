@@ -405,14 +405,13 @@ def _redo(lib, ra, rb, ma, mb, sa, sb, h, K):
 
 def _quick_columns(B, t, n, rho, joined=False):
     """``(slices, e, maxima, sums, remainder max, side by side, nonzero)`` of ``B``'s columns for a ``final=True``
-    product, by the
-    compiled slicer in one pass (each column normalised, its first ``t`` slices cut with their maxima and exact
-    sums and the remainder's ``max|hi| + max|lo|``; the last ``n - t`` slices ``+0`` views): what the NumPy
-    passes of :func:`matmul` give, the same values (maxima and exact sums, in any order). None (those passes run)
-    without the compiled kernels, where a remainder is left (a column needs more than ``t`` slices) or where a
-    sum is not finite (a NaN or an infinity, which the compiled maxima skip). ``joined=True``: the ``t`` slices
-    are cut side by side (``(..., K, t N + pad)``; else None), each slice a view of it. ``nonzero``: per slice,
-    its lines (of ``K``) that hold a nonzero entry, ``(t, ..., K)``."""
+    product, by the compiled slicer in one pass (each column normalised, its first ``t`` slices cut with their
+    maxima and exact sums and the remainder's ``max|hi| + max|lo|``; the last ``n - t`` slices ``+0`` views):
+    what the NumPy passes of :func:`matmul` give, the same values (maxima and exact sums, in any order). None
+    (those passes run) without the compiled kernels, where a remainder is left (a column needs more than ``t``
+    slices) or where a sum is not finite (a NaN or an infinity, which the compiled maxima skip).
+    ``joined=True``: the ``t`` slices are cut side by side (``(..., K, t N + pad)``; else None), each slice a
+    view of it. ``nonzero``: per slice, its lines (of ``K``) that hold a nonzero entry, ``(t, ..., K)``."""
     lib = kernels()
     hi, lo = B
     if lib is None or hi.ndim < 2:
