@@ -477,7 +477,10 @@ def matmul(A, B, bits=104, final=False, scale=None, spans=None, contract=None, o
     of its rows' columns alone, and the rest of the result is ``+0``. Each
     entry formed has the bits it has without ``spans``: its products are
     the same exact sums, on the same slices (a column's slices do not
-    depend on the other columns), added in the same order.
+    depend on the other columns), added in the same order. Which entries
+    outside a row's own columns are formed depends on the block cuts (the
+    shape and the number of threads): a caller reads only the columns
+    each row wants.
 
     ``contract``: ``(start, stop)``, one entry per row of ``A``, the
     contraction's indices outside which that row of ``A`` is exactly zero
